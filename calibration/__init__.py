@@ -1,0 +1,1 @@
+"""Data for evaluation and calibration: sources, the content-addressed sample cache, readers."""

@@ -1,0 +1,82 @@
+"""A sample set built once and cached as arrays under a key covering what it was built from.
+
+The key covers the source's content (not just its path), the preprocessing, the
+sample count, the seed and the input specs, so editing a data file invalidates
+the set while renaming it does not.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from optpipe.artifact import sha256_file, sha256_json
+from optpipe.calibration.sources import load_samples, source_path
+from optpipe.recipe import DataSource, Recipe
+
+
+@dataclass(frozen=True)
+class SampleSet:
+    """Samples stacked along axis 0 for every input, plus the key that identifies them."""
+
+    arrays: dict[str, np.ndarray]
+    key: str
+    cached: bool = False
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        for start in range(0, len(self), batch_size):
+            yield {name: array[start : start + batch_size] for name, array in self.arrays.items()}
+
+    def first(self, count: int) -> dict[str, np.ndarray]:
+        """The first `count` samples, repeating the set if it is shorter."""
+        reps = -(-count // len(self))
+        return {name: np.concatenate([array] * reps)[:count] for name, array in self.arrays.items()}
+
+
+def sample_set_key(source: DataSource, recipe: Recipe) -> str:
+    path = source_path(source, recipe)
+    content = None
+    if path is not None:
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        content = {str(p.relative_to(path)) if path.is_dir() else "file": sha256_file(p) for p in files}
+    tokenizer = None
+    if source.source == "text":
+        from optpipe.model_source import source_fingerprint
+
+        tokenizer = source_fingerprint(recipe)
+    return sha256_json(
+        {
+            "format": 1,
+            "source": source.model_dump(exclude={"path"}),
+            "content": content,
+            "inputs": [spec.model_dump() for spec in recipe.inputs],
+            "dims": {name: dim.model_dump() for name, dim in recipe.dims.items()},
+            "tokenizer": tokenizer,
+        }
+    )
+
+
+def build_sample_set(source: DataSource, recipe: Recipe, cache_dir: Path) -> SampleSet:
+    """Load the cached set if its key matches, else build it and publish it atomically."""
+    key = sample_set_key(source, recipe)
+    target = cache_dir / "datasets" / f"{key}.npz"
+    if target.exists():
+        try:
+            with np.load(target, allow_pickle=False) as data:
+                return SampleSet({name: data[name] for name in data.files}, key, cached=True)
+        except (OSError, ValueError, EOFError):
+            target.unlink(missing_ok=True)  # truncated or corrupted: rebuild below
+    arrays = load_samples(source, recipe)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp.npz")
+    with os.fdopen(fd, "wb") as fh:
+        np.savez(fh, **arrays)
+    os.replace(tmp, target)
+    return SampleSet(arrays, key, cached=False)

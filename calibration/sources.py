@@ -1,0 +1,116 @@
+"""Sample sources: synthetic from the input specs, a text file through the tokenizer, arrays, images.
+
+Each source returns {input name: array with the samples along axis 0}.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from optpipe.errors import DataError
+from optpipe.recipe import DataSource, InputSpec, Recipe
+
+
+def synthetic_batch(recipe: Recipe, seed: int = 0, **dim_overrides: int) -> dict[str, np.ndarray]:
+    """One batch of synthetic inputs at the `opt` shape (dims overridable), seeded."""
+    rng = np.random.default_rng(seed)
+    return {spec.name: _synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng) for spec in recipe.inputs}
+
+
+def _synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if spec.fill is not None:
+        return np.full(shape, spec.fill, dtype=spec.dtype)
+    if spec.dtype in ("int64", "int32", "int8", "uint8"):
+        low, high = spec.range or (0, 100)
+        return rng.integers(int(low), int(high), size=shape).astype(spec.dtype)
+    if spec.dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    low, high = spec.range or (-1.0, 1.0)
+    return rng.uniform(low, high, size=shape).astype(spec.dtype)
+
+
+def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+    """All samples of a source, batch-stacked along axis 0."""
+    loaders = {"synthetic": _synthetic, "text": _text, "npy": _npy, "npz": _npz, "images": _images}
+    samples = loaders[source.source](source, recipe)
+    check_samples(samples, recipe, what=f"data source '{source.source}'")
+    return samples
+
+
+def source_path(source: DataSource, recipe: Recipe) -> Path | None:
+    path = recipe.resolve(source.path)
+    if path is not None and not path.exists():
+        raise DataError(f"data: file '{path}' does not exist; fix `path` in the recipe's data section")
+    return path
+
+
+def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> None:
+    """Every input present, with the declared dtype and rank, and fixed dims matching."""
+    for spec in recipe.inputs:
+        if spec.name not in samples:
+            raise DataError(f"{what} has no array for input '{spec.name}'; it has {sorted(samples)}")
+        array = samples[spec.name]
+        if array.dtype != np.dtype(spec.dtype):
+            raise DataError(f"{what}: input '{spec.name}' is {array.dtype}, the recipe says {spec.dtype}")
+        if array.ndim != len(spec.shape):
+            raise DataError(f"{what}: input '{spec.name}' has rank {array.ndim}, the recipe's shape {spec.shape} has {len(spec.shape)}")
+        for axis, dim in enumerate(spec.shape):
+            if isinstance(dim, int) and axis > 0 and array.shape[axis] != dim:
+                raise DataError(f"{what}: input '{spec.name}' has size {array.shape[axis]} on axis {axis}, the recipe says {dim}")
+
+
+def _synthetic(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+    batch_dim = recipe.batch_dim()
+    if batch_dim is None:
+        batches = [synthetic_batch(recipe, seed=source.seed + i) for i in range(source.samples)]
+        return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    return synthetic_batch(recipe, seed=source.seed, **{batch_dim: source.samples})
+
+
+def _text(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+    """Lines of a text file through the model's own tokenizer, padded to the `opt` sequence length."""
+    from transformers import AutoTokenizer
+
+    from optpipe.model_source import hf_folder
+
+    path = source_path(source, recipe)
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise DataError(f"data: text file '{path}' has no non-empty lines")
+    lines = (lines * (source.samples // len(lines) + 1))[: source.samples]
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_folder(recipe)), local_files_only=True)
+    seq_len = _sequence_length(recipe)
+    encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np")
+    out = {}
+    for spec in recipe.inputs:
+        if spec.name not in encoded:
+            raise DataError(f"data: the tokenizer gives {sorted(encoded)}, not the recipe's input '{spec.name}'")
+        out[spec.name] = encoded[spec.name].astype(spec.dtype)
+    return out
+
+
+def _sequence_length(recipe: Recipe) -> int:
+    shape = recipe.inputs[0].shape
+    if len(shape) < 2:
+        raise DataError("data: text sources need inputs shaped [batch, sequence]")
+    dim = shape[1]
+    return dim if isinstance(dim, int) else recipe.dims[dim].opt
+
+
+def _npy(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+    if len(recipe.inputs) != 1:
+        raise DataError("data: an .npy file holds one array; the model has several inputs, use an .npz keyed by input name")
+    array = np.load(source_path(source, recipe), allow_pickle=False)
+    return {recipe.inputs[0].name: array[: source.samples]}
+
+
+def _npz(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+    with np.load(source_path(source, recipe), allow_pickle=False) as data:
+        return {k: data[k][: source.samples] for k in data.files}
+
+
+def _images(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+    from optpipe.calibration.images import load_image_folder
+
+    return load_image_folder(source_path(source, recipe), source, recipe)

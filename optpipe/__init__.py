@@ -1,0 +1,32 @@
+"""optpipe: a compiler-style model optimization pipeline.
+
+    from optpipe import load_recipe, compile_recipe
+    report = compile_recipe(load_recipe("recipes/minilm.yaml"))
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["compile_recipe", "load_recipe", "RunOptions", "RunReport"]
+
+if TYPE_CHECKING:
+    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.recipe import load_recipe
+    from optpipe.report import RunReport
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import optpipe` stays cheap; torch and onnxruntime load only when a run needs them.
+    if name in ("compile_recipe", "RunOptions"):
+        from optpipe import pipeline
+
+        return getattr(pipeline, name)
+    if name == "load_recipe":
+        from optpipe.recipe import load_recipe
+
+        return load_recipe
+    if name == "RunReport":
+        from optpipe.report import RunReport
+
+        return RunReport
+    raise AttributeError(name)

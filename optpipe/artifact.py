@@ -1,0 +1,124 @@
+"""A model artifact: an ONNX file, its external data, and what the pass that made it recorded.
+
+An artifact is a folder. `model.onnx` always keeps its weights in `model.onnx.data`
+beside it (also for small models) so that every stage looks the same, and hashes
+cover both files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+INFO_FILE = "info.json"
+MANIFEST_FILE = "entry.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def content_hash(file_hashes: dict[str, str]) -> str:
+    """One hash for a model from its files' hashes (info.json excluded: it describes, it is not the model)."""
+    return sha256_json({name: h for name, h in file_hashes.items() if name != INFO_FILE})
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+@dataclass(frozen=True)
+class ModelArtifact:
+    """A folder holding model.onnx (+ model.onnx.data) and info.json. Treated as read-only."""
+
+    folder: Path
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def path(self) -> Path:
+        return self.folder / MODEL_FILE
+
+    def files(self) -> list[Path]:
+        return sorted(p for p in self.folder.iterdir() if p.is_file())
+
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.files() if p.name != INFO_FILE)
+
+    def content_hash(self) -> str:
+        """Hash of the model and all its external data (not the info or the cache manifest).
+
+        A cache entry records it in its manifest (verified on lookup), so it is read, not recomputed.
+        """
+        manifest = self.folder / MANIFEST_FILE
+        if manifest.exists():
+            try:
+                return json.loads(manifest.read_text())["content"]
+            except (ValueError, KeyError):
+                pass
+        return content_hash({p.name: sha256_file(p) for p in self.files() if p.name not in (INFO_FILE, MANIFEST_FILE)})
+
+    def load(self, with_weights: bool = True) -> onnx.ModelProto:
+        return onnx.load(str(self.path), load_external_data=with_weights)
+
+    @classmethod
+    def open(cls, folder: Path) -> "ModelArtifact":
+        info_path = folder / INFO_FILE
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        return cls(folder=folder, info=info)
+
+
+def save_model(model: onnx.ModelProto, folder: Path, info: dict[str, Any] | None = None) -> ModelArtifact:
+    """Write a model as an artifact folder; weights always go to external data.
+
+    onnx moves the tensors' bytes out of `model` while saving: reload the artifact
+    rather than reusing the proto afterwards.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in (folder / MODEL_FILE, folder / DATA_FILE):
+        stale.unlink(missing_ok=True)
+    onnx.save_model(
+        model,
+        str(folder / MODEL_FILE),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=DATA_FILE,
+        size_threshold=1024,
+    )
+    if not (folder / DATA_FILE).exists():
+        (folder / DATA_FILE).write_bytes(b"")  # keep the pair even when every tensor was tiny
+    return write_info(folder, info or {})
+
+
+def write_info(folder: Path, info: dict[str, Any]) -> ModelArtifact:
+    (folder / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True, default=str))
+    return ModelArtifact(folder=folder, info=info)
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """Copy a file, skipping the copy when dst already holds the same bytes.
+
+    Not a hard link: onnx refuses external data files with several links (a
+    guard against hard-link attacks), so run folders hold real copies.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists() and dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha256_file(src):
+        return
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)

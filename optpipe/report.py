@@ -1,0 +1,197 @@
+"""The run report: data (report.json, versioned) and a Markdown view of it (report.md).
+
+The Pareto frontier is taken over (latency at the first batch size, accuracy
+error = 1 - worst mean cosine, size on disk) among ONNX stages that finished
+within tolerance: a model that breaks the tolerance is flagged, never offered.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, Field
+
+from optpipe.metrics import StageResult
+from optpipe.recipe import Recipe
+
+SCHEMA_VERSION = 1
+EAGER = "pytorch-eager"
+
+
+class RunReport(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    optpipe_version: str
+    recipe: str
+    created: str
+    machine: dict[str, Any]
+    evaluation: dict[str, Any]
+    reference: Optional[str]
+    baseline: Optional[str] = None
+    stages: list[StageResult]
+    pareto: list[str] = Field(default_factory=list)
+    targets: list[dict[str, Any]] = Field(default_factory=list)
+
+    @classmethod
+    def build(cls, recipe: Recipe, stages: list[StageResult]) -> "RunReport":
+        reference = recipe.evaluate.reference or next((s.name for s in stages if s.parent is None and s.name != EAGER), None)
+        report = cls(
+            optpipe_version=_version(),
+            recipe=recipe.name,
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            machine=machine_description(),
+            evaluation=recipe.evaluate.model_dump(mode="json"),
+            reference=reference,
+            baseline=EAGER if any(s.name == EAGER for s in stages) else None,
+            stages=stages,
+        )
+        report.pareto = pareto_frontier(stages)
+        for stage in stages:
+            stage.pareto = stage.name in report.pareto
+        return report
+
+    def stage(self, name: str) -> StageResult | None:
+        return next((s for s in self.stages if s.name == name), None)
+
+    @property
+    def failed(self) -> list[StageResult]:
+        return [s for s in self.stages if s.status != "ok"]
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunReport":
+        return cls.model_validate_json((run_dir / "report.json").read_text())
+
+
+def pareto_frontier(stages: list[StageResult]) -> list[str]:
+    points = {}
+    for s in stages:
+        if s.status != "ok" or s.name == EAGER or not s.latency or s.size_bytes is None:
+            continue
+        if s.accuracy is not None and not s.accuracy.within_tolerance:
+            continue
+        error = s.accuracy.error if s.accuracy else 0.0
+        points[s.name] = (s.latency[0].p50_ms, error, float(s.size_bytes))
+    return [name for name, p in points.items() if not any(_dominates(q, p) for other, q in points.items() if other != name)]
+
+
+def _dominates(a: tuple, b: tuple) -> bool:
+    return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+
+def machine_description() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": _cpu_name(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "libraries": {n: _dist_version(n) for n in ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy")},
+    }
+
+
+def write_report(report: RunReport, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(run_dir / "report.json", report.model_dump_json(indent=2))
+    _write_atomic(run_dir / "report.md", render_markdown(report))
+
+
+def render_markdown(report: RunReport) -> str:
+    lines = [f"# optpipe report: {report.recipe}", ""]
+    lines += [f"{report.created} on {report.machine.get('processor')} ({report.machine.get('cores')} cores), "
+              f"{report.evaluation.get('threads')} threads; accuracy against `{report.reference}`.", ""]
+    lines += [stage_table(report), ""]
+    if report.pareto:
+        lines += ["Pareto frontier (latency, accuracy error, size; within tolerance): " + ", ".join(f"**{n}**" for n in report.pareto), ""]
+    problems = [s for s in report.stages if s.status != "ok" or (s.accuracy and not s.accuracy.within_tolerance)]
+    if problems:
+        lines += ["## Problems", ""]
+        for s in problems:
+            if s.status != "ok":
+                lines.append(f"- `{s.name}` {s.status}: {s.reason}")
+            else:
+                lines.append(f"- `{s.name}` is out of tolerance: {'; '.join(s.accuracy.violations)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def stage_table(report: RunReport) -> str:
+    batch = report.evaluation.get("batch_sizes", [1])[0]
+    eager = report.stage(EAGER)
+    eager_p50 = eager.latency[0].p50_ms if eager and eager.latency else None
+    header = "| stage | pass | after | status | p50 ms | p90 ms | vs eager | vs parent | cosine | max abs | size MB | Δ size | frontier |"
+    rows = [header, "|" + "---|" * 13]
+    for s in report.stages:
+        parent = report.stage(s.parent) if s.parent else None
+        lat = s.latency[0] if s.latency else None
+        p_lat = parent.latency[0] if parent and parent.latency else None
+        rows.append(
+            "| " + " | ".join([
+                s.name,
+                s.pass_name,
+                s.parent or "",
+                s.status + (" (cached)" if s.cached and s.status == "ok" else ""),
+                _f(lat.p50_ms if lat else None, ".2f"),
+                _f(lat.p90_ms if lat else None, ".2f"),
+                _ratio(eager_p50, lat.p50_ms if lat else None),
+                _ratio(p_lat.p50_ms if p_lat else None, lat.p50_ms if lat else None),
+                _cosine(s),
+                _f(max((o.max_abs for o in s.accuracy.outputs), default=None) if s.accuracy else None, ".2e"),
+                _f(s.size_bytes / 1e6 if s.size_bytes else None, ".1f"),
+                _size_delta(parent.size_bytes if parent else None, s.size_bytes),
+                "★" if s.pareto else "",
+            ]) + " |"
+        )
+    return f"Latency at batch {batch}; 'vs' columns are speed-ups (>1x is faster).\n\n" + "\n".join(rows)
+
+
+def _cosine(s: StageResult) -> str:
+    if not s.accuracy:
+        return ""
+    text = f"{s.accuracy.worst_cosine:.5f}"
+    return text if s.accuracy.within_tolerance else text + " ⚠"
+
+
+def _ratio(base: float | None, value: float | None) -> str:
+    return f"{base / value:.2f}x" if base and value else ""
+
+
+def _size_delta(before: int | None, after: int | None) -> str:
+    return f"{(after - before) / before * 100:+.0f}%" if before and after else ""
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _version() -> str:
+    return _dist_version("optpipe") or "dev"
+
+
+__all__ = ["RunReport", "pareto_frontier", "render_markdown", "write_report"]

@@ -1,0 +1,99 @@
+"""Inference sessions with the measured settings: ONNX Runtime (pinned threads) and PyTorch eager."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+Feeds = dict[str, np.ndarray]
+Outputs = dict[str, np.ndarray]
+
+
+def cuda_available() -> bool:
+    """A CUDA device that ONNX Runtime can use (the provider being listed is not enough)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken torch install must not stop CPU evaluation
+        return False
+
+
+def pick_providers(requested: str = "auto") -> list[str]:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if requested == "cpu":
+        return ["CPUExecutionProvider"]
+    if requested in ("auto", "cuda") and "CUDAExecutionProvider" in available and cuda_available():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def session_options(threads: int, optimization: str = "all"):
+    import onnxruntime as ort
+
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = levels[optimization]
+    options.log_severity_level = 3
+    return options
+
+
+def ort_session(path: Path, threads: int, providers: list[str] | None = None, optimization: str = "all"):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(
+        str(path), sess_options=session_options(threads, optimization), providers=providers or ["CPUExecutionProvider"]
+    )
+
+
+def ort_runner(session) -> Callable[[Feeds], Outputs]:
+    names = [o.name for o in session.get_outputs()]
+    inputs = {i.name for i in session.get_inputs()}
+
+    def run(feeds: Feeds) -> Outputs:
+        return dict(zip(names, session.run(names, {k: v for k, v in feeds.items() if k in inputs})))
+
+    return run
+
+
+def eager_runner(torch_model, threads: int) -> Callable[[Feeds], Outputs]:
+    import torch
+
+    torch.set_num_threads(threads)
+    module = torch_model.module
+
+    def run(feeds: Feeds) -> Outputs:
+        with torch.inference_mode():
+            outs = module(*[torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in torch_model.input_names])
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        return {name: out.detach().numpy() for name, out in zip(torch_model.output_names, outs)}
+
+    return run
+
+
+@contextmanager
+def pinned_threads(threads: int) -> Iterator[None]:
+    """Pin this process to `threads` cores while measuring, so numbers don't wander across cores."""
+    if not hasattr(os, "sched_getaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)[:threads]
+    try:
+        os.sched_setaffinity(0, cores)
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -1,0 +1,46 @@
+"""Checks on a recipe beyond its schema: passes exist, params fit them, the DAG is sound."""
+from __future__ import annotations
+
+import networkx as nx
+from pydantic import ValidationError
+
+from optpipe.dag import build_dag
+from optpipe.errors import RecipeError
+from optpipe.pass_base import Pass
+from optpipe.recipe import Recipe, describe_validation_error, suggest
+
+
+def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
+    """The stage DAG and one configured pass per stage, or a RecipeError naming what to change."""
+    from optpipe.passes import registry
+
+    passes = {name: _configure(name, spec, registry()) for name, spec in recipe.stages.items()}
+    graph = build_dag(recipe)
+    for name, spec in recipe.stages.items():
+        needs_input = passes[name].needs_input
+        if needs_input and spec.after is None:
+            raise RecipeError(f"stages.{name}: pass '{spec.pass_name}' transforms a model, so it needs `after: <stage>`")
+        if not needs_input and spec.after is not None:
+            raise RecipeError(f"stages.{name}: pass '{spec.pass_name}' starts from the recipe's model; remove `after:`")
+    reference = recipe.evaluate.reference
+    if reference is not None and reference not in recipe.stages:
+        raise RecipeError(f"evaluate.reference: unknown stage '{reference}'{suggest(reference, recipe.stages)}")
+    for i, target in enumerate(recipe.targets):
+        for stage in target.stages:
+            if stage not in recipe.stages:
+                raise RecipeError(f"targets.{i}.stages: unknown stage '{stage}'{suggest(stage, recipe.stages)}")
+    return graph, passes
+
+
+def _configure(stage: str, spec, known: dict[str, type[Pass]]) -> Pass:
+    cls = known.get(spec.pass_name)
+    if cls is None:
+        raise RecipeError(
+            f"stages.{stage}.pass: unknown pass '{spec.pass_name}'{suggest(spec.pass_name, known)}; "
+            f"available: {', '.join(known)}"
+        )
+    try:
+        params = cls.Params.model_validate(spec.params)
+    except ValidationError as exc:
+        raise RecipeError(describe_validation_error(exc, cls.Params, spec.params, prefix=f"stages.{stage}.params")) from None
+    return cls(params)

@@ -1,0 +1,180 @@
+"""export: PyTorch -> ONNX, checked against PyTorch eager; or import an existing ONNX file."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from optpipe.artifact import ModelArtifact, save_model, write_info
+from optpipe.checks import onnx_outputs, require_agreement
+from optpipe.errors import ModelSourceError, PassError
+from optpipe.graph_stats import graph_stats
+from optpipe.model_source import TorchModel, onnx_source_path, source_fingerprint
+from optpipe.pass_base import Pass, PassContext, PassParams
+from optpipe.recipe import OnnxModel, Recipe
+from optpipe.runtime import eager_runner
+
+
+class ExportParams(PassParams):
+    exporter: Literal["dynamo", "torchscript"] = Field("dynamo", description="torch.onnx exporter")
+    opset: int = Field(20, ge=17, le=23, description="ONNX opset (dynamo needs >= 18)")
+    check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against PyTorch eager")
+
+
+class ExportPass(Pass):
+    """Export the recipe's PyTorch model to ONNX with the recipe's dynamic dims, checked against eager."""
+
+    name = "export"
+    version = "1"
+    Params = ExportParams
+    needs_input = False
+    libraries = ("torch", "onnx", "onnxscript", "transformers")
+
+    def fingerprint(self, ctx: PassContext) -> dict:
+        recipe = ctx.recipe
+        return {
+            "source": source_fingerprint(recipe),
+            "inputs": [spec.model_dump() for spec in recipe.inputs],
+            "dims": {name: dim.model_dump() for name, dim in recipe.dims.items()},
+        }
+
+    def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+        if isinstance(ctx.recipe.model, OnnxModel):
+            return import_onnx(ctx)
+        torch_model = ctx.torch_model()
+        feeds = trace_inputs(ctx.recipe)
+        raw = ctx.workdir / "raw"
+        raw.mkdir()
+        params: ExportParams = self.params  # type: ignore[assignment]
+        try:
+            if params.exporter == "dynamo":
+                _export_dynamo(torch_model, feeds, ctx.recipe, params.opset, raw / "model.onnx")
+            else:
+                _export_torchscript(torch_model, feeds, ctx.recipe, params.opset, raw / "model.onnx")
+        except Exception as exc:  # exporters raise anything; the log has the traceback
+            ctx.log.exception("export failed")
+            other = "torchscript" if params.exporter == "dynamo" else "dynamo"
+            raise PassError(f"torch.onnx.export ({params.exporter}) failed: {_first_line(exc)}; try `exporter: {other}`") from None
+        import onnx
+
+        exported = onnx.load(str(raw / "model.onnx"))
+        artifact = save_model(exported, ctx.workdir)
+        _remove_tree(raw)
+        check = require_agreement(
+            onnx_outputs(artifact.path, feeds),
+            eager_runner(torch_model, threads=2)(feeds),
+            params.check_atol,
+            "the exported model does not match PyTorch eager",
+            f"try `exporter: {'torchscript' if params.exporter == 'dynamo' else 'dynamo'}` or raise check_atol",
+        )
+        info = {"exporter": params.exporter, "opset": params.opset, "check_vs_eager": check, "source": torch_model.description}
+        info["graph"] = graph_stats(artifact.load(with_weights=False))
+        return write_info(ctx.workdir, info)
+
+
+def trace_inputs(recipe: Recipe) -> dict[str, np.ndarray]:
+    """Synthetic inputs for tracing: dynamic dims at `opt`, but never 1 where the dim may grow
+    (an exporter specializes a dim it sees as 1)."""
+    from optpipe.calibration.sources import synthetic_batch
+
+    overrides = {name: (2 if dim.opt == 1 and dim.max > 1 else dim.opt) for name, dim in recipe.dims.items()}
+    return synthetic_batch(recipe, seed=0, **overrides)
+
+
+def import_onnx(ctx: PassContext) -> ModelArtifact:
+    """An existing ONNX file becomes the root artifact: checked, its inputs matched to the recipe."""
+    import onnx
+
+    path = onnx_source_path(ctx.recipe)
+    try:
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model, full_check=False)
+    except Exception as exc:  # protobuf decode errors, checker errors, missing external data
+        raise ModelSourceError(f"model.onnx: '{path}' is not a valid ONNX model ({_first_line(exc)})") from None
+    graph_inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
+    expected = {spec.name for spec in ctx.recipe.inputs}
+    if graph_inputs != expected:
+        raise ModelSourceError(
+            f"inputs: the recipe declares {sorted(expected)} but '{path.name}' takes {sorted(graph_inputs)}; make the recipe's input names match"
+        )
+    info = {"imported": str(path), "graph": graph_stats(model)}
+    return save_model(model, ctx.workdir, info)
+
+
+def _dynamic_dims(recipe: Recipe) -> dict[str, dict[int, str]]:
+    return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in recipe.inputs}
+
+
+def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> None:
+    import torch
+
+    if opset < 18:
+        raise PassError("the dynamo exporter needs opset >= 18; set `opset: 18` or higher, or `exporter: torchscript`")
+    dims = {name: torch.export.Dim(name, min=max(1, d.min), max=d.max) for name, d in recipe.dims.items()}
+    dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(recipe).values())
+    args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
+    if _takes_varargs(torch_model.module):
+        dynamic = (dynamic,)  # forward(*args): the spec of the one `args` parameter is the whole tuple
+    _quiet_exporter()
+    program = torch.onnx.export(
+        torch_model.module,
+        args,
+        dynamo=True,
+        opset_version=opset,
+        input_names=torch_model.input_names,
+        output_names=torch_model.output_names,
+        dynamic_shapes=dynamic,
+        verbose=False,
+    )
+    program.save(str(path), external_data=True)
+
+
+def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> None:
+    import torch
+
+    args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
+    dynamic_axes = {name: axes for name, axes in _dynamic_dims(recipe).items() if axes}
+    for out in torch_model.output_names:  # outputs share the batch dim with the inputs
+        batch = recipe.batch_dim()
+        if batch:
+            dynamic_axes[out] = {0: batch}
+    torch.onnx.export(
+        torch_model.module,
+        args,
+        str(path),
+        dynamo=False,
+        opset_version=min(opset, 20),
+        input_names=torch_model.input_names,
+        output_names=torch_model.output_names,
+        dynamic_axes=dynamic_axes,
+    )
+
+
+def _takes_varargs(module) -> bool:
+    import inspect
+
+    params = list(inspect.signature(module.forward).parameters.values())
+    return len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL
+
+
+def _quiet_exporter() -> None:
+    for name in ("torch.onnx", "torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The root cause's first line: exporters wrap the useful message in generic ones."""
+    from optpipe.errors import first_line
+
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return first_line(exc)

@@ -1,0 +1,73 @@
+"""simplify: constant folding and redundant-node removal with onnxslim or onnxsim, checked numerically."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from optpipe.artifact import ModelArtifact, save_model, write_info
+from optpipe.checks import onnx_outputs, require_agreement
+from optpipe.errors import PassError
+from optpipe.graph_stats import graph_stats, op_changes
+from optpipe.pass_base import Pass, PassContext, PassParams
+
+
+class SimplifyParams(PassParams):
+    backend: Literal["onnxslim", "onnxsim"] = Field("onnxslim", description="simplifier library")
+    check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against the input model")
+
+
+class SimplifyPass(Pass):
+    """Fold constants and remove redundant nodes (onnxslim or onnxsim); dynamic dims are kept."""
+
+    name = "simplify"
+    version = "1"
+    Params = SimplifyParams
+    libraries = ("onnx", "onnxslim", "onnxsim")
+
+    def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+        params: SimplifyParams = self.params  # type: ignore[assignment]
+        source = model.load()
+        before = graph_stats(source)
+        try:
+            simplified = _simplify(source, params.backend)
+        except PassError:
+            raise
+        except Exception as exc:  # both libraries raise assorted errors on graphs they cannot handle
+            ctx.log.exception("simplify failed")
+            other = "onnxsim" if params.backend == "onnxslim" else "onnxslim"
+            raise PassError(f"{params.backend} failed: {str(exc).splitlines()[0][:200]}; try `backend: {other}`") from None
+        artifact = save_model(simplified, ctx.workdir)
+        from optpipe.passes.export import trace_inputs
+
+        feeds = trace_inputs(ctx.recipe)
+        check = require_agreement(
+            onnx_outputs(artifact.path, feeds),
+            onnx_outputs(model.path, feeds),
+            params.check_atol,
+            f"{params.backend} changed the model's outputs",
+            "try the other backend",
+        )
+        after = graph_stats(artifact.load(with_weights=False))
+        info = {
+            "backend": params.backend,
+            "nodes_before": before["nodes"],
+            "nodes_after": after["nodes"],
+            "op_changes": op_changes(before["ops"], after["ops"]),
+            "check_vs_input": check,
+            "graph": after,
+        }
+        return write_info(ctx.workdir, info)
+
+
+def _simplify(model, backend: str):
+    if backend == "onnxslim":
+        import onnxslim
+
+        return onnxslim.slim(model)
+    import onnxsim
+
+    simplified, ok = onnxsim.simplify(model)
+    if not ok:
+        raise PassError("onnxsim could not verify its result; try `backend: onnxslim`")
+    return simplified
