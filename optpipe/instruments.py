@@ -28,10 +28,11 @@ class ConsoleProgress(Instrument):
 
     def run_start(self, stages: list[str]) -> None:
         self._total = len(stages)
+        self._done = 0
 
     def stage_start(self, stage: str, what: str) -> None:
         self._started = time.perf_counter()
-        self._status = self.console.status(f"[{self._done + 1}/{self._total}] {stage}: {what} ...")
+        self._status = self.console.status(f"{stage}: {what} ...")
         self._status.start()
 
     def stage_end(self, stage: str, status: str, detail: str = "") -> None:

@@ -232,7 +232,7 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     result.hash = artifact.content_hash()
     result.size_bytes = artifact.size_bytes()
     result.info = artifact.info
-    _notify(options, "stage_start", name, "evaluate")
+    _notify(options, "stage_start", f"evaluate {name}", "accuracy and latency")
     try:
         accuracy, latency, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(name))
     except OptpipeError as exc:
@@ -243,13 +243,13 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     result.accuracy, result.latency = accuracy, latency
     result.cached = result.cached and cached
     detail = _summary(result)
-    _notify(options, "stage_end", name, "cached" if cached else "ok", detail)
+    _notify(options, "stage_end", f"evaluate {name}", "cached" if cached else "ok", detail)
     return result
 
 
 def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices, options: RunOptions) -> StageResult:
     result = StageResult(name=EAGER_STAGE, pass_name="eager", status="ok")
-    _notify(options, "stage_start", EAGER_STAGE, "evaluate")
+    _notify(options, "stage_start", f"evaluate {EAGER_STAGE}", "accuracy and latency")
     try:
         digest = StageCache.key(source=source_fingerprint(recipe), inputs=[s.model_dump() for s in recipe.inputs])
         accuracy, latency, cached = evaluator.evaluate_eager(services.torch_model, digest, recipe.evaluate.tolerance)
@@ -258,14 +258,14 @@ def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices,
     except Exception as exc:  # the baseline is informative; its failure must not stop the run
         return _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", options)
     result.accuracy, result.latency, result.cached = accuracy, latency, cached
-    _notify(options, "stage_end", EAGER_STAGE, "cached" if cached else "ok", _summary(result))
+    _notify(options, "stage_end", f"evaluate {EAGER_STAGE}", "cached" if cached else "ok", _summary(result))
     return result
 
 
 def _evaluation_failed(result: StageResult, reason: str, options: RunOptions) -> StageResult:
     result.status = "failed"
     result.reason = reason
-    _notify(options, "stage_end", result.name, "failed", reason)
+    _notify(options, "stage_end", f"evaluate {result.name}", "failed", reason)
     return result
 
 
