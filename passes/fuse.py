@@ -1,0 +1,192 @@
+"""fuse: operator fusion for ONNX Runtime, checked numerically against the input model.
+
+Two kinds of fusion, each optional:
+- transformer fusions (Attention, SkipLayerNormalization, BiasGelu, ...): onnxscript's
+  `optimize_for_ort` fuses graphs from the dynamo exporter, ORT's transformer optimizer
+  those from the TorchScript exporter. `auto` runs both and keeps the one that fused more.
+- ORT's generic graph optimizations (Conv+BatchNorm/activation, Gemm+activation, ...)
+  run at the EXTENDED level and saved offline. Not ALL: that level adds layout
+  transforms specific to the CPU it runs on, which would not travel with the model.
+Fused ops live in the `com.microsoft` domain: ORT CPU/CUDA run them, TensorRT does not.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Literal
+from unittest import mock
+
+import onnx
+from pydantic import Field
+
+from optpipe.artifact import ModelArtifact, save_model, write_info
+from optpipe.checks import onnx_outputs, require_agreement
+from optpipe.errors import PassError, first_line
+from optpipe.graph_stats import graph_stats, op_changes, op_histogram
+from optpipe.pass_base import Pass, PassContext, PassParams
+
+MS_DOMAIN = "com.microsoft."
+ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")
+
+
+class FuseParams(PassParams):
+    transformer: Literal["auto", "onnxscript", "ort", "off"] = Field(
+        "auto", description="transformer fusion: onnxscript (dynamo exports), ort (TorchScript exports), auto = both, keep the better"
+    )
+    attention: Literal["packed", "separate"] = Field(
+        "separate",
+        description="onnxscript: packed = one Attention op with Q/K/V weights concatenated; separate = "
+        "MultiHeadAttention after three MatMuls, which int8 can quantize",
+    )
+    model_type: str = Field("bert", description="ORT transformer optimizer's model type")
+    num_heads: int = Field(0, ge=0, description="ORT transformer optimizer: attention heads (0 = detect)")
+    hidden_size: int = Field(0, ge=0, description="ORT transformer optimizer: hidden size (0 = detect)")
+    generic: bool = Field(True, description="also apply ORT's generic fusions (EXTENDED level), saved offline")
+    check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against the input model")
+
+
+class FusePass(Pass):
+    """Fuse operators for ONNX Runtime (attention, layer norms, GELU, conv+bn), checked against the input."""
+
+    name = "fuse"
+    version = "1"
+    Params = FuseParams
+    libraries = ("onnx", "onnxscript", "onnx-ir", "onnxruntime", "onnxruntime-gpu")
+
+    def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+        params: FuseParams = self.params  # type: ignore[assignment]
+        before = op_histogram(model.load(with_weights=False))
+        fused, transformer_info = transformer_fusion(model, params, ctx)
+        artifact = save_model(fused, ctx.workdir)
+        generic_info = None
+        if params.generic:
+            generic_info = apply_generic_fusions(artifact, ctx.workdir)
+        feeds = check_feeds(ctx)
+        check = require_agreement(
+            onnx_outputs(artifact.path, feeds),
+            onnx_outputs(model.path, feeds),
+            params.check_atol,
+            "the fused model does not match its input",
+            "set `transformer: off` or the other fuser (`onnxscript` / `ort`) and compare",
+        )
+        after = graph_stats(artifact.load(with_weights=False))
+        changes = op_changes(before, after["ops"])
+        info = {
+            "transformer": transformer_info,
+            "generic": generic_info,
+            "fused_ops": fused_ops(changes),
+            "op_changes": changes,
+            "nodes_before": sum(before.values()),
+            "nodes_after": after["nodes"],
+            "check_vs_input": check,
+            "graph": after,
+        }
+        ctx.log.info("fused ops: %s", info["fused_ops"])
+        return write_info(ctx.workdir, info)
+
+
+def fused_ops(changes: dict[str, int]) -> dict[str, int]:
+    """The fused ops the pass made, and how many: the com.microsoft ops that appeared."""
+    return {op: n for op, n in changes.items() if n > 0 and op.startswith(MS_DOMAIN)}
+
+
+def check_feeds(ctx: PassContext) -> dict:
+    """Real samples from the evaluation set (with real padding, so attention masks are exercised)."""
+    return ctx.eval_set().first(2)
+
+
+# --- transformer fusion ----------------------------------------------------------------------
+
+
+def transformer_fusion(model: ModelArtifact, params: FuseParams, ctx: PassContext) -> tuple[onnx.ModelProto, dict]:
+    """The input with transformer fusions applied by the chosen (or the better) fuser."""
+    if params.transformer == "off":
+        return model.load(), {"fuser": None}
+    fusers = ["onnxscript", "ort"] if params.transformer == "auto" else [params.transformer]
+    candidates: dict[str, tuple[onnx.ModelProto, dict]] = {}
+    errors: dict[str, str] = {}
+    before = op_histogram(model.load(with_weights=False))
+    for fuser in fusers:
+        try:
+            fused, detail = FUSERS[fuser](model, params)
+        except Exception as exc:  # a fuser that cannot handle a graph is a finding, not a crash, under auto
+            ctx.log.warning("%s fusion failed: %s", fuser, first_line(exc))
+            errors[fuser] = first_line(exc)
+            continue
+        candidates[fuser] = (fused, {**detail, "fused_ops": fused_ops(op_changes(before, op_histogram(fused)))})
+    if not candidates:
+        raise PassError(f"transformer fusion failed ({'; '.join(f'{k}: {v}' for k, v in errors.items())}); set `transformer: off`")
+    best = max(candidates, key=lambda name: fusion_score(candidates[name][1]["fused_ops"]))
+    fused, _ = candidates[best]
+    if fusion_score(candidates[best][1]["fused_ops"]) == (0, 0):
+        best, fused = None, model.load()  # nothing fused: keep the input graph untouched
+    summary = {name: detail for name, (_, detail) in candidates.items()}
+    return fused, {"fuser": best, "candidates": summary, "errors": errors}
+
+
+def fusion_score(ops: dict[str, int]) -> tuple[int, int]:
+    """Attention fusions first (they buy the most), then the count of all fused ops."""
+    attention = sum(n for op, n in ops.items() if op.removeprefix(MS_DOMAIN) in ATTENTION_OPS)
+    return attention, sum(ops.values())
+
+
+def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams) -> tuple[onnx.ModelProto, dict]:
+    import onnx_ir as ir
+    from onnxscript.rewriter.ort_fusions import _core, optimize_for_ort
+
+    ir_model = ir.load(str(model.path))
+    if params.attention == "separate":
+        # Stop at MultiHeadAttention: packing Q/K/V into one Attention op concatenates their
+        # weights through a Concat node, which ORT's quantizers cannot quantize (measured:
+        # dynamic int8 left every packed Attention in FP32). onnxscript has no switch for it.
+        with mock.patch.object(_core, "fuse_attention", lambda model, debug=False: 0):
+            fused, counts = optimize_for_ort(ir_model)
+    else:
+        fused, counts = optimize_for_ort(ir_model)
+    # Read the weights into memory: the result is saved elsewhere, away from the input's data file.
+    proto = ir.to_proto(ir.external_data.load_to_model(fused))
+    return proto, {"fusions": {name: n for name, n in counts.items() if n}}
+
+
+def fuse_with_ort(model: ModelArtifact, params: FuseParams) -> tuple[onnx.ModelProto, dict]:
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    optimized = optimize_model(
+        str(model.path),
+        model_type=params.model_type,
+        num_heads=params.num_heads,
+        hidden_size=params.hidden_size,
+        opt_level=0,  # the Python fusions only; ORT's own graph optimizations are `generic`
+        use_gpu=False,
+    )
+    stats = optimized.get_fused_operator_statistics() or {}
+    return optimized.model, {"fusions": {name: n for name, n in stats.items() if n}}
+
+
+FUSERS = {"onnxscript": fuse_with_onnxscript, "ort": fuse_with_ort}
+
+
+# --- ORT generic graph optimizations, saved offline ------------------------------------------
+
+
+def apply_generic_fusions(artifact: ModelArtifact, workdir: Path) -> dict:
+    """Run ORT's EXTENDED-level graph optimizations once and save the optimized graph in place."""
+    import onnxruntime as ort
+
+    before = op_histogram(artifact.load(with_weights=False))
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        optimized = Path(tmp) / "optimized.onnx"
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = str(optimized)
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.onnx.data")
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        options.log_severity_level = 3
+        try:
+            ort.InferenceSession(str(artifact.path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ORT refusing the graph: say so rather than crash
+            raise PassError(f"ONNX Runtime cannot optimize the model: {first_line(exc)}; set `generic: false`") from None
+        result = onnx.load(str(optimized))
+    save_model(result, workdir)
+    changes = op_changes(before, op_histogram(result))
+    return {"level": "extended", "op_changes": changes}
