@@ -13,26 +13,28 @@ from rich.console import Console
 from optpipe.errors import OptpipeError
 
 
+INTERRUPTED = "interrupted: finished stages stay in the cache; rerun the same command to resume"
+
+
+class OptpipeGroup(click.Group):
+    """Turns user errors into one line and an exit code, for every command."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except OptpipeError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo(INTERRUPTED, err=True)
+            ctx.exit(130)
+
+
 def main() -> None:
-    try:
-        cli(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("interrupted: finished stages stay in the cache; rerun the same command to resume", err=True)
-        sys.exit(130)
-    except KeyboardInterrupt:
-        click.echo("interrupted: finished stages stay in the cache; rerun the same command to resume", err=True)
-        sys.exit(130)
-    except click.exceptions.ClickException as exc:
-        exc.show()
-        sys.exit(2 if exc.exit_code == 1 else exc.exit_code)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except OptpipeError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+    cli()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OptpipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="optpipe")
 def cli() -> None:
     """optpipe: compile a model through a DAG of measured optimization passes."""
