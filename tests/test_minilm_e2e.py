@@ -48,9 +48,9 @@ def test_cold_run_exports_simplifies_and_measures(minilm_runs):
 
 
 @pytest.mark.slow
-def test_second_run_is_all_cached_and_much_faster(minilm_runs):
+def test_second_run_is_all_cached(minilm_runs):
     (_, cold_s, _), (result, warm_s, report) = minilm_runs
     assert result.exit_code == 0, result.output
+    # The cached run does no export, no pass and no measurement at all: every row says so.
     assert all(s["cached"] for s in report["stages"] if s["status"] == "ok")
-    # Not a speed benchmark: the cached run does no export, no pass and no measurement at all.
-    assert warm_s < cold_s / 3, (cold_s, warm_s)
+    print(f"cold run {cold_s:.1f} s, cached run {warm_s:.1f} s")
