@@ -10,6 +10,7 @@ from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.errors import PassError, first_line
+from optpipe.graph_edit import name_unnamed_nodes, topologically_sorted
 from optpipe.graph_stats import graph_stats
 from optpipe.pass_base import Pass, PassContext, PassParams
 
@@ -121,29 +122,6 @@ def join_kept_regions(model: onnx.ModelProto) -> None:
     dead = [n for n in model.graph.node if n.op_type == "Cast" and not any(o in used for o in n.output)]
     for node in dead:
         model.graph.node.remove(node)
-
-
-def topologically_sorted(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The converter appends its Casts at the end; ONNX requires topological order (onnx-ir sorts)."""
-    import onnx_ir as ir
-    from onnx_ir.passes.common import TopologicalSortPass
-
-    ir_model = ir.from_proto(model)
-    TopologicalSortPass()(ir_model)
-    return ir.to_proto(ir_model)
-
-
-def name_unnamed_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The converter blocks nodes by name; an empty name would match every unnamed node."""
-    taken = {node.name for node in model.graph.node}
-    for index, node in enumerate(model.graph.node):
-        if not node.name:
-            candidate = f"{node.op_type}_{index}"
-            while candidate in taken:
-                candidate += "_"
-            node.name = candidate
-            taken.add(candidate)
-    return model
 
 
 class AccuracyGuard:
