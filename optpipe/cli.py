@@ -90,7 +90,7 @@ def passes_command() -> None:
     for name, cls in registry().items():
         click.echo(f"{name} (v{cls.version}): {cls.summary()}")
         for field_name, field in cls.Params.model_fields.items():
-            default = "" if field.is_required() else f" = {field.default!r}"
+            default = "" if field.is_required() else f" = {field.get_default(call_default_factory=True)!r}"
             click.echo(f"    {field_name}{default}: {field.description or ''}")
 
 
