@@ -51,5 +51,3 @@ class PassError(Exception):
 
 class TargetError(OptpipeError):
     """A deployment target (ORT bundle, TensorRT engine, Triton repository) cannot be written as asked."""
-
-    exit_code = 1
