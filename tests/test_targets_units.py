@@ -233,3 +233,16 @@ def test_target_params_errors_name_the_yaml_path(tmp_path):
     recipe = parse_recipe({**RECIPE, "targets": [{"kind": "ort"}, {"kind": "triton", "params": {"platfrom": "tensorrt"}}]}, base_dir=tmp_path)
     with pytest.raises(RecipeError, match=r"targets\.1\.params\.platfrom: unknown key \(did you mean 'platform'\?\)"):
         validate_targets(recipe)
+
+
+def test_triton_tensorrt_plan_without_tensorrt_is_skipped_not_half_written(tmp_path):
+    from optpipe.targets.tensorrt import tensorrt_missing
+    from optpipe.targets.triton import write_repository
+
+    if tensorrt_missing() is None:
+        pytest.skip("TensorRT and a GPU are here: the gpu tests cover tensorrt_plan models")
+    view = stage(tmp_path, "s", mlp(np.ones((8, 4))))
+    result = write_repository(job(tmp_path, view, "triton", TritonParams(platform="tensorrt")))
+    assert result.status.startswith("skipped: TensorRT is not installed here") and "build_engine.sh" in result.status
+    assert not (tmp_path / "out" / "unit_s").exists()
+    assert (tmp_path / "tensorrt" / "s" / "build_engine.sh").is_file()  # beside the repository, not inside it

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -143,12 +144,13 @@ def export_stage(
     reference = views(report.reference) if report.reference else None
     measurer = Measurer(recipe, cache, reference, providers)
     to.mkdir(parents=True, exist_ok=True)
-    job = TargetJob(
-        recipe=recipe, spec=spec.model_copy(update={"stages": [stage]}), params=params, stage=view,
-        out_dir=to, root=to, cache_dir=cache.root, providers=measurer.evaluator.providers,
-        stage_folder=views, measurer=measurer,
-    )
-    result = run_one(job)
+    with tempfile.TemporaryDirectory(prefix="optpipe-engine-") as engine_dir:
+        job = TargetJob(
+            recipe=recipe, spec=spec.model_copy(update={"stages": [stage]}), params=params, stage=view,
+            out_dir=to, root=to, cache_dir=cache.root, providers=measurer.evaluator.providers,
+            stage_folder=views, measurer=measurer, extras={"engine_dir": Path(engine_dir)},
+        )
+        result = run_one(job)
     write_manifest(to, recipe.name, [result])
     return result
 

@@ -71,6 +71,20 @@ class BuildPlan:
 
 
 def build_target(job: TargetJob) -> TargetResult:
+    """Build (or explain how to build) the engine; the result is also kept for a Triton target of the run."""
+    try:
+        result = _build_target(job)
+    except TargetError as exc:
+        result = job.result(f"failed: {exc}")
+    job.extras.setdefault("engines", {})[engine_result_key(job.stage.name, job.params)] = result
+    return result
+
+
+def engine_result_key(stage: str, params) -> str:
+    return f"{stage}:{params.model_dump_json()}"
+
+
+def _build_target(job: TargetJob) -> TargetResult:
     params: TensorRTParams = job.params  # type: ignore[assignment]
     refusal = standard_op_refusal(job)
     if refusal:

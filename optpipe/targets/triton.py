@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 from typing import Any, Optional
 
 from optpipe.errors import TargetError
@@ -75,17 +76,26 @@ def write_repository(job: TargetJob) -> TargetResult:
 
 
 def engine_for(job: TargetJob) -> TargetResult:
-    """The TensorRT engine for this stage, built once per run (shared with a `tensorrt` target)."""
-    engines: dict = job.extras.setdefault("engines", {})
-    if job.stage.name not in engines:
+    """The TensorRT engine for this stage, with the recipe's `tensorrt` target params if it has one;
+    built and measured once per run (a `tensorrt` target that ran first already did)."""
+    spec = next((t for t in job.recipe.targets if t.kind == "tensorrt"), None)
+    params = tensorrt.TensorRTParams.model_validate(spec.params if spec else {})
+    key = tensorrt.engine_result_key(job.stage.name, params)
+    if key not in job.extras.setdefault("engines", {}):
         sub = TargetJob(
-            recipe=job.recipe, spec=job.spec.model_copy(update={"kind": "tensorrt"}),
-            params=tensorrt.TensorRTParams(), stage=job.stage, out_dir=job.out_dir.parent / "tensorrt" / job.stage.name,
+            recipe=job.recipe, spec=job.spec.model_copy(update={"kind": "tensorrt", "params": params.model_dump()}),
+            params=params, stage=job.stage, out_dir=engine_folder(job) / job.stage.name,
             root=job.root, cache_dir=job.cache_dir, providers=job.providers, stage_folder=job.stage_folder,
             measurer=job.measurer, stages_defaulted=job.stages_defaulted, extras=job.extras,
         )
-        engines[job.stage.name] = tensorrt.build_target(sub)
-    return engines[job.stage.name]
+        tensorrt.build_target(sub)
+    return job.extras["engines"][key]
+
+
+def engine_folder(job: TargetJob) -> Path:
+    """Where engines for this repository are built: beside it in a run, never inside it
+    (Triton would take any folder in the repository for a model)."""
+    return job.extras.get("engine_dir") or job.out_dir.parent / "tensorrt"
 
 
 def model_name(template: str, recipe: str, stage: str) -> str:
