@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import shutil
 import tempfile
 import traceback
 from pathlib import Path
@@ -60,6 +61,8 @@ def run_targets(
 ) -> list[TargetResult]:
     """Write every target of the recipe for its stages; record the results in `report.targets`."""
     write_recipe_snapshot(recipe, run_dir)
+    # Written afresh each run: a model left in the Triton repository by an earlier recipe would be served.
+    shutil.rmtree(run_dir / "targets", ignore_errors=True)
     if not recipe.targets:
         return []
     from optpipe.runtime import pick_providers
