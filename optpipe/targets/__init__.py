@@ -64,6 +64,7 @@ def run_targets(
     # Written afresh each run: a model left in the Triton repository by an earlier recipe would be served.
     shutil.rmtree(run_dir / "targets", ignore_errors=True)
     if not recipe.targets:
+        (run_dir / "manifest.json").unlink(missing_ok=True)
         return []
     from optpipe.runtime import pick_providers
     from optpipe.targets.measure import Measurer
