@@ -60,9 +60,13 @@ def compile_command(recipe: Path, output: Path | None, force: bool, only: str | 
     console.print(stage_table(report), markup=False)
     run_dir = output or parsed.resolve(parsed.output)
     console.print(f"\nreport: {run_dir / 'report.md'} (data: report.json)", markup=False)
+    failed_targets = [t for t in report.targets if t["status"].startswith("failed")]
+    for target in failed_targets:
+        click.echo(f"error: target {target['kind']} for '{target['stage']}' {target['status']}", err=True)
     if report.failed:
         for stage in report.failed:
             click.echo(f"error: stage '{stage.name}' {stage.status}: {stage.reason}", err=True)
+    if report.failed or failed_targets:
         sys.exit(1)
 
 
@@ -92,6 +96,11 @@ def passes_command() -> None:
         for field_name, field in cls.Params.model_fields.items():
             default = "" if field.is_required() else f" = {field.get_default(call_default_factory=True)!r}"
             click.echo(f"    {field_name}{default}: {field.description or ''}")
+
+
+from optpipe.targets.command import export_command  # noqa: E402  (a command in its own module)
+
+cli.add_command(export_command)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,7 @@ class PassError(Exception):
     The pass manager turns it into a StageError naming the stage; the message
     should say what to change.
     """
+
+
+class TargetError(OptpipeError):
+    """A deployment target (ORT bundle, TensorRT engine, Triton repository) cannot be written as asked."""

@@ -32,6 +32,7 @@ from optpipe.model_source import load_torch_model, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.report import RunReport, write_report
+from optpipe.targets import run_targets
 from optpipe.validate import validate_recipe
 
 KEY_FORMAT = 1
@@ -79,6 +80,8 @@ def compile_recipe(recipe: Recipe, options: RunOptions | None = None) -> RunRepo
     results = evaluate_stages(recipe, order, outcomes, services, cache, options)
     publish_stage_folders(run_dir, results, outcomes)
     report = RunReport.build(recipe, results)
+    write_report(report, run_dir)
+    run_targets(recipe, report, run_dir, cache, options.providers, lambda *args: _notify(options, *args))
     write_report(report, run_dir)
     return report
 

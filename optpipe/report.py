@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from optpipe.metrics import StageResult
 from optpipe.recipe import Recipe
+from optpipe.targets import render_targets_markdown
 
 SCHEMA_VERSION = 1
 EAGER = "pytorch-eager"
@@ -114,6 +115,7 @@ def render_markdown(report: RunReport) -> str:
             else:
                 lines.append(f"- `{s.name}` is out of tolerance: {'; '.join(s.accuracy.violations)}")
         lines.append("")
+    lines += render_targets_markdown(report.targets)
     return "\n".join(lines)
 
 
