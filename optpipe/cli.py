@@ -92,5 +92,10 @@ def passes_command() -> None:
             click.echo(f"    {field_name}{default}: {field.description or ''}")
 
 
+from optpipe.cli_inspect import register as _register_inspect  # noqa: E402  (inspect, diff, report)
+
+_register_inspect(cli)
+
+
 if __name__ == "__main__":
     main()
