@@ -18,6 +18,7 @@ from optpipe.report import EAGER, RunReport
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
 FRONTIER = "#f9a825"
+CANDIDATE = "#5c7cbf"
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
 
@@ -139,7 +140,7 @@ def _pareto_svg(report: RunReport) -> str:
     ax = fig.add_subplot()
     sizes = [s.size_bytes for s in points if s.size_bytes]
     biggest = max(sizes) if sizes else 1
-    for i, s in enumerate(points):
+    for s in points:
         x, y = _headline(s).p50_ms, _error(s)
         area = 40 + 600 * (s.size_bytes / biggest) if s.size_bytes else 60
         if s.name == EAGER:
@@ -147,7 +148,7 @@ def _pareto_svg(report: RunReport) -> str:
         elif _out_of_tolerance(s):
             ax.scatter([x], [y], s=area, marker="X", color=FAILED, alpha=0.8, zorder=3)
         else:
-            ax.scatter([x], [y], s=area, color=FRONTIER if s.pareto else PALETTE[i % len(PALETTE)],
+            ax.scatter([x], [y], s=area, color=FRONTIER if s.pareto else CANDIDATE,
                        edgecolors="black" if s.pareto else "none", linewidths=1.5, alpha=0.85, zorder=3)
         ax.annotate(s.name, (x, y), xytext=(6, 6), textcoords="offset points", fontsize=8)
     frontier = sorted((_headline(s).p50_ms, _error(s)) for s in points if s.pareto)
@@ -161,7 +162,8 @@ def _pareto_svg(report: RunReport) -> str:
     ax.set_xlabel(f"p50 latency, ms (batch {_headline_batch(report)})")
     ax.set_ylabel("accuracy error (1 − worst mean cosine)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
     note = ("<p class='note'>Point area is proportional to the model's size on disk; gold = on the frontier; "
             "red X = out of tolerance (never on the frontier).</p>")
     return _svg(fig, "pareto") + note
@@ -220,7 +222,8 @@ def _svg(fig, name: str) -> str:
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "optpipe"}):
         fig.savefig(buffer, format="svg", metadata={"Date": None})
     text = buffer.getvalue()
-    text = text[text.index("<svg"):]  # drop the XML declaration and DOCTYPE: inline SVG in HTML
+    text = text[text.index("<svg"):].strip()  # drop the XML declaration and DOCTYPE: inline SVG in HTML
+    text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, flags=re.S)  # RDF boilerplate, links to purl.org
     return f"<figure class='plot' id='plot-{name}'>{text}</figure>"
 
 

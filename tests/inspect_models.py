@@ -11,7 +11,7 @@ HIDDEN, WIDTH, OUT = 16, 32, 8
 
 
 def mlp_model(seed: int = 0, second_layer_noise: float = 0.0) -> onnx.ModelProto:
-    """x[batch, sequence, 16] -> MatMul -> Add -> Relu -> MatMul -> y[batch, sequence, 8].
+    """x[batch, sequence, 16] -> MatMul -> Add -> Relu -> MatMul -> Tanh -> y[batch, sequence, 8].
 
     It also carries what a simplifier removes: an Identity and a constant Add
     that folds (two constants added, then added to the activations).
@@ -31,7 +31,8 @@ def mlp_model(seed: int = 0, second_layer_noise: float = 0.0) -> onnx.ModelProto
         helper.make_node("Add", ["hidden", "b1"], ["hidden_b"], name="fc1_bias"),
         helper.make_node("Add", ["hidden_b", "bias_extra"], ["hidden_bb"], name="extra_bias"),
         helper.make_node("Relu", ["hidden_bb"], ["act"], name="relu"),
-        helper.make_node("MatMul", ["act", "w2"], ["y"], name="fc2"),
+        helper.make_node("MatMul", ["act", "w2"], ["pre"], name="fc2"),
+        helper.make_node("Tanh", ["pre"], ["y"], name="squash"),
     ]
     graph = helper.make_graph(
         nodes,
