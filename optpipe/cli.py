@@ -57,7 +57,7 @@ def compile_command(recipe: Path, output: Path | None, force: bool, only: str | 
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     console.print(stage_table(report), markup=False)
     run_dir = output or parsed.resolve(parsed.output)
-    console.print(f"\nreport: {run_dir / 'report.md'} (data: report.json)", markup=False)
+    console.print(f"\nreport: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)", markup=False)
     if report.failed:
         for stage in report.failed:
             click.echo(f"error: stage '{stage.name}' {stage.status}: {stage.reason}", err=True)

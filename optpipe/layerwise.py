@@ -72,8 +72,10 @@ class LayerComparison:
         else:
             lines.append(f"  {len(self.exceeding)} tensors past the tolerance; the first in graph order (where the error starts):")
             lines += _tensor_table(first)
-        lines.append("  largest errors:")
-        lines += _tensor_table(self.worst(count))
+        worst = [t for t in self.worst(count) if t.max_abs > 0]
+        if worst:
+            lines.append("  largest errors:")
+            lines += _tensor_table(worst)
         return "\n".join(lines)
 
 
