@@ -80,6 +80,7 @@ def bench_recipe(recipe_path: Path, args) -> dict:
     threads = recipe.evaluate.threads
     candidates, rows = build_candidates(recipe, report, run_dir, threads)
     feeds = evaluation_feeds(recipe, batch)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     timings = interleaved_timings(candidates, feeds, threads, args.rounds, args.iterations, args.warmup)
     eager_p50 = float(np.median(timings[EAGER])) if EAGER in timings else None
     for row in rows:
@@ -98,6 +99,8 @@ def bench_recipe(recipe_path: Path, args) -> dict:
         "samples_timed": args.rounds * args.iterations,
         "reference": report.reference,
         "compile_s": round(compile_s, 1),
+        # Other work on the machine distorts ratios (PyTorch eager's thread barriers most): keep the load beside them.
+        "load_average": load_before,
         "rows": rows,
     }
 
@@ -201,7 +204,8 @@ def render_model(result: dict) -> str:
         return f"{title}\n\nnot measured: {result['error']}"
     shapes = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in result["shapes"].items())
     lines = [title, "", f"batch {result['batch']} ({shapes}), {result['threads']} threads, {result['samples_timed']} timed runs per "
-             f"candidate; accuracy against `{result['reference']}` from the optpipe report.", "",
+             f"candidate; accuracy against `{result['reference']}` from the optpipe report; "
+             f"1-minute load average {_f(result.get('load_average'), '.1f')} when timing started.", "",
              "| candidate | what | p50 ms | p90 ms | speed-up vs eager | cosine | max abs | top-1 | within tolerance | size MB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -61,12 +61,14 @@ class StageHandle:
 
     @cached_property
     def graph(self) -> dict[str, Any] | None:
-        """describe_graph of the stage's model (weights read from the external data file); None for PyTorch eager."""
+        """describe_graph of the stage's model; None for PyTorch eager.
+
+        Counts and bytes come from the initializers' dims and dtypes, so the weights stay on disk."""
         if self.model_path is None:
             return None
         import onnx
 
-        return describe_graph(onnx.load(str(self.model_path), load_external_data=True))
+        return describe_graph(onnx.load(str(self.model_path), load_external_data=False))
 
 
 def stage_handle(run_dir: str | Path, name: str, report: RunReport | None = None) -> StageHandle:
