@@ -5,7 +5,10 @@ and a candidate stage is marked as a graph output (Polygraphy's ModifyOutputs),
 both models run on the same inputs in ONNX Runtime, and the tensors are compared
 in the candidate's graph order. The first tensors past the tolerance are where a
 pass lost accuracy; tensors a pass renamed, fused away or changed the shape of
-cannot be matched and are counted as skipped.
+cannot be matched and are counted as skipped. A tensor whose producing op differs
+between the graphs may hold a different value under the same name (ORT's quantizer
+folds a Relu into the next QuantizeLinear and gives its name to the Add before it),
+so such tensors are listed apart from the ones that locate where the error starts.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ CONSTANT_OPS = {"Constant", "ConstantOfShape", "Shape", "Size"}
 class TensorError:
     name: str
     op: str
+    reference_op: str
     position: int  # index of the producing node in the candidate's graph order
     shape: list[int]
     cosine: float
@@ -48,7 +52,13 @@ class LayerComparison:
 
     @property
     def exceeding(self) -> list[TensorError]:
-        return [t for t in self.tensors if not t.within_tolerance]
+        """Tensors past the tolerance whose producing op is the same in both graphs, in graph order."""
+        return [t for t in self.tensors if not t.within_tolerance and t.op == t.reference_op]
+
+    @property
+    def exceeding_other_producer(self) -> list[TensorError]:
+        """Tensors past the tolerance produced by a different op in each graph: perhaps not the same value."""
+        return [t for t in self.tensors if not t.within_tolerance and t.op != t.reference_op]
 
     def first_exceeding(self, count: int = 5) -> list[TensorError]:
         return self.exceeding[:count]
@@ -59,6 +69,7 @@ class LayerComparison:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["first_exceeding"] = [asdict(t) for t in self.first_exceeding()]
+        data["exceeding_other_producer"] = [asdict(t) for t in self.exceeding_other_producer]
         return data
 
     def render(self, count: int = 5) -> str:
@@ -68,10 +79,14 @@ class LayerComparison:
                  f"on {self.samples} samples (tolerance: {tol}); skipped {skipped or 'none'}"]
         first = self.first_exceeding(count)
         if not first:
-            lines.append("  no intermediate tensor leaves the tolerance")
+            lines.append("  no intermediate tensor made by the same op in both graphs leaves the tolerance")
         else:
             lines.append(f"  {len(self.exceeding)} tensors past the tolerance; the first in graph order (where the error starts):")
             lines += _tensor_table(first)
+        other = self.exceeding_other_producer
+        if other:
+            lines.append(f"  {len(other)} more past the tolerance are made by a different op in each graph (the name may now hold another value):")
+            lines += _tensor_table(other[:count])
         worst = [t for t in self.worst(count) if t.max_abs > 0]
         if worst:
             lines.append("  largest errors:")
@@ -90,7 +105,7 @@ def compare_layers(
 
     reference = onnx.load(str(reference_path))
     candidate = onnx.load(str(candidate_path))
-    ref_tensors = set(_activation_order(reference))
+    ref_tensors = _activation_order(reference)
     order = _activation_order(candidate)
     shared = [name for name in order if name in ref_tensors]
     skipped = {"not in both graphs": len(order) - len(shared)}
@@ -107,7 +122,7 @@ def compare_layers(
             skipped["shape differs"] += 1
             continue
         op, position = order[name]
-        tensors.append(_tensor_error(name, op, position, c, r, feeds.get(MASK_INPUT), tolerance))
+        tensors.append(_tensor_error(name, op, ref_tensors[name][0], position, c, r, feeds.get(MASK_INPUT), tolerance))
     return LayerComparison(
         reference=reference_path.parent.name,
         candidate=candidate_path.parent.name,
@@ -155,7 +170,7 @@ def _run_with_outputs(model, names: list[str], feeds: Feeds, threads: int, label
     return dict(zip(wanted, values))
 
 
-def _tensor_error(name: str, op: str, position: int, cand: np.ndarray, ref: np.ndarray, mask, tol: Tolerance) -> TensorError:
+def _tensor_error(name: str, op: str, reference_op: str, position: int, cand: np.ndarray, ref: np.ndarray, mask, tol: Tolerance) -> TensorError:
     cand64 = cand.astype(np.float64)
     ref64 = ref.astype(np.float64)
     finite = bool(np.isfinite(cand64).all())
@@ -163,7 +178,7 @@ def _tensor_error(name: str, op: str, position: int, cand: np.ndarray, ref: np.n
     cosine = float(row_cosines(cand64, ref64, mask).mean()) if finite and cand.size else (1.0 if not cand.size else 0.0)
     max_abs = float(diff.max()) if diff.size else 0.0
     within = finite and (tol.cosine_min is None or cosine >= tol.cosine_min) and (tol.max_abs is None or max_abs <= tol.max_abs)
-    return TensorError(name, op, position, list(cand.shape), cosine, max_abs, float(diff.mean()) if diff.size else 0.0, within)
+    return TensorError(name, op, reference_op, position, list(cand.shape), cosine, max_abs, float(diff.mean()) if diff.size else 0.0, within)
 
 
 def _is_float(array: np.ndarray) -> bool:
@@ -171,8 +186,12 @@ def _is_float(array: np.ndarray) -> bool:
 
 
 def _tensor_table(tensors: list[TensorError]) -> list[str]:
-    return [f"    #{t.position:<5} {t.op:<22} {_short(t.name):<48} cosine {t.cosine:.5f}  max abs {t.max_abs:.3g}" for t in tensors]
+    return [f"    #{t.position:<5} {_ops(t):<26} {_short(t.name):<44} cosine {t.cosine:.5f}  max abs {t.max_abs:.3g}" for t in tensors]
 
 
-def _short(name: str, limit: int = 48) -> str:
+def _ops(t: TensorError) -> str:
+    return t.op if t.op == t.reference_op else f"{t.reference_op}->{t.op}"
+
+
+def _short(name: str, limit: int = 44) -> str:
     return name if len(name) <= limit else "…" + name[-(limit - 1):]
