@@ -59,7 +59,7 @@ def compile_command(recipe: Path, output: Path | None, force: bool, only: str | 
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     console.print(stage_table(report), markup=False)
     run_dir = output or parsed.resolve(parsed.output)
-    console.print(f"\nreport: {run_dir / 'report.md'} (data: report.json)", markup=False)
+    console.print(f"\nreport: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)", markup=False)
     failed_targets = [t for t in report.targets if t["status"].startswith("failed")]
     for target in failed_targets:
         click.echo(f"error: target {target['kind']} for '{target['stage']}' {target['status']}", err=True)
@@ -101,6 +101,10 @@ def passes_command() -> None:
 from optpipe.targets.command import export_command  # noqa: E402  (a command in its own module)
 
 cli.add_command(export_command)
+
+from optpipe.cli_inspect import register as _register_inspect  # noqa: E402  (inspect, diff, report)
+
+_register_inspect(cli)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,7 @@ class AccuracyGuard:
 
     def run(self, converted, kept_by_recipe, convert):
         from optpipe.fp16_numerics import tensor_types
-        from optpipe.layerwise import float_activations
+        from optpipe.error_attribution import float_activations
 
         types = tensor_types(self.source)
         self.activations = float_activations(self.source, types)
@@ -192,7 +192,7 @@ class AccuracyGuard:
     def culprits(self, converted: onnx.ModelProto, blocked: set[str]):
         """The nodes to keep in FP32 next: every node that overflows, else the one adding the most error."""
         from optpipe.fp16_numerics import emulate_fp16
-        from optpipe.layerwise import blame_nodes, run_with_outputs
+        from optpipe.error_attribution import blame_nodes, run_with_outputs
 
         emulated = emulate_fp16(converted)
         produced = {out for node in emulated.graph.node for out in node.output}
