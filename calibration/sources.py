@@ -38,11 +38,25 @@ def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     return samples
 
 
+PACKAGE_PREFIX = "package:"
+
+
 def source_path(source: DataSource, recipe: Recipe) -> Path | None:
-    path = recipe.resolve(source.path)
+    path = package_path(source.path) if (source.path or "").startswith(PACKAGE_PREFIX) else recipe.resolve(source.path)
     if path is not None and not path.exists():
         raise DataError(f"data: file '{path}' does not exist; fix `path` in the recipe's data section")
     return path
+
+
+def package_path(spec: str) -> Path:
+    """`package:skimage/data` -> the `data` folder inside the installed package `skimage` (data shipped in wheels)."""
+    import importlib.util
+
+    package, _, inner = spec[len(PACKAGE_PREFIX):].partition("/")
+    found = importlib.util.find_spec(package) if package else None
+    if found is None or not found.submodule_search_locations:
+        raise DataError(f"data: path '{spec}' names package '{package}', which is not installed; install it or use a folder path")
+    return Path(list(found.submodule_search_locations)[0]) / inner
 
 
 def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> None:

@@ -2,17 +2,19 @@
 
     from optpipe import load_recipe, compile_recipe
     report = compile_recipe(load_recipe("recipes/minilm.yaml"))
+    session = load("runs/minilm/targets/ort/simplify")  # an ORT bundle -> InferenceSession
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["compile_recipe", "load_recipe", "RunOptions", "RunReport"]
+__all__ = ["compile_recipe", "load_recipe", "load", "RunOptions", "RunReport"]
 
 if TYPE_CHECKING:
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.recipe import load_recipe
     from optpipe.report import RunReport
+    from optpipe.targets.ort_bundle import load_bundle as load
 
 
 def __getattr__(name: str) -> Any:
@@ -29,4 +31,8 @@ def __getattr__(name: str) -> Any:
         from optpipe.report import RunReport
 
         return RunReport
+    if name == "load":
+        from optpipe.targets.ort_bundle import load_bundle
+
+        return load_bundle
     raise AttributeError(name)

@@ -97,6 +97,13 @@ def _output_accuracy(name: str, cand: np.ndarray, ref: np.ndarray, mask, top1: b
     )
 
 
+def row_cosines(candidate: np.ndarray, reference: np.ndarray, mask=None) -> np.ndarray:
+    """Cosine per row of the last axis (real tokens only where the mask fits), as the tolerance measures it."""
+    cand = np.asarray(candidate, dtype=np.float64)
+    ref = np.asarray(reference, dtype=np.float64)
+    return _cosine_rows(np.nan_to_num(_rows(cand, mask)), _rows(ref, mask))
+
+
 def _rows(array: np.ndarray, mask) -> np.ndarray:
     """[rows, last axis]; with a [batch, seq] mask matching the leading axes, real tokens only."""
     if array.ndim >= 3 and mask is not None and array.shape[:2] == mask.shape:

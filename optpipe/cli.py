@@ -13,26 +13,28 @@ from rich.console import Console
 from optpipe.errors import OptpipeError
 
 
+INTERRUPTED = "interrupted: finished stages stay in the cache; rerun the same command to resume"
+
+
+class OptpipeGroup(click.Group):
+    """Turns user errors into one line and an exit code, for every command."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except OptpipeError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo(INTERRUPTED, err=True)
+            ctx.exit(130)
+
+
 def main() -> None:
-    try:
-        cli(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("interrupted: finished stages stay in the cache; rerun the same command to resume", err=True)
-        sys.exit(130)
-    except KeyboardInterrupt:
-        click.echo("interrupted: finished stages stay in the cache; rerun the same command to resume", err=True)
-        sys.exit(130)
-    except click.exceptions.ClickException as exc:
-        exc.show()
-        sys.exit(2 if exc.exit_code == 1 else exc.exit_code)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except OptpipeError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+    cli()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OptpipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="optpipe")
 def cli() -> None:
     """optpipe: compile a model through a DAG of measured optimization passes."""
@@ -57,10 +59,14 @@ def compile_command(recipe: Path, output: Path | None, force: bool, only: str | 
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     console.print(stage_table(report), markup=False)
     run_dir = output or parsed.resolve(parsed.output)
-    console.print(f"\nreport: {run_dir / 'report.md'} (data: report.json)", markup=False)
+    console.print(f"\nreport: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)", markup=False)
+    failed_targets = [t for t in report.targets if t["status"].startswith("failed")]
+    for target in failed_targets:
+        click.echo(f"error: target {target['kind']} for '{target['stage']}' {target['status']}", err=True)
     if report.failed:
         for stage in report.failed:
             click.echo(f"error: stage '{stage.name}' {stage.status}: {stage.reason}", err=True)
+    if report.failed or failed_targets:
         sys.exit(1)
 
 
@@ -88,8 +94,17 @@ def passes_command() -> None:
     for name, cls in registry().items():
         click.echo(f"{name} (v{cls.version}): {cls.summary()}")
         for field_name, field in cls.Params.model_fields.items():
-            default = "" if field.is_required() else f" = {field.default!r}"
+            default = "" if field.is_required() else f" = {field.get_default(call_default_factory=True)!r}"
             click.echo(f"    {field_name}{default}: {field.description or ''}")
+
+
+from optpipe.targets.command import export_command  # noqa: E402  (a command in its own module)
+
+cli.add_command(export_command)
+
+from optpipe.cli_inspect import register as _register_inspect  # noqa: E402  (inspect, diff, report)
+
+_register_inspect(cli)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ class DataError(OptpipeError):
     """An evaluation or calibration data set cannot be built or does not fit the model."""
 
 
+class RunFolderError(OptpipeError):
+    """A run folder or stage named on the command line does not exist or holds no report."""
+
+
 class StageError(OptpipeError):
     """A stage failed while running; other branches of the DAG go on."""
 
@@ -47,3 +51,7 @@ class PassError(Exception):
     The pass manager turns it into a StageError naming the stage; the message
     should say what to change.
     """
+
+
+class TargetError(OptpipeError):
+    """A deployment target (ORT bundle, TensorRT engine, Triton repository) cannot be written as asked."""

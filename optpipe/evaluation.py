@@ -9,21 +9,32 @@ import platform
 from functools import cached_property
 from typing import Callable
 
+import numpy as np
 from optpipe.accuracy import compare, run_callable, run_onnx
 from optpipe.artifact import ModelArtifact
 from optpipe.cache import StageCache, library_versions
 from optpipe.calibration.dataset import SampleSet
 from optpipe.latency import measure
-from optpipe.metrics import Accuracy, Latency
+from optpipe.memory import PeakMemory
+from optpipe.metrics import Accuracy, Latency, Memory
 from optpipe.recipe import Recipe, Tolerance
 from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers
 
-EVAL_FORMAT = 1
+EVAL_FORMAT = 2
+
+Progress = Callable[[str, int, int], None]
+Measured = tuple[Accuracy | None, list[Latency], Memory | None, bool]  # accuracy, latency, peak memory, cached
+
+
+def no_progress(task: str, done: int, total: int) -> None:
+    pass
 
 
 class Evaluator:
-    def __init__(self, recipe: Recipe, cache: StageCache, eval_set: Callable[[], SampleSet], providers: str = "auto"):
+    def __init__(self, recipe: Recipe, cache: StageCache, eval_set: Callable[[], SampleSet], providers: str = "auto",
+                 progress: Progress = no_progress):
         self.recipe = recipe
+        self.progress = progress
         self.cache = cache
         self._eval_set = eval_set
         self.settings = recipe.evaluate
@@ -57,27 +68,31 @@ class Evaluator:
     def onnx_outputs(self, artifact: ModelArtifact) -> Outputs:
         return run_onnx(artifact.path, self.accuracy_batches, self.settings.threads, self.providers)
 
-    def evaluate_onnx(self, artifact: ModelArtifact, tolerance: Tolerance) -> tuple[Accuracy | None, list[Latency], bool]:
+    def evaluate_onnx(self, artifact: ModelArtifact, tolerance: Tolerance) -> Measured:
         key = self._result_key(artifact.content_hash(), tolerance)
         hit = self.cache.get_result(key)
         if hit is not None:
             return _decode(hit) + (True,)
         accuracy = self._accuracy(lambda: self.onnx_outputs(artifact), tolerance)
-        session = ort_session(artifact.path, self.settings.threads, self.providers)
-        latency = self._latency(ort_runner(session), self.providers[0])
-        self.cache.put_result(key, _encode(accuracy, latency))
-        return accuracy, latency, False
+        # Peak memory covers what the session itself costs: its creation and the timed runs.
+        with PeakMemory(device=self.providers[0] != "CPUExecutionProvider") as peak:
+            session = ort_session(artifact.path, self.settings.threads, self.providers)
+            latency = self._latency(ort_runner(session), self.providers[0])
+            del session
+        self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
+        return accuracy, latency, peak.result(), False
 
-    def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance) -> tuple[Accuracy | None, list[Latency], bool]:
+    def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance) -> Measured:
         key = self._result_key("eager:" + source_digest, tolerance, extra=library_versions(("torch",)))
         hit = self.cache.get_result(key)
         if hit is not None:
             return _decode(hit) + (True,)
         run = eager_runner(torch_model(), self.settings.threads)
         accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance)
-        latency = self._latency(run, "pytorch-cpu")
-        self.cache.put_result(key, _encode(accuracy, latency))
-        return accuracy, latency, False
+        with PeakMemory() as peak:
+            latency = self._latency(run, "pytorch-cpu")
+        self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
+        return accuracy, latency, peak.result(), False
 
     def _accuracy(self, outputs: Callable[[], Outputs], tolerance: Tolerance) -> Accuracy | None:
         if self._reference is None:
@@ -86,11 +101,36 @@ class Evaluator:
         return compare(outputs(), reference(), self.all_inputs, tolerance, name, self.settings.top1)
 
     def _latency(self, run: Callable[[Feeds], Outputs], provider: str) -> list[Latency]:
+        """The batch_sizes measurements first (the report's headline), then one point per sweep value."""
+        s = self.settings
         results = []
         for batch in self._batch_sizes():
-            feeds = self.eval_set.first(batch)
-            results.append(measure(run, feeds, self.settings.warmup, self.settings.iterations, self.settings.threads, provider))
+            results.append(self._measure(run, self.eval_set.first(batch), s.iterations, provider, f"latency batch {batch}"))
+        for dim, value, feeds in self._sweep_points():
+            point = self._measure(run, feeds, s.sweep_iterations or s.iterations, provider, f"{dim} sweep {_dims_text(feeds)}")
+            results.append(point.model_copy(update={"sweep": dim, "sweep_value": value}))
         return results
+
+    def _measure(self, run, feeds: Feeds, iterations: int, provider: str, task: str) -> Latency:
+        report = lambda done, total: self.progress(task, done, total)  # noqa: E731
+        return measure(run, feeds, self.settings.warmup, iterations, self.settings.threads, provider, progress=report)
+
+    def _sweep_points(self) -> list[tuple[str, int, Feeds]]:
+        """Inputs for each sweep value: evaluation samples, the swept dim resized, the others as evaluated."""
+        batch_dim = self.recipe.batch_dim()
+        points = []
+        for dim in self.settings.sweep:
+            for value in self.recipe.sweep_values(dim):
+                batch = value if dim == batch_dim else self._batch_sizes()[0]
+                feeds = self.eval_set.first(batch)
+                if dim != batch_dim:
+                    feeds = {name: resize_dim(array, self._axes_of(name, dim), value) for name, array in feeds.items()}
+                points.append((dim, value, feeds))
+        return points
+
+    def _axes_of(self, input_name: str, dim: str) -> list[int]:
+        spec = next((s for s in self.recipe.inputs if s.name == input_name), None)
+        return [axis for axis, d in enumerate(spec.shape) if d == dim] if spec else []
 
     def _batch_sizes(self) -> list[int]:
         return self.settings.batch_sizes if self.recipe.batch_dim() else [self._fixed_batch()]
@@ -122,13 +162,26 @@ def machine_id() -> dict:
     return {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
 
 
-def _encode(accuracy: Accuracy | None, latency: list[Latency]) -> dict:
+def resize_dim(array: np.ndarray, axes: list[int], size: int) -> np.ndarray:
+    """The array with each axis in `axes` cut or cyclically repeated to `size`: real values, new length."""
+    for axis in axes:
+        array = np.take(array, np.arange(size) % array.shape[axis], axis=axis)
+    return array
+
+
+def _dims_text(feeds: Feeds) -> str:
+    return "x".join(str(d) for d in next(iter(feeds.values())).shape)
+
+
+def _encode(accuracy: Accuracy | None, latency: list[Latency], memory: Memory | None = None) -> dict:
     return {
         "accuracy": accuracy.model_dump(mode="json") if accuracy else None,
         "latency": [lat.model_dump(mode="json") for lat in latency],
+        "memory": memory.model_dump(mode="json") if memory else None,
     }
 
 
-def _decode(value: dict) -> tuple[Accuracy | None, list[Latency]]:
+def _decode(value: dict) -> tuple[Accuracy | None, list[Latency], Memory | None]:
     accuracy = Accuracy.model_validate(value["accuracy"]) if value.get("accuracy") else None
-    return accuracy, [Latency.model_validate(lat) for lat in value["latency"]]
+    memory = Memory.model_validate(value["memory"]) if value.get("memory") else None
+    return accuracy, [Latency.model_validate(lat) for lat in value["latency"]], memory

@@ -20,15 +20,21 @@ def measure(
     iterations: int,
     threads: int,
     provider: str,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Latency:
+    """`progress(done, total)` is told after warm-up and every timed iteration (outside the timed span)."""
     with pinned_threads(threads):
         for _ in range(warmup):
             run(feeds)
         times = np.empty(iterations)
         for i in range(iterations):
+            if progress is not None:
+                progress(i, iterations)
             start = time.perf_counter()
             run(feeds)
             times[i] = time.perf_counter() - start
+        if progress is not None:
+            progress(iterations, iterations)
     ms = times * 1e3
     batch = len(next(iter(feeds.values())))
     p50 = float(np.percentile(ms, 50))

@@ -44,6 +44,15 @@ class Latency(BaseModel):
     throughput: float = Field(description="samples per second at p50")
     iterations: int
     provider: str
+    sweep: Optional[str] = Field(None, description="the dim this point of a sweep varies; None for the batch_sizes measurements")
+    sweep_value: Optional[int] = Field(None, description="the swept dim's value at this point")
+
+
+class Memory(BaseModel):
+    """Peak memory while a stage's session is created and timed, above what the process held before."""
+
+    host_rss_bytes: Optional[int] = Field(None, description="peak resident set size increase of this process")
+    device_bytes: Optional[int] = Field(None, description="peak device memory increase (GPU providers)")
 
 
 class StageResult(BaseModel):
@@ -61,7 +70,11 @@ class StageResult(BaseModel):
     accuracy: Optional[Accuracy] = None
     latency: list[Latency] = Field(default_factory=list)
     pareto: bool = False
+    memory: Optional[Memory] = None
     info: dict[str, Any] = Field(default_factory=dict)
 
     def latency_at(self, batch_size: int) -> Latency | None:
-        return next((lat for lat in self.latency if lat.batch_size == batch_size), None)
+        return next((lat for lat in self.latency if lat.batch_size == batch_size and lat.sweep is None), None)
+
+    def sweep(self, dim: str) -> list[Latency]:
+        return [lat for lat in self.latency if lat.sweep == dim]

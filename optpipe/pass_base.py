@@ -43,6 +43,8 @@ class PassContext:
     calibration_set: Callable[[], "SampleSet"]
     tolerance: "Tolerance"
     extras: dict[str, Any] = field(default_factory=dict)
+    #: progress(task, done, total): long work (calibration batches, ...) reports here; instruments show it.
+    progress: Callable[[str, int, int], None] = lambda task, done, total: None
 
 
 class Pass(ABC):

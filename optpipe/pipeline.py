@@ -26,12 +26,14 @@ from optpipe.calibration.dataset import SampleSet, build_sample_set
 from optpipe.dag import ancestors_and_self, execution_order
 from optpipe.errors import DataError, OptpipeError, PassError, first_line
 from optpipe.evaluation import Evaluator
+from optpipe.inspection import save_sample_inputs
 from optpipe.instruments import Instrument
 from optpipe.metrics import StageResult
 from optpipe.model_source import load_torch_model, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.report import RunReport, write_report
+from optpipe.targets import run_targets
 from optpipe.validate import validate_recipe
 
 KEY_FORMAT = 1
@@ -78,7 +80,11 @@ def compile_recipe(recipe: Recipe, options: RunOptions | None = None) -> RunRepo
     outcomes = manager.run(order, graph, passes)
     results = evaluate_stages(recipe, order, outcomes, services, cache, options)
     publish_stage_folders(run_dir, results, outcomes)
+    if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
+        save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
     report = RunReport.build(recipe, results)
+    write_report(report, run_dir)
+    run_targets(recipe, report, run_dir, cache, options.providers, lambda *args: _notify(options, *args))
     write_report(report, run_dir)
     return report
 
@@ -181,6 +187,7 @@ class PassManager:
             eval_set=self.services.eval_set,
             calibration_set=self.services.calibration_set,
             tolerance=self.recipe.tolerance_for(name),
+            progress=lambda task, done, total: self._notify("step", task, done, total),
         )
 
     def _failed(self, reason: str, log_path: Path, started: float) -> StageOutcome:
@@ -200,7 +207,7 @@ def evaluate_stages(
     options: RunOptions,
 ) -> list[StageResult]:
     """Measure every finished stage on the same inputs; the reference stage's outputs are the yardstick."""
-    evaluator = Evaluator(recipe, cache, services.eval_set, options.providers)
+    evaluator = Evaluator(recipe, cache, services.eval_set, options.providers, progress=lambda *a: _notify(options, "step", *a))
     reference = recipe.evaluate.reference or next(n for n in order if recipe.stages[n].after is None)
     ref_outcome = outcomes.get(reference)
     if ref_outcome is not None and ref_outcome.status == "ok":
@@ -234,13 +241,13 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     result.info = artifact.info
     _notify(options, "stage_start", f"evaluate {name}", "accuracy and latency")
     try:
-        accuracy, latency, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(name))
+        accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(name))
     except OptpipeError as exc:
         return _evaluation_failed(result, str(exc), options)
     except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
         logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", options)
-    result.accuracy, result.latency = accuracy, latency
+    result.accuracy, result.latency, result.memory = accuracy, latency, memory
     result.cached = result.cached and cached
     detail = _summary(result)
     _notify(options, "stage_end", f"evaluate {name}", "cached" if cached else "ok", detail)
@@ -252,12 +259,12 @@ def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices,
     _notify(options, "stage_start", f"evaluate {EAGER_STAGE}", "accuracy and latency")
     try:
         digest = StageCache.key(source=source_fingerprint(recipe), inputs=[s.model_dump() for s in recipe.inputs])
-        accuracy, latency, cached = evaluator.evaluate_eager(services.torch_model, digest, recipe.evaluate.tolerance)
+        accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, recipe.evaluate.tolerance)
     except OptpipeError as exc:
         return _evaluation_failed(result, str(exc), options)
     except Exception as exc:  # the baseline is informative; its failure must not stop the run
         return _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", options)
-    result.accuracy, result.latency, result.cached = accuracy, latency, cached
+    result.accuracy, result.latency, result.memory, result.cached = accuracy, latency, memory, cached
     _notify(options, "stage_end", f"evaluate {EAGER_STAGE}", "cached" if cached else "ok", _summary(result))
     return result
 

@@ -157,6 +157,12 @@ class EvaluateSpec(Strict):
     accuracy_batch: int = Field(8, ge=1)
     eager_baseline: bool = True
     top1: Optional[bool] = Field(None, description="compare argmax of outputs; default: outputs named *logits*")
+    sweep: dict[str, Union[list[int], Literal["pow2"]]] = Field(
+        default_factory=dict,
+        description="latency per value of a named dim, e.g. {batch: pow2, sequence: [16, 64, 256]}; "
+        "pow2 = powers of two from the dim's min to its max; other dims stay at `opt`, the batch at batch_sizes[0]",
+    )
+    sweep_iterations: Optional[int] = Field(None, ge=1, description="timed iterations per sweep point; default: iterations")
 
 
 class TargetSpec(Strict):
@@ -187,6 +193,26 @@ class Recipe(Strict):
                 if isinstance(dim, str) and dim not in self.dims:
                     raise ValueError(f"inputs.{i}.shape names dim '{dim}' that `dims` does not define")
         return self
+
+    @model_validator(mode="after")
+    def _sweeps_fit_dims(self):
+        for dim, values in self.evaluate.sweep.items():
+            if dim not in self.dims:
+                raise ValueError(f"evaluate.sweep names dim '{dim}' that `dims` does not define{_suggest(dim, self.dims)}")
+            rng = self.dims[dim]
+            outside = [v for v in (values if isinstance(values, list) else []) if not rng.min <= v <= rng.max]
+            if outside:
+                raise ValueError(f"evaluate.sweep.{dim}: {outside} outside the dim's range {rng.min}..{rng.max}")
+        return self
+
+    def sweep_values(self, dim: str) -> list[int]:
+        """The values a sweep over `dim` measures (pow2: powers of two from min to max, plus max)."""
+        values = self.evaluate.sweep[dim]
+        if isinstance(values, list):
+            return sorted(set(values))
+        rng = self.dims[dim]
+        powers = [2**i for i in range(rng.max.bit_length()) if rng.min <= 2**i <= rng.max]
+        return sorted(set(powers + [rng.max]))
 
     def resolve(self, path: str | None) -> Path | None:
         """A path from the recipe, relative to the recipe's folder."""

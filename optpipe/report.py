@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from optpipe.metrics import StageResult
 from optpipe.recipe import Recipe
+from optpipe.targets import render_targets_markdown
 
 SCHEMA_VERSION = 1
 EAGER = "pytorch-eager"
@@ -78,8 +79,18 @@ def pareto_frontier(stages: list[StageResult]) -> list[str]:
     return [name for name, p in points.items() if not any(_dominates(q, p) for other, q in points.items() if other != name)]
 
 
+# Differences smaller than these are measurement noise, not a trade-off: a p50 within 5% of
+# another's, an error within 1e-6 (float rounding of an identical model).
+LATENCY_NOISE = 0.05
+ERROR_NOISE = 1e-6
+
+
 def _dominates(a: tuple, b: tuple) -> bool:
-    return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+    """a is at least as good as b on every axis (up to noise) and clearly better on one."""
+    (lat_a, err_a, size_a), (lat_b, err_b, size_b) = a, b
+    no_worse = lat_a <= lat_b * (1 + LATENCY_NOISE) and err_a <= err_b + ERROR_NOISE and size_a <= size_b
+    better = lat_a < lat_b * (1 - LATENCY_NOISE) or err_a < err_b - ERROR_NOISE or size_a < size_b
+    return no_worse and better
 
 
 def machine_description() -> dict[str, Any]:
@@ -96,6 +107,9 @@ def write_report(report: RunReport, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(run_dir / "report.json", report.model_dump_json(indent=2))
     _write_atomic(run_dir / "report.md", render_markdown(report))
+    from optpipe.report_html import render_html  # matplotlib loads only when a report is written
+
+    _write_atomic(run_dir / "report.html", render_html(report))
 
 
 def render_markdown(report: RunReport) -> str:
@@ -114,6 +128,7 @@ def render_markdown(report: RunReport) -> str:
             else:
                 lines.append(f"- `{s.name}` is out of tolerance: {'; '.join(s.accuracy.violations)}")
         lines.append("")
+    lines += render_targets_markdown(report.targets)
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from optpipe.dag import build_dag
 from optpipe.errors import RecipeError
 from optpipe.pass_base import Pass
 from optpipe.recipe import Recipe, describe_validation_error, suggest
+from optpipe.targets import validate_targets
 
 
 def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
@@ -29,6 +30,7 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
         for stage in target.stages:
             if stage not in recipe.stages:
                 raise RecipeError(f"targets.{i}.stages: unknown stage '{stage}'{suggest(stage, recipe.stages)}")
+    validate_targets(recipe)
     return graph, passes
 
 

@@ -2,28 +2,53 @@
 
 Each module defines one subclass of `optpipe.pass_base.Pass`; the registry finds
 it by import, so heavy libraries must be imported inside `run`, not at the top.
+Passes from other packages register through the `optpipe.passes` entry-point
+group, or at run time with `register_pass` (used by tests and notebooks).
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 from functools import lru_cache
+from importlib import metadata
 
 from optpipe.pass_base import Pass
+
+_registered: dict[str, type[Pass]] = {}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    """Make a Pass subclass usable in recipes by its `name` (usable as a class decorator)."""
+    _registered[cls.name] = cls
+    registry.cache_clear()
+    return cls
+
+
+def unregister_pass(name: str) -> None:
+    _registered.pop(name, None)
+    registry.cache_clear()
 
 
 @lru_cache(maxsize=1)
 def registry() -> dict[str, type[Pass]]:
     found: dict[str, type[Pass]] = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, Pass) and obj is not Pass and obj.__module__ == module.__name__:
-                found[obj.name] = obj
+        if not info.name.startswith("_"):
+            found.update(_passes_in(importlib.import_module(f"{__name__}.{info.name}")))
+    for entry in metadata.entry_points(group="optpipe.passes"):
+        cls = entry.load()
+        found[cls.name] = cls
+    found.update(_registered)
     return dict(sorted(found.items()))
 
 
 def get_pass(name: str) -> type[Pass]:
     return registry()[name]
+
+
+def _passes_in(module) -> dict[str, type[Pass]]:
+    return {
+        obj.name: obj
+        for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, Pass) and obj is not Pass and obj.__module__ == module.__name__
+    }

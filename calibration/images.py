@@ -1,0 +1,169 @@
+"""A folder of images -> one model input, with the recipe's preprocessing.
+
+`data.<set>.preprocess` (all optional):
+
+    files:   [astronaut.png, "*.jpg"]   names or glob patterns inside the folder (default: every image)
+    resize:  256 | [h, w]               shorter side to 256 keeping the aspect ratio, or an exact size
+                                        (default: the crop size * 256/224, as in ImageNet evaluation)
+    crop:    224 | [h, w]               center crop (default: the input's fixed spatial dims)
+    scale:   0.00392156                 pixel values are multiplied by this first (default 1/255)
+    mean:    [0.485, 0.456, 0.406]      then normalised per channel (default: ImageNet's)
+    std:     [0.229, 0.224, 0.225]
+    layout:  NCHW | NHWC                (default: from where the input's 3 channels are)
+    channels: rgb | bgr                 (default rgb)
+    input:   images                     which model input (default: the only rank-4 input)
+
+The dtype is the input's: float inputs get scale/mean/std, uint8 inputs get raw pixels.
+When `samples` exceeds the number of images, later passes over the folder use
+horizontally flipped and randomly (seeded) placed crops, so no two samples are identical.
+Images are decoded with Pillow.
+"""
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from optpipe.errors import DataError
+from optpipe.recipe import DataSource, InputSpec, Recipe, describe_validation_error
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
+Size = Union[int, tuple[int, int]]
+
+
+class ImagePreprocess(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    files: Optional[list[str]] = None
+    resize: Optional[Size] = None
+    crop: Optional[Size] = None
+    scale: float = 1 / 255
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    layout: Optional[Literal["NCHW", "NHWC"]] = None
+    channels: Literal["rgb", "bgr"] = "rgb"
+    input: Optional[str] = None
+
+
+def load_image_folder(path: Path, source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+    """`source.samples` preprocessed images from `path`, stacked as the model input's array."""
+    options = _options(source)
+    spec = _image_input(recipe, options)
+    layout = options.layout or _layout_of(spec)
+    crop = _pair(options.crop) if options.crop is not None else _spatial_dims(spec, layout)
+    files = image_files(path, options.files)
+    rng = np.random.default_rng(source.seed)
+    samples = []
+    for index in range(source.samples):
+        variant = index // len(files)
+        image = _decode(files[index % len(files)])
+        samples.append(_preprocess(image, options, crop, variant, rng, spec.dtype))
+    batch = np.stack(samples)  # N, H, W, C
+    if layout == "NCHW":
+        batch = batch.transpose(0, 3, 1, 2)
+    return {spec.name: np.ascontiguousarray(batch).astype(spec.dtype)}
+
+
+def image_files(folder: Path, patterns: list[str] | None) -> list[Path]:
+    """Image files of `folder` (not recursive), matched by `patterns` in their order, else all sorted by name."""
+    if not folder.is_dir():
+        raise DataError(f"data: images need a folder, and '{folder}' is not one; point `path` at a folder of images")
+    images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if patterns:
+        chosen: list[Path] = []
+        for pattern in patterns:
+            matched = [p for p in images if fnmatch.fnmatch(p.name, pattern) and p not in chosen]
+            if not matched:
+                raise DataError(f"data: preprocess.files: '{pattern}' matches no image in '{folder}'")
+            chosen += matched
+        images = chosen
+    if not images:
+        raise DataError(f"data: folder '{folder}' holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return images
+
+
+def _options(source: DataSource) -> ImagePreprocess:
+    try:
+        options = ImagePreprocess.model_validate(source.preprocess)
+    except ValidationError as exc:
+        raise DataError(f"data: {describe_validation_error(exc, ImagePreprocess, source.preprocess, prefix='preprocess')}") from None
+    if any(s == 0 for s in options.std):
+        raise DataError("data: preprocess.std: a standard deviation of 0 divides by zero; use positive values")
+    return options
+
+
+def _image_input(recipe: Recipe, options: ImagePreprocess) -> InputSpec:
+    if options.input is not None:
+        spec = next((s for s in recipe.inputs if s.name == options.input), None)
+        if spec is None:
+            raise DataError(f"data: preprocess.input: the model has no input '{options.input}'")
+        return spec
+    candidates = [s for s in recipe.inputs if len(s.shape) == 4]
+    if len(candidates) != 1:
+        raise DataError("data: images feed one rank-4 input; name it with `preprocess: {input: NAME}`")
+    return candidates[0]
+
+
+def _layout_of(spec: InputSpec) -> str:
+    if spec.shape[1] in (1, 3):
+        return "NCHW"
+    if spec.shape[3] in (1, 3):
+        return "NHWC"
+    raise DataError(f"data: cannot tell the layout of input '{spec.name}' {spec.shape}; set `preprocess: {{layout: NCHW}}`")
+
+
+def _spatial_dims(spec: InputSpec, layout: str) -> tuple[int, int]:
+    h, w = (spec.shape[2], spec.shape[3]) if layout == "NCHW" else (spec.shape[1], spec.shape[2])
+    if not (isinstance(h, int) and isinstance(w, int)):
+        raise DataError(f"data: input '{spec.name}' has dynamic height/width; set `preprocess: {{crop: SIZE}}`")
+    return h, w
+
+
+def _pair(size: Size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def _decode(path: Path):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as exc:
+        raise DataError(f"data: cannot decode image '{path}' ({exc}); remove it or list others in preprocess.files") from None
+
+
+def _preprocess(image, options: ImagePreprocess, crop: tuple[int, int], variant: int, rng, dtype: str) -> np.ndarray:
+    """Resize, crop (center on the first pass, flipped/shifted on later ones), normalise; returns HWC."""
+    from PIL import Image
+
+    image = image.resize(_resized(image.size, options.resize, crop), Image.Resampling.BILINEAR)
+    width, height = image.size
+    ch, cw = crop
+    if ch > height or cw > width:
+        raise DataError(f"data: preprocess.crop {list(crop)} is larger than the resized image ({height}x{width}); raise `resize`")
+    top, left = (height - ch) // 2, (width - cw) // 2
+    if variant > 0:
+        top, left = int(rng.integers(0, height - ch + 1)), int(rng.integers(0, width - cw + 1))
+    pixels = np.asarray(image.crop((left, top, left + cw, top + ch)), dtype=np.float32)
+    if variant % 2 == 1:
+        pixels = pixels[:, ::-1]
+    if options.channels == "bgr":
+        pixels = pixels[..., ::-1]
+    if np.dtype(dtype).kind == "f":
+        pixels = (pixels * options.scale - np.asarray(options.mean, np.float32)) / np.asarray(options.std, np.float32)
+    return pixels
+
+
+def _resized(size: tuple[int, int], resize: Size | None, crop: tuple[int, int]) -> tuple[int, int]:
+    """PIL (width, height) after resizing: the shorter side to `resize` (aspect kept), or exactly [h, w]."""
+    width, height = size
+    if resize is None:
+        resize = round(max(crop) * 256 / 224)
+    if not isinstance(resize, int):
+        return int(resize[1]), int(resize[0])
+    ratio = resize / min(width, height)
+    return max(1, round(width * ratio)), max(1, round(height * ratio))

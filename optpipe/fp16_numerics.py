@@ -1,0 +1,72 @@
+"""FP16 numerics measured on a CPU: an FP32 model that rounds every FP16 tensor to FP16.
+
+Why not just run the FP16 model on ONNX Runtime's CPU provider: that provider has
+no FP16 kernels for most ops, so it wraps them in Casts to FP32 and then removes
+the Cast pairs between neighbouring ops (its InsertCastTransformer). Consecutive
+"FP16" ops then compute and pass values in FP32, and a ReduceSum that overflows
+FP16 on a GPU gives a finite result on the CPU (measured: bit-identical to FP32).
+Explicit Casts that lose precision are kept since ORT 1.17 (PR #17953), so this
+module rewrites an FP16 model into FP32 ops with an explicit FP32->FP16->FP32
+round trip after every tensor that is FP16 in the original. That is what a GPU
+computes: FP16 storage between ops, FP32 arithmetic inside them, overflow to inf.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROUNDED_SUFFIX = "__fp16_storage"
+RAW_SUFFIX = "__fp32_raw"
+
+
+def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor that shape inference can type."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    types = {init.name: init.data_type for init in graph.initializer}
+    for info in (*graph.input, *graph.output, *graph.value_info):
+        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
+            types[info.name] = info.type.tensor_type.elem_type
+    return types
+
+
+def emulate_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An FP32 model whose values equal the FP16 model's under FP16 storage and FP32 arithmetic."""
+    types = tensor_types(model)
+    emulated = onnx.ModelProto()
+    emulated.CopyFrom(model)
+    graph = emulated.graph
+    for index, init in enumerate(graph.initializer):
+        if init.data_type == TensorProto.FLOAT16:
+            graph.initializer[index].CopyFrom(_as_float32(init))
+    nodes = []
+    for node in graph.node:
+        _widen_attributes(node)
+        nodes.append(node)
+        for position, name in enumerate(node.output):
+            if name and types.get(name) == TensorProto.FLOAT16:
+                raw = name + RAW_SUFFIX
+                node.output[position] = raw
+                nodes.append(helper.make_node("Cast", [raw], [name + ROUNDED_SUFFIX], to=TensorProto.FLOAT16))
+                nodes.append(helper.make_node("Cast", [name + ROUNDED_SUFFIX], [name], to=TensorProto.FLOAT))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for info in (*graph.input, *graph.output):
+        if info.type.tensor_type.elem_type == TensorProto.FLOAT16:
+            info.type.tensor_type.elem_type = TensorProto.FLOAT
+    del graph.value_info[:]  # types changed; ORT re-infers them
+    return emulated
+
+
+def _widen_attributes(node: onnx.NodeProto) -> None:
+    """FP16 constants become FP32 (same values); Casts to FP16 become Casts to FP32 (rounded after)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT16:
+            attr.t.CopyFrom(_as_float32(attr.t))
+        if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT16:
+            attr.i = TensorProto.FLOAT
+
+
+def _as_float32(tensor: TensorProto) -> TensorProto:
+    return numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name)

@@ -1,0 +1,307 @@
+"""report.html: a self-contained view of report.json for people, readable offline.
+
+Every plot is drawn with matplotlib into an inline SVG (text kept as text), and
+the style sheet is inline: the file opens anywhere, with no CDN and no script.
+Shows the stage DAG, the stage table with deltas against each stage's parent,
+the Pareto plot (latency vs accuracy error, point size by model size, frontier
+highlighted) and one latency/throughput curve per batch size and per swept dim.
+"""
+from __future__ import annotations
+
+import html
+import io
+import re
+from typing import Any
+
+from optpipe.metrics import Latency, StageResult
+from optpipe.report import EAGER, RunReport
+
+OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
+FRONTIER = "#f9a825"
+CANDIDATE = "#5c7cbf"
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+
+
+def render_html(report: RunReport) -> str:
+    sections = [
+        _header(report),
+        _section("Stages", _dag_svg(report) + _stage_table(report)),
+        _section("Pareto: latency vs accuracy error", _pareto_svg(report)),
+    ]
+    for title, curves in _latency_curves(report):
+        sections.append(_section(title, _curves_svg(curves, title)))
+    sections.append(_problems(report))
+    body = "\n".join(s for s in sections if s)
+    return _PAGE.format(title=html.escape(f"optpipe report: {report.recipe}"), style=_STYLE, body=body)
+
+
+# --- page parts ----------------------------------------------------------------------------
+
+
+def _header(report: RunReport) -> str:
+    m, e = report.machine, report.evaluation
+    return (
+        f"<h1>optpipe report: {html.escape(report.recipe)}</h1>"
+        f"<p class='meta'>{html.escape(report.created)} · {html.escape(str(m.get('processor')))} ({m.get('cores')} cores) · "
+        f"{e.get('threads')} threads · accuracy against <code>{html.escape(str(report.reference))}</code> · "
+        f"optpipe {html.escape(report.optpipe_version)}</p>"
+    )
+
+
+def _section(title: str, content: str) -> str:
+    return f"<section><h2>{html.escape(title)}</h2>\n{content}\n</section>"
+
+
+def _stage_table(report: RunReport) -> str:
+    eager = report.stage(EAGER)
+    eager_p50 = _p50(eager)
+    head = ["stage", "pass", "after", "status", "p50 ms", "p90 ms", "vs eager", "vs parent", "cosine", "Δ cosine",
+            "max abs", "size MB", "Δ size", "peak mem MB", "frontier"]
+    rows = []
+    for s in report.stages:
+        parent = report.stage(s.parent) if s.parent else None
+        lat = _headline(s)
+        cells = [
+            f"<b>{html.escape(s.name)}</b>", html.escape(s.pass_name), html.escape(s.parent or ""),
+            _status_cell(s),
+            _f(lat.p50_ms if lat else None, ".2f"), _f(lat.p90_ms if lat else None, ".2f"),
+            _ratio(eager_p50, _p50(s)), _ratio(_p50(parent), _p50(s)),
+            _cosine_cell(s), _cosine_delta(parent, s),
+            _f(max((o.max_abs for o in s.accuracy.outputs), default=None) if s.accuracy else None, ".2e"),
+            _f(s.size_bytes / 1e6 if s.size_bytes else None, ".1f"),
+            _pct(parent.size_bytes if parent else None, s.size_bytes),
+            _f(s.memory.host_rss_bytes / 1e6 if s.memory and s.memory.host_rss_bytes is not None else None, ".0f"),
+            "★" if s.pareto else "",
+        ]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    batch = _headline_batch(report)
+    note = (f"<p class='note'>Latency at batch {batch}. 'vs' columns are speed-ups (&gt;1x is faster); "
+            "Δ columns are against the stage's parent.</p>")
+    return note + "<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+
+
+def _problems(report: RunReport) -> str:
+    items = []
+    for s in report.stages:
+        if s.status != "ok":
+            items.append(f"<li><code>{html.escape(s.name)}</code> {s.status}: {html.escape(s.reason or '')}</li>")
+        elif s.accuracy and not s.accuracy.within_tolerance:
+            items.append(f"<li><code>{html.escape(s.name)}</code> is out of tolerance: {html.escape('; '.join(s.accuracy.violations))}</li>")
+    return _section("Problems", "<ul>" + "".join(items) + "</ul>") if items else ""
+
+
+# --- plots ---------------------------------------------------------------------------------
+
+
+def _dag_svg(report: RunReport) -> str:
+    """The stage DAG left to right by depth; colour = status, gold border = on the frontier."""
+    import networkx as nx
+
+    stages = [s for s in report.stages if s.name != EAGER]
+    graph = nx.DiGraph()
+    for s in stages:
+        graph.add_node(s.name)
+        if s.parent:
+            graph.add_edge(s.parent, s.name)
+    if not graph:
+        return ""
+    for depth, layer in enumerate(nx.topological_generations(graph)):
+        for name in layer:
+            graph.nodes[name]["depth"] = depth
+    pos = nx.multipartite_layout(graph, subset_key="depth")
+    depth_count = max(d["depth"] for _, d in graph.nodes(data=True)) + 1
+    width = max(4.0, 2.2 * depth_count)
+    height = max(1.6, 0.9 * max(len(layer) for layer in nx.topological_generations(graph)))
+    fig = _figure(width, height)
+    ax = fig.add_subplot()
+    by_name = {s.name: s for s in stages}
+    for a, b in graph.edges:
+        ax.annotate("", xy=pos[b], xytext=pos[a], arrowprops=dict(arrowstyle="-|>", color="#555", shrinkA=38, shrinkB=38))
+    for name, (x, y) in pos.items():
+        s = by_name[name]
+        colour = OK if s.status == "ok" and not _out_of_tolerance(s) else OUT if s.status == "ok" else FAILED
+        lat = _headline(s)
+        detail = f"{lat.p50_ms:.2f} ms" if lat else s.status
+        if s.accuracy:
+            detail += f" · cos {s.accuracy.worst_cosine:.4f}"
+        ax.text(x, y, f"{name}\n{s.pass_name}\n{detail}", ha="center", va="center", fontsize=8, color="white",
+                bbox=dict(boxstyle="round,pad=0.4", fc=colour, ec=FRONTIER if s.pareto else colour, lw=3 if s.pareto else 1))
+    ax.set_xlim(min(x for x, _ in pos.values()) - 0.5, max(x for x, _ in pos.values()) + 0.5)
+    ax.set_ylim(min(y for _, y in pos.values()) - 0.5, max(y for _, y in pos.values()) + 0.5)
+    ax.axis("off")
+    return _svg(fig, "dag")
+
+
+def _pareto_svg(report: RunReport) -> str:
+    points = [s for s in report.stages if s.status == "ok" and _headline(s) is not None]
+    if not points:
+        return "<p>No stage has a latency measurement.</p>"
+    fig = _figure(7.5, 4.5)
+    ax = fig.add_subplot()
+    sizes = [s.size_bytes for s in points if s.size_bytes]
+    biggest = max(sizes) if sizes else 1
+    for s in points:
+        x, y = _headline(s).p50_ms, _error(s)
+        area = 40 + 600 * (s.size_bytes / biggest) if s.size_bytes else 60
+        if s.name == EAGER:
+            ax.scatter([x], [y], s=90, marker="D", color="#555", label="PyTorch eager", zorder=3)
+        elif _out_of_tolerance(s):
+            ax.scatter([x], [y], s=area, marker="X", color=FAILED, alpha=0.8, zorder=3)
+        else:
+            ax.scatter([x], [y], s=area, color=FRONTIER if s.pareto else CANDIDATE,
+                       edgecolors="black" if s.pareto else "none", linewidths=1.5, alpha=0.85, zorder=3)
+        ax.annotate(s.name, (x, y), xytext=(6, 6), textcoords="offset points", fontsize=8)
+    frontier = sorted((_headline(s).p50_ms, _error(s)) for s in points if s.pareto)
+    if len(frontier) > 1:
+        xs, ys = zip(*frontier)
+        ax.step(xs, ys, where="post", color=FRONTIER, lw=2, zorder=2, label="Pareto frontier")
+    tolerance = (report.evaluation.get("tolerance") or {}).get("cosine_min")
+    if tolerance is not None:
+        ax.axhline(1 - tolerance, color=FAILED, ls="--", lw=1, label=f"tolerance (cosine {tolerance})")
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.set_xlabel(f"p50 latency, ms (batch {_headline_batch(report)})")
+    ax.set_ylabel("accuracy error (1 − worst mean cosine)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+    note = ("<p class='note'>Point area is proportional to the model's size on disk; gold = on the frontier; "
+            "red X = out of tolerance (never on the frontier).</p>")
+    return _svg(fig, "pareto") + note
+
+
+def _latency_curves(report: RunReport) -> list[tuple[str, dict[str, list[tuple[int, Latency]]]]]:
+    """(title, {stage: [(x, latency)]}): one chart for batch_sizes (when several) and one per swept dim."""
+    charts: dict[str, dict[str, list[tuple[int, Latency]]]] = {}
+    for s in report.stages:
+        if s.status != "ok":
+            continue
+        for lat in s.latency:
+            if lat.sweep is None:
+                title, x = "Latency vs batch size", lat.batch_size
+            else:
+                title, x = f"Latency vs {lat.sweep}", lat.sweep_value if lat.sweep_value is not None else lat.batch_size
+            charts.setdefault(title, {}).setdefault(s.name, []).append((x, lat))
+    return [(title, curves) for title, curves in charts.items() if max(len(v) for v in curves.values()) > 1]
+
+
+def _curves_svg(curves: dict[str, list[tuple[int, Latency]]], title: str) -> str:
+    fig = _figure(10, 4)
+    left, right = fig.subplots(1, 2)
+    for i, (name, points) in enumerate(curves.items()):
+        points = sorted(points, key=lambda p: p[0])
+        xs = [x for x, _ in points]
+        style = dict(marker="o", ms=4, color="#555" if name == EAGER else PALETTE[i % len(PALETTE)], ls="--" if name == EAGER else "-")
+        left.plot(xs, [lat.p50_ms for _, lat in points], label=name, **style)
+        right.plot(xs, [lat.throughput for _, lat in points], label=name, **style)
+    what = title.removeprefix("Latency vs ")
+    for ax, ylabel in ((left, "p50 latency, ms"), (right, "throughput, samples/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(what)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+    left.legend(fontsize=8)
+    return _svg(fig, re.sub(r"\W+", "-", title.lower()))
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float):
+    # A bare Figure, not pyplot: no global state, no GUI backend.
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _svg(fig, name: str) -> str:
+    import matplotlib
+
+    buffer = io.StringIO()
+    # Text stays text (searchable, small) and ids are stable across renders of the same data.
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "optpipe"}):
+        fig.savefig(buffer, format="svg", metadata={"Date": None})
+    text = buffer.getvalue()
+    text = text[text.index("<svg"):].strip()  # drop the XML declaration and DOCTYPE: inline SVG in HTML
+    text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, flags=re.S)  # RDF boilerplate, links to purl.org
+    return f"<figure class='plot' id='plot-{name}'>{text}</figure>"
+
+
+def _headline(s: StageResult | None) -> Latency | None:
+    if s is None:
+        return None
+    return next((lat for lat in s.latency if lat.sweep is None), None)
+
+
+def _headline_batch(report: RunReport) -> int:
+    return (report.evaluation.get("batch_sizes") or [1])[0]
+
+
+def _p50(s: StageResult | None) -> float | None:
+    lat = _headline(s)
+    return lat.p50_ms if lat else None
+
+
+def _error(s: StageResult) -> float:
+    return s.accuracy.error if s.accuracy else 0.0
+
+
+def _out_of_tolerance(s: StageResult) -> bool:
+    return bool(s.accuracy and not s.accuracy.within_tolerance)
+
+
+def _status_cell(s: StageResult) -> str:
+    colour = FAILED if s.status != "ok" else OUT if _out_of_tolerance(s) else OK
+    text = s.status + (" (cached)" if s.cached and s.status == "ok" else "")
+    return f"<span style='color:{colour}'>{text}</span>"
+
+
+def _cosine_cell(s: StageResult) -> str:
+    if not s.accuracy:
+        return ""
+    text = f"{s.accuracy.worst_cosine:.5f}"
+    return text if s.accuracy.within_tolerance else f"<span style='color:{FAILED}'>{text} ⚠</span>"
+
+
+def _cosine_delta(parent: StageResult | None, s: StageResult) -> str:
+    if not (parent and parent.accuracy and s.accuracy):
+        return ""
+    return f"{s.accuracy.worst_cosine - parent.accuracy.worst_cosine:+.5f}"
+
+
+def _ratio(base: float | None, value: float | None) -> str:
+    return f"{base / value:.2f}x" if base and value else ""
+
+
+def _pct(before: int | None, after: int | None) -> str:
+    return f"{(after - before) / before * 100:+.0f}%" if before and after else ""
+
+
+def _f(value: Any, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+_STYLE = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2em auto; max-width: 1200px; color: #222; padding: 0 1em; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ddd; padding-bottom: .2em; margin-top: 2em; }
+.meta, .note { color: #666; font-size: .9em; }
+table { border-collapse: collapse; font-size: .85em; margin-top: .5em; }
+th, td { border: 1px solid #ddd; padding: .3em .6em; text-align: right; white-space: nowrap; }
+th { background: #f5f5f5; } td:nth-child(-n+4) { text-align: left; }
+figure.plot { margin: 1em 0; } figure.plot svg { max-width: 100%; height: auto; }
+code { background: #f3f3f3; padding: 0 .2em; }
+"""
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>{style}</style>
+</head>
+<body>
+{body}
+</body>
+</html>
+"""

@@ -1,0 +1,147 @@
+"""What every target shares: its typed params, the job it is given, and the result it records.
+
+A target turns one finished stage (its folder under `<run>/stages/<name>/` and its row of
+the report) into an artifact a serving stack loads as is. Its result is data: status
+("ok", "skipped: <reason>", "failed: <reason>"), the files with their hashes, and the
+precision, accuracy and latency that belong to the artifact, with the provider that
+measured them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
+
+import onnx
+from pydantic import BaseModel, ConfigDict, Field
+
+from optpipe.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
+from optpipe.metrics import Accuracy, Latency, StageResult
+from optpipe.recipe import Recipe, TargetSpec
+
+
+class TargetParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OrtParams(TargetParams):
+    ort_format: bool = Field(True, description="also write the ORT format model (model.ort) where the model converts")
+
+
+class TensorRTParams(TargetParams):
+    precision: Literal["auto", "fp32", "fp16", "int8"] = Field(
+        "auto",
+        description="auto: the graph's own precision (FP16 casts, Q/DQ nodes); fp16/int8 on an FP32 graph need "
+        "TensorRT's builder flags (gone in TensorRT 11)",
+    )
+    sparse_weights: Union[Literal["auto"], bool] = Field("auto", description="auto: on when the weights hold 2:4 patterns")
+    workspace_mb: Optional[int] = Field(None, ge=1, description="builder workspace memory pool limit")
+    builder_optimization_level: Optional[int] = Field(None, ge=0, le=5)
+    tf32: bool = Field(False, description="allow TF32 for FP32 layers (weakly typed networks only)")
+    evaluate: bool = Field(True, description="measure the engine's accuracy and latency with Polygraphy's TrtRunner")
+
+
+class TritonParams(TargetParams):
+    platform: Literal["onnxruntime", "tensorrt"] = Field("onnxruntime", description="onnxruntime_onnx or tensorrt_plan")
+    device: Literal["auto", "cpu", "gpu"] = Field("auto", description="instance group kind; auto: the provider that was measured")
+    instances: int = Field(1, ge=1, description="model instances per device")
+    dynamic_batching: bool = True
+    max_queue_delay_us: int = Field(100, ge=0, description="how long Triton may wait to fill a batch")
+    max_batch_size: Optional[int] = Field(None, ge=0, description="default: the batch dim's max from the recipe")
+    model_name: str = Field("{recipe}_{stage}", description="model folder name; {recipe} and {stage} are filled in")
+
+
+PARAMS: dict[str, type[TargetParams]] = {"ort": OrtParams, "tensorrt": TensorRTParams, "triton": TritonParams}
+
+
+class TargetResult(BaseModel):
+    """One artifact written (or not) for one stage: the row of the report's targets and of the manifest."""
+
+    kind: str
+    stage: str
+    status: str = Field(description='"ok", "skipped: <reason>" or "failed: <reason>"')
+    path: Optional[str] = Field(None, description="the artifact folder, relative to the run (or export) folder")
+    precision: Optional[str] = None
+    provider: Optional[str] = Field(None, description="what measured the accuracy and latency below")
+    accuracy: Optional[Accuracy] = None
+    latency: list[Latency] = Field(default_factory=list)
+    files: dict[str, str] = Field(default_factory=dict, description="file (relative to path) -> sha256")
+    hash: Optional[str] = Field(None, description="one hash over the files")
+    details: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def failed(self) -> bool:
+        return self.status.startswith("failed")
+
+
+@dataclass
+class StageView:
+    """A finished stage as a target sees it: its folder in the run and its row of the report."""
+
+    name: str
+    folder: Path
+    result: Optional[StageResult] = None
+
+    @property
+    def model_path(self) -> Path:
+        return self.folder / MODEL_FILE
+
+    @cached_property
+    def graph(self) -> onnx.ModelProto:
+        """The graph without its weights (cheap): structure, io specs, precision."""
+        return onnx.load(str(self.model_path), load_external_data=False)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.result.info if self.result else {}
+
+
+@dataclass
+class TargetJob:
+    """Everything one target needs for one stage; the run owns it, the target reads it."""
+
+    recipe: Recipe
+    spec: TargetSpec
+    params: TargetParams
+    stage: StageView
+    out_dir: Path
+    root: Path  # paths in results are relative to this (the run or export folder)
+    cache_dir: Path
+    providers: list[str]
+    stage_folder: Callable[[str], Optional[StageView]]  # another stage of the run, by name (ancestors)
+    measurer: Optional[Any] = None  # targets.measure.Measurer: eval data and reference outputs, built lazily
+    stages_defaulted: bool = False  # stages came from the Pareto frontier, not the recipe
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def result(self, status: str, **fields: Any) -> TargetResult:
+        return TargetResult(kind=self.spec.kind, stage=self.stage.name, status=status, **fields)
+
+
+def copy_model(stage: StageView, folder: Path, name: str = MODEL_FILE) -> list[Path]:
+    """Copy the stage's model.onnx and its external data into `folder` (the data keeps its name,
+    which the ONNX file refers to)."""
+    copied = [folder / name]
+    copy_file(stage.model_path, folder / name)
+    data = stage.folder / DATA_FILE
+    if data.exists():
+        copy_file(data, folder / DATA_FILE)
+        copied.append(folder / DATA_FILE)
+    return copied
+
+
+def hash_files(folder: Path) -> tuple[dict[str, str], str]:
+    """sha256 of every file under `folder` (relative paths) and one hash over them."""
+    files = {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+    return files, content_hash(files)
+
+
+def relative(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path.resolve())

@@ -1,0 +1,52 @@
+"""Measuring an artifact the way the report measures stages: same inputs, same reference, same settings.
+
+Used for artifacts whose numbers differ from their stage's (a TensorRT engine, an ORT format
+model): accuracy against the reference stage's outputs on the evaluation set, latency
+percentiles per batch size.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Callable, Optional
+
+from optpipe.accuracy import compare, run_onnx
+from optpipe.cache import StageCache
+from optpipe.calibration.dataset import build_sample_set
+from optpipe.evaluation import Evaluator
+from optpipe.latency import measure
+from optpipe.metrics import Accuracy, Latency
+from optpipe.recipe import Recipe, Tolerance
+from optpipe.runtime import Feeds, Outputs
+from optpipe.targets.base import StageView
+
+
+class Measurer:
+    def __init__(self, recipe: Recipe, cache: StageCache, reference: Optional[StageView], providers: str = "auto"):
+        self.recipe = recipe
+        self.settings = recipe.evaluate
+        self.reference = reference
+        self.evaluator = Evaluator(recipe, cache, lambda: build_sample_set(recipe.data.eval, recipe, cache.root), providers)
+
+    @property
+    def batches(self) -> list[Feeds]:
+        return self.evaluator.accuracy_batches
+
+    @cached_property
+    def reference_outputs(self) -> Outputs:
+        if self.reference is None:
+            raise ValueError("no reference stage finished in this run")
+        return run_onnx(self.reference.model_path, self.batches, self.settings.threads, self.evaluator.providers)
+
+    def accuracy(self, outputs: Outputs, tolerance: Tolerance) -> Optional[Accuracy]:
+        if self.reference is None:
+            return None
+        return compare(
+            outputs, self.reference_outputs, self.evaluator.all_inputs, tolerance, self.reference.name, self.settings.top1
+        )
+
+    def latency(self, run: Callable[[Feeds], Outputs], provider: str) -> list[Latency]:
+        sizes = self.settings.batch_sizes if self.recipe.batch_dim() else [len(self.batches[0][next(iter(self.batches[0]))])]
+        return [
+            measure(run, self.evaluator.eval_set.first(size), self.settings.warmup, self.settings.iterations, self.settings.threads, provider)
+            for size in sizes
+        ]

@@ -1,0 +1,211 @@
+"""Triton model repository: `<repo>/<model>/config.pbtxt` and `<repo>/<model>/1/model.onnx` (+ its
+external data, platform onnxruntime_onnx) or `1/model.plan` (tensorrt_plan).
+
+Inputs and outputs come from the ONNX graph (dtype, dims with -1 for dynamic); the batch dim
+becomes `max_batch_size` with dynamic batching; the instance group runs where the stage was
+measured (CPU, or GPU where the CUDA provider measured it). The ONNX Runtime settings that
+were measured (threads, sequential execution) go into the backend's parameters.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from optpipe.errors import TargetError
+from optpipe.targets import tensorrt
+from optpipe.targets.base import TargetJob, TargetResult, TritonParams, copy_model, hash_files, relative
+from optpipe.targets.model_facts import TensorSpec, io_specs, precision_of
+
+CONFIG_FILE = "config.pbtxt"
+VERSION = "1"
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
+# numpy dtype name (as model_facts reports it) -> Triton DataType
+TRITON_TYPES = {
+    "bool": "TYPE_BOOL",
+    "uint8": "TYPE_UINT8",
+    "uint16": "TYPE_UINT16",
+    "uint32": "TYPE_UINT32",
+    "uint64": "TYPE_UINT64",
+    "int8": "TYPE_INT8",
+    "int16": "TYPE_INT16",
+    "int32": "TYPE_INT32",
+    "int64": "TYPE_INT64",
+    "float16": "TYPE_FP16",
+    "float32": "TYPE_FP32",
+    "float64": "TYPE_FP64",
+    "bfloat16": "TYPE_BF16",
+    "object": "TYPE_STRING",
+}
+
+
+def write_repository(job: TargetJob) -> TargetResult:
+    params: TritonParams = job.params  # type: ignore[assignment]
+    name = model_name(params.model_name, job.recipe.name, job.stage.name)
+    folder = job.out_dir / name
+    version_dir = folder / VERSION
+    engine: Optional[TargetResult] = None
+    if params.platform == "tensorrt":
+        engine = engine_for(job)
+        if not engine.ok:
+            return job.result(engine.status, details={"model": name, "platform": PLATFORMS["tensorrt"]})
+    if version_dir.exists():
+        shutil.rmtree(version_dir)  # a stale model.onnx beside a new model.plan would confuse a reader
+    version_dir.mkdir(parents=True)
+    if engine is not None:
+        shutil.copyfile(job.root / engine.path / tensorrt.PLAN_FILE, version_dir / tensorrt.PLAN_FILE)
+    else:
+        copy_model(job.stage, version_dir)
+    config = model_config(job, params, name)
+    (folder / CONFIG_FILE).write_text(render_config(config))
+    files, digest = hash_files(folder)
+    source = engine or job.stage.result
+    return job.result(
+        "ok",
+        path=relative(folder, job.root),
+        precision=engine.precision if engine else precision_of(job.stage.graph),
+        provider=(engine.provider if engine else (source.latency[0].provider if source and source.latency else None)),
+        accuracy=source.accuracy if source else None,
+        latency=source.latency if source else [],
+        files=files,
+        hash=digest,
+        details={"model": name, "platform": config["platform"], "max_batch_size": config["max_batch_size"],
+                 "instance_kind": config["instance_group"][0]["kind"]},
+    )
+
+
+def engine_for(job: TargetJob) -> TargetResult:
+    """The TensorRT engine for this stage, with the recipe's `tensorrt` target params if it has one;
+    built and measured once per run (a `tensorrt` target that ran first already did)."""
+    spec = next((t for t in job.recipe.targets if t.kind == "tensorrt"), None)
+    params = tensorrt.TensorRTParams.model_validate(spec.params if spec else {})
+    key = tensorrt.engine_result_key(job.stage.name, params)
+    if key not in job.extras.setdefault("engines", {}):
+        sub = TargetJob(
+            recipe=job.recipe, spec=job.spec.model_copy(update={"kind": "tensorrt", "params": params.model_dump()}),
+            params=params, stage=job.stage, out_dir=engine_folder(job) / job.stage.name,
+            root=job.root, cache_dir=job.cache_dir, providers=job.providers, stage_folder=job.stage_folder,
+            measurer=job.measurer, stages_defaulted=job.stages_defaulted, extras=job.extras,
+        )
+        tensorrt.build_target(sub)
+    return job.extras["engines"][key]
+
+
+def engine_folder(job: TargetJob) -> Path:
+    """Where engines for this repository are built: beside it in a run, never inside it
+    (Triton would take any folder in the repository for a model)."""
+    return job.extras.get("engine_dir") or job.out_dir.parent / "tensorrt"
+
+
+def model_name(template: str, recipe: str, stage: str) -> str:
+    """The model's folder name: Triton addresses models by it, so keep it to safe characters."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", template.format(recipe=recipe, stage=stage))
+
+
+def model_config(job: TargetJob, params: TritonParams, name: str) -> dict[str, Any]:
+    inputs, outputs = io_specs(job.stage.graph)
+    batch_max = batching_limit(job, params, inputs, outputs)
+    strip = 1 if batch_max > 0 else 0
+    kind = instance_kind(job, params)
+    config: dict[str, Any] = {
+        "name": name,
+        "platform": PLATFORMS[params.platform],
+        "max_batch_size": batch_max,
+        "input": [_tensor(t, strip) for t in inputs],
+        "output": [_tensor(t, strip) for t in outputs],
+        "instance_group": [{"count": params.instances, "kind": kind}],
+        "parameters": {},
+    }
+    if batch_max > 0 and params.dynamic_batching:
+        preferred = [b for b in job.recipe.evaluate.batch_sizes if 1 < b <= batch_max]
+        config["dynamic_batching"] = {"preferred_batch_size": preferred, "max_queue_delay_microseconds": params.max_queue_delay_us}
+    if params.platform == "onnxruntime":
+        # The ONNX Runtime backend's names for the session settings the stage was measured with.
+        config["parameters"] = {
+            "intra_op_thread_count": str(job.recipe.evaluate.threads),
+            "inter_op_thread_count": "1",
+            "execution_mode": "0",  # sequential
+        }
+    return config
+
+
+def batching_limit(job: TargetJob, params: TritonParams, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> int:
+    """max_batch_size: the batch dim's max when every input and output leads with a dynamic dim, else 0."""
+    batch = job.recipe.batch_dim()
+    if batch is None:
+        return 0
+    leads_dynamic = all(t.dims and not isinstance(t.dims[0], int) for t in inputs + outputs)
+    if not leads_dynamic:
+        return 0
+    limit = job.recipe.dims[batch].max
+    if params.max_batch_size is None:
+        return limit
+    if params.max_batch_size > limit:
+        raise TargetError(
+            f"targets (triton): max_batch_size {params.max_batch_size} exceeds the batch dim '{batch}' max {limit} "
+            f"the model was measured (and TensorRT profiled) for; lower it or raise dims.{batch}.max"
+        )
+    return params.max_batch_size
+
+
+def instance_kind(job: TargetJob, params: TritonParams) -> str:
+    if params.platform == "tensorrt":
+        if params.device == "cpu":
+            raise TargetError("targets (triton): a tensorrt_plan model runs on GPUs only; set `device: gpu` or `platform: onnxruntime`")
+        return "KIND_GPU"
+    if params.device == "auto":
+        return "KIND_GPU" if job.providers and job.providers[0] == "CUDAExecutionProvider" else "KIND_CPU"
+    return f"KIND_{params.device.upper()}"
+
+
+def _tensor(tensor: TensorSpec, strip: int) -> dict[str, Any]:
+    if tensor.dtype not in TRITON_TYPES:
+        raise TargetError(f"targets (triton): tensor '{tensor.name}' has type {tensor.dtype}, which Triton has no type for")
+    dims = [d if isinstance(d, int) else -1 for d in tensor.dims[strip:]]
+    spec = {"name": tensor.name, "data_type": TRITON_TYPES[tensor.dtype], "dims": dims or [1]}
+    if not dims:  # Triton wants at least one dim: a scalar per sample is [1] reshaped to []
+        spec["reshape"] = []
+    return spec
+
+
+# --- protobuf text format --------------------------------------------------------------------
+# Written by hand rather than through tritonclient's ModelConfig message: that would make
+# grpcio and tritonclient runtime dependencies for ~30 lines of text. The tests parse every
+# written file with tritonclient.grpc.model_config_pb2.ModelConfig.
+
+
+def render_config(config: dict[str, Any]) -> str:
+    lines = [
+        f'name: "{config["name"]}"',
+        f'platform: "{config["platform"]}"',
+        f'max_batch_size: {config["max_batch_size"]}',
+    ]
+    for section in ("input", "output"):
+        lines.append(f"{section} [")
+        lines.append(",\n".join(_tensor_text(t) for t in config[section]))
+        lines.append("]")
+    lines.append("instance_group [")
+    lines.append(",\n".join(f"  {{\n    count: {g['count']}\n    kind: {g['kind']}\n  }}" for g in config["instance_group"]))
+    lines.append("]")
+    batching = config.get("dynamic_batching")
+    if batching is not None:
+        lines.append("dynamic_batching {")
+        if batching["preferred_batch_size"]:
+            lines.append(f"  preferred_batch_size: [ {', '.join(map(str, batching['preferred_batch_size']))} ]")
+        lines.append(f"  max_queue_delay_microseconds: {batching['max_queue_delay_microseconds']}")
+        lines.append("}")
+    for key, value in config["parameters"].items():
+        lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
+    return "\n".join(lines) + "\n"
+
+
+def _tensor_text(tensor: dict[str, Any]) -> str:
+    dims = ", ".join(str(d) for d in tensor["dims"])
+    reshape = "\n    reshape: { shape: [ ] }" if "reshape" in tensor else ""
+    return f'  {{\n    name: {_quoted(tensor["name"])}\n    data_type: {tensor["data_type"]}\n    dims: [ {dims} ]{reshape}\n  }}'
+
+
+def _quoted(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+

@@ -1,0 +1,68 @@
+"""Shared fixtures: a tiny recipe factory, an isolated cache, the CLI runner."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "recipes" / "models"
+
+TINY_RECIPE = {
+    "name": "tiny",
+    "model": {"factory": "tiny:build_mlp", "path": str(MODELS)},
+    "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 32]}],
+    "dims": {"batch": {"min": 1, "opt": 4, "max": 16}},
+    "data": {"eval": {"source": "synthetic", "samples": 16, "seed": 0}},
+    "stages": {
+        "export": {"pass": "export"},
+        "simplify": {"pass": "simplify", "after": "export"},
+    },
+    "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 3, "threads": 1, "tolerance": {"cosine_min": 0.999}},
+}
+
+
+@pytest.fixture
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def tiny_recipe(tmp_path):
+    """Write a tiny recipe (deep-updated with overrides) and return its path."""
+
+    def write(overrides: dict | None = None, name: str = "recipe.yaml", **top) -> Path:
+        data = copy.deepcopy(TINY_RECIPE)
+        _deep_update(data, overrides or {})
+        data.update(top)
+        data.setdefault("output", str(tmp_path / "run"))
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def cli_run(cache_dir):
+    """Run the optpipe CLI in-process with an isolated cache; returns click's Result."""
+    from optpipe.cli import cli
+
+    def run(*args: str, cache: Path | None = None):
+        runner = CliRunner()
+        return runner.invoke(cli, list(args), env={"OPTPIPE_CACHE": str(cache or cache_dir)}, catch_exceptions=False)
+
+    return run
+
+
+def _deep_update(base: dict, new: dict) -> None:
+    for key, value in new.items():
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value

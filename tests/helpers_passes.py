@@ -1,0 +1,54 @@
+"""Shared by the fp16/prune/images tests: run one pass on a hand-built ONNX graph without a pipeline."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from optpipe.artifact import ModelArtifact, save_model
+from optpipe.calibration.dataset import SampleSet
+from optpipe.pass_base import PassContext
+from optpipe.recipe import Tolerance, parse_recipe
+
+
+def graph_recipe(inputs: list[dict], dims: dict | None = None, tolerance: dict | None = None):
+    """A recipe around an existing ONNX graph (only its inputs, dims and evaluation settings matter)."""
+    return parse_recipe(
+        {
+            "model": {"onnx": "unused.onnx"},
+            "inputs": inputs,
+            "dims": dims or {},
+            "stages": {"export": {"pass": "export"}},
+            "evaluate": {"tolerance": tolerance or {"cosine_min": 0.99}, "threads": 1, "accuracy_batch": 8},
+        }
+    )
+
+
+def artifact_of(model: onnx.ModelProto, folder: Path) -> ModelArtifact:
+    onnx.checker.check_model(model)
+    return save_model(model, folder)
+
+
+def context(recipe, workdir: Path, eval_arrays: dict[str, np.ndarray], tolerance: Tolerance | None = None) -> PassContext:
+    workdir.mkdir(parents=True, exist_ok=True)
+    samples = SampleSet(eval_arrays, key="test-eval-set")
+    return PassContext(
+        recipe=recipe,
+        stage="under-test",
+        workdir=workdir,
+        log=logging.getLogger("optpipe.test"),
+        cache_dir=workdir.parent / "cache",
+        torch_model=lambda: None,
+        eval_set=lambda: samples,
+        calibration_set=lambda: samples,
+        tolerance=tolerance or recipe.evaluate.tolerance,
+    )
+
+
+def run_model(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)

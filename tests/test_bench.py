@@ -1,0 +1,37 @@
+"""The benchmark runner, generic over a recipe: every finished stage beside plain ONNX Runtime, written as Markdown."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
+
+from inspect_models import mlp_model, mlp_recipe, save
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_measures_every_stage_and_writes_markdown(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTPIPE_CACHE", str(tmp_path / "cache"))
+    model_path = save(mlp_model(), tmp_path / "mlp.onnx")
+    recipe = mlp_recipe(model_path, tmp_path / "run", sweep={})
+    recipe_path = tmp_path / "tiny.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe))
+    bench = load_bench()
+    args = SimpleNamespace(rounds=2, iterations=3, warmup=1, batch=None)
+    result = bench.bench_recipe(recipe_path, args)
+    names = [row["candidate"] for row in result["rows"]]
+    assert names == [bench.PLAIN_ORT, "optpipe:export", "optpipe:simplify"]  # an ONNX source has no eager baseline
+    assert all(row["p50_ms"] > 0 and row["p90_ms"] >= row["p50_ms"] for row in result["rows"])
+    assert result["samples_timed"] == 6 and result["shapes"] == {"x": [1, 4, 16]}
+    text = bench.render_document([result, {"recipe": "recipes/absent.yaml", "error": "recipe 'recipes/absent.yaml' does not exist"}], "python bench/run.py x")
+    assert "| optpipe:simplify" in text and "Machine:" in text and "`python bench/run.py x`" in text
+    assert "not measured: recipe 'recipes/absent.yaml' does not exist" in text

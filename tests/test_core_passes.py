@@ -1,0 +1,122 @@
+"""export and simplify on tiny models: dynamic dims, numerics, both exporters, error paths."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from optpipe.checks import onnx_outputs
+from optpipe.errors import ModelSourceError, PassError
+from optpipe.pass_base import PassContext
+from optpipe.passes.export import ExportParams, ExportPass
+from optpipe.passes.simplify import SimplifyParams, SimplifyPass
+from optpipe.model_source import load_torch_model
+from optpipe.recipe import load_recipe
+from optpipe.runtime import eager_runner
+
+TESTS = Path(__file__).resolve().parent
+
+CNN = {
+    "model": {"factory": "tiny:build_cnn"},
+    "inputs": [{"name": "image", "dtype": "float32", "shape": ["batch", 3, 32, 32]}],
+}
+
+
+def _context(recipe, tmp_path, name="stage") -> PassContext:
+    workdir = tmp_path / name
+    workdir.mkdir()
+    return PassContext(
+        recipe=recipe, stage=name, workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
+        torch_model=lambda: load_torch_model(recipe), eval_set=None, calibration_set=None,
+        tolerance=recipe.evaluate.tolerance,
+    )
+
+
+def _dims(model: onnx.ModelProto) -> dict[str, list]:
+    return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_export_keeps_dynamic_dims_and_matches_eager(tiny_recipe, tmp_path, exporter):
+    recipe = load_recipe(tiny_recipe({"model": {"factory": "tiny:build_cnn"}, "inputs": CNN["inputs"]}))
+    artifact = ExportPass(ExportParams(exporter=exporter)).run(None, _context(recipe, tmp_path))
+    proto = artifact.load(with_weights=False)
+    assert _dims(proto) == {"image": ["batch", 3, 32, 32]}
+    assert (artifact.folder / "model.onnx.data").stat().st_size > 10_000, "weights live in external data"
+    # Any batch size in range runs and matches eager.
+    feeds = {"image": np.random.default_rng(1).normal(size=(5, 3, 32, 32)).astype(np.float32)}
+    got = onnx_outputs(artifact.path, feeds)
+    want = eager_runner(load_torch_model(recipe), threads=1)(feeds)
+    np.testing.assert_allclose(list(got.values())[0], want["logits"], atol=1e-4)
+    assert artifact.info["check_vs_eager"]["max_abs"] < 1e-4
+    assert artifact.info["exporter"] == exporter
+
+
+def test_export_failure_is_one_sentence_with_a_hint(tiny_recipe, tmp_path):
+    recipe = load_recipe(tiny_recipe({"model": {"factory": "failing_models:build_data_dependent", "path": str(TESTS)}}))
+    with pytest.raises(PassError) as info:
+        ExportPass(ExportParams()).run(None, _context(recipe, tmp_path))
+    message = str(info.value)
+    assert message.startswith("torch.onnx.export (dynamo) failed:")
+    assert "try `exporter: torchscript`" in message
+    assert "\n" not in message
+
+
+def test_onnx_source_is_imported(tiny_recipe, tmp_path):
+    recipe = load_recipe(tiny_recipe())
+    exported = ExportPass(ExportParams()).run(None, _context(recipe, tmp_path, "first"))
+    onnx_recipe = load_recipe(tiny_recipe({"model": None}, model={"onnx": str(exported.path)}, name="onnx.yaml"))
+    imported = ExportPass(ExportParams()).run(None, _context(onnx_recipe, tmp_path, "second"))
+    assert imported.info["imported"] == str(exported.path)
+    assert _dims(imported.load(with_weights=False)) == {"x": ["batch", 32]}
+    feeds = {"x": np.ones((3, 32), np.float32)}
+    np.testing.assert_array_equal(list(onnx_outputs(imported.path, feeds).values())[0],
+                                  list(onnx_outputs(exported.path, feeds).values())[0])
+
+
+def test_onnx_source_with_other_inputs_is_refused(tiny_recipe, tmp_path):
+    recipe = load_recipe(tiny_recipe())
+    exported = ExportPass(ExportParams()).run(None, _context(recipe, tmp_path, "first"))
+    wrong = load_recipe(tiny_recipe(
+        {"model": None}, model={"onnx": str(exported.path)},
+        inputs=[{"name": "pixels", "dtype": "float32", "shape": ["batch", 32]}], name="wrong.yaml",
+    ))
+    with pytest.raises(ModelSourceError, match=r"the recipe declares \['pixels'\] but 'model.onnx' takes \['x'\]"):
+        ExportPass(ExportParams()).run(None, _context(wrong, tmp_path, "second"))
+
+
+def test_not_an_onnx_file_is_refused(tiny_recipe, tmp_path):
+    bogus = tmp_path / "model.onnx"
+    bogus.write_bytes(b"this is not protobuf")
+    recipe = load_recipe(tiny_recipe({"model": None}, model={"onnx": str(bogus)}))
+    with pytest.raises(ModelSourceError, match="is not a valid ONNX model"):
+        ExportPass(ExportParams()).run(None, _context(recipe, tmp_path, "x"))
+
+
+@pytest.mark.parametrize("backend", ["onnxslim", "onnxsim"])
+def test_simplify_removes_nodes_and_keeps_numerics(tiny_recipe, tmp_path, backend):
+    recipe = load_recipe(tiny_recipe({"model": {"factory": "tiny:build_cnn"}, "inputs": CNN["inputs"]}))
+    exported = ExportPass(ExportParams(exporter="torchscript")).run(None, _context(recipe, tmp_path, "export"))
+    simplified = SimplifyPass(SimplifyParams(backend=backend)).run(exported, _context(recipe, tmp_path, "simplify"))
+    info = simplified.info
+    assert info["nodes_after"] < info["nodes_before"], info
+    assert info["check_vs_input"]["max_abs"] < 1e-4
+    assert _dims(simplified.load(with_weights=False)) == {"image": ["batch", 3, 32, 32]}
+    assert exported.folder != simplified.folder and (exported.folder / "model.onnx").exists(), "input untouched"
+
+
+def test_simplify_never_mutates_its_input(tiny_recipe, tmp_path):
+    recipe = load_recipe(tiny_recipe())
+    exported = ExportPass(ExportParams(exporter="torchscript")).run(None, _context(recipe, tmp_path, "export"))
+    before = exported.content_hash()
+    SimplifyPass(SimplifyParams()).run(exported, _context(recipe, tmp_path, "simplify"))
+    assert exported.content_hash() == before
+
+
+def test_missing_package_model_is_one_sentence(tiny_recipe, tmp_path):
+    recipe = load_recipe(tiny_recipe({"model": None}, model={"package": "no_such_model_pkg", "subdir": "model"}))
+    with pytest.raises(ModelSourceError, match="package 'no_such_model_pkg' is not installed"):
+        ExportPass(ExportParams()).fingerprint(_context(recipe, tmp_path))

@@ -1,0 +1,117 @@
+"""fp16 pass: conversion keeps FP32 I/O, the emulation shows FP16 overflow, the guard keeps the culprits in FP32."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, parser
+
+from helpers_passes import artifact_of, context, graph_recipe, run_model
+from optpipe.fp16_numerics import emulate_fp16
+from optpipe.passes.fp16 import Fp16Params, Fp16Pass, convert_to_fp16
+
+# A softmax-like normalisation whose ReduceSum exceeds FP16's 65504 (64 values of ~3000):
+# harmless in FP32, inf in FP16, and the Div after it then returns zeros (cosine 0).
+OVERFLOWING = """
+<ir_version: 9, opset_import: ["" : 20]>
+overflow (float[N, 64] x) => (float[N, 64] out) {
+  w = Constant<value = float {3000.0}>()
+  y = Mul(x, w)
+  r = Relu(y)
+  axes = Constant<value = int64[1] {1}>()
+  s = ReduceSum<keepdims=1>(r, axes)
+  q = Div(r, s)
+  two = Constant<value = float {2.0}>()
+  out = Mul(q, two)
+}
+"""
+
+
+def overflow_case(tmp_path):
+    model = parser.parse_model(OVERFLOWING)
+    recipe = graph_recipe([{"name": "x", "shape": ["N", 64]}], dims={"N": {"min": 1, "opt": 4, "max": 16}})
+    x = np.random.default_rng(0).uniform(0.5, 1.5, (16, 64)).astype(np.float32)
+    return artifact_of(model, tmp_path / "in"), recipe, {"x": x}
+
+
+def run_pass(params: dict, source, recipe, arrays, workdir):
+    ctx = context(recipe, workdir, arrays)
+    Fp16Pass(Fp16Params(**params)).run(source, ctx)
+    from optpipe.artifact import ModelArtifact
+
+    return ModelArtifact.open(workdir)
+
+
+def test_conversion_keeps_float32_io_and_stores_weights_in_fp16(tmp_path):
+    model = parser.parse_model(
+        """
+        <ir_version: 9, opset_import: ["" : 20]>
+        mm (float[N, 8] x) => (float[N, 4] y) {
+          y = MatMul(x, w)
+        }
+        """
+    )
+    w = onnx.numpy_helper.from_array(np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32), "w")
+    model.graph.initializer.append(w)
+    converted = convert_to_fp16(model, keep_io_types=True, op_block_list=None, node_block_list=[])
+    onnx.checker.check_model(converted, full_check=True)
+    assert converted.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert converted.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert {init.data_type for init in converted.graph.initializer} == {TensorProto.FLOAT16}
+    x = np.random.default_rng(2).normal(size=(3, 8)).astype(np.float32)
+    (path := tmp_path / "m.onnx").write_bytes(converted.SerializeToString())
+    expected = x @ onnx.numpy_helper.to_array(w)
+    np.testing.assert_allclose(run_model(path, {"x": x})[0], expected, rtol=5e-3, atol=5e-3)
+
+
+def test_emulation_shows_the_overflow_that_ort_cpu_hides(tmp_path):
+    model = parser.parse_model(OVERFLOWING)
+    converted = convert_to_fp16(model, keep_io_types=True, op_block_list=None, node_block_list=[])
+    x = np.random.default_rng(0).uniform(0.5, 1.5, (2, 64)).astype(np.float32)
+    (plain := tmp_path / "plain.onnx").write_bytes(converted.SerializeToString())
+    (emulated := tmp_path / "emulated.onnx").write_bytes(emulate_fp16(converted).SerializeToString())
+    (fp32 := tmp_path / "fp32.onnx").write_bytes(model.SerializeToString())
+    reference = run_model(fp32, {"x": x})[0]
+    # ORT's CPU provider computes the 'FP16' ops in FP32 between its own Casts: no overflow is visible.
+    np.testing.assert_allclose(run_model(plain, {"x": x})[0], reference, rtol=1e-3)
+    # The emulation rounds every FP16 tensor: ReduceSum overflows, Div returns 0.
+    np.testing.assert_array_equal(run_model(emulated, {"x": x})[0], np.zeros_like(reference))
+
+
+def test_plain_fp16_breaks_the_tolerance_and_the_guard_restores_it(tmp_path):
+    source, recipe, arrays = overflow_case(tmp_path)
+    plain = run_pass({"guard": False}, source, recipe, arrays, tmp_path / "plain")
+    assert plain.info["fp32_nodes"] == []
+    guarded = run_pass({}, source, recipe, arrays, tmp_path / "guarded")
+    guard = guarded.info["guard"]
+    assert not guard["plain_fp16"]["within_tolerance"]
+    assert guard["plain_fp16"]["cosine"] < 0.99
+    assert guard["within_tolerance"] and guard["final"]["cosine"] > 0.999
+    kept = {k["node"]: k for k in guarded.info["fp32_nodes"]}
+    ops = {k["op"] for k in kept.values()}
+    # The overflowing ReduceSum and the Div reading its sum; the Muls and the Relu stay FP16.
+    assert ops == {"ReduceSum", "Div"}
+    reduce_sum = next(k for k in kept.values() if k["op"] == "ReduceSum")
+    assert "overflows" in reduce_sum["reason"]
+    assert all("error_before" in k and "error_after" in k for k in kept.values())
+    # The artifact really has those nodes in FP32, and its emulated FP16 numerics match FP32.
+    model = guarded.load()
+    x = arrays["x"][:4]
+    reference = run_model(source.path, {"x": x})[0]
+    (emulated := tmp_path / "e.onnx").write_bytes(emulate_fp16(model).SerializeToString())
+    np.testing.assert_allclose(run_model(emulated, {"x": x})[0], reference, rtol=2e-3, atol=1e-5)
+
+
+def test_guard_stops_at_its_limit_and_says_so(tmp_path):
+    source, recipe, arrays = overflow_case(tmp_path)
+    limited = run_pass({"max_kept_nodes": 1}, source, recipe, arrays, tmp_path / "limited")
+    guard = limited.info["guard"]
+    assert guard["kept_by_guard"] == 1 and guard["limit_reached"] and not guard["within_tolerance"]
+
+
+def test_unknown_node_in_block_list_is_a_clear_error(tmp_path):
+    from optpipe.errors import PassError
+
+    source, recipe, arrays = overflow_case(tmp_path)
+    with pytest.raises(PassError, match="node_block_list"):
+        run_pass({"node_block_list": ["nope"]}, source, recipe, arrays, tmp_path / "bad")

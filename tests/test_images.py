@@ -1,0 +1,101 @@
+"""Image folders as data: real photographs shipped in scikit-image's wheel, the recipe's preprocessing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from optpipe.calibration.dataset import build_sample_set
+from optpipe.calibration.sources import load_samples
+from optpipe.errors import DataError
+from optpipe.recipe import parse_recipe
+
+PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"]
+
+
+def recipe(shape, preprocess=None, samples=4, dtype="float32", path="package:skimage/data"):
+    return parse_recipe(
+        {
+            "model": {"onnx": "unused.onnx"},
+            "inputs": [{"name": "images", "dtype": dtype, "shape": shape}],
+            "dims": {"batch": {"min": 1, "opt": 1, "max": 8}},
+            "data": {"eval": {"source": "images", "path": path, "samples": samples,
+                              "preprocess": {"files": PHOTOS, **(preprocess or {})}}},
+            "stages": {"export": {"pass": "export"}},
+        }
+    )
+
+
+def test_real_photos_become_normalised_nchw_batches():
+    r = recipe(["batch", 3, 224, 224])
+    images = load_samples(r.data.eval, r)["images"]
+    assert images.shape == (4, 3, 224, 224) and images.dtype == np.float32
+    # ImageNet normalisation of natural photos: roughly zero mean, unit spread, within the [0,1]-pixel bounds.
+    assert -1.0 < images.mean() < 1.0 and 0.5 < images.std() < 1.5
+    assert images.min() >= (0 - 0.485) / 0.229 - 1e-4 and images.max() <= (1 - 0.406) / 0.225 + 1e-4
+    # The astronaut image is not the cat: the samples really differ.
+    assert not np.allclose(images[0], images[1])
+
+
+def test_preprocessing_matches_a_hand_computed_pixel():
+    from PIL import Image
+
+    from optpipe.calibration.sources import package_path
+
+    r = recipe(["batch", 64, 64, 3], {"resize": [64, 64], "mean": [0, 0, 0], "std": [1, 1, 1]}, samples=1)
+    images = load_samples(r.data.eval, r)["images"]
+    assert images.shape == (1, 64, 64, 3)  # NHWC from where the channels are
+    expected = np.asarray(Image.open(package_path("package:skimage/data") / "astronaut.png").convert("RGB")
+                          .resize((64, 64), Image.Resampling.BILINEAR), np.float32) / 255
+    np.testing.assert_allclose(images[0], expected, atol=1e-6)
+
+
+def test_uint8_inputs_get_raw_pixels_and_bgr_flips_channels():
+    rgb = load_samples((r := recipe(["batch", 3, 32, 32], samples=1, dtype="uint8")).data.eval, r)["images"]
+    bgr_recipe = recipe(["batch", 3, 32, 32], {"channels": "bgr"}, samples=1, dtype="uint8")
+    bgr = load_samples(bgr_recipe.data.eval, bgr_recipe)["images"]
+    assert rgb.dtype == np.uint8 and rgb.max() > 100
+    np.testing.assert_array_equal(bgr[:, ::-1], rgb)
+
+
+def test_more_samples_than_images_use_flipped_and_shifted_crops():
+    r = recipe(["batch", 3, 64, 64], samples=12)
+    images = load_samples(r.data.eval, r)["images"]
+    assert images.shape[0] == 12
+    flat = images.reshape(12, -1)
+    assert len({row.tobytes() for row in flat}) == 12  # no two samples identical
+
+
+def test_sample_set_is_cached_and_keyed_by_content(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.fromarray(np.full((40, 40, 3), 120, np.uint8)).save(folder / "a.png")
+    r = recipe(["batch", 3, 32, 32], {"files": ["*.png"]}, samples=2, path=str(folder))
+    r.data.eval.preprocess.pop("files")
+    first = build_sample_set(r.data.eval, r, tmp_path / "cache")
+    again = build_sample_set(r.data.eval, r, tmp_path / "cache")
+    assert not first.cached and again.cached
+    Image.fromarray(np.full((40, 40, 3), 200, np.uint8)).save(folder / "a.png")
+    changed = build_sample_set(r.data.eval, r, tmp_path / "cache")
+    assert not changed.cached and changed.key != first.key
+
+
+@pytest.mark.parametrize(
+    "preprocess, message",
+    [
+        ({"resize": 100}, "larger than the resized image"),
+        ({"layuot": "NCHW"}, "layout"),
+        ({"files": ["nope.png"]}, "matches no image"),
+    ],
+)
+def test_preprocess_mistakes_are_one_clear_sentence(preprocess, message):
+    r = recipe(["batch", 3, 224, 224], preprocess)
+    with pytest.raises(DataError, match=message):
+        load_samples(r.data.eval, r)
+
+
+def test_a_missing_package_is_a_clear_error():
+    r = recipe(["batch", 3, 224, 224], path="package:no_such_pkg_xyz/data")
+    with pytest.raises(DataError, match="not installed"):
+        load_samples(r.data.eval, r)
