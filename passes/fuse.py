@@ -22,10 +22,10 @@ from pydantic import Field
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.checks import onnx_outputs, require_agreement
 from optpipe.errors import PassError, first_line
+from optpipe.graph_stats import fused_ops as graph_stats_fused_ops
 from optpipe.graph_stats import graph_stats, op_changes, op_histogram
 from optpipe.pass_base import Pass, PassContext, PassParams
 
-MS_DOMAIN = "com.microsoft."
 ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")
 
 
@@ -87,7 +87,7 @@ class FusePass(Pass):
 
 def fused_ops(changes: dict[str, int]) -> dict[str, int]:
     """The fused ops the pass made, and how many: the com.microsoft ops that appeared."""
-    return {op: n for op, n in changes.items() if n > 0 and op.startswith(MS_DOMAIN)}
+    return {op: n for op, n in graph_stats_fused_ops(changes).items() if n > 0}
 
 
 def check_feeds(ctx: PassContext) -> dict:
@@ -126,7 +126,7 @@ def transformer_fusion(model: ModelArtifact, params: FuseParams, ctx: PassContex
 
 def fusion_score(ops: dict[str, int]) -> tuple[int, int]:
     """Attention fusions first (they buy the most), then the count of all fused ops."""
-    attention = sum(n for op, n in ops.items() if op.removeprefix(MS_DOMAIN) in ATTENTION_OPS)
+    attention = sum(n for op, n in ops.items() if op in ATTENTION_OPS)
     return attention, sum(ops.values())
 
 

@@ -32,7 +32,6 @@ from optpipe.errors import PassError, first_line
 from optpipe.graph_stats import graph_stats, op_changes, op_histogram
 from optpipe.metrics import Accuracy
 from optpipe.pass_base import Pass, PassContext, PassParams
-from optpipe.sensitivity import rank_nodes
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
 DYNAMIC_OPS = ["MatMul", "Gemm", "Conv", "Attention"]  # never Gather: int8 embedding tables cost accuracy for no speed
@@ -248,20 +247,32 @@ class Guard:
         outputs = run_onnx(path, self.batches, self.threads)
         return compare(outputs, self.reference, self.inputs, self.ctx.tolerance, "input")
 
+    def rank(self, quantized: Path, candidates: list[onnx.NodeProto]):
+        """Candidate nodes by the error each adds in the quantized model (layer-wise, on a few samples)."""
+        from optpipe.error_attribution import blame_nodes, run_with_outputs
+
+        source = self.model.load()
+        names = [name for node in candidates for name in (*node.input, *node.output) if name]
+        feeds = {k: v[: self.params.rank_samples] for k, v in self.inputs.items()}
+        reference = run_with_outputs(source, names_in(source, names), feeds, self.threads)
+        quantized_proto = onnx.load(str(quantized))
+        candidate = run_with_outputs(quantized_proto, names_in(quantized_proto, names), feeds, self.threads)
+        skip = {node.name for node in source.graph.node} - {node.name for node in candidates}
+        return blame_nodes(source, reference, candidate, skip=skip)
+
     def repair(self, path: Path, accuracy: Accuracy, quantizer: Quantizer, excluded: list[str], steps: list[dict]):
         """Keep the worst node in float, re-quantize, re-check; until the tolerance holds or the limit."""
         candidates = quantized_nodes(self.model, quantizer.op_types, excluded)
         weights = weight_sizes(self.model, candidates)
         total = sum(weights.values()) or 1
-        batches = [{k: v[: self.params.rank_samples] for k, v in self.batches[0].items()}]
-        ranking = rank_nodes(self.model.path, path, candidates, batches, self.ctx.workdir, self.threads)
+        ranking = self.rank(path, candidates)
         self.ctx.log.info("nodes by added error: %s", [(e.node, round(e.added_error, 4)) for e in ranking[:12]])
         kept = 0
         for error in ranking[: 2 * self.params.max_excluded]:
             trial = quantizer.quantize(excluded + [error.node])
             result = self.check(trial)
             step = _step(error.node, result, accuracy) | {
-                "op_type": error.op_type,
+                "op_type": error.op,
                 "added_error": round(error.added_error, 5),
                 "float_weights": weights.get(error.node, 0),
                 "float_weight_share": round(weights.get(error.node, 0) / total, 4),
@@ -283,6 +294,12 @@ def _step(node: str | None, accuracy: Accuracy, before: Accuracy | None = None) 
     if before is not None:
         step["bought_cosine"] = round(accuracy.worst_cosine - before.worst_cosine, 6)
     return step
+
+
+def names_in(model: onnx.ModelProto, names: list[str]) -> list[str]:
+    """The tensors of `names` that `model`'s nodes compute (quantizers keep node boundary names)."""
+    produced = {out for node in model.graph.node for out in node.output}
+    return [name for name in dict.fromkeys(names) if name in produced]
 
 
 def quantized_nodes(model: ModelArtifact, op_types: list[str], excluded: list[str]) -> list[onnx.NodeProto]:

@@ -1,0 +1,171 @@
+"""MiniLM INT8 benchmark: PyTorch eager FP32 vs ORT FP32 vs each INT8 variant, side by side in one process.
+
+    python bench/minilm_int8.py [--recipe recipes/minilm.yaml] [--rounds 20] [--iterations 10]
+
+The models are the recipe's stages (built through optpipe's cached pass manager) plus a few
+variants that show what each choice buys. Every model runs batch 1 x sequence 128 on 2
+pinned threads; timing rounds interleave the models so machine load hits all of them alike;
+p50/p90 are over all timed runs. Accuracy: cosine per real (unpadded) token of
+last_hidden_state against PyTorch eager FP32, over the recipe's evaluation sentences.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Variants beyond the recipe's own stages: (name, pass, parent, params).
+EXTRA_STAGES = [
+    ("fuse-packed", "fuse", "simplify", {"attention": "packed"}),
+    ("int8-dynamic-packed", "int8", "fuse-packed", {"mode": "dynamic"}),
+    ("int8-dynamic-per-tensor", "int8", "fuse", {"mode": "dynamic", "per_channel": False, "guard": False}),
+    ("int8-dynamic-unfused", "int8", "simplify", {"mode": "dynamic"}),
+    ("int8-static-percentile", "int8", "fuse", {"mode": "static", "method": "percentile"}),
+]
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    from optpipe.recipe import StageSpec, load_recipe
+
+    recipe = load_recipe(args.recipe)
+    for name, pass_name, parent, params in EXTRA_STAGES if not args.recipe_only else []:
+        if parent in recipe.stages:
+            recipe.stages[name] = StageSpec.model_validate({"pass": pass_name, "after": parent, "params": params})
+    stages, services = build_stages(recipe, args.run_dir)
+    samples = services.eval_set().arrays
+    runners = {"pytorch-eager": eager_runner(services.torch_model(), args.threads)}
+    for name, artifact in stages.items():
+        runners[name] = ort_runner(artifact.path, args.threads)
+
+    reference = outputs_of(runners["pytorch-eager"], samples, args.accuracy_batch)
+    cosines = {name: token_cosine(outputs_of(run, samples, args.accuracy_batch), reference, samples["attention_mask"]) for name, run in runners.items()}
+    feeds = {name: array[:1] for name, array in samples.items()}  # one real sentence, padded to 128
+    load_before = os.getloadavg()
+    times = time_interleaved(runners, feeds, args.threads, args.warmup, args.rounds, args.iterations)
+    load_after = os.getloadavg()
+    print_table(times, cosines, stages, args, load_before, load_after)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "minilm.yaml"))
+    parser.add_argument("--run-dir", default=str(REPO / "runs" / "bench-minilm-int8"), help="logs of the pass runs")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds over all models")
+    parser.add_argument("--iterations", type=int, default=10, help="timed runs per model per round")
+    parser.add_argument("--accuracy-batch", type=int, default=8)
+    parser.add_argument("--recipe-only", action="store_true", help="only the recipe's stages, no extra variants")
+    return parser.parse_args()
+
+
+def build_stages(recipe, run_dir: str):
+    """Every stage of the recipe through the cached pass manager (no evaluation phase)."""
+    from optpipe.cache import StageCache, default_cache_dir
+    from optpipe.dag import execution_order
+    from optpipe.pipeline import PassManager, RunOptions, RunServices
+    from optpipe.validate import validate_recipe
+
+    graph, passes = validate_recipe(recipe)
+    cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+    services = RunServices(recipe, cache)
+    folder = Path(run_dir)
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    manager = PassManager(recipe, cache, services, folder, RunOptions(output=folder))
+    started = time.perf_counter()
+    outcomes = manager.run(execution_order(graph), graph, passes)
+    failed = {name: o.reason for name, o in outcomes.items() if o.status != "ok"}
+    for name, reason in failed.items():
+        print(f"stage {name} not measured: {reason}", file=sys.stderr)
+    print(f"stages ready in {time.perf_counter() - started:.0f}s "
+          f"({sum(o.cached for o in outcomes.values())} from cache)", file=sys.stderr)
+    return {name: o.artifact for name, o in outcomes.items() if o.status == "ok"}, services
+
+
+def eager_runner(torch_model, threads: int):
+    import torch
+
+    torch.set_num_threads(threads)
+    module, names = torch_model.module, torch_model.input_names
+
+    def run(feeds):
+        with torch.inference_mode():
+            return module(*[torch.from_numpy(feeds[n]) for n in names])[0].numpy()
+
+    return run
+
+
+def ort_runner(path: Path, threads: int):
+    from optpipe.runtime import ort_session
+
+    session = ort_session(path, threads)  # ORT_ENABLE_ALL, sequential, intra-op threads pinned
+    inputs = {i.name for i in session.get_inputs()}
+    first = session.get_outputs()[0].name
+
+    def run(feeds):
+        return session.run([first], {k: v for k, v in feeds.items() if k in inputs})[0]
+
+    return run
+
+
+def outputs_of(run, samples, batch: int) -> np.ndarray:
+    count = len(samples["input_ids"])
+    return np.concatenate([run({k: v[i : i + batch] for k, v in samples.items()}) for i in range(0, count, batch)])
+
+
+def token_cosine(candidate: np.ndarray, reference: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
+    """Mean and minimum cosine over real tokens (attention_mask == 1)."""
+    real = mask.astype(bool)
+    a, b = candidate[real].astype(np.float64), reference[real].astype(np.float64)
+    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+    return float(cos.mean()), float(cos.min())
+
+
+def time_interleaved(runners, feeds, threads: int, warmup: int, rounds: int, iterations: int) -> dict[str, np.ndarray]:
+    from optpipe.runtime import pinned_threads
+
+    times = {name: [] for name in runners}
+    with pinned_threads(threads):
+        for run in runners.values():
+            for _ in range(warmup):
+                run(feeds)
+        for _ in range(rounds):
+            for name, run in runners.items():
+                for _ in range(iterations):
+                    start = time.perf_counter()
+                    run(feeds)
+                    times[name].append(time.perf_counter() - start)
+    return {name: np.array(t) * 1e3 for name, t in times.items()}
+
+
+def print_table(times, cosines, stages, args, load_before, load_after) -> None:
+    base = np.median(times["pytorch-eager"])
+    print(f"\nMiniLM-L6 (real weights), batch 1 x sequence 128, {args.threads} threads pinned, "
+          f"{args.rounds} interleaved rounds x {args.iterations} runs, warm-up {args.warmup}")
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)\n")
+    print("| model | p50 ms | p90 ms | speed-up vs eager (p50) | token cosine mean | min | kept float |")
+    print("|---|---|---|---|---|---|---|")
+    for name, ms in times.items():
+        mean, low = cosines[name]
+        kept = ""
+        if name in stages:
+            excluded = stages[name].info.get("excluded")
+            kept = str(len(excluded)) if excluded is not None else ""
+        print(f"| {name} | {np.median(ms):.2f} | {np.percentile(ms, 90):.2f} | {base / np.median(ms):.2f}x | {mean:.4f} | {low:.4f} | {kept} |")
+    ok = [(base / np.median(times[n]), n) for n in times if n.startswith("int8") and cosines[n][0] >= 0.99]
+    if ok:
+        speed, name = max(ok)
+        print(f"\nbest INT8 within cosine 0.99: {name}, {speed:.2f}x PyTorch eager FP32")
+
+
+if __name__ == "__main__":
+    main()
