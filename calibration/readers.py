@@ -93,7 +93,7 @@ class PolygraphyDataLoader:
             return feeds
         out = {}
         for name, array in feeds.items():
-            meta = self.input_metadata.get(name) if hasattr(self.input_metadata, "get") else None
+            meta = self.input_metadata[name] if name in self.input_metadata else None
             dtype = getattr(meta, "dtype", None)
             out[name] = array.astype(_numpy_dtype(dtype)) if dtype is not None else array
         return out

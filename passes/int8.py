@@ -147,8 +147,8 @@ class Quantizer:
     def _static(self, out: Path, excluded: list[str]) -> None:
         from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-        ranges = self._ranges()
-        samples = None if ranges.cached else self.ctx.calibration_set()
+        samples = self.ctx.calibration_set()  # built once per content, then loaded from its cache
+        ranges = self._ranges(samples.key)
         reader = None if ranges.cached else ort_calibration_reader(samples, self.model.path, self.params.calibration_batch)
         with CalibrationCache(self.ctx.cache_dir).lock(ranges.key):
             started = time.perf_counter()
@@ -173,16 +173,17 @@ class Quantizer:
                 "method": self.params.method,
                 "cached": ranges.cached,
                 "key": ranges.key,
-                "samples": None if samples is None else len(samples),
-                "set_cached": None if samples is None else samples.cached,
+                "samples": len(samples),
+                "set_key": samples.key,
+                "set_cached": samples.cached,
                 "seconds": None if ranges.cached else round(time.perf_counter() - started, 2),
             }
 
-    def _ranges(self):
+    def _ranges(self, samples_key: str):
         cache = CalibrationCache(self.ctx.cache_dir)
         key = ranges_key(
             self.model.content_hash(),
-            self.ctx.calibration_set().key,
+            samples_key,
             self.params.method,
             self.op_types,
             {**self._calibration_options(), "batch": self.params.calibration_batch},

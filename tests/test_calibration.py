@@ -1,0 +1,154 @@
+"""Calibration readers (ORT, Polygraphy, TensorRT) and the calibration result cache."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper, parser
+
+from optpipe.calibration.dataset import SampleSet
+from optpipe.calibration.readers import (
+    PolygraphyDataLoader,
+    ort_calibration_reader,
+    sample_batches,
+    tensorrt_calibrator,
+)
+from optpipe.errors import DataError, OptpipeError
+
+RNG = np.random.default_rng(0)
+
+
+def sample_set(count: int = 10) -> SampleSet:
+    return SampleSet(
+        {"x": RNG.normal(size=(count, 16)).astype(np.float32), "unused": np.zeros((count, 2), np.int64)}, key="k"
+    )
+
+
+def tiny_model(folder):
+    model = parser.parse_model(
+        """
+        <ir_version: 9, opset_import: ["" : 20]>
+        mlp (float[N, 16] x) => (float[N, 8] y) {
+          h = MatMul(x, w1)
+          r = Relu(h)
+          y = MatMul(r, w2)
+        }
+        """
+    )
+    for i, node in enumerate(model.graph.node):
+        node.name = f"n{i}"
+    model.graph.initializer.append(numpy_helper.from_array(RNG.normal(size=(16, 32)).astype(np.float32), "w1"))
+    model.graph.initializer.append(numpy_helper.from_array(RNG.normal(size=(32, 8)).astype(np.float32), "w2"))
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(folder / "model.onnx"))
+    return folder / "model.onnx"
+
+
+def test_ort_reader_serves_batches_of_the_model_inputs_and_rewinds(tmp_path):
+    reader = ort_calibration_reader(sample_set(10), tiny_model(tmp_path), batch_size=4)
+    first = list(reader)
+    assert [b["x"].shape[0] for b in first] == [4, 4, 2] and all(set(b) == {"x"} for b in first)
+    assert reader.get_next() is None and len(reader) == 3
+    reader.rewind()
+    assert np.array_equal(reader.get_next()["x"], first[0]["x"])
+    reader.set_range(1, 2)
+    assert [b["x"].shape[0] for b in reader] == [4]
+
+
+def test_missing_input_is_a_data_error():
+    with pytest.raises(DataError, match="no arrays for model inputs"):
+        sample_batches(sample_set(), 1, ["x", "mask"])
+
+
+def test_polygraphy_loader_is_sized_and_casts_to_the_model_dtypes():
+    from polygraphy.common import TensorMetadata
+
+    loader = PolygraphyDataLoader(sample_set(6), batch_size=2, input_names=["x"])
+    assert len(loader) == 3 and [b["x"].shape for b in loader] == [(2, 16)] * 3
+    loader.input_metadata = TensorMetadata().add("x", np.float16, (2, 16))
+    assert loader[0]["x"].dtype == np.float16
+
+
+def test_polygraphy_runs_a_model_from_the_loader(tmp_path):
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator
+
+    path = tiny_model(tmp_path)
+    results = Comparator.run([OnnxrtRunner(SessionFromOnnx(str(path)))], data_loader=PolygraphyDataLoader(sample_set(4), 2, ["x"]))
+    assert len(next(iter(results.values()))) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
+def test_tensorrt_calibrator_without_tensorrt_says_so(tmp_path):
+    with pytest.raises(OptpipeError, match="TensorRT is not installed"):
+        tensorrt_calibrator(sample_set(), tmp_path / "calib.cache")
+
+
+# --- the calibration result cache, through the pass manager -----------------------------------
+
+
+def recipe_with_calibration(tmp_path, model_path, int8_params):
+    from optpipe.recipe import parse_recipe
+
+    return parse_recipe(
+        {
+            "model": {"onnx": str(model_path)},
+            "inputs": [{"name": "x", "shape": ["N", 16]}],
+            "dims": {"N": {"min": 1, "opt": 4, "max": 16}},
+            "data": {"eval": {"samples": 8}, "calibration": {"source": "npz", "path": str(tmp_path / "calib.npz"), "samples": 16}},
+            "stages": {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": int8_params}},
+            "evaluate": {"threads": 1},
+        }
+    )
+
+
+def run_stages(recipe, cache_root, run_dir):
+    from optpipe.cache import StageCache
+    from optpipe.dag import execution_order
+    from optpipe.pipeline import PassManager, RunOptions, RunServices
+    from optpipe.validate import validate_recipe
+
+    graph, passes = validate_recipe(recipe)
+    cache = StageCache(cache_root)
+    manager = PassManager(recipe, cache, RunServices(recipe, cache), run_dir, RunOptions(output=run_dir))
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    outcomes = manager.run(execution_order(graph), graph, passes)
+    assert outcomes["int8"].status == "ok", outcomes["int8"].reason
+    return outcomes["int8"]
+
+
+def write_calibration(tmp_path, seed):
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(seed).normal(size=(16, 16)).astype(np.float32))
+
+
+def test_ranges_are_reused_until_the_data_content_changes(tmp_path):
+    model_path = tiny_model(tmp_path / "model")
+    cache, runs = tmp_path / "cache", tmp_path / "runs"
+    write_calibration(tmp_path, seed=1)
+    static = {"mode": "static", "method": "minmax"}
+
+    first = run_stages(recipe_with_calibration(tmp_path, model_path, static), cache, runs)
+    calib = first.artifact.info["calibration"]
+    assert not first.cached and not calib["cached"] and not calib["set_cached"]
+
+    # The same recipe: the whole stage is a cache hit.
+    assert run_stages(recipe_with_calibration(tmp_path, model_path, static), cache, runs).cached
+
+    # Another exclusion re-runs the stage, but neither rebuilds the set nor recalibrates.
+    other = run_stages(recipe_with_calibration(tmp_path, model_path, {**static, "exclude": ["n2"]}), cache, runs)
+    assert not other.cached
+    assert other.artifact.info["calibration"]["cached"] and other.artifact.info["calibration"]["set_cached"]
+    assert other.artifact.info["calibration"]["key"] == calib["key"]
+
+    # New content under the same file name: the set is rebuilt and the model recalibrated.
+    write_calibration(tmp_path, seed=2)
+    changed = run_stages(recipe_with_calibration(tmp_path, model_path, static), cache, runs)
+    new = changed.artifact.info["calibration"]
+    assert not changed.cached and not new["cached"] and not new["set_cached"]
+    assert new["key"] != calib["key"] and new["set_key"] != calib["set_key"]
+
+    # Another method is another entry.
+    entropy = run_stages(recipe_with_calibration(tmp_path, model_path, {**static, "method": "entropy"}), cache, runs)
+    assert not entropy.artifact.info["calibration"]["cached"]
