@@ -17,7 +17,7 @@ import numpy as np
 
 from optpipe.artifact import sha256_file
 from optpipe.errors import ModelSourceError, first_line
-from optpipe.recipe import FactoryModel, HFModel, OnnxModel, Recipe, TorchvisionModel
+from optpipe.recipe import FactoryModel, HFConfigModel, HFModel, OnnxModel, Recipe, TorchvisionModel
 
 
 @dataclass
@@ -31,7 +31,12 @@ class TorchModel:
 
 
 def hf_folder(recipe: Recipe) -> Path:
+    """The Hugging Face folder of the model (for a model built from a config: of its tokenizer)."""
     spec = recipe.model
+    if isinstance(spec, HFConfigModel):
+        if spec.tokenizer is None:
+            raise ModelSourceError("model.tokenizer: text data needs a tokenizer; add `tokenizer: {package: ..., subdir: ...}`")
+        spec = spec.tokenizer
     assert isinstance(spec, HFModel)
     if spec.hf is not None:
         folder = recipe.resolve(spec.hf)
@@ -54,6 +59,9 @@ def source_fingerprint(recipe: Recipe) -> dict[str, Any]:
     if isinstance(spec, HFModel):
         folder = hf_folder(recipe)
         return {"hf": _folder_hash(folder), "task": spec.task}
+    if isinstance(spec, HFConfigModel):
+        tokenizer = _folder_hash(hf_folder(recipe)) if spec.tokenizer else None
+        return {"hf_config": spec.hf_config, "seed": spec.seed, "weights": "random", "tokenizer": tokenizer}
     if isinstance(spec, OnnxModel):
         path = onnx_source_path(recipe)
         data = sorted(p for p in path.parent.glob(path.name + "*") if p != path) + sorted(path.parent.glob("*.data"))
@@ -81,6 +89,8 @@ def load_torch_model(recipe: Recipe) -> TorchModel:
     spec = recipe.model
     if isinstance(spec, HFModel):
         return _load_hf(recipe, spec)
+    if isinstance(spec, HFConfigModel):
+        return _load_hf_config(recipe, spec)
     if isinstance(spec, TorchvisionModel):
         return _load_torchvision(recipe, spec)
     if isinstance(spec, FactoryModel):
@@ -98,7 +108,6 @@ def example_inputs(recipe: Recipe, batch: int | None = None) -> dict[str, np.nda
 
 
 def _load_hf(recipe: Recipe, spec: HFModel) -> TorchModel:
-    import torch
     import transformers
 
     folder = hf_folder(recipe)
@@ -107,6 +116,28 @@ def _load_hf(recipe: Recipe, spec: HFModel) -> TorchModel:
         model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code)
     except Exception as exc:  # transformers raises many types; all mean "cannot load this folder"
         raise ModelSourceError(f"model: cannot load '{folder}' with transformers: {first_line(exc)}") from None
+    return _wrap_hf(model, recipe, f"{cls.__name__} from {folder}")
+
+
+def _load_hf_config(recipe: Recipe, spec: HFConfigModel) -> TorchModel:
+    import torch
+    import transformers
+
+    options = dict(spec.hf_config)
+    model_type = options.pop("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **options)
+    except Exception as exc:  # unknown model types, bad config keys
+        raise ModelSourceError(f"model.hf_config: transformers cannot build a '{model_type}' config: {first_line(exc)}") from None
+    torch.manual_seed(spec.seed)
+    model = transformers.AutoModel.from_config(config)
+    return _wrap_hf(model, recipe, f"{type(model).__name__} from {type(config).__name__} (random weights, seed {spec.seed})")
+
+
+def _wrap_hf(model, recipe: Recipe, description: str) -> TorchModel:
+    """The model in eval mode, taking the recipe's inputs positionally and returning its tensor outputs."""
+    import torch
+
     model.eval()
     names = [spec_.name for spec_ in recipe.inputs]
     wrapper = _TupleOutputs(model, names)
@@ -115,7 +146,7 @@ def _load_hf(recipe: Recipe, spec: HFModel) -> TorchModel:
         outputs = model(**sample)
     output_names = [k for k, v in outputs.items() if isinstance(v, torch.Tensor)]
     wrapper.output_keys = output_names
-    return TorchModel(wrapper, names, output_names, f"{cls.__name__} from {folder}")
+    return TorchModel(wrapper, names, output_names, description)
 
 
 def _load_torchvision(recipe: Recipe, spec: TorchvisionModel) -> TorchModel:

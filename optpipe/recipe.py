@@ -51,6 +51,20 @@ class FactoryModel(Strict):
     path: Optional[str] = Field(None, description="folder added to sys.path before importing the module")
 
 
+class HFConfigModel(Strict):
+    """A Hugging Face architecture built from its config: random (seeded) weights, for speed rather than accuracy."""
+
+    hf_config: dict[str, Any] = Field(description="`model_type` plus config overrides, e.g. {model_type: bert} for BertConfig()")
+    tokenizer: Optional[HFModel] = Field(None, description="where a tokenizer for text data lives (hf folder or package)")
+    seed: int = Field(0, description="torch seed for the random weights")
+
+    @model_validator(mode="after")
+    def _has_model_type(self):
+        if "model_type" not in self.hf_config:
+            raise ValueError("hf_config needs `model_type` (e.g. bert)")
+        return self
+
+
 class OnnxModel(Strict):
     onnx: str = Field(description="an existing .onnx file; the export stage then imports it as is")
 
@@ -60,6 +74,7 @@ MODEL_KINDS: dict[str, type[BaseModel]] = {
     "factory-model": FactoryModel,
     "torchvision-model": TorchvisionModel,
     "hf-model": HFModel,
+    "hf_config-model": HFConfigModel,
 }
 
 
@@ -68,7 +83,7 @@ def _model_kind(value: Any) -> str | None:
     if isinstance(value, BaseModel):
         return next(tag for tag, cls in MODEL_KINDS.items() if isinstance(value, cls))
     if isinstance(value, dict):
-        for key in ("onnx", "factory", "torchvision"):
+        for key in ("onnx", "factory", "torchvision", "hf_config"):
             if key in value:
                 return f"{key}-model"
         if "hf" in value or "package" in value:
@@ -81,7 +96,7 @@ ModelSpec = Annotated[
     Discriminator(
         _model_kind,
         custom_error_type="model_kind",
-        custom_error_message="expected a mapping with one of the keys hf, package, torchvision, factory or onnx",
+        custom_error_message="expected a mapping with one of the keys hf, package, hf_config, torchvision, factory or onnx",
     ),
 ]
 
