@@ -14,6 +14,8 @@ info lists each kept node, what it bought (cosine) and cost (weights left in flo
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 import tempfile
 import time
@@ -115,10 +117,11 @@ class Quantizer:
         out = self.scratch / f"quantized-{self.runs}.onnx"
         started = time.perf_counter()
         try:
-            if self.params.mode == "static":
-                self._static(out, excluded)
-            else:
-                self._dynamic(out, excluded)
+            with root_logs_to(self.ctx.log):
+                if self.params.mode == "static":
+                    self._static(out, excluded)
+                else:
+                    self._dynamic(out, excluded)
         except PassError:
             raise
         except Exception as exc:  # ORT's quantizer raises assorted errors on graphs it cannot handle
@@ -225,6 +228,23 @@ class Quantizer:
             "op_changes": op_changes(before, after["ops"]),
             "graph": after,
         }
+
+
+@contextlib.contextmanager
+def root_logs_to(log: logging.Logger):
+    """ORT's quantizer logs advice on the root logger: keep it in the stage log, off the terminal."""
+
+    class Forward(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            log.log(record.levelno, "onnxruntime.quantization: %s", record.getMessage())
+
+    root = logging.getLogger()
+    handler = Forward()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
 
 
 # --- the accuracy guard -----------------------------------------------------------------------
