@@ -236,7 +236,9 @@ def root_logs_to(log: logging.Logger):
 
     class Forward(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            log.log(record.levelno, "onnxruntime.quantization: %s", record.getMessage())
+            # Only the root logger's own records (ORT's), never ours propagating up: no loop.
+            if record.name == "root":
+                log.log(record.levelno, "onnxruntime.quantization: %s", record.getMessage())
 
     root = logging.getLogger()
     handler = Forward()
