@@ -46,18 +46,30 @@ def source_path(source: DataSource, recipe: Recipe) -> Path | None:
 
 
 def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> None:
-    """Every input present, with the declared dtype and rank, and fixed dims matching."""
-    for spec in recipe.inputs:
+    """Every input present, with the declared dtype and rank, fixed dims matching and dynamic dims in range."""
+    for i, spec in enumerate(recipe.inputs):
         if spec.name not in samples:
-            raise DataError(f"{what} has no array for input '{spec.name}'; it has {sorted(samples)}")
+            raise DataError(f"{what} has no array for input '{spec.name}'; it has {sorted(samples)}; name the arrays after the inputs")
         array = samples[spec.name]
         if array.dtype != np.dtype(spec.dtype):
-            raise DataError(f"{what}: input '{spec.name}' is {array.dtype}, the recipe says {spec.dtype}")
+            raise DataError(f"{what}: input '{spec.name}' is {array.dtype}, the recipe says {spec.dtype}; convert the data or fix inputs.{i}.dtype")
         if array.ndim != len(spec.shape):
-            raise DataError(f"{what}: input '{spec.name}' has rank {array.ndim}, the recipe's shape {spec.shape} has {len(spec.shape)}")
+            raise DataError(
+                f"{what}: input '{spec.name}' has rank {array.ndim}, the recipe's shape {spec.shape} has {len(spec.shape)}; "
+                "stack the samples along axis 0 with the recipe's shape"
+            )
         for axis, dim in enumerate(spec.shape):
-            if isinstance(dim, int) and axis > 0 and array.shape[axis] != dim:
-                raise DataError(f"{what}: input '{spec.name}' has size {array.shape[axis]} on axis {axis}, the recipe says {dim}")
+            if axis == 0:
+                continue  # samples are stacked along axis 0
+            size = array.shape[axis]
+            if isinstance(dim, int) and size != dim:
+                raise DataError(f"{what}: input '{spec.name}' has size {size} on axis {axis}, the recipe says {dim}; fix the data or inputs.{i}.shape")
+            if isinstance(dim, str) and not recipe.dims[dim].min <= size <= recipe.dims[dim].max:
+                bounds = recipe.dims[dim]
+                raise DataError(
+                    f"{what}: input '{spec.name}' has size {size} on axis {axis}, outside dims.{dim} "
+                    f"[{bounds.min}, {bounds.max}]; fix the data or widen the dim"
+                )
 
 
 def _synthetic(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:

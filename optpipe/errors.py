@@ -47,3 +47,22 @@ class PassError(Exception):
     The pass manager turns it into a StageError naming the stage; the message
     should say what to change.
     """
+
+
+class StageTimeout(OptpipeError):
+    """A stage ran longer than its `timeout_s`."""
+
+    exit_code = 1
+
+    def __init__(self, stage: str, limit_s: float):
+        super().__init__(f"exceeded its time limit of {limit_s:g} s; raise stages.{stage}.timeout_s")
+
+
+class StageOutOfMemory(OptpipeError):
+    """A stage ran out of memory (a MemoryError, or its worker process was killed)."""
+
+    exit_code = 1
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during a run; the message says what the cache kept."""

@@ -12,6 +12,7 @@ from typing import Callable
 from optpipe.accuracy import compare, run_callable, run_onnx
 from optpipe.artifact import ModelArtifact
 from optpipe.cache import StageCache, library_versions
+from optpipe.checks import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.latency import measure
 from optpipe.metrics import Accuracy, Latency
@@ -59,31 +60,37 @@ class Evaluator:
 
     def evaluate_onnx(self, artifact: ModelArtifact, tolerance: Tolerance) -> tuple[Accuracy | None, list[Latency], bool]:
         key = self._result_key(artifact.content_hash(), tolerance)
-        hit = self.cache.get_result(key)
-        if hit is not None:
-            return _decode(hit) + (True,)
-        accuracy = self._accuracy(lambda: self.onnx_outputs(artifact), tolerance)
-        session = ort_session(artifact.path, self.settings.threads, self.providers)
-        latency = self._latency(ort_runner(session), self.providers[0])
-        self.cache.put_result(key, _encode(accuracy, latency))
+        # Under the key's lock: a second process on the same cache waits and reuses the measurement
+        # rather than measuring at the same time (and slowing both down).
+        with self.cache.lock(key):
+            hit = self.cache.get_result(key)
+            if hit is not None:
+                return _decode(hit) + (True,)
+            accuracy = self._accuracy(lambda: self.onnx_outputs(artifact), tolerance)
+            session = ort_session(artifact.path, self.settings.threads, self.providers)
+            latency = self._latency(ort_runner(session), self.providers[0])
+            self.cache.put_result(key, _encode(accuracy, latency))
         return accuracy, latency, False
 
     def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance) -> tuple[Accuracy | None, list[Latency], bool]:
         key = self._result_key("eager:" + source_digest, tolerance, extra=library_versions(("torch",)))
-        hit = self.cache.get_result(key)
-        if hit is not None:
-            return _decode(hit) + (True,)
-        run = eager_runner(torch_model(), self.settings.threads)
-        accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance)
-        latency = self._latency(run, "pytorch-cpu")
-        self.cache.put_result(key, _encode(accuracy, latency))
+        with self.cache.lock(key):
+            hit = self.cache.get_result(key)
+            if hit is not None:
+                return _decode(hit) + (True,)
+            run = eager_runner(torch_model(), self.settings.threads)
+            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance)
+            latency = self._latency(run, "pytorch-cpu")
+            self.cache.put_result(key, _encode(accuracy, latency))
         return accuracy, latency, False
 
     def _accuracy(self, outputs: Callable[[], Outputs], tolerance: Tolerance) -> Accuracy | None:
         if self._reference is None:
             return None
         name, _, reference = self._reference
-        return compare(outputs(), reference(), self.all_inputs, tolerance, name, self.settings.top1)
+        candidate = require_finite(outputs(), "it outputs")
+        expected = require_finite(reference(), f"the reference stage '{name}' outputs")
+        return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1)
 
     def _latency(self, run: Callable[[Feeds], Outputs], provider: str) -> list[Latency]:
         results = []
