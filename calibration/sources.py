@@ -4,11 +4,12 @@ Each source returns {input name: array with the samples along axis 0}.
 """
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
-from optpipe.errors import DataError
+from optpipe.errors import DataError, first_line
 from optpipe.recipe import DataSource, InputSpec, Recipe
 
 
@@ -33,7 +34,14 @@ def _synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Gen
 def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     """All samples of a source, batch-stacked along axis 0."""
     loaders = {"synthetic": _synthetic, "text": _text, "npy": _npy, "npz": _npz, "images": _images}
-    samples = loaders[source.source](source, recipe)
+    try:
+        samples = loaders[source.source](source, recipe)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        # numpy refuses pickled object arrays (allow_pickle=False) and raises these on broken files
+        raise DataError(
+            f"data: '{source.path}' is not a readable {source.source} file ({first_line(exc)[:160]}); "
+            f"give a {source.source} file of plain numeric arrays"
+        ) from None
     check_samples(samples, recipe, what=f"data source '{source.source}'")
     return samples
 

@@ -25,8 +25,9 @@ def load_checkpoint(module: Any, path: Path, allow_pickle: bool) -> None:
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as exc:
+        detail = " ".join(line.strip() for line in str(exc).splitlines()[1:] if line.strip())[:200]
         raise ModelSourceError(
-            f"model.checkpoint: '{path.name}' does not fit the factory's module ({first_line(exc)[:200]}); "
+            f"model.checkpoint: '{path.name}' does not fit the factory's module ({detail or first_line(exc)}); "
             "check the factory's kwargs or the checkpoint"
         ) from None
 

@@ -147,7 +147,7 @@ def _load_factory(recipe: Recipe, spec: FactoryModel) -> TorchModel:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ModelSourceError(f"model.factory: cannot import '{module_name}': {first_line(exc)}") from None
+        raise ModelSourceError(f"model.factory: cannot import '{module_name}': {first_line(exc)}; check `model.factory` and `model.path`") from None
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ModelSourceError(f"model.factory: '{module_name}' has no function '{func_name}'")

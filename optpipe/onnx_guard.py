@@ -28,6 +28,8 @@ from optpipe.recipe import Recipe
 # Above this size a model cannot be serialized as one protobuf (onnx.checker.MAXIMUM_PROTOBUF, 2 GiB).
 PROTOBUF_LIMIT = onnx.checker.MAXIMUM_PROTOBUF
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+# ONNX Runtime's words for an op it has no kernel for (custom domain / standard domain).
+_ORT_UNKNOWN_OP = re.compile(r"(?:[\w.]+:(?P<op>\w+)\(-?\d+\) is not a registered function/op|No Op registered for (?P<op2>\w+))")
 
 
 def load_graph(path: Path, where: str) -> onnx.ModelProto:
@@ -61,9 +63,10 @@ def check_external_data(model: onnx.ModelProto, folder: Path, where: str) -> Non
         location = _location(tensor)
         target = _inside(root, location)
         if target is None:
+            link = " (through a symlink)" if _plain_relative(location) else ""
             raise ModelSourceError(
                 f"{where}: tensor '{tensor.name}' points its external data at '{location}', outside the model's "
-                "folder; external data files must sit beside the model"
+                f"folder{link}; external data files must sit beside the model"
             )
         if not target.is_file():
             raise ModelSourceError(
@@ -121,13 +124,15 @@ def check_runnable(path: Path, where: str) -> None:
     try:
         ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT's own exception types
-        message = first_line(exc)
-        op = re.search(r"(?:No Op registered for|implementation for) (\S+?)(?:\(\d+\))? (?:with domain_version|node)", message)
-        what = f"op '{op.group(1)}'" if op else "the graph"
-        raise ModelSourceError(
-            f"{where}: ONNX Runtime cannot run {what} in '{path.name}' ({message[:160]}); "
-            "replace the unsupported ops or export with a supported opset"
-        ) from None
+        message = first_line(exc, limit=2000)
+        op = _ORT_UNKNOWN_OP.search(message)
+        if op:
+            raise ModelSourceError(
+                f"{where}: ONNX Runtime cannot run op '{op.group('op') or op.group('op2')}' in '{path.name}' (no kernel is registered for it); "
+                "replace the op or export with ops ONNX Runtime implements"
+            ) from None
+        detail = message.split("failed:", 1)[-1][:200]
+        raise ModelSourceError(f"{where}: ONNX Runtime cannot load '{path.name}' ({detail}); export the model again") from None
 
 
 def check_inputs_match(model: onnx.ModelProto, recipe: Recipe, where: str) -> None:
@@ -173,14 +178,17 @@ def _location(tensor: onnx.TensorProto) -> str:
     return next((e.value for e in tensor.external_data if e.key == "location"), "")
 
 
+def _plain_relative(location: str) -> bool:
+    """A relative path without `..`, backslashes or NULs (it may still be a symlink)."""
+    relative = PurePosixPath(location)
+    return bool(location) and "\\" not in location and "\0" not in location and not relative.is_absolute() and ".." not in relative.parts
+
+
 def _inside(root: Path, location: str) -> Path | None:
     """The resolved file for `location` if it stays inside `root` (no absolute path, no `..`, no symlink out)."""
-    if not location or "\\" in location or "\0" in location:
+    if not _plain_relative(location):
         return None
-    relative = PurePosixPath(location)
-    if relative.is_absolute() or ".." in relative.parts:
-        return None
-    target = (root / relative).resolve()
+    target = (root / PurePosixPath(location)).resolve()
     return target if target.is_relative_to(root) else None
 
 
