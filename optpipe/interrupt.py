@@ -35,9 +35,12 @@ class KeptTracker(Instrument):
             self.stages.append(stage)
 
     def summary(self) -> str:
-        where = f" during {self.running}" if self.running and self.running.startswith(EVALUATE) else (
-            f" during stage '{self.running}'" if self.running else ""
-        )
+        if self.running and self.running.startswith(EVALUATE):
+            where = f" during {self.running}"
+        elif self.running:
+            where = f" during stage '{self.running}'"
+        else:  # between two hooks: say which phase
+            where = " during evaluation" if self.evaluations else (" between stages" if self.stages else "")
         stages = f"{_count(self.stages, 'finished stage')} ({', '.join(self.stages)})" if self.stages else "no finished stage"
         evaluations = f" and {_count(self.evaluations, 'evaluation')}" if self.evaluations else ""
         return f"interrupted{where}: the cache keeps {stages}{evaluations}; rerun the same command to resume"
