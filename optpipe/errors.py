@@ -12,10 +12,19 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     return lines[0][:limit] if lines else type(exc).__name__
 
 
+def one_line(text: str) -> str:
+    """`text` with line breaks and other control characters escaped: a user's key or file name
+    must not split the one error line."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 class OptpipeError(Exception):
     """Base of every error optpipe reports to a user as one line (no traceback)."""
 
     exit_code = 2
+
+    def __init__(self, message: str = "", *args):
+        super().__init__(one_line(str(message)), *args)
 
 
 class RecipeError(OptpipeError):
