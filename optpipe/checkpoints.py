@@ -47,7 +47,7 @@ def _read(path: Path, allow_pickle: bool) -> Any:
     try:
         return torch.load(str(path), map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
-        if allow_pickle or "Unsupported global" not in str(exc):  # not an object refused: a broken file
+        if allow_pickle or "global" not in str(exc).lower():  # no object (GLOBAL) refused: a broken file
             raise ModelSourceError(f"model.checkpoint: '{path.name}' is not a readable torch checkpoint ({first_line(exc)[:160]})") from None
         raise ModelSourceError(
             f"model.checkpoint: '{path.name}' holds pickled Python objects beyond tensors, which could run code; "
