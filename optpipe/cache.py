@@ -89,6 +89,11 @@ class StageCache:
             if fd is not None:
                 _LEASES[path] = fd
 
+    def release_leases(self) -> None:
+        """Drop this process's leases on entries of this cache (a compile does when it ends)."""
+        for path in [p for p in _LEASES if p.parent == self.root / "locks"]:
+            release(_LEASES.pop(path))
+
     def new_workdir(self) -> Path:
         """A private folder to build an entry in; locked so a sweep by another process skips it."""
         name = f"work-{uuid.uuid4().hex}"

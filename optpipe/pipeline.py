@@ -89,13 +89,16 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         order = [name for name in order if name in keep]
 
     manager = PassManager(recipe, cache, services, run_dir, options)
-    outcomes = manager.run(order, graph, passes)
-    results = evaluate_stages(recipe, order, outcomes, services, cache, options)
-    report = RunReport.build(recipe, results)
-    # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
-    with FileLock(str(run_dir / ".optpipe.lock")):
-        publish_stage_folders(run_dir, results, outcomes)
-        write_report(report, run_dir)
+    try:
+        outcomes = manager.run(order, graph, passes)
+        results = evaluate_stages(recipe, order, outcomes, services, cache, options)
+        report = RunReport.build(recipe, results)
+        # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
+        with FileLock(str(run_dir / ".optpipe.lock")):
+            publish_stage_folders(run_dir, results, outcomes)
+            write_report(report, run_dir)
+    finally:
+        cache.release_leases()  # `cache gc` may prune what this run used from now on
     return report
 
 
