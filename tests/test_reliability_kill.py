@@ -24,7 +24,7 @@ STAGES = {
     "simplify": {"pass": "simplify", "after": "gate"},
 }
 # Enough timed iterations that evaluation lasts long enough to be interrupted.
-EVALUATE = {"warmup": 1, "iterations": 1500, "batch_sizes": [1, 8], "eager_baseline": False}
+EVALUATE = {"warmup": 1, "iterations": 20000, "batch_sizes": [1, 8], "eager_baseline": False}
 WAIT_S = 120
 
 
