@@ -6,8 +6,6 @@ the set while renaming it does not.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -17,6 +15,9 @@ import numpy as np
 from optpipe.artifact import sha256_file, sha256_json
 from optpipe.calibration.sources import load_samples, source_path
 from optpipe.recipe import DataSource, Recipe
+
+DATASETS = "datasets"
+SAMPLES_FILE = "samples.npz"
 
 
 @dataclass(frozen=True)
@@ -63,20 +64,37 @@ def sample_set_key(source: DataSource, recipe: Recipe) -> str:
     )
 
 
-def build_sample_set(source: DataSource, recipe: Recipe, cache_dir: Path) -> SampleSet:
-    """Load the cached set if its key matches, else build it and publish it atomically."""
+def build_sample_set(source: DataSource, recipe: Recipe, cache: "StageCache | Path") -> SampleSet:
+    """Load the cached set if its key matches (verified against its hash), else build and publish it.
+
+    The set is a cache entry like a stage's model (`datasets/<key>/samples.npz` and a
+    manifest): published atomically, re-hashed on use, built by one process at a time.
+    """
+    from optpipe.cache import StageCache
+
     key = sample_set_key(source, recipe)
-    target = cache_dir / "datasets" / f"{key}.npz"
-    if target.exists():
+    cache = cache if isinstance(cache, StageCache) else StageCache(cache)
+    with cache.lock(key):
+        folder = cache.lookup_folder(key, DATASETS)
+        if folder is not None:
+            arrays = _read_arrays(folder / SAMPLES_FILE)
+            if arrays is not None:
+                return SampleSet(arrays, key, cached=True)
+            cache.discard(folder)
+        arrays = load_samples(source, recipe)
+        workdir = cache.new_workdir()
         try:
-            with np.load(target, allow_pickle=False) as data:
-                return SampleSet({name: data[name] for name in data.files}, key, cached=True)
-        except (OSError, ValueError, EOFError):
-            target.unlink(missing_ok=True)  # truncated or corrupted: rebuild below
-    arrays = load_samples(source, recipe)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp.npz")
-    with os.fdopen(fd, "wb") as fh:
-        np.savez(fh, **arrays)
-    os.replace(tmp, target)
+            with open(workdir / SAMPLES_FILE, "wb") as fh:
+                np.savez(fh, **arrays)
+            cache.publish_folder(key, workdir, DATASETS, {"source": source.source, "samples": len(next(iter(arrays.values())))})
+        finally:
+            cache.release_workdir(workdir)
     return SampleSet(arrays, key, cached=False)
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray] | None:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError, EOFError):
+        return None  # unreadable although its hash matched (an older numpy?): rebuild

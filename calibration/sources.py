@@ -4,11 +4,12 @@ Each source returns {input name: array with the samples along axis 0}.
 """
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
-from optpipe.errors import DataError
+from optpipe.errors import DataError, first_line
 from optpipe.recipe import DataSource, InputSpec, Recipe
 
 
@@ -33,7 +34,14 @@ def _synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Gen
 def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     """All samples of a source, batch-stacked along axis 0."""
     loaders = {"synthetic": _synthetic, "text": _text, "npy": _npy, "npz": _npz, "images": _images}
-    samples = loaders[source.source](source, recipe)
+    try:
+        samples = loaders[source.source](source, recipe)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        # numpy refuses pickled object arrays (allow_pickle=False) and raises these on broken files
+        raise DataError(
+            f"data: '{source.path}' is not a readable {source.source} file ({first_line(exc)[:160]}); "
+            f"give a {source.source} file of plain numeric arrays"
+        ) from None
     check_samples(samples, recipe, what=f"data source '{source.source}'")
     return samples
 
@@ -60,18 +68,30 @@ def package_path(spec: str) -> Path:
 
 
 def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> None:
-    """Every input present, with the declared dtype and rank, and fixed dims matching."""
-    for spec in recipe.inputs:
+    """Every input present, with the declared dtype and rank, fixed dims matching and dynamic dims in range."""
+    for i, spec in enumerate(recipe.inputs):
         if spec.name not in samples:
-            raise DataError(f"{what} has no array for input '{spec.name}'; it has {sorted(samples)}")
+            raise DataError(f"{what} has no array for input '{spec.name}'; it has {sorted(samples)}; name the arrays after the inputs")
         array = samples[spec.name]
         if array.dtype != np.dtype(spec.dtype):
-            raise DataError(f"{what}: input '{spec.name}' is {array.dtype}, the recipe says {spec.dtype}")
+            raise DataError(f"{what}: input '{spec.name}' is {array.dtype}, the recipe says {spec.dtype}; convert the data or fix inputs.{i}.dtype")
         if array.ndim != len(spec.shape):
-            raise DataError(f"{what}: input '{spec.name}' has rank {array.ndim}, the recipe's shape {spec.shape} has {len(spec.shape)}")
+            raise DataError(
+                f"{what}: input '{spec.name}' has rank {array.ndim}, the recipe's shape {spec.shape} has {len(spec.shape)}; "
+                "stack the samples along axis 0 with the recipe's shape"
+            )
         for axis, dim in enumerate(spec.shape):
-            if isinstance(dim, int) and axis > 0 and array.shape[axis] != dim:
-                raise DataError(f"{what}: input '{spec.name}' has size {array.shape[axis]} on axis {axis}, the recipe says {dim}")
+            if axis == 0:
+                continue  # samples are stacked along axis 0
+            size = array.shape[axis]
+            if isinstance(dim, int) and size != dim:
+                raise DataError(f"{what}: input '{spec.name}' has size {size} on axis {axis}, the recipe says {dim}; fix the data or inputs.{i}.shape")
+            if isinstance(dim, str) and not recipe.dims[dim].min <= size <= recipe.dims[dim].max:
+                bounds = recipe.dims[dim]
+                raise DataError(
+                    f"{what}: input '{spec.name}' has size {size} on axis {axis}, outside dims.{dim} "
+                    f"[{bounds.min}, {bounds.max}]; fix the data or widen the dim"
+                )
 
 
 def _synthetic(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,10 @@ def copy_file(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists() and dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha256_file(src):
         return
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    # A private temp name: two processes publishing one run folder never write the same temp file.
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,12 +1,21 @@
-"""The content-addressed stage cache.
+"""The content-addressed cache: stage outputs, sample sets and evaluation results.
 
-A stage's output lives under `stages/<key>/`, where the key hashes everything the
-output depends on (input model, pass name and version, params, data, library
-versions). An entry is written in a private temp folder and published with one
-rename, with a manifest of file hashes written last: a reader sees a whole entry
-or none. A hit is re-hashed against its manifest; a corrupted entry is dropped
-with a warning and recomputed. A per-key file lock keeps two processes from
-computing the same entry at once.
+A folder entry (a stage's model, a sample set) lives under `<kind>/<key>/`, where
+the key hashes everything the output depends on (input model, pass name and
+version, params, data, library versions). It is written in a private workdir and
+published with one rename, with a manifest of file hashes written last: a reader
+sees a whole entry or none, also when the writer is killed at any moment. A hit
+is re-hashed against its manifest; a corrupted entry is dropped with a warning
+and recomputed. A small JSON result carries the hash of its value the same way.
+
+Processes sharing a cache coordinate through three kinds of lock, all released
+by the kernel when a process dies (so a SIGKILL never leaves one held):
+- a per-key lock (`locks/<key>.lock`), held while an entry is computed, so a
+  second process waits and then reuses it rather than computing it twice;
+- a per-workdir lock (`tmp/<name>.lock`), held while a workdir is written, so
+  leftovers of killed runs are swept and live workdirs are not;
+- a shared lease per entry in use (`locks/<key>.use`), so `cache gc` never
+  removes an entry a running compile reads.
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -23,9 +33,19 @@ from typing import Any
 from filelock import FileLock
 
 from optpipe.artifact import INFO_FILE, MANIFEST_FILE, ModelArtifact, content_hash, sha256_file, sha256_json
+from optpipe.locking import exclusive_nowait, hold_exclusive, hold_shared, release
 
 MANIFEST = MANIFEST_FILE
+STAGES = "stages"
+RESULTS = "results"
+# Cache subfolders that hold bookkeeping, not entries.
+SERVICE_DIRS = ("tmp", "locks")
+# Temp files of a killed writer (atomic JSON and npz writes) older than this are swept.
+STALE_TEMP_S = 3600.0
+WORKDIR_NAME_LEN = len("work-") + 32  # work-<uuid4 hex>; files beside a workdir share the prefix
 log = logging.getLogger("optpipe.cache")
+# Leases this process holds, shared by every StageCache on the same root; released at exit.
+_LEASES: dict[Path, int] = {}
 
 
 def default_cache_dir() -> Path:
@@ -45,81 +65,201 @@ def library_versions(names: tuple[str, ...]) -> dict[str, str]:
 class StageCache:
     def __init__(self, root: Path):
         self.root = root
-        for sub in ("stages", "tmp", "locks", "results"):
+        for sub in (STAGES, RESULTS, *SERVICE_DIRS):
             (root / sub).mkdir(parents=True, exist_ok=True)
+        self._workdir_locks: dict[Path, int] = {}
+        sweep_leftovers(self.root)
 
     @staticmethod
     def key(**parts: Any) -> str:
         return sha256_json(parts)
 
-    def entry_dir(self, key: str) -> Path:
-        return self.root / "stages" / key
+    def entry_dir(self, key: str, kind: str = STAGES) -> Path:
+        return self.root / kind / key
 
     def lock(self, key: str) -> FileLock:
+        """Held while computing the entry `key`: a second process waits, then finds it published."""
         return FileLock(str(self.root / "locks" / f"{key}.lock"))
 
-    def new_workdir(self) -> Path:
-        return Path(tempfile.mkdtemp(prefix="work-", dir=self.root / "tmp"))
+    def lease(self, key: str) -> None:
+        """Mark the entry `key` in use by this process until it ends, so `cache gc` leaves it alone."""
+        path = self.root / "locks" / f"{key}.use"
+        if path not in _LEASES:
+            fd = hold_shared(path)
+            if fd is not None:
+                _LEASES[path] = fd
 
+    def release_leases(self) -> None:
+        """Drop this process's leases on entries of this cache (a compile does when it ends)."""
+        for path in [p for p in _LEASES if p.parent == self.root / "locks"]:
+            release(_LEASES.pop(path))
+
+    def new_workdir(self) -> Path:
+        """A private folder to build an entry in; locked so a sweep by another process skips it."""
+        name = f"work-{uuid.uuid4().hex}"
+        fd = hold_exclusive(self.root / "tmp" / f"{name}.lock")
+        workdir = self.root / "tmp" / name
+        workdir.mkdir()
+        if fd is not None:
+            self._workdir_locks[workdir] = fd
+        return workdir
+
+    def release_workdir(self, workdir: Path) -> None:
+        """Remove a workdir (gone already once published) and drop its lock."""
+        shutil.rmtree(workdir, ignore_errors=True)
+        fd = self._workdir_locks.pop(workdir, None)
+        if fd is not None:
+            (self.root / "tmp" / f"{workdir.name}.lock").unlink(missing_ok=True)
+            release(fd)
+
+    # Folder entries (stage models, sample sets).
     def lookup(self, key: str) -> ModelArtifact | None:
-        """The verified entry for `key`, or None (a corrupted entry is removed)."""
-        folder = self.entry_dir(key)
+        """The verified stage entry for `key`, or None (a corrupted entry is removed)."""
+        folder = self.lookup_folder(key, STAGES)
+        return ModelArtifact.open(folder) if folder else None
+
+    def lookup_folder(self, key: str, kind: str) -> Path | None:
+        folder = self.entry_dir(key, kind)
         if not folder.exists():
             return None
+        self.lease(key)
         problem = verify_entry(folder)
         if problem:
-            log.warning("cache entry %s is corrupted (%s); recomputing it", key[:12], problem)
+            log.warning("cache entry %s/%s is corrupted (%s); recomputing it", kind, key[:12], problem)
             self.discard(folder)
             return None
-        return ModelArtifact.open(folder)
+        _touch(folder)
+        return folder
 
-    def publish(self, key: str, workdir: Path) -> ModelArtifact:
+    def publish(self, key: str, workdir: Path, meta: dict[str, Any] | None = None) -> ModelArtifact:
         """Move a finished workdir into the cache under `key`, atomically."""
-        files = {p.name: sha256_file(p) for p in sorted(workdir.iterdir()) if p.is_file() and p.name != MANIFEST}
-        _write_json_atomic(workdir / MANIFEST, {"key": key, "files": files, "content": content_hash(files)})
-        target = self.entry_dir(key)
+        return ModelArtifact.open(self.publish_folder(key, workdir, STAGES, meta))
+
+    def publish_folder(self, key: str, workdir: Path, kind: str, meta: dict[str, Any] | None = None) -> Path:
+        write_manifest(workdir, {"key": key, "kind": kind, "created": time.time(), **(meta or {})})
+        target = self.entry_dir(key, kind)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.lease(key)
         try:
             os.rename(workdir, target)
         except OSError:
             # Another process published the same key first: its entry is equivalent, keep it.
             shutil.rmtree(workdir, ignore_errors=True)
-        return ModelArtifact.open(target)
+        return target
 
     def discard(self, folder: Path) -> None:
-        trash = self.root / "tmp" / f"trash-{uuid.uuid4().hex}"
-        try:
-            os.rename(folder, trash)
-        except OSError:
-            return
-        shutil.rmtree(trash, ignore_errors=True)
+        discard(self.root, folder)
 
-    # Small JSON results (evaluations), keyed the same way.
+    # Small JSON results (evaluations), keyed the same way, each carrying the hash of its value.
+    def result_path(self, key: str) -> Path:
+        return self.root / RESULTS / f"{key}.json"
+
     def get_result(self, key: str) -> dict | None:
-        path = self.root / "results" / f"{key}.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
+        path = self.result_path(key)
+        if not path.exists():
             return None
+        self.lease(key)
+        value, problem = read_result(path)
+        if problem:
+            log.warning("cache result %s is corrupted (%s); recomputing it", key[:12], problem)
+            path.unlink(missing_ok=True)
+            return None
+        _touch(path)
+        return value
 
     def put_result(self, key: str, value: dict) -> None:
-        _write_json_atomic(self.root / "results" / f"{key}.json", value)
+        self.lease(key)
+        _write_json_atomic(self.result_path(key), {"sha256": sha256_json(value), "value": value})
+
+
+def discard(root: Path, folder: Path) -> None:
+    """Remove an entry folder: first renamed out of sight (atomic), then deleted."""
+    trash = root / "tmp" / f"trash-{uuid.uuid4().hex}"
+    try:
+        os.rename(folder, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Hash every file of `folder` into its manifest (written last, atomically) and return it."""
+    files = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {**meta, "files": files, "content": content_hash(files)}
+    _write_json_atomic(folder / MANIFEST, manifest)
+    return manifest
 
 
 def verify_entry(folder: Path) -> str | None:
     """None when every file matches the manifest; else what is wrong."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+        expected = dict(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError):
         return "no readable manifest"
     present = {p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST}
-    if present != set(manifest["files"]):
-        return f"files differ from the manifest: {sorted(present ^ set(manifest['files']))}"
-    for name, digest in manifest["files"].items():
+    if present != set(expected):
+        return f"files differ from the manifest: {sorted(present ^ set(expected))}"
+    for name, digest in expected.items():
         if sha256_file(folder / name) != digest:
             return f"{name} does not match its hash"
-    if manifest.get("content") != content_hash(manifest["files"]):
+    if manifest.get("content") != content_hash(expected):
         return "the manifest's content hash does not match its files"
     return None
+
+
+def read_result(path: Path) -> tuple[dict | None, str | None]:
+    """A result's value and None, or None and what is wrong with it."""
+    try:
+        wrapped = json.loads(path.read_text())
+        value, digest = wrapped["value"], wrapped["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "not a readable result"
+    if sha256_json(value) != digest:
+        return None, "its value does not match its hash"
+    return value, None
+
+
+def sweep_leftovers(root: Path) -> list[Path]:
+    """Remove what killed writers left in the cache: unlocked workdirs, trash, old temp files.
+
+    A workdir whose lock another process holds is being written and is left alone.
+    """
+    removed = []
+    tmp = root / "tmp"
+    owners = {path.name[:WORKDIR_NAME_LEN] for path in tmp.glob("work-*")} if tmp.exists() else set()
+    for owner in owners:
+        lock = tmp / f"{owner}.lock"
+        fd = exclusive_nowait(lock)
+        if fd is None:
+            continue  # a live process owns this workdir (or flock is unavailable)
+        for path in tmp.glob(f"{owner}*"):
+            if path != lock:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                removed.append(path)
+        lock.unlink(missing_ok=True)
+        release(fd)
+    for trash in tmp.glob("trash-*") if tmp.exists() else []:
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(trash)
+    now = time.time()
+    for kind in (p for p in root.iterdir() if p.is_dir() and p.name not in SERVICE_DIRS):
+        for temp in kind.glob(".tmp-*"):
+            try:
+                if now - temp.stat().st_mtime > STALE_TEMP_S:
+                    temp.unlink()
+                    removed.append(temp)
+            except OSError:
+                pass
+    return removed
+
+
+def _touch(path: Path) -> None:
+    """Record a use (the modification time is the entry's last use, for `cache gc`)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _write_json_atomic(path: Path, value: Any) -> None:
@@ -131,4 +271,4 @@ def _write_json_atomic(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["StageCache", "default_cache_dir", "library_versions", "verify_entry", "INFO_FILE"]
+__all__ = ["StageCache", "default_cache_dir", "library_versions", "verify_entry", "write_manifest", "INFO_FILE"]

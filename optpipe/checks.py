@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from optpipe.errors import PassError, first_line
+from optpipe.errors import DataError, PassError, first_line
 from optpipe.runtime import Feeds, Outputs, ort_runner, ort_session
 
 
@@ -35,7 +35,22 @@ def agreement(candidate: Outputs, reference: Outputs) -> dict[str, float]:
 
 
 def require_agreement(candidate: Outputs, reference: Outputs, atol: float, what: str, hint: str) -> dict[str, float]:
+    require_finite(reference, "the model it starts from outputs", PassError)
+    require_finite(candidate, "the result outputs", PassError)
     found = agreement(candidate, reference)
     if not found["max_abs"] <= atol:
         raise PassError(f"{what}: max abs error {found['max_abs']:.3g} exceeds {atol:g}; {hint}")
     return found
+
+
+def require_finite(outputs: Outputs, whose: str, error: type[Exception] = DataError) -> Outputs:
+    """`outputs` unchanged when every value is finite; else one sentence naming the output."""
+    for name, value in outputs.items():
+        value = np.asarray(value)
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            bad = int(value.size - np.isfinite(value).sum())
+            raise error(
+                f"{whose} NaN or Inf in '{name}' ({bad} of {value.size} values); check that the inputs' "
+                "`range`/data fit the model, or keep the ops that overflow in higher precision"
+            )
+    return outputs

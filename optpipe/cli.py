@@ -1,6 +1,7 @@
 """The command line: a thin layer over the Python API (optpipe.compile_recipe and friends).
 
-Exit codes: 0 success, 1 a stage failed, 2 a user error (recipe, paths, arguments), 130 interrupted.
+Exit codes: 0 success, 1 a stage failed, 2 a user error (recipe, paths, arguments), 3 an internal
+error (a bug: one line, the traceback with OPTPIPE_DEBUG=1), 130 interrupted (Ctrl-C), 143 terminated.
 """
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from optpipe.cache_cli import cache_group
 from optpipe.errors import OptpipeError
-
-
-INTERRUPTED = "interrupted: finished stages stay in the cache; rerun the same command to resume"
 
 
 class OptpipeGroup(click.Group):
@@ -25,13 +24,37 @@ class OptpipeGroup(click.Group):
         except OptpipeError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo(INTERRUPTED, err=True)
-            ctx.exit(130)
 
 
 def main() -> None:
-    cli()
+    from optpipe.signals import interrupted_exit, one_line_warnings, terminate_as_interrupt
+
+    terminate_as_interrupt()
+    one_line_warnings()
+    try:
+        # Not standalone: click then returns the code of a ctx.exit() instead of exiting itself.
+        code = cli(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except click.exceptions.Abort as exc:
+        interrupted_exit(exc.__cause__)
+    except KeyboardInterrupt as exc:
+        interrupted_exit(exc)
+    except click.exceptions.ClickException as exc:
+        exc.show()
+        sys.exit(2 if exc.exit_code == 1 else exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except OptpipeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # a bug: one line, the traceback only on request
+        from optpipe.signals import internal_error_exit
+
+        internal_error_exit(exc)
+
+
+ALLOW_HELP = "a folder outside the recipe's folder and the working directory that the recipe may name (repeatable)"
 
 
 @click.group(cls=OptpipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,14 +69,15 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="recompute every stage, ignoring the cache")
 @click.option("--only", metavar="STAGE", help="run only this stage and its ancestors")
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: $OPTPIPE_CACHE or ~/.cache/optpipe)")
-def compile_command(recipe: Path, output: Path | None, force: bool, only: str | None, cache_dir: Path | None) -> None:
+@click.option("--allow-path", "allow_paths", multiple=True, type=click.Path(path_type=Path), help=ALLOW_HELP)
+def compile_command(recipe: Path, output: Path | None, force: bool, only: str | None, cache_dir: Path | None, allow_paths: tuple[Path, ...]) -> None:
     """Run RECIPE: every stage, its evaluation, the report."""
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.recipe import load_recipe
     from optpipe.report import stage_table
 
-    parsed = load_recipe(recipe)
+    parsed = load_recipe(recipe, allow_paths)
     options = RunOptions(output=output, force=force, only=only, cache_dir=cache_dir, instruments=[ConsoleProgress()])
     report = compile_recipe(parsed, options)
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
@@ -64,21 +88,26 @@ def compile_command(recipe: Path, output: Path | None, force: bool, only: str | 
     for target in failed_targets:
         click.echo(f"error: target {target['kind']} for '{target['stage']}' {target['status']}", err=True)
     if report.failed:
-        for stage in report.failed:
-            click.echo(f"error: stage '{stage.name}' {stage.status}: {stage.reason}", err=True)
+        # One line per stage that failed; the stages skipped after them are counted, not repeated.
+        failed = [s for s in report.failed if s.status == "failed"]
+        skipped = len(report.failed) - len(failed)
+        for i, stage in enumerate(failed):
+            tail = f"; {skipped} stage{'s' if skipped != 1 else ''} after it skipped" if skipped and i == len(failed) - 1 else ""
+            click.echo(f"error: stage '{stage.name}' failed: {stage.reason}{tail}", err=True)
     if report.failed or failed_targets:
         sys.exit(1)
 
 
 @cli.command("validate")
 @click.argument("recipe", type=click.Path(path_type=Path))
-def validate_command(recipe: Path) -> None:
+@click.option("--allow-path", "allow_paths", multiple=True, type=click.Path(path_type=Path), help=ALLOW_HELP)
+def validate_command(recipe: Path, allow_paths: tuple[Path, ...]) -> None:
     """Check RECIPE without running it."""
     from optpipe.dag import execution_order
     from optpipe.recipe import load_recipe
     from optpipe.validate import validate_recipe
 
-    parsed = load_recipe(recipe)
+    parsed = load_recipe(recipe, allow_paths)
     graph, _ = validate_recipe(parsed)
     order = execution_order(graph)
     click.echo(f"{recipe}: valid; {len(order)} stages: " + ", ".join(
@@ -105,6 +134,8 @@ cli.add_command(export_command)
 from optpipe.cli_inspect import register as _register_inspect  # noqa: E402  (inspect, diff, report)
 
 _register_inspect(cli)
+
+cli.add_command(cache_group)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,19 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     return lines[0][:limit] if lines else type(exc).__name__
 
 
+def one_line(text: str) -> str:
+    """`text` with line breaks and other control characters escaped: a user's key or file name
+    must not split the one error line."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 class OptpipeError(Exception):
     """Base of every error optpipe reports to a user as one line (no traceback)."""
 
     exit_code = 2
+
+    def __init__(self, message: str = "", *args):
+        super().__init__(one_line(str(message)), *args)
 
 
 class RecipeError(OptpipeError):
@@ -55,3 +64,22 @@ class PassError(Exception):
 
 class TargetError(OptpipeError):
     """A deployment target (ORT bundle, TensorRT engine, Triton repository) cannot be written as asked."""
+
+
+class StageTimeout(OptpipeError):
+    """A stage ran longer than its `timeout_s`."""
+
+    exit_code = 1
+
+    def __init__(self, stage: str, limit_s: float):
+        super().__init__(f"exceeded its time limit of {limit_s:g} s; raise stages.{stage}.timeout_s")
+
+
+class StageOutOfMemory(OptpipeError):
+    """A stage ran out of memory (a MemoryError, or its worker process was killed)."""
+
+    exit_code = 1
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during a run; the message says what the cache kept."""

@@ -13,6 +13,7 @@ import numpy as np
 from optpipe.accuracy import compare, run_callable, run_onnx
 from optpipe.artifact import ModelArtifact
 from optpipe.cache import StageCache, library_versions
+from optpipe.checks import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.latency import measure
 from optpipe.memory import PeakMemory
@@ -70,35 +71,41 @@ class Evaluator:
 
     def evaluate_onnx(self, artifact: ModelArtifact, tolerance: Tolerance) -> Measured:
         key = self._result_key(artifact.content_hash(), tolerance)
-        hit = self.cache.get_result(key)
-        if hit is not None:
-            return _decode(hit) + (True,)
-        accuracy = self._accuracy(lambda: self.onnx_outputs(artifact), tolerance)
-        # Peak memory covers what the session itself costs: its creation and the timed runs.
-        with PeakMemory(device=self.providers[0] != "CPUExecutionProvider") as peak:
-            session = ort_session(artifact.path, self.settings.threads, self.providers)
-            latency = self._latency(ort_runner(session), self.providers[0])
-            del session
-        self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
+        # Under the key's lock: a second process on the same cache waits and reuses the measurement
+        # rather than measuring at the same time (and slowing both down).
+        with self.cache.lock(key):
+            hit = self.cache.get_result(key)
+            if hit is not None:
+                return _decode(hit) + (True,)
+            accuracy = self._accuracy(lambda: self.onnx_outputs(artifact), tolerance)
+            # Peak memory covers what the session itself costs: its creation and the timed runs.
+            with PeakMemory(device=self.providers[0] != "CPUExecutionProvider") as peak:
+                session = ort_session(artifact.path, self.settings.threads, self.providers)
+                latency = self._latency(ort_runner(session), self.providers[0])
+                del session
+            self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 
     def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance) -> Measured:
         key = self._result_key("eager:" + source_digest, tolerance, extra=library_versions(("torch",)))
-        hit = self.cache.get_result(key)
-        if hit is not None:
-            return _decode(hit) + (True,)
-        run = eager_runner(torch_model(), self.settings.threads)
-        accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance)
-        with PeakMemory() as peak:
-            latency = self._latency(run, "pytorch-cpu")
-        self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
+        with self.cache.lock(key):
+            hit = self.cache.get_result(key)
+            if hit is not None:
+                return _decode(hit) + (True,)
+            run = eager_runner(torch_model(), self.settings.threads)
+            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance)
+            with PeakMemory() as peak:
+                latency = self._latency(run, "pytorch-cpu")
+            self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 
     def _accuracy(self, outputs: Callable[[], Outputs], tolerance: Tolerance) -> Accuracy | None:
         if self._reference is None:
             return None
         name, _, reference = self._reference
-        return compare(outputs(), reference(), self.all_inputs, tolerance, name, self.settings.top1)
+        candidate = require_finite(outputs(), "it outputs")
+        expected = require_finite(reference(), f"the reference stage '{name}' outputs")
+        return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1)
 
     def _latency(self, run: Callable[[Feeds], Outputs], provider: str) -> list[Latency]:
         """The batch_sizes measurements first (the report's headline), then one point per sweep value."""

@@ -63,13 +63,17 @@ def source_fingerprint(recipe: Recipe) -> dict[str, Any]:
         tokenizer = _folder_hash(hf_folder(recipe)) if spec.tokenizer else None
         return {"hf_config": spec.hf_config, "seed": spec.seed, "weights": "random", "tokenizer": tokenizer}
     if isinstance(spec, OnnxModel):
+        from optpipe.onnx_guard import external_locations, load_graph
+
         path = onnx_source_path(recipe)
-        data = sorted(p for p in path.parent.glob(path.name + "*") if p != path) + sorted(path.parent.glob("*.data"))
-        return {"onnx": sha256_file(path), "data": {p.name: sha256_file(p) for p in data}}
+        locations = external_locations(load_graph(path, "model.onnx"))
+        return {"onnx": sha256_file(path), "data": {loc: sha256_file(path.parent / loc) for loc in locations}}
     if isinstance(spec, FactoryModel):
         module_name = spec.factory.partition(":")[0]
         origin = _module_origin(module_name, recipe)
-        return {"factory": spec.factory, "kwargs": spec.kwargs, "code": sha256_file(origin) if origin else None}
+        checkpoint = recipe.resolve(spec.checkpoint)
+        weights = sha256_file(checkpoint) if checkpoint and checkpoint.is_file() else None
+        return {"factory": spec.factory, "kwargs": spec.kwargs, "code": sha256_file(origin) if origin else None, "checkpoint": weights}
     if isinstance(spec, TorchvisionModel):
         return {"torchvision": spec.torchvision, "num_classes": spec.num_classes, "weights": "random"}
     raise ModelSourceError("model: unsupported model kind")
@@ -174,12 +178,21 @@ def _load_factory(recipe: Recipe, spec: FactoryModel) -> TorchModel:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ModelSourceError(f"model.factory: cannot import '{module_name}': {first_line(exc)}") from None
+        raise ModelSourceError(f"model.factory: cannot import '{module_name}': {first_line(exc)}; check `model.factory` and `model.path`") from None
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ModelSourceError(f"model.factory: '{module_name}' has no function '{func_name}'")
-    built = func(**spec.kwargs)
+    try:
+        built = func(**spec.kwargs)
+    except Exception as exc:  # the user's code: report it as theirs
+        raise ModelSourceError(f"model.factory: '{spec.factory}' raised {type(exc).__name__}: {first_line(exc)}; check the factory and `model.kwargs`") from None
     net = built[0] if isinstance(built, tuple) else built
+    if not callable(getattr(net, "eval", None)):
+        raise ModelSourceError(f"model.factory: '{spec.factory}' returned {type(net).__name__}, not a torch.nn.Module; return the module")
+    if spec.checkpoint:
+        from optpipe.checkpoints import load_checkpoint
+
+        load_checkpoint(net, recipe.resolve(spec.checkpoint), spec.allow_pickle)
     output_names = list(getattr(net, "output_names", ["output"]))
     return TorchModel(net.eval(), [s.name for s in recipe.inputs], output_names, f"factory {spec.factory}")
 

@@ -10,8 +10,8 @@ Phases, each with one job:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -19,21 +19,25 @@ from functools import lru_cache
 from pathlib import Path
 
 import networkx as nx
+from filelock import FileLock
 
-from optpipe.artifact import ModelArtifact, copy_file
+from optpipe.artifact import ModelArtifact
 from optpipe.cache import StageCache, default_cache_dir, library_versions
 from optpipe.calibration.dataset import SampleSet, build_sample_set
 from optpipe.dag import ancestors_and_self, execution_order
-from optpipe.errors import DataError, OptpipeError, PassError, first_line
+from optpipe.errors import DataError, OptpipeError, PassError, StageOutOfMemory, first_line
 from optpipe.evaluation import Evaluator
 from optpipe.inspection import save_sample_inputs
 from optpipe.instruments import Instrument
+from optpipe.interrupt import KeptTracker, explain_interruption
+from optpipe.isolation import memory_message, run_pass_isolated
 from optpipe.metrics import StageResult
 from optpipe.model_source import load_torch_model, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.report import RunReport, write_report
 from optpipe.targets import run_targets
+from optpipe.run_folder import publish_stage_folders
 from optpipe.validate import validate_recipe
 
 KEY_FORMAT = 1
@@ -62,12 +66,22 @@ class RunOptions:
 
 def compile_recipe(recipe: Recipe, options: RunOptions | None = None) -> RunReport:
     """Run a recipe end to end; returns the report (also written to the run folder)."""
-    options = options or RunOptions()
+    tracker = KeptTracker()
+    options = dataclasses.replace(options or RunOptions())
+    options.instruments = [*options.instruments, tracker]
+    with explain_interruption(tracker):
+        return _compile(recipe, options)
+
+
+def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
+    from optpipe.preflight import preflight
+
     graph, passes = validate_recipe(recipe)
     run_dir = options.output or recipe.resolve(recipe.output)
     cache = StageCache(options.cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir()))
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     services = RunServices(recipe, cache)
+    preflight(recipe, services)
 
     order = execution_order(graph)
     if options.only:
@@ -77,15 +91,20 @@ def compile_recipe(recipe: Recipe, options: RunOptions | None = None) -> RunRepo
         order = [name for name in order if name in keep]
 
     manager = PassManager(recipe, cache, services, run_dir, options)
-    outcomes = manager.run(order, graph, passes)
-    results = evaluate_stages(recipe, order, outcomes, services, cache, options)
-    publish_stage_folders(run_dir, results, outcomes)
-    if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
-        save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
-    report = RunReport.build(recipe, results)
-    write_report(report, run_dir)
-    run_targets(recipe, report, run_dir, cache, options.providers, lambda *args: _notify(options, *args))
-    write_report(report, run_dir)
+    try:
+        outcomes = manager.run(order, graph, passes)
+        results = evaluate_stages(recipe, order, outcomes, services, cache, options)
+        report = RunReport.build(recipe, results)
+        # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
+        with FileLock(str(run_dir / ".optpipe.lock")):
+            publish_stage_folders(run_dir, results, outcomes)
+            if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
+                save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
+            write_report(report, run_dir)
+            run_targets(recipe, report, run_dir, cache, options.providers, lambda *args: _notify(options, *args))
+            write_report(report, run_dir)
+    finally:
+        cache.release_leases()  # `cache gc` may prune what this run used from now on
     return report
 
 
@@ -102,14 +121,14 @@ class RunServices:
 
     @lru_cache(maxsize=1)
     def eval_set(self) -> SampleSet:
-        return build_sample_set(self.recipe.data.eval, self.recipe, self.cache.root)
+        return build_sample_set(self.recipe.data.eval, self.recipe, self.cache)
 
     @lru_cache(maxsize=1)
     def calibration_set(self) -> SampleSet:
         source = self.recipe.data.calibration
         if source is None:
             raise DataError("data.calibration: this stage needs a calibration set; add `data: {calibration: ...}` to the recipe")
-        return build_sample_set(source, self.recipe, self.cache.root)
+        return build_sample_set(source, self.recipe, self.cache)
 
 
 class PassManager:
@@ -150,20 +169,31 @@ class PassManager:
                         log.info("cache hit %s", key)
                         return StageOutcome("ok", hit, cached=True, key=key, duration_s=time.perf_counter() - started)
                     log.info("running pass %s v%s with %s", pass_.name, pass_.version, pass_.params.model_dump())
-                    with contextlib.redirect_stdout(_LogWriter(log)):
-                        pass_.run(model, ctx)
+                    self._run_pass(name, pass_, model, ctx, log_path)
                     if self.options.force:
                         self.cache.discard(self.cache.entry_dir(key))
-                    artifact = self.cache.publish(key, workdir)
+                    artifact = self.cache.publish(key, workdir, {"stage": name, "pass": pass_.name, "recipe": self.recipe.name})
                     return StageOutcome("ok", artifact, key=key, duration_s=time.perf_counter() - started)
             except (PassError, OptpipeError) as exc:
                 log.error("%s", exc)
                 return self._failed(str(exc), log_path, started)
+            except MemoryError as exc:
+                log.error("out of memory:\n%s", traceback.format_exc())
+                return self._failed(str(StageOutOfMemory(memory_message(exc))), log_path, started)
             except Exception as exc:  # a bug in a pass must not take the other branches down
                 log.error("unexpected error:\n%s", traceback.format_exc())
                 return self._failed(f"internal error in pass '{pass_.name}' ({type(exc).__name__}: {first_line(exc)})", log_path, started)
             finally:
-                shutil.rmtree(workdir, ignore_errors=True)
+                self.cache.release_workdir(workdir)
+
+    def _run_pass(self, name: str, pass_: Pass, model: ModelArtifact | None, ctx: PassContext, log_path: Path) -> None:
+        """In this process, or in a worker process when the stage has a time limit."""
+        timeout_s = self.recipe.stages[name].timeout_s
+        if timeout_s is None:
+            with contextlib.redirect_stdout(_LogWriter(ctx.log)):
+                pass_.run(model, ctx)
+            return
+        run_pass_isolated(self.recipe, name, pass_, model, ctx.workdir, self.cache.root, log_path, timeout_s)
 
     def stage_key(self, pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> str:
         return StageCache.key(
@@ -287,27 +317,16 @@ def _summary(result: StageResult) -> str:
     return ", ".join(parts)
 
 
-def publish_stage_folders(run_dir: Path, results: list[StageResult], outcomes: dict[str, StageOutcome]) -> None:
-    """Each finished stage's model appears under <run>/stages/<name>/ (copied from the cache)."""
-    for result in results:
-        outcome = outcomes.get(result.name)
-        if outcome is None or outcome.artifact is None:
-            continue
-        target = run_dir / "stages" / result.name
-        wanted = {file.name for file in outcome.artifact.files()}
-        for stale in target.glob("*") if target.exists() else []:
-            if stale.name not in wanted:
-                stale.unlink()
-        for file in outcome.artifact.files():
-            copy_file(file, target / file.name)
-        result.artifact = str(target / "model.onnx")
-
-
 @contextlib.contextmanager
-def stage_logger(name: str, path: Path):
-    """A logger writing to the stage's log file (and Python warnings with it) while the stage runs."""
+def stage_logger(name: str, path: Path, truncate: bool = True):
+    """A logger writing to the stage's log file (and Python warnings with it) while the stage runs.
+
+    Appending (after truncating once): a stage's worker process writes to the same file.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+    if truncate:
+        path.write_text("", encoding="utf-8")
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log = logging.getLogger(f"optpipe.stage.{name}")
     log.setLevel(logging.INFO)

@@ -6,11 +6,12 @@ Every user mistake becomes a RecipeError whose one line names the YAML path
 from __future__ import annotations
 
 import difflib
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from optpipe.errors import RecipeError
 
@@ -49,6 +50,19 @@ class FactoryModel(Strict):
     factory: str = Field(description="'module:function' returning a torch.nn.Module or (module, example_inputs)")
     kwargs: dict[str, Any] = Field(default_factory=dict)
     path: Optional[str] = Field(None, description="folder added to sys.path before importing the module")
+    checkpoint: Optional[str] = Field(None, description="weights to load into the module: .safetensors, or a torch.save file")
+    allow_pickle: bool = Field(
+        False, description="load a torch.save checkpoint with full unpickling (runs code in the file); only for files you trust"
+    )
+
+    @field_validator("factory")
+    @classmethod
+    def _not_the_standard_library(cls, value: str) -> str:
+        # A factory is called with the recipe's kwargs: `os:system` would run a shell command.
+        top = value.partition(":")[0].split(".")[0]
+        if top in sys.stdlib_module_names or top == "builtins":
+            raise ValueError(f"'{value}' is in Python's standard library, not a model; name your own function that builds a torch.nn.Module")
+        return value
 
 
 class HFConfigModel(Strict):
@@ -260,13 +274,22 @@ class Recipe(Strict):
 # --- loading and error formatting ---------------------------------------------------------
 
 
-def load_recipe(path: str | Path) -> Recipe:
+def load_recipe(path: str | Path, allow_paths: tuple[Path, ...] = ()) -> Recipe:
+    """A recipe file, parsed safely; the paths it names must stay inside its folder, the working
+    directory or `allow_paths` (see optpipe.safety)."""
+    from optpipe.safety import MAX_RECIPE_BYTES, check_paths, check_yaml_budget
+
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file '{path}' does not exist; pass the path of a YAML recipe")
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{path}: {path.stat().st_size} bytes is too large for a recipe (limit {MAX_RECIPE_BYTES}); pass a recipe file")
     try:
         # safe_load: a recipe can never construct Python objects.
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.constructor.ConstructorError as exc:
+        tag = getattr(exc, "problem", "") or ""
+        raise RecipeError(f"{path}: a YAML tag tries to build an object ({tag}); a recipe holds plain values only, remove the tag") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -274,7 +297,10 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError(f"{path}: malformed YAML{where}: {problem}; fix the syntax there") from None
     except UnicodeDecodeError:
         raise RecipeError(f"{path}: not a UTF-8 text file; a recipe is YAML text") from None
-    return parse_recipe(data, base_dir=path.resolve().parent, origin=str(path))
+    check_yaml_budget(data, str(path))
+    recipe = parse_recipe(data, base_dir=path.resolve().parent, origin=str(path))
+    check_paths(recipe, str(path), allow_paths)
+    return recipe
 
 
 def parse_recipe(data: Any, base_dir: Path = Path("."), origin: str = "recipe") -> Recipe:
@@ -286,6 +312,9 @@ def parse_recipe(data: Any, base_dir: Path = Path("."), origin: str = "recipe") 
         raise RecipeError(f"{origin}: {describe_validation_error(exc, Recipe, data)}") from None
     if "base_dir" in data:
         raise RecipeError(f"{origin}: base_dir: unknown key; remove it")
+    from optpipe.safety import check_names
+
+    check_names(recipe, origin)
     return recipe
 
 

@@ -8,6 +8,7 @@ group, or at run time with `register_pass` (used by tests and notebooks).
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from functools import lru_cache
 from importlib import metadata
@@ -29,12 +30,25 @@ def unregister_pass(name: str) -> None:
     registry.cache_clear()
 
 
+# Extra modules with passes, outside this package: comma-separated module names (plugins, tests).
+PLUGINS_ENV = "OPTPIPE_PLUGINS"
+
+
 @lru_cache(maxsize=1)
 def registry() -> dict[str, type[Pass]]:
     found: dict[str, type[Pass]] = {}
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
-            found.update(_passes_in(importlib.import_module(f"{__name__}.{info.name}")))
+    modules = [f"{__name__}.{info.name}" for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_")]
+    modules += [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
+    for module_name in modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            from optpipe.errors import OptpipeError
+
+            raise OptpipeError(f"{PLUGINS_ENV}: cannot import pass module '{module_name}' ({exc}); fix the variable") from None
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, Pass) and obj is not Pass and obj.__module__ == module.__name__:
+                found[obj.name] = obj
     for entry in metadata.entry_points(group="optpipe.passes"):
         cls = entry.load()
         found[cls.name] = cls

@@ -46,6 +46,7 @@ class ExportPass(Pass):
             return import_onnx(ctx)
         torch_model = ctx.torch_model()
         feeds = trace_inputs(ctx.recipe)
+        expected = eager_outputs(torch_model, feeds)
         raw = ctx.workdir / "raw"
         raw.mkdir()
         params: ExportParams = self.params  # type: ignore[assignment]
@@ -65,7 +66,7 @@ class ExportPass(Pass):
         _remove_tree(raw)
         check = require_agreement(
             onnx_outputs(artifact.path, feeds),
-            eager_runner(torch_model, threads=2)(feeds),
+            expected,
             params.check_atol,
             "the exported model does not match PyTorch eager",
             f"try `exporter: {'torchscript' if params.exporter == 'dynamo' else 'dynamo'}` or raise check_atol",
@@ -84,22 +85,37 @@ def trace_inputs(recipe: Recipe) -> dict[str, np.ndarray]:
     return synthetic_batch(recipe, seed=0, **overrides)
 
 
+def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """PyTorch eager on the trace inputs: the export's yardstick, and the first check that the
+    recipe's input specs fit the model."""
+    try:
+        return eager_runner(torch_model, threads=2)(feeds)
+    except Exception as exc:  # whatever forward() raises on inputs it does not accept
+        shapes = ", ".join(f"{name} {list(v.shape)} {v.dtype}" for name, v in feeds.items())
+        raise PassError(
+            f"the PyTorch model fails on the recipe's inputs ({shapes}): {_first_line(exc)}; "
+            "make `inputs` (names, dtypes, shapes) match what its forward() takes"
+        ) from None
+
+
 def import_onnx(ctx: PassContext) -> ModelArtifact:
     """An existing ONNX file becomes the root artifact: checked, its inputs matched to the recipe."""
     import onnx
 
+    from optpipe import onnx_guard
+
     path = onnx_source_path(ctx.recipe)
-    try:
-        model = onnx.load(str(path))
-        onnx.checker.check_model(model, full_check=False)
-    except Exception as exc:  # protobuf decode errors, checker errors, missing external data
-        raise ModelSourceError(f"model.onnx: '{path}' is not a valid ONNX model ({_first_line(exc)})") from None
-    graph_inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
-    expected = {spec.name for spec in ctx.recipe.inputs}
-    if graph_inputs != expected:
+    graph = onnx_guard.load_graph(path, "model.onnx")
+    onnx_guard.check_inputs_match(graph, ctx.recipe, path.name)
+    unknown = onnx_guard.unknown_ops(graph)
+    if unknown:
         raise ModelSourceError(
-            f"inputs: the recipe declares {sorted(expected)} but '{path.name}' takes {sorted(graph_inputs)}; make the recipe's input names match"
+            f"model.onnx: '{path.name}' uses ops that no ONNX schema defines at its opset ({', '.join(unknown)}); "
+            "replace them or export with an opset that has them"
         )
+    onnx_guard.check_model_file(path, graph, "model.onnx")
+    onnx_guard.check_runnable(path, "model.onnx")
+    model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)
 

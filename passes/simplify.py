@@ -27,6 +27,12 @@ class SimplifyPass(Pass):
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: SimplifyParams = self.params  # type: ignore[assignment]
+        from optpipe.onnx_guard import PROTOBUF_LIMIT
+
+        if params.backend == "onnxsim" and model.size_bytes() >= PROTOBUF_LIMIT:
+            # onnxsim serializes the whole model as one protobuf, which cannot exceed 2 GB; onnxslim
+            # goes through external data for large models.
+            raise PassError("onnxsim cannot simplify a model over 2 GB (one protobuf); use `backend: onnxslim`")
         source = model.load()
         before = graph_stats(source)
         try:

@@ -35,7 +35,7 @@ def test_publish_then_lookup_returns_the_entry(tmp_path):
     assert found is not None and found.folder == published.folder
     assert found.info == {"note": "test"}
     assert found.content_hash() == published.content_hash()
-    assert not list((tmp_path / "tmp").iterdir()), "the workdir was moved, not copied"
+    assert not [p for p in (tmp_path / "tmp").iterdir() if p.is_dir()], "the workdir was moved, not copied"
 
 
 def test_key_is_canonical_and_sensitive():

@@ -1,0 +1,66 @@
+"""Load weights into a factory-built module without running code from the file.
+
+`.safetensors` files hold only tensors. A `torch.save` file is a pickle: it is
+loaded with `weights_only=True` (plain tensors and containers, no arbitrary
+objects) unless the recipe says `allow_pickle: true` for a file it trusts.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from optpipe.errors import ModelSourceError, first_line
+
+STATE_KEYS = ("state_dict", "model_state_dict", "model")
+
+
+def load_checkpoint(module: Any, path: Path, allow_pickle: bool) -> None:
+    """Load `path` into `module` (strict: every key must match), or say what to change."""
+    if not path.is_file():
+        raise ModelSourceError(f"model.checkpoint: file '{path}' does not exist; fix the path")
+    state = _read(path, allow_pickle)
+    state = _unwrap(state)
+    if not isinstance(state, dict):
+        raise ModelSourceError(f"model.checkpoint: '{path.name}' holds a {type(state).__name__}, not a state dict of tensors; save module.state_dict()")
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        detail = " ".join(line.strip() for line in str(exc).splitlines()[1:] if line.strip())[:200]
+        raise ModelSourceError(
+            f"model.checkpoint: '{path.name}' does not fit the factory's module ({detail or first_line(exc)}); "
+            "check the factory's kwargs or the checkpoint"
+        ) from None
+
+
+def _read(path: Path, allow_pickle: bool) -> Any:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as exc:  # safetensors raises its own error types
+            raise ModelSourceError(f"model.checkpoint: '{path.name}' is not a valid safetensors file ({first_line(exc)})") from None
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=not allow_pickle)
+    except pickle.UnpicklingError as exc:
+        if allow_pickle or "global" not in str(exc).lower():  # no object (GLOBAL) refused: a broken file
+            raise ModelSourceError(f"model.checkpoint: '{path.name}' is not a readable torch checkpoint ({first_line(exc)[:160]})") from None
+        raise ModelSourceError(
+            f"model.checkpoint: '{path.name}' holds pickled Python objects beyond tensors, which could run code; "
+            "save it as .safetensors, or set `model.allow_pickle: true` if you trust the file"
+        ) from None
+    except Exception as exc:  # truncated or not a torch file
+        raise ModelSourceError(f"model.checkpoint: '{path.name}' is not a readable torch checkpoint ({first_line(exc)[:160]})") from None
+
+
+def _unwrap(state: Any) -> Any:
+    """Training scripts often save {'state_dict': ..., 'epoch': ...}: take the weights."""
+    if isinstance(state, dict):
+        for key in STATE_KEYS:
+            if isinstance(state.get(key), dict):
+                return state[key]
+    return state

@@ -1,0 +1,203 @@
+"""Checks on an ONNX file from outside, before anything trusts it.
+
+- it parses as an ONNX model (not another file renamed, not truncated);
+- its external-data references stay inside its folder and fit in their files
+  (a crafted `location: ../../home/user/.ssh/id_rsa` must not be read);
+- its ops exist in the ONNX schemas / ONNX Runtime;
+- its inputs match the recipe's input specs (names, dtypes, ranks, fixed dims).
+
+onnx >= 1.17 refuses escaping locations itself when it loads external data; this
+module checks first so the user gets one sentence naming the tensor, and so
+ONNX Runtime (which reads external data on its own) never sees such a file.
+
+Models over 2 GB cannot be one protobuf: they are checked by path
+(`onnx.checker.check_model(path)`), never serialized in memory.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+import onnx
+from onnx import external_data_helper
+
+from optpipe.errors import ModelSourceError, first_line
+from optpipe.recipe import Recipe
+
+# Above this size a model cannot be serialized as one protobuf (onnx.checker.MAXIMUM_PROTOBUF, 2 GiB).
+PROTOBUF_LIMIT = onnx.checker.MAXIMUM_PROTOBUF
+STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+# ONNX Runtime's words for an op it has no kernel for (custom domain / standard domain).
+_ORT_UNKNOWN_OP = re.compile(r"(?:[\w.]+:(?P<op>\w+)\(-?\d+\) is not a registered function/op|No Op registered for (?P<op2>\w+))")
+
+
+def load_graph(path: Path, where: str) -> onnx.ModelProto:
+    """The model without its weights, after checking it is ONNX and its external data is safe."""
+    if not path.is_file():
+        raise ModelSourceError(f"{where}: file '{path}' does not exist; give the path of an .onnx model")
+    if path.stat().st_size == 0:
+        raise ModelSourceError(f"{where}: '{path.name}' is empty; export the model again")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise ModelSourceError(
+            f"{where}: '{path.name}' is not an ONNX model or is truncated ({first_line(exc)}); export it again or fix the path"
+        ) from None
+    if not model.opset_import or not (model.graph.node or model.graph.output):
+        raise ModelSourceError(f"{where}: '{path.name}' holds no ONNX graph (not an ONNX file, or truncated); export it again")
+    check_external_data(model, path.parent, where)
+    return model
+
+
+def external_locations(model: onnx.ModelProto) -> list[str]:
+    return sorted({_location(t) for t in external_data_helper._get_all_tensors(model) if _uses_external(t)})
+
+
+def check_external_data(model: onnx.ModelProto, folder: Path, where: str) -> None:
+    """Every external-data reference names a file inside `folder` that holds the bytes it claims."""
+    root = folder.resolve()
+    for tensor in external_data_helper._get_all_tensors(model):
+        if not _uses_external(tensor):
+            continue
+        location = _location(tensor)
+        target = _inside(root, location)
+        if target is None:
+            link = " (through a symlink)" if _plain_relative(location) else ""
+            raise ModelSourceError(
+                f"{where}: tensor '{tensor.name}' points its external data at '{location}', outside the model's "
+                f"folder{link}; external data files must sit beside the model"
+            )
+        if not target.is_file():
+            raise ModelSourceError(
+                f"{where}: tensor '{tensor.name}' needs external data file '{location}', which is missing; "
+                "copy it beside the model"
+            )
+        info = external_data_helper.ExternalDataInfo(tensor)
+        end = (info.offset or 0) + (info.length or 0)
+        if end > target.stat().st_size:
+            raise ModelSourceError(
+                f"{where}: external data file '{location}' is shorter ({target.stat().st_size} bytes) than tensor "
+                f"'{tensor.name}' needs ({end}); the file is truncated, copy it again"
+            )
+
+
+def model_size(path: Path, model: onnx.ModelProto) -> int:
+    """Bytes of the model file and its external data."""
+    return path.stat().st_size + sum((path.parent / loc).stat().st_size for loc in external_locations(model))
+
+
+def check_model_file(path: Path, model: onnx.ModelProto, where: str) -> None:
+    """onnx.checker on the file (by path, so models over 2 GB are checked too)."""
+    try:
+        if model_size(path, model) >= PROTOBUF_LIMIT:
+            onnx.checker.check_model(str(path), full_check=False)
+        else:
+            onnx.checker.check_model(onnx.load(str(path)), full_check=False)
+    except Exception as exc:  # ValidationError and protobuf errors
+        raise ModelSourceError(f"{where}: '{path.name}' is not a valid ONNX model ({first_line(exc)}); export it again") from None
+
+
+def unknown_ops(model: onnx.ModelProto) -> list[str]:
+    """Standard-domain ops that no ONNX schema defines at the model's opset."""
+    opsets = {d.domain or "": d.version for d in model.opset_import}
+    found = set()
+    for node in _all_nodes(model.graph):
+        domain = node.domain or ""
+        if domain not in STANDARD_DOMAINS:
+            continue
+        version = opsets.get(domain, opsets.get("ai.onnx" if domain == "" else "", 1))
+        try:
+            onnx.defs.get_schema(node.op_type, version, domain)
+        except onnx.defs.SchemaError:
+            found.add(node.op_type if not domain else f"{domain}.{node.op_type}")
+    return sorted(found)
+
+
+def check_runnable(path: Path, where: str) -> None:
+    """ONNX Runtime can build a session for the model; else name the op it cannot run."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    try:
+        ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT's own exception types
+        message = first_line(exc, limit=2000)
+        op = _ORT_UNKNOWN_OP.search(message)
+        if op:
+            raise ModelSourceError(
+                f"{where}: ONNX Runtime cannot run op '{op.group('op') or op.group('op2')}' in '{path.name}' (no kernel is registered for it); "
+                "replace the op or export with ops ONNX Runtime implements"
+            ) from None
+        detail = message.split("failed:", 1)[-1][:200]
+        raise ModelSourceError(f"{where}: ONNX Runtime cannot load '{path.name}' ({detail}); export the model again") from None
+
+
+def check_inputs_match(model: onnx.ModelProto, recipe: Recipe, where: str) -> None:
+    """The recipe's input specs describe the model's graph inputs: names, dtypes, ranks, fixed dims."""
+    initializers = {i.name for i in model.graph.initializer}
+    graph_inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
+    declared = {spec.name for spec in recipe.inputs}
+    if set(graph_inputs) != declared:
+        raise ModelSourceError(
+            f"inputs: the recipe declares {sorted(declared)} but '{where}' takes {sorted(graph_inputs)}; "
+            "make the recipe's input names match"
+        )
+    for i, spec in enumerate(recipe.inputs):
+        tensor = graph_inputs[spec.name].type.tensor_type
+        if tensor.elem_type:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)).name
+            if dtype != spec.dtype:
+                raise ModelSourceError(f"inputs.{i}.dtype: the model's input '{spec.name}' is {dtype}, the recipe says {spec.dtype}; set `dtype: {dtype}`")
+        if not tensor.HasField("shape"):
+            continue
+        dims = tensor.shape.dim
+        if len(dims) != len(spec.shape):
+            raise ModelSourceError(
+                f"inputs.{i}.shape: the model's input '{spec.name}' has rank {len(dims)}, the recipe's shape "
+                f"{spec.shape} has {len(spec.shape)}; give one entry per axis"
+            )
+        for axis, (dim, want) in enumerate(zip(dims, spec.shape)):
+            if not dim.HasField("dim_value"):
+                continue
+            sizes = {want} if isinstance(want, int) else {recipe.dims[want].min, recipe.dims[want].max}
+            if sizes != {dim.dim_value}:
+                raise ModelSourceError(
+                    f"inputs.{i}.shape: the model fixes axis {axis} of '{spec.name}' to {dim.dim_value}, the recipe "
+                    f"gives {want!r}; set it to {dim.dim_value}"
+                )
+
+
+def _uses_external(tensor: onnx.TensorProto) -> bool:
+    return tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+def _location(tensor: onnx.TensorProto) -> str:
+    return next((e.value for e in tensor.external_data if e.key == "location"), "")
+
+
+def _plain_relative(location: str) -> bool:
+    """A relative path without `..`, backslashes or NULs (it may still be a symlink)."""
+    relative = PurePosixPath(location)
+    return bool(location) and "\\" not in location and "\0" not in location and not relative.is_absolute() and ".." not in relative.parts
+
+
+def _inside(root: Path, location: str) -> Path | None:
+    """The resolved file for `location` if it stays inside `root` (no absolute path, no `..`, no symlink out)."""
+    if not _plain_relative(location):
+        return None
+    target = (root / PurePosixPath(location)).resolve()
+    return target if target.is_relative_to(root) else None
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _all_nodes(sub)

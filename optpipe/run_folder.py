@@ -1,0 +1,49 @@
+"""The run folder's copies of the stage models: `<run>/stages/<name>/`, each with its manifest.
+
+Each copy carries the cache entry's manifest (`entry.json`: every file's hash), so a
+user or `optpipe cache verify --run` can check it. A copy that no longer matches
+its manifest (edited, truncated) is reported and restored from the cache.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from optpipe.artifact import MANIFEST_FILE, copy_file
+from optpipe.cache import verify_entry
+from optpipe.metrics import StageResult
+
+log = logging.getLogger("optpipe.run")
+
+
+def publish_stage_folders(run_dir: Path, results: list[StageResult], outcomes: dict) -> None:
+    """Each finished stage's model appears under <run>/stages/<name>/ (copied from the cache)."""
+    for result in results:
+        outcome = outcomes.get(result.name)
+        if outcome is None or outcome.artifact is None:
+            continue
+        target = run_dir / "stages" / result.name
+        _warn_if_tampered(target, result.name)
+        wanted = {file.name for file in outcome.artifact.files()}
+        for stale in target.glob("*") if target.exists() else []:
+            if stale.name not in wanted and stale.is_file():
+                stale.unlink()
+        # The manifest last: a copy interrupted half way has an old or no manifest, and fails verification.
+        files = sorted(outcome.artifact.files(), key=lambda f: f.name == MANIFEST_FILE)
+        for file in files:
+            copy_file(file, target / file.name)
+        result.artifact = str(target / "model.onnx")
+
+
+def verify_run_folder(run_dir: Path) -> dict[str, str | None]:
+    """Per stage copy in a run folder: None when it matches its manifest, else what is wrong."""
+    stages = run_dir / "stages"
+    return {folder.name: verify_entry(folder) for folder in sorted(stages.iterdir()) if folder.is_dir()} if stages.exists() else {}
+
+
+def _warn_if_tampered(target: Path, stage: str) -> None:
+    if not (target / MANIFEST_FILE).exists():
+        return
+    problem = verify_entry(target)
+    if problem:
+        log.warning("run folder copy of stage '%s' was modified (%s); restoring it from the cache", stage, problem)

@@ -1,0 +1,100 @@
+"""What a recipe file from elsewhere may not do: reach outside its folders, name files with
+its stage names, or blow up the YAML loader.
+
+A recipe is parsed with `yaml.safe_load` (no Python objects). Then:
+- every path it names (model, checkpoint, data, output, cache) must resolve,
+  symlinks followed, inside the recipe's folder or the working directory, or a
+  folder the user allows explicitly (`--allow-path`); a recipe cannot make
+  optpipe read `~/.ssh/id_rsa` as "data" or write its run folder over `~/`;
+- names that become file names (the recipe's name, stage names) are plain
+  names, so `stages: {../../x: ...}` cannot write outside the run folder;
+- the loaded YAML is walked with a budget, so a few nested aliases (the
+  "billion laughs") cannot expand into billions of values downstream.
+
+These checks apply to recipe files (`load_recipe`); a recipe built in Python
+(`parse_recipe`) is code its author wrote and is trusted with its paths.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from optpipe.errors import RecipeError
+from optpipe.recipe import FactoryModel, HFModel, OnnxModel, Recipe
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+MAX_RECIPE_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+
+
+def check_yaml_budget(data: Any, origin: str) -> None:
+    """Refuse YAML that expands (through aliases) to more values than any recipe needs."""
+    stack, seen = [data], 0
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if seen > MAX_YAML_VALUES:
+            raise RecipeError(
+                f"{origin}: the YAML expands to more than {MAX_YAML_VALUES} values (nested anchors and aliases?); "
+                "a recipe is small, write its values out"
+            )
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
+def check_names(recipe: Recipe, origin: str) -> None:
+    """The recipe's name and its stage names become folder and file names: plain names only."""
+    if not SAFE_NAME.fullmatch(recipe.name) or ".." in recipe.name:
+        raise RecipeError(f"{origin}: name: '{recipe.name}' is not a plain name; use letters, digits, '_', '-' and '.'")
+    for stage in recipe.stages:
+        if not SAFE_NAME.fullmatch(stage) or ".." in stage:
+            raise RecipeError(f"{origin}: stages: '{stage}' is not a plain name; use letters, digits, '_', '-' and '.'")
+
+
+def recipe_paths(recipe: Recipe) -> Iterable[tuple[str, str]]:
+    """(YAML path, value) of every file or folder a recipe names."""
+    model = recipe.model
+    if isinstance(model, OnnxModel):
+        yield "model.onnx", model.onnx
+    if isinstance(model, HFModel) and model.hf:
+        yield "model.hf", model.hf
+    if isinstance(model, FactoryModel):
+        if model.path:
+            yield "model.path", model.path
+        if model.checkpoint:
+            yield "model.checkpoint", model.checkpoint
+    for which in ("eval", "calibration"):
+        source = getattr(recipe.data, which)
+        if source is not None and source.path:
+            yield f"data.{which}.path", source.path
+    yield "output", recipe.output
+    if recipe.cache:
+        yield "cache", recipe.cache
+
+
+def allowed_roots(recipe: Recipe, allow: Iterable[Path] = ()) -> list[Path]:
+    return [recipe.base_dir.resolve(), Path.cwd().resolve(), *(Path(p).expanduser().resolve() for p in allow)]
+
+
+def check_paths(recipe: Recipe, origin: str, allow: Iterable[Path] = ()) -> None:
+    """Every path in the recipe resolves inside one of the allowed folders."""
+    roots = allowed_roots(recipe, allow)
+    for where, value in recipe_paths(recipe):
+        if "\0" in value:
+            raise RecipeError(f"{origin}: {where}: the path contains a NUL character; give a plain path")
+        resolved = Path(os.path.realpath(recipe.resolve(value)))
+        if not any(resolved.is_relative_to(root) for root in roots):
+            raise RecipeError(
+                f"{origin}: {where}: '{value}' resolves to {resolved}, outside the recipe's folder and the working "
+                "directory; move it inside them or allow its folder with --allow-path"
+            )
+
+
+def check_recipe_file(recipe: Recipe, origin: str, allow: Iterable[Path] = ()) -> None:
+    check_names(recipe, origin)
+    check_paths(recipe, origin, allow)
