@@ -48,6 +48,9 @@ def session_options(threads: int, optimization: str = "all"):
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = levels[optimization]
     options.log_severity_level = 3
+    # No spin-waiting between runs: an idle session's spinning threads starve whatever else is
+    # measured in the process (PyTorch eager went from 20 to 38 ms beside one), at no cost to ORT.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 
