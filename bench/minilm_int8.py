@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
 
 def build_stages(recipe, run_dir: str):
     """Every stage of the recipe through the cached pass manager (no evaluation phase)."""
-    from optpipe.cache import StageCache, default_cache_dir
+    from optpipe.cache.store import StageCache, default_cache_dir
     from optpipe.dag import execution_order
     from optpipe.pipeline import PassManager, RunOptions, RunServices
     from optpipe.validate import validate_recipe

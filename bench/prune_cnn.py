@@ -2,7 +2,7 @@
 
     python bench/prune_cnn.py [--batch 1] [--threads 2] [--iterations 40] [--amount 0.5]
 
-Exports ResNet-50 (optpipe/resnet.py, seeded random weights) with the dynamo exporter,
+Exports ResNet-50 (optpipe/models/resnet.py, seeded random weights) with the dynamo exporter,
 simplifies it with onnxslim (as the `simplify` stage does), then makes the candidates with
 the prune pass's own functions: structured at `amount` (all sound channel groups, and
 residual streams left whole), 80% magnitude zeros and 2:4 zeros. Every model runs in
@@ -25,7 +25,7 @@ def export_resnet50(folder: Path) -> onnx.ModelProto:
     import onnxslim
     import torch
 
-    from optpipe.resnet import resnet50
+    from optpipe.models.resnet import resnet50
 
     x = torch.randn(1, 3, 224, 224)
     program = torch.onnx.export(
@@ -37,7 +37,7 @@ def export_resnet50(folder: Path) -> onnx.ModelProto:
 
 
 def candidates(dense: onnx.ModelProto, amount: float) -> dict[str, tuple[onnx.ModelProto, str]]:
-    from optpipe.graph_edit import name_unnamed_nodes
+    from optpipe.graph.edit import name_unnamed_nodes
     from optpipe.passes.prune import PruneParams, prune_structured, sparsify_weights
 
     def copy():

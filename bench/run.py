@@ -167,7 +167,7 @@ def _row(candidate: str, what: str, stage) -> dict:
 
 def evaluation_feeds(recipe, batch: int) -> dict[str, np.ndarray]:
     """The recipe's evaluation samples (real text or images where the recipe has them), `batch` of them."""
-    from optpipe.cache import StageCache, default_cache_dir
+    from optpipe.cache.store import StageCache, default_cache_dir
     from optpipe.calibration.dataset import build_sample_set
 
     cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
@@ -218,7 +218,7 @@ def render_model(result: dict) -> str:
 
 
 def render_document(results: list[dict], command: str) -> str:
-    from optpipe.report import machine_description
+    from optpipe.reporting.run_report import machine_description
 
     m = machine_description()
     libs = ", ".join(f"{k} {v}" for k, v in m["libraries"].items() if v)

@@ -70,7 +70,7 @@ def build_sample_set(source: DataSource, recipe: Recipe, cache: "StageCache | Pa
     The set is a cache entry like a stage's model (`datasets/<key>/samples.npz` and a
     manifest): published atomically, re-hashed on use, built by one process at a time.
     """
-    from optpipe.cache import StageCache
+    from optpipe.cache.store import StageCache
 
     key = sample_set_key(source, recipe)
     cache = cache if isinstance(cache, StageCache) else StageCache(cache)

@@ -16,7 +16,7 @@ from typing import Any
 from filelock import FileLock
 
 from optpipe.artifact import sha256_json
-from optpipe.cache import library_versions
+from optpipe.cache.store import library_versions
 
 RANGES_FORMAT = 1
 

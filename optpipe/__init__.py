@@ -13,7 +13,7 @@ __all__ = ["compile_recipe", "load_recipe", "load", "RunOptions", "RunReport"]
 if TYPE_CHECKING:
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.recipe import load_recipe
-    from optpipe.report import RunReport
+    from optpipe.reporting.run_report import RunReport
     from optpipe.targets.ort_bundle import load_bundle as load
 
 
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:
 
         return load_recipe
     if name == "RunReport":
-        from optpipe.report import RunReport
+        from optpipe.reporting.run_report import RunReport
 
         return RunReport
     if name == "load":

@@ -63,7 +63,7 @@ def source_fingerprint(recipe: Recipe) -> dict[str, Any]:
         tokenizer = _folder_hash(hf_folder(recipe)) if spec.tokenizer else None
         return {"hf_config": spec.hf_config, "seed": spec.seed, "weights": "random", "tokenizer": tokenizer}
     if isinstance(spec, OnnxModel):
-        from optpipe.onnx_guard import external_locations, load_graph
+        from optpipe.safety.onnx_guard import external_locations, load_graph
 
         path = onnx_source_path(recipe)
         locations = external_locations(load_graph(path, "model.onnx"))
@@ -190,7 +190,7 @@ def _load_factory(recipe: Recipe, spec: FactoryModel) -> TorchModel:
     if not callable(getattr(net, "eval", None)):
         raise ModelSourceError(f"model.factory: '{spec.factory}' returned {type(net).__name__}, not a torch.nn.Module; return the module")
     if spec.checkpoint:
-        from optpipe.checkpoints import load_checkpoint
+        from optpipe.safety.checkpoints import load_checkpoint
 
         load_checkpoint(net, recipe.resolve(spec.checkpoint), spec.allow_pickle)
     output_names = list(getattr(net, "output_names", ["output"]))

@@ -22,22 +22,22 @@ import networkx as nx
 from filelock import FileLock
 
 from optpipe.artifact import ModelArtifact
-from optpipe.cache import StageCache, default_cache_dir, library_versions
+from optpipe.cache.store import StageCache, default_cache_dir, library_versions
 from optpipe.calibration.dataset import SampleSet, build_sample_set
 from optpipe.dag import ancestors_and_self, execution_order
 from optpipe.errors import DataError, OptpipeError, PassError, StageOutOfMemory, first_line
-from optpipe.evaluation import Evaluator
-from optpipe.inspection import save_sample_inputs
+from optpipe.evaluation.evaluator import Evaluator
+from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.instruments import Instrument
-from optpipe.interrupt import KeptTracker, explain_interruption
-from optpipe.isolation import memory_message, run_pass_isolated
+from optpipe.execution.interrupt import KeptTracker, explain_interruption
+from optpipe.execution.isolation import memory_message, run_pass_isolated
 from optpipe.metrics import StageResult
 from optpipe.model_source import load_torch_model, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
-from optpipe.report import RunReport, write_report
+from optpipe.reporting.run_report import RunReport, write_report
 from optpipe.targets import run_targets
-from optpipe.run_folder import publish_stage_folders
+from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.validate import validate_recipe
 
 KEY_FORMAT = 1
@@ -74,7 +74,7 @@ def compile_recipe(recipe: Recipe, options: RunOptions | None = None) -> RunRepo
 
 
 def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
-    from optpipe.preflight import preflight
+    from optpipe.safety.preflight import preflight
 
     graph, passes = validate_recipe(recipe)
     run_dir = options.output or recipe.resolve(recipe.output)

@@ -276,8 +276,8 @@ class Recipe(Strict):
 
 def load_recipe(path: str | Path, allow_paths: tuple[Path, ...] = ()) -> Recipe:
     """A recipe file, parsed safely; the paths it names must stay inside its folder, the working
-    directory or `allow_paths` (see optpipe.safety)."""
-    from optpipe.safety import MAX_RECIPE_BYTES, check_paths, check_yaml_budget
+    directory or `allow_paths` (see optpipe.safety.recipe_guard)."""
+    from optpipe.safety.recipe_guard import MAX_RECIPE_BYTES, check_paths, check_yaml_budget
 
     path = Path(path)
     if not path.is_file():
@@ -312,7 +312,7 @@ def parse_recipe(data: Any, base_dir: Path = Path("."), origin: str = "recipe") 
         raise RecipeError(f"{origin}: {describe_validation_error(exc, Recipe, data)}") from None
     if "base_dir" in data:
         raise RecipeError(f"{origin}: base_dir: unknown key; remove it")
-    from optpipe.safety import check_names
+    from optpipe.safety.recipe_guard import check_names
 
     check_names(recipe, origin)
     return recipe

@@ -9,9 +9,9 @@ import numpy as np
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.checks import onnx_outputs, require_agreement
+from optpipe.evaluation.checks import onnx_outputs, require_agreement
 from optpipe.errors import ModelSourceError, PassError
-from optpipe.graph_stats import graph_stats
+from optpipe.graph.stats import graph_stats
 from optpipe.model_source import TorchModel, onnx_source_path, source_fingerprint
 from optpipe.pass_base import Pass, PassContext, PassParams
 from optpipe.recipe import OnnxModel, Recipe
@@ -102,7 +102,7 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
     """An existing ONNX file becomes the root artifact: checked, its inputs matched to the recipe."""
     import onnx
 
-    from optpipe import onnx_guard
+    from optpipe.safety import onnx_guard
 
     path = onnx_source_path(ctx.recipe)
     graph = onnx_guard.load_graph(path, "model.onnx")

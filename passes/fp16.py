@@ -10,8 +10,8 @@ from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.errors import PassError, first_line
-from optpipe.graph_edit import name_unnamed_nodes, topologically_sorted
-from optpipe.graph_stats import graph_stats
+from optpipe.graph.edit import name_unnamed_nodes, topologically_sorted
+from optpipe.graph.stats import graph_stats
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 # The converter's names for the Cast it puts after a kept (FP32) node's output.
@@ -61,7 +61,7 @@ class Fp16Pass(Pass):
             "fp32_nodes": kept,
             "guard": guard_info,
             "note": "ONNX Runtime's CPU provider runs most FP16 ops as FP32 behind Casts: CPU latency of this stage "
-            "is not FP16 speed, and the guard measures accuracy on an FP16-storage emulation (see optpipe/fp16_numerics.py)",
+            "is not FP16 speed, and the guard measures accuracy on an FP16-storage emulation (see optpipe/evaluation/fp16_numerics.py)",
             "graph": graph_stats(artifact.load(with_weights=False)),
         }
         return write_info(ctx.workdir, info)
@@ -138,13 +138,13 @@ class AccuracyGuard:
         self.inputs = eval_set.arrays
         self.batches = list(eval_set.batches(_accuracy_batch(ctx.recipe)))
         self.localize_feeds = next(eval_set.batches(params.localize_samples))
-        from optpipe.accuracy import run_onnx
+        from optpipe.evaluation.accuracy import run_onnx
 
         self.reference = run_onnx(source_artifact.path, self.batches, self.threads)
 
     def run(self, converted, kept_by_recipe, convert):
-        from optpipe.fp16_numerics import tensor_types
-        from optpipe.error_attribution import float_activations
+        from optpipe.evaluation.fp16_numerics import tensor_types
+        from optpipe.evaluation.error_attribution import float_activations
 
         types = tensor_types(self.source)
         self.activations = float_activations(self.source, types)
@@ -181,8 +181,8 @@ class AccuracyGuard:
 
     def accuracy(self, converted: onnx.ModelProto):
         """Accuracy of the FP16 numerics (emulated, see fp16_numerics) against the pass's input model."""
-        from optpipe.accuracy import compare, run_onnx
-        from optpipe.fp16_numerics import emulate_fp16
+        from optpipe.evaluation.accuracy import compare, run_onnx
+        from optpipe.evaluation.fp16_numerics import emulate_fp16
 
         path = self.scratch / "emulated.onnx"
         onnx.save_model(emulate_fp16(converted), str(path), save_as_external_data=True, location="emulated.onnx.data")
@@ -191,8 +191,8 @@ class AccuracyGuard:
 
     def culprits(self, converted: onnx.ModelProto, blocked: set[str]):
         """The nodes to keep in FP32 next: every node that overflows, else the one adding the most error."""
-        from optpipe.fp16_numerics import emulate_fp16
-        from optpipe.error_attribution import blame_nodes, run_with_outputs
+        from optpipe.evaluation.fp16_numerics import emulate_fp16
+        from optpipe.evaluation.error_attribution import blame_nodes, run_with_outputs
 
         emulated = emulate_fp16(converted)
         produced = {out for node in emulated.graph.node for out in node.output}

@@ -20,10 +20,10 @@ import onnx
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.checks import onnx_outputs, require_agreement
+from optpipe.evaluation.checks import onnx_outputs, require_agreement
 from optpipe.errors import PassError, first_line
-from optpipe.graph_stats import fused_ops as graph_stats_fused_ops
-from optpipe.graph_stats import graph_stats, op_changes, op_histogram
+from optpipe.graph.stats import fused_ops as graph_stats_fused_ops
+from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")

@@ -26,12 +26,12 @@ import numpy as np
 import onnx
 from pydantic import Field
 
-from optpipe.accuracy import compare, run_onnx
+from optpipe.evaluation.accuracy import compare, run_onnx
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.calibration.ranges import CalibrationCache, ranges_key
 from optpipe.calibration.readers import ort_calibration_reader
 from optpipe.errors import PassError, first_line
-from optpipe.graph_stats import graph_stats, op_changes, op_histogram
+from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.metrics import Accuracy
 from optpipe.pass_base import Pass, PassContext, PassParams
 
@@ -272,7 +272,7 @@ class Guard:
 
     def rank(self, quantized: Path, candidates: list[onnx.NodeProto]):
         """Candidate nodes by the error each adds in the quantized model (layer-wise, on a few samples)."""
-        from optpipe.error_attribution import blame_nodes, run_with_outputs
+        from optpipe.evaluation.error_attribution import blame_nodes, run_with_outputs
 
         source = self.model.load()
         names = [name for node in candidates for name in (*node.input, *node.output) if name]

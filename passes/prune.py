@@ -10,10 +10,10 @@ from onnx import numpy_helper
 from pydantic import Field, model_validator
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.checks import agreement, onnx_outputs
+from optpipe.evaluation.checks import agreement, onnx_outputs
 from optpipe.errors import PassError, first_line
-from optpipe.graph_edit import name_unnamed_nodes
-from optpipe.graph_stats import graph_stats
+from optpipe.graph.edit import name_unnamed_nodes
+from optpipe.graph.stats import graph_stats
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 WEIGHT_OPS = ("Conv", "MatMul", "Gemm")
@@ -83,7 +83,7 @@ class PrunePass(Pass):
 
 def prune_structured(model: onnx.ModelProto, params: PruneParams) -> dict:
     """Remove the least important `amount` of every sound channel group; returns what was removed."""
-    from optpipe.channel_groups import GroupFinder, apply_pruning, channels_to_keep, constants_to_initializers
+    from optpipe.graph.channel_groups import GroupFinder, apply_pruning, channels_to_keep, constants_to_initializers
 
     constants_to_initializers(model)
     finder = GroupFinder(model)
@@ -126,7 +126,7 @@ def prune_structured(model: onnx.ModelProto, params: PruneParams) -> dict:
 
 def sparsify_weights(model: onnx.ModelProto, params: PruneParams) -> dict:
     """Magnitude or 2:4 zeros in the weights of Conv/MatMul/Gemm; 2:4 is verified on every weight it touched."""
-    from optpipe.sparsity import is_two_four, magnitude_prune, prunable_weights, sparsity, two_four
+    from optpipe.graph.sparsity import is_two_four, magnitude_prune, prunable_weights, sparsity, two_four
 
     targets = prunable_weights(model, set(params.ops))
     by_name = {init.name: i for i, init in enumerate(model.graph.initializer)}

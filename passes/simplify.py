@@ -6,9 +6,9 @@ from typing import Literal
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.checks import onnx_outputs, require_agreement
+from optpipe.evaluation.checks import onnx_outputs, require_agreement
 from optpipe.errors import PassError
-from optpipe.graph_stats import graph_stats, op_changes
+from optpipe.graph.stats import graph_stats, op_changes
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 
@@ -27,7 +27,7 @@ class SimplifyPass(Pass):
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: SimplifyParams = self.params  # type: ignore[assignment]
-        from optpipe.onnx_guard import PROTOBUF_LIMIT
+        from optpipe.safety.onnx_guard import PROTOBUF_LIMIT
 
         if params.backend == "onnxsim" and model.size_bytes() >= PROTOBUF_LIMIT:
             # onnxsim serializes the whole model as one protobuf, which cannot exceed 2 GB; onnxslim

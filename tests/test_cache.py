@@ -8,7 +8,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from optpipe.artifact import save_model
-from optpipe.cache import StageCache, verify_entry
+from optpipe.cache.store import StageCache, verify_entry
 from optpipe.pipeline import RunOptions, compile_recipe
 from optpipe.recipe import load_recipe
 

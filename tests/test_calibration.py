@@ -105,7 +105,7 @@ def recipe_with_calibration(tmp_path, model_path, int8_params):
 
 
 def run_stages(recipe, cache_root, run_dir):
-    from optpipe.cache import StageCache
+    from optpipe.cache.store import StageCache
     from optpipe.dag import execution_order
     from optpipe.pipeline import PassManager, RunOptions, RunServices
     from optpipe.validate import validate_recipe

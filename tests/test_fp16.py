@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, parser
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
-from optpipe.fp16_numerics import emulate_fp16
+from optpipe.evaluation.fp16_numerics import emulate_fp16
 from optpipe.passes.fp16 import Fp16Params, Fp16Pass, convert_to_fp16
 
 # A softmax-like normalisation whose ReduceSum exceeds FP16's 65504 (64 values of ~3000):

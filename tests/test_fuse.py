@@ -7,7 +7,7 @@ from onnx import numpy_helper, parser
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
 from optpipe.artifact import ModelArtifact
-from optpipe.graph_stats import op_histogram
+from optpipe.graph.stats import op_histogram
 from optpipe.passes.fuse import FuseParams, FusePass
 
 RNG = np.random.default_rng(0)

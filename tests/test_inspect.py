@@ -10,12 +10,12 @@ from onnx import TensorProto, helper, numpy_helper
 from inspect_models import mlp_model, mlp_recipe, save
 from optpipe.cli import cli
 from optpipe.errors import RecipeError, RunFolderError
-from optpipe.evaluation import resize_dim
-from optpipe.graph_stats import describe_graph, graph_diff
-from optpipe.inspection import diff_stages, open_run, parse_stage_ref, stage_handle
+from optpipe.evaluation.evaluator import resize_dim
+from optpipe.graph.stats import describe_graph, graph_diff
+from optpipe.reporting.inspection import diff_stages, open_run, parse_stage_ref, stage_handle
 from optpipe.instruments import StepRecorder
-from optpipe.layerwise import compare_layers
-from optpipe.memory import PeakMemory
+from optpipe.evaluation.layerwise import compare_layers
+from optpipe.evaluation.memory import PeakMemory
 from optpipe.pipeline import RunOptions, compile_recipe
 from optpipe.recipe import Tolerance, parse_recipe
 

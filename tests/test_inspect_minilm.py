@@ -9,7 +9,7 @@ import yaml
 from click.testing import CliRunner
 
 from optpipe.cli import cli
-from optpipe.inspection import diff_stages, stage_handle
+from optpipe.reporting.inspection import diff_stages, stage_handle
 from optpipe.pipeline import RunOptions, compile_recipe
 from optpipe.recipe import parse_recipe
 

@@ -10,7 +10,7 @@ from onnx import helper, numpy_helper, parser
 from helpers_passes import artifact_of, context, graph_recipe, run_model
 from optpipe.artifact import ModelArtifact
 from optpipe.passes.prune import PruneParams, PrunePass
-from optpipe.sparsity import is_two_four, two_four
+from optpipe.graph.sparsity import is_two_four, two_four
 
 RNG = np.random.default_rng(0)
 

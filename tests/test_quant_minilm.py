@@ -17,7 +17,7 @@ RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "minilm.yaml"
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
-    from optpipe.cache import StageCache, default_cache_dir
+    from optpipe.cache.store import StageCache, default_cache_dir
     from optpipe.dag import execution_order
     from optpipe.pipeline import PassManager, RunOptions, RunServices
     from optpipe.recipe import load_recipe

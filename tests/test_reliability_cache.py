@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optpipe import cache_admin
-from optpipe.cache import StageCache, sweep_leftovers, verify_entry
+from optpipe.cache import admin as cache_admin
+from optpipe.cache.store import StageCache, sweep_leftovers, verify_entry
 from optpipe.calibration.dataset import DATASETS, SAMPLES_FILE, build_sample_set
-from optpipe.locking import hold_exclusive, hold_shared, release
+from optpipe.cache.locking import hold_exclusive, hold_shared, release
 from optpipe.recipe import DataSource, parse_recipe
-from optpipe.run_folder import publish_stage_folders, verify_run_folder
+from optpipe.execution.run_folder import publish_stage_folders, verify_run_folder
 
 
 def _entry(cache: StageCache, key: str, payload: bytes = b"weights") -> Path:
@@ -61,7 +61,7 @@ def test_a_damaged_entry_is_dropped_with_a_warning(tmp_path, caplog, damage):
         (folder / "planted.py").write_text("print('hi')")
     else:  # a writer killed before the manifest: such a folder is never published, but if one appears
         (folder / "entry.json").unlink()
-    with caplog.at_level(logging.WARNING, logger="optpipe.cache"):
+    with caplog.at_level(logging.WARNING, logger="optpipe.cache.store"):
         assert cache.lookup("k1") is None
     assert "corrupted" in caplog.text and "recomputing" in caplog.text
     assert not folder.exists()
@@ -81,7 +81,7 @@ def test_results_carry_their_hash(tmp_path, caplog):
     assert cache.get_result("r1") == {"latency": [1.5]}
     path = cache.result_path("r1")
     path.write_text(path.read_text().replace("1.5", "0.1"))  # a plausible but forged value
-    with caplog.at_level(logging.WARNING, logger="optpipe.cache"):
+    with caplog.at_level(logging.WARNING, logger="optpipe.cache.store"):
         assert cache.get_result("r1") is None
     assert "does not match its hash" in caplog.text and not path.exists()
     path.write_text('{"sha256": "')  # truncated mid-write by something other than optpipe
@@ -144,7 +144,7 @@ def test_a_tampered_sample_set_is_rebuilt(tmp_path, caplog):
     with open(folder / SAMPLES_FILE, "r+b") as fh:  # flip bytes inside the archive
         fh.seek(-64, os.SEEK_END)
         fh.write(b"\0" * 16)
-    with caplog.at_level(logging.WARNING, logger="optpipe.cache"):
+    with caplog.at_level(logging.WARNING, logger="optpipe.cache.store"):
         rebuilt = build_sample_set(DataSource(samples=4), recipe, tmp_path / "cache")
     assert not rebuilt.cached and "corrupted" in caplog.text
     assert np.array_equal(rebuilt.arrays["x"], first.arrays["x"])

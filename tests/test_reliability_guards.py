@@ -9,8 +9,8 @@ import pytest
 import torch
 from reliability_fixtures import onnx_recipe, tiny_torch, write_linear_onnx, write_recipe
 
-from optpipe import onnx_guard
-from optpipe.checkpoints import load_checkpoint
+from optpipe.safety import onnx_guard
+from optpipe.safety.checkpoints import load_checkpoint
 from optpipe.errors import ModelSourceError, RecipeError
 from optpipe.pipeline import RunOptions, compile_recipe
 from optpipe.recipe import load_recipe, parse_recipe

@@ -14,8 +14,8 @@ from optpipe.cli import cli
 from optpipe.metrics import Accuracy, Latency, OutputAccuracy, StageResult
 from optpipe.pipeline import RunOptions, compile_recipe
 from optpipe.recipe import parse_recipe
-from optpipe.report import RunReport
-from optpipe.report_html import render_html
+from optpipe.reporting.run_report import RunReport
+from optpipe.reporting.html import render_html
 
 SVG = re.compile(r"<figure class='plot' id='plot-([\w-]+)'>(<svg.*?</svg>)</figure>", re.S)
 

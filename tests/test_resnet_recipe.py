@@ -19,7 +19,7 @@ def test_resnet50_recipe_validates_with_its_stages():
 def test_resnet50_factory_has_torchvisions_parameter_count_and_is_seeded():
     import torch
 
-    from optpipe.resnet import resnet50
+    from optpipe.models.resnet import resnet50
 
     a, b = resnet50(seed=0), resnet50(seed=0)
     assert sum(p.numel() for p in a.parameters()) == 25_557_032  # torchvision.models.resnet50(weights=None)

@@ -127,8 +127,8 @@ def export_stage(
     Reads report.json, recipe.json and the stage's folder; recomputes no stage. The recipe's
     params for that kind of target are used where the recipe has one.
     """
-    from optpipe.cache import StageCache, default_cache_dir
-    from optpipe.report import RunReport
+    from optpipe.cache.store import StageCache, default_cache_dir
+    from optpipe.reporting.run_report import RunReport
     from optpipe.targets.measure import Measurer
 
     if kind not in BUILDERS:

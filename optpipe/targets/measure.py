@@ -9,11 +9,11 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Callable, Optional
 
-from optpipe.accuracy import compare, run_onnx
-from optpipe.cache import StageCache
+from optpipe.evaluation.accuracy import compare, run_onnx
+from optpipe.cache.store import StageCache
 from optpipe.calibration.dataset import build_sample_set
-from optpipe.evaluation import Evaluator
-from optpipe.latency import measure
+from optpipe.evaluation.evaluator import Evaluator
+from optpipe.evaluation.latency import measure
 from optpipe.metrics import Accuracy, Latency
 from optpipe.recipe import Recipe, Tolerance
 from optpipe.runtime import Feeds, Outputs

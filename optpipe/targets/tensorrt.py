@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from optpipe.accuracy import quiet_polygraphy
+from optpipe.evaluation.accuracy import quiet_polygraphy
 from optpipe.artifact import MODEL_FILE, copy_file, sha256_json
 from optpipe.errors import TargetError
 from optpipe.runtime import cuda_available

@@ -1,4 +1,4 @@
-"""CLI commands that look at a finished run: inspect, diff, report (views over optpipe.inspection)."""
+"""CLI commands that look at a finished run: inspect, diff, report (views over optpipe.reporting.inspection)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ def register(cli: click.Group) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the data as JSON")
 def inspect_command(run: Path, stage: str | None, layers: bool, samples: int, as_json: bool) -> None:
     """Show a run's stages, or one STAGE: inputs/outputs, ops, bytes by dtype, fused ops, metrics."""
-    from optpipe import inspection
+    from optpipe.reporting import inspection
 
     if stage is None:
         rows = inspection.inspect_run(run)
@@ -56,7 +56,7 @@ def diff_command(first: str, second: str, third: str | None, layers: bool, sampl
     optpipe diff RUN STAGE_A STAGE_B
     optpipe diff RUN_A:STAGE RUN_B:STAGE
     """
-    from optpipe import inspection
+    from optpipe.reporting import inspection
     from optpipe.recipe import Tolerance
 
     if third is not None:
@@ -76,8 +76,8 @@ def diff_command(first: str, second: str, third: str | None, layers: bool, sampl
 @click.argument("run", type=click.Path(path_type=Path))
 def report_command(run: Path) -> None:
     """Rebuild report.md and report.html of RUN from its report.json (nothing is recomputed)."""
-    from optpipe.inspection import open_run
-    from optpipe.report import write_report
+    from optpipe.reporting.inspection import open_run
+    from optpipe.reporting.run_report import write_report
 
     report = open_run(run)
     write_report(report, run)
@@ -86,7 +86,7 @@ def report_command(run: Path) -> None:
 
 def _parent_handle(handle):
     from optpipe.errors import RunFolderError
-    from optpipe.inspection import stage_handle
+    from optpipe.reporting.inspection import stage_handle
 
     parent = handle.result.parent
     if parent is None:

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from optpipe.errors import RunFolderError
-from optpipe.graph_stats import describe_graph, graph_diff
+from optpipe.graph.stats import describe_graph, graph_diff
 from optpipe.metrics import Latency, StageResult
 from optpipe.recipe import Tolerance
-from optpipe.report import RunReport
+from optpipe.reporting.run_report import RunReport
 
 #: A few evaluation samples saved in the run folder, so a layer-wise comparison uses real inputs.
 SAMPLE_INPUTS_FILE = "eval_inputs.npz"
@@ -163,7 +163,7 @@ class StageDiff:
     latency: list[dict[str, Any]]
     size: tuple[int | None, int | None]
     notes: list[str] = field(default_factory=list)
-    layers: Any = None  # optpipe.layerwise.LayerComparison when asked for
+    layers: Any = None  # optpipe.evaluation.layerwise.LayerComparison when asked for
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -195,7 +195,7 @@ def diff_stages(a: StageHandle, b: StageHandle, layers: bool = False, samples: i
 
 def layer_comparison(reference: StageHandle, candidate: StageHandle, samples: int = 2, tolerance: Tolerance | None = None):
     """Intermediate tensors of `candidate` against the same-named ones of `reference`, on saved eval inputs."""
-    from optpipe.layerwise import compare_layers
+    from optpipe.evaluation.layerwise import compare_layers
 
     for handle in (reference, candidate):
         if handle.model_path is None:

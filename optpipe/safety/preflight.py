@@ -21,7 +21,7 @@ _DATA_PREFIX = re.compile(r"^(data(\.\w+)?( source '\w+')?:\s*)")
 
 def preflight(recipe: Recipe, services: "RunServices") -> None:
     if isinstance(recipe.model, OnnxModel):
-        from optpipe import onnx_guard
+        from optpipe.safety import onnx_guard
         from optpipe.model_source import onnx_source_path
 
         path = onnx_source_path(recipe)

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 from optpipe.artifact import MANIFEST_FILE, copy_file
-from optpipe.cache import verify_entry
+from optpipe.cache.store import verify_entry
 from optpipe.metrics import StageResult
 
 log = logging.getLogger("optpipe.run")

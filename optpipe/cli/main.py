@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from optpipe.cache_cli import cache_group
+from optpipe.cli.cache_commands import cache_group
 from optpipe.errors import OptpipeError
 
 
@@ -27,7 +27,7 @@ class OptpipeGroup(click.Group):
 
 
 def main() -> None:
-    from optpipe.signals import interrupted_exit, one_line_warnings, terminate_as_interrupt
+    from optpipe.execution.signals import interrupted_exit, one_line_warnings, terminate_as_interrupt
 
     terminate_as_interrupt()
     one_line_warnings()
@@ -49,7 +49,7 @@ def main() -> None:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
     except Exception as exc:  # a bug: one line, the traceback only on request
-        from optpipe.signals import internal_error_exit
+        from optpipe.execution.signals import internal_error_exit
 
         internal_error_exit(exc)
 
@@ -75,7 +75,7 @@ def compile_command(recipe: Path, output: Path | None, force: bool, only: str | 
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.recipe import load_recipe
-    from optpipe.report import stage_table
+    from optpipe.reporting.run_report import stage_table
 
     parsed = load_recipe(recipe, allow_paths)
     options = RunOptions(output=output, force=force, only=only, cache_dir=cache_dir, instruments=[ConsoleProgress()])
@@ -131,7 +131,7 @@ from optpipe.targets.command import export_command  # noqa: E402  (a command in 
 
 cli.add_command(export_command)
 
-from optpipe.cli_inspect import register as _register_inspect  # noqa: E402  (inspect, diff, report)
+from optpipe.cli.inspect_commands import register as _register_inspect  # noqa: E402  (inspect, diff, report)
 
 _register_inspect(cli)
 

@@ -9,7 +9,7 @@ pass's output into the same private workdir, and reports back through a small
 JSON file; the parent publishes the workdir as usual. The limit counts from the
 moment the worker has started (imports done), not from its spawn.
 
-    python -m optpipe.isolation REQUEST.json
+    python -m optpipe.execution.isolation REQUEST.json
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def run_pass_isolated(
     try:
         with open(log_path, "a", encoding="utf-8") as log_file:
             worker = subprocess.Popen(
-                [sys.executable, "-m", "optpipe.isolation", str(files.request)],
+                [sys.executable, "-m", "optpipe.execution.isolation", str(files.request)],
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
             )
         try:
@@ -153,7 +153,7 @@ def worker_main(request_path: Path) -> int:
 
 
 def _run_request(request: dict[str, Any]) -> dict[str, str]:
-    from optpipe.cache import StageCache
+    from optpipe.cache.store import StageCache
     from optpipe.passes import get_pass
     from optpipe.pipeline import PassManager, RunOptions, RunServices, _LogWriter, stage_logger
     from optpipe.recipe import parse_recipe

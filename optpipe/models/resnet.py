@@ -1,4 +1,4 @@
-"""ResNet-50 (v1.5, the torchvision layout) as a recipe factory: `factory: optpipe.resnet:resnet50`.
+"""ResNet-50 (v1.5, the torchvision layout) as a recipe factory: `factory: optpipe.models.resnet:resnet50`.
 
 Why it lives here: torchvision from PyPI does not import beside the CPU-only torch
 2.13 wheel this project installs by default (DESIGN.md), so a recipe using

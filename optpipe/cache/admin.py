@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optpipe.artifact import MANIFEST_FILE
-from optpipe.cache import SERVICE_DIRS, discard, read_result, sweep_leftovers, verify_entry
+from optpipe.cache.store import SERVICE_DIRS, discard, read_result, sweep_leftovers, verify_entry
 from optpipe.errors import OptpipeError
-from optpipe.locking import exclusive_nowait, release
+from optpipe.cache.locking import exclusive_nowait, release
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)

@@ -107,7 +107,7 @@ def write_report(report: RunReport, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(run_dir / "report.json", report.model_dump_json(indent=2))
     _write_atomic(run_dir / "report.md", render_markdown(report))
-    from optpipe.report_html import render_html  # matplotlib loads only when a report is written
+    from optpipe.reporting.html import render_html  # matplotlib loads only when a report is written
 
     _write_atomic(run_dir / "report.html", render_html(report))
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from optpipe.accuracy import MASK_INPUT, row_cosines
+from optpipe.evaluation.accuracy import MASK_INPUT, row_cosines
 from optpipe.errors import RunFolderError, first_line
 from optpipe.recipe import Tolerance
 from optpipe.runtime import Feeds, Outputs
@@ -151,7 +151,7 @@ def _run_with_outputs(model, names: list[str], feeds: Feeds, threads: int, label
     """Run `model` with `names` marked as outputs (Polygraphy does the marking), through ORT."""
     from polygraphy.backend.onnx import ModifyOutputs
 
-    from optpipe.accuracy import quiet_polygraphy
+    from optpipe.evaluation.accuracy import quiet_polygraphy
     from optpipe.runtime import session_options
 
     import onnxruntime as ort

@@ -10,13 +10,13 @@ from functools import cached_property
 from typing import Callable
 
 import numpy as np
-from optpipe.accuracy import compare, run_callable, run_onnx
+from optpipe.evaluation.accuracy import compare, run_callable, run_onnx
 from optpipe.artifact import ModelArtifact
-from optpipe.cache import StageCache, library_versions
-from optpipe.checks import require_finite
+from optpipe.cache.store import StageCache, library_versions
+from optpipe.evaluation.checks import require_finite
 from optpipe.calibration.dataset import SampleSet
-from optpipe.latency import measure
-from optpipe.memory import PeakMemory
+from optpipe.evaluation.latency import measure
+from optpipe.evaluation.memory import PeakMemory
 from optpipe.metrics import Accuracy, Latency, Memory
 from optpipe.recipe import Recipe, Tolerance
 from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers

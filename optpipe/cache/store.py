@@ -33,7 +33,7 @@ from typing import Any
 from filelock import FileLock
 
 from optpipe.artifact import INFO_FILE, MANIFEST_FILE, ModelArtifact, content_hash, sha256_file, sha256_json
-from optpipe.locking import exclusive_nowait, hold_exclusive, hold_shared, release
+from optpipe.cache.locking import exclusive_nowait, hold_exclusive, hold_shared, release
 
 MANIFEST = MANIFEST_FILE
 STAGES = "stages"
@@ -43,7 +43,7 @@ SERVICE_DIRS = ("tmp", "locks")
 # Temp files of a killed writer (atomic JSON and npz writes) older than this are swept.
 STALE_TEMP_S = 3600.0
 WORKDIR_NAME_LEN = len("work-") + 32  # work-<uuid4 hex>; files beside a workdir share the prefix
-log = logging.getLogger("optpipe.cache")
+log = logging.getLogger("optpipe.cache.store")
 # Leases this process holds, shared by every StageCache on the same root; released at exit.
 _LEASES: dict[Path, int] = {}
 

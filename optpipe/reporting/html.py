@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from optpipe.metrics import Latency, StageResult
-from optpipe.report import EAGER, RunReport
+from optpipe.reporting.run_report import EAGER, RunReport
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
 FRONTIER = "#f9a825"

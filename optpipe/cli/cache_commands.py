@@ -14,7 +14,7 @@ CACHE_DIR_HELP = "cache folder (default: $OPTPIPE_CACHE or ~/.cache/optpipe)"
 @click.pass_context
 def cache_group(ctx: click.Context, cache_dir: Path | None) -> None:
     """List, prune and verify the cache."""
-    from optpipe.cache import default_cache_dir
+    from optpipe.cache.store import default_cache_dir
 
     ctx.obj = cache_dir or default_cache_dir()
 
@@ -24,7 +24,7 @@ def cache_group(ctx: click.Context, cache_dir: Path | None) -> None:
 @click.pass_obj
 def ls_command(root: Path, kind: str | None) -> None:
     """List entries: kind, key, size, time since last use, what made them."""
-    from optpipe.cache_admin import human_age, human_size, list_entries
+    from optpipe.cache.admin import human_age, human_size, list_entries
 
     entries = [e for e in list_entries(root) if kind is None or e.kind == kind]
     for e in entries:
@@ -39,7 +39,7 @@ def ls_command(root: Path, kind: str | None) -> None:
 @click.pass_obj
 def gc_command(root: Path, older_than: str | None, max_size: str | None, dry_run: bool) -> None:
     """Prune entries by age and size; entries a running compile uses are kept."""
-    from optpipe.cache_admin import collect_garbage, human_size, parse_age, parse_size
+    from optpipe.cache.admin import collect_garbage, human_size, parse_age, parse_size
     from optpipe.errors import OptpipeError
 
     if older_than is None and max_size is None:
@@ -60,8 +60,8 @@ def gc_command(root: Path, older_than: str | None, max_size: str | None, dry_run
 @click.pass_obj
 def verify_command(root: Path, delete: bool, run_dirs: tuple[Path, ...]) -> None:
     """Re-hash every entry against its manifest; exit 1 if any is corrupted."""
-    from optpipe.cache_admin import list_entries, remove, verify
-    from optpipe.run_folder import verify_run_folder
+    from optpipe.cache.admin import list_entries, remove, verify
+    from optpipe.execution.run_folder import verify_run_folder
 
     entries = list_entries(root)
     bad = 0

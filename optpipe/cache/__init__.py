@@ -1,0 +1,1 @@
+"""The content-addressed cache: stage entries, locks and leases, and its maintenance (ls/gc/verify)."""

@@ -1,0 +1,3 @@
+from optpipe.cli.main import main
+
+main()

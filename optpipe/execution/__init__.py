@@ -1,0 +1,1 @@
+"""Running stages safely: worker processes with time limits, interrupts, signals, the run folder."""

@@ -1,0 +1,1 @@
+"""Models optpipe ships for its recipes (architectures only; weights are seeded random)."""

@@ -1,0 +1,1 @@
+"""Results as views: report.json/report.md, report.html, and inspect/diff of finished runs."""
