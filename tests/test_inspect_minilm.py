@@ -36,7 +36,7 @@ def test_inspect_every_stage(minilm_run):
         result = CliRunner().invoke(cli, ["inspect", str(run_dir), stage.name])
         assert result.exit_code == 0, result.output
         assert "input  input_ids: int64 [batch, sequence]" in result.output
-        assert "MatMul" in result.output and re.search(r"bytes by dtype: .*float \d", result.output)
+        assert "MatMul" in result.output and re.search(r"bytes by dtype: .*float(16)? \d", result.output)
 
 
 def test_diff_export_to_simplify_lists_op_changes_and_finds_no_lost_accuracy(minilm_run):
