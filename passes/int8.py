@@ -48,6 +48,11 @@ class Int8Params(PassParams):
     op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention)")
     exclude: list[str] = Field(default_factory=list, description="node names to keep in float")
     reduce_range: bool = Field(False, description="7-bit weights (only for CPUs without VNNI)")
+    target: Literal["tensorrt", "ort-cpu"] = Field(
+        "tensorrt",
+        description="static: tensorrt = symmetric int8 Q/DQ on inputs (explicit quantization); "
+        "ort-cpu = uint8 asymmetric activations, Q/DQ on outputs, int32 bias: ORT's integer kernels, not for TensorRT",
+    )
     calibration_batch: int = Field(8, ge=1, description="static: samples per calibration batch")
     guard: bool = Field(True, description="keep the worst nodes in float until the stage's tolerance holds")
     max_excluded: int = Field(8, ge=0, description="guard: most nodes to keep in float")
@@ -163,7 +168,7 @@ class Quantizer:
                 op_types_to_quantize=self.op_types,
                 per_channel=self.params.per_channel,
                 reduce_range=self.params.reduce_range,
-                activation_type=QuantType.QInt8,
+                activation_type=QuantType.QInt8 if self.for_tensorrt else QuantType.QUInt8,
                 weight_type=QuantType.QInt8,
                 nodes_to_exclude=excluded,
                 use_external_data_format=True,
@@ -193,13 +198,23 @@ class Quantizer:
         )
         return cache.ranges(key)
 
+    @property
+    def for_tensorrt(self) -> bool:
+        return self.params.target == "tensorrt"
+
     def _calibration_options(self) -> dict:
-        options = {"CalibTensorRangeSymmetric": True}
+        options = {"CalibTensorRangeSymmetric": True} if self.for_tensorrt else {}
         if self.params.method == "percentile":
             options["CalibPercentile"] = self.params.percentile
         return options
 
     def _static_options(self) -> dict:
+        if not self.for_tensorrt:
+            # ORT's own QDQ defaults (uint8 activations with zero points, Q/DQ around each op's
+            # inputs and outputs, int32 bias): the form its CPU provider fuses into QLinearConv /
+            # QLinearMatMul. ResNet-50 measured 2.46x its FP32 speed this way, 0.82x with the
+            # TensorRT form (symmetric int8 keeps ORT CPU on DequantizeLinear + FP32 kernels).
+            return {**self._calibration_options(), "MatMulConstBOnly": True}
         return {
             **self._calibration_options(),
             # Symmetric int8 (zero point 0) activations and weights: what TensorRT requires.
@@ -222,7 +237,8 @@ class Quantizer:
             "format": "QDQ" if self.params.mode == "static" else "dynamic (MatMulInteger)",
             "op_types": self.op_types,
             "per_channel": self.params.per_channel,
-            "symmetric": self.params.mode == "static",
+            "symmetric": self.params.mode == "static" and self.for_tensorrt,
+            "target": self.params.target if self.params.mode == "static" else "ort-cpu",
             "calibration": self.calibration,
             "quantizations": self.runs,
             "op_changes": op_changes(before, after["ops"]),

@@ -101,6 +101,24 @@ def test_static_writes_symmetric_signed_per_channel_qdq_on_inputs_only(tmp_path)
     assert cosine > 0.999  # measured 0.99997 on this graph
 
 
+def test_static_for_ort_cpu_writes_uint8_activations_with_outputs_quantized(tmp_path):
+    source, recipe, arrays = case(tmp_path)
+    out = run_int8(source, recipe, arrays, tmp_path / "out", mode="static", target="ort-cpu")
+    model = out.load()
+    inits = initializers(model)
+    activation_zero_points = [inits[n.input[2]] for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    # ORT's CPU form: asymmetric uint8 activations (zero points where the ranges put them) ...
+    assert activation_zero_points and all(zp.dtype == np.uint8 for zp in activation_zero_points)
+    # ... and Q/DQ on the MatMul outputs too, which is what lets ORT fuse them into QLinearMatMul.
+    producers = {o: n.op_type for n in model.graph.node for o in n.output}
+    assert any(producers.get(n.input[0]) == "MatMul" for n in model.graph.node if n.op_type == "QuantizeLinear")
+    assert out.info["target"] == "ort-cpu" and not out.info["symmetric"]
+    (reference,) = run_model(source.path, arrays)
+    (quantized,) = run_model(out.path, arrays)
+    cosine = float((reference * quantized).sum() / np.linalg.norm(reference) / np.linalg.norm(quantized))
+    assert cosine > 0.999
+
+
 @pytest.mark.parametrize("method", ["entropy", "percentile"])
 def test_static_calibration_methods_run(tmp_path, method):
     source, recipe, arrays = case(tmp_path)
