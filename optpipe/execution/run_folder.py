@@ -23,7 +23,9 @@ def publish_stage_folders(run_dir: Path, results: list[StageResult], outcomes: d
         if outcome is None or outcome.artifact is None:
             continue
         target = run_dir / "stages" / result.name
-        _warn_if_tampered(target, result.name)
+        result.artifact = str(target / "model.onnx")
+        if _is_intact_copy(target, outcome.artifact.folder, result.name):
+            continue  # same manifest, every file verified against it: nothing to copy or hash again
         wanted = {file.name for file in outcome.artifact.files()}
         for stale in target.glob("*") if target.exists() else []:
             if stale.name not in wanted and stale.is_file():
@@ -32,7 +34,6 @@ def publish_stage_folders(run_dir: Path, results: list[StageResult], outcomes: d
         files = sorted(outcome.artifact.files(), key=lambda f: f.name == MANIFEST_FILE)
         for file in files:
             copy_file(file, target / file.name)
-        result.artifact = str(target / "model.onnx")
 
 
 def verify_run_folder(run_dir: Path) -> dict[str, str | None]:
@@ -41,9 +42,13 @@ def verify_run_folder(run_dir: Path) -> dict[str, str | None]:
     return {folder.name: verify_entry(folder) for folder in sorted(stages.iterdir()) if folder.is_dir()} if stages.exists() else {}
 
 
-def _warn_if_tampered(target: Path, stage: str) -> None:
-    if not (target / MANIFEST_FILE).exists():
-        return
+def _is_intact_copy(target: Path, source: Path, stage: str) -> bool:
+    """True when the run folder already holds this cache entry, verified; warns when a copy was modified."""
+    manifest = target / MANIFEST_FILE
+    if not manifest.exists():
+        return False
     problem = verify_entry(target)
     if problem:
         log.warning("run folder copy of stage '%s' was modified (%s); restoring it from the cache", stage, problem)
+        return False
+    return manifest.read_bytes() == (source / MANIFEST_FILE).read_bytes()
