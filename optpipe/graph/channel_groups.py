@@ -44,6 +44,17 @@ class WeightSlice:
     op: str = ""
 
 
+# What each kind of record adds to, in a ChannelGroup.
+RECORD_LISTS = {
+    "producer": "producers",
+    "consumer": "consumers",
+    "param": "params",
+    "bn_scale": "bn_scales",
+    "depthwise": "depthwise",
+    "blocker": "blockers",
+}
+
+
 @dataclass
 class ChannelGroup:
     root: str
@@ -284,22 +295,12 @@ class GroupFinder:
             group = groups.setdefault(root, ChannelGroup(root=root))
             group.tensors.append(tensor)
             for kind, payload in self.records.get(tensor, []):
-                if kind == "producer":
-                    group.producers.append(payload)
-                elif kind == "consumer":
-                    group.consumers.append(payload)
-                elif kind == "param":
-                    group.params.append(payload)
-                elif kind == "bn_scale":
-                    group.bn_scales.append(payload)
-                elif kind == "depthwise":
-                    group.depthwise.append(payload)
-                elif kind == "blocker":
-                    group.blockers.append(payload)
-                elif kind == "channels":
+                if kind == "channels":
                     if group.channels not in (None, payload):
                         group.blockers.append(f"producers disagree on the channel count ({group.channels} vs {payload})")
                     group.channels = payload
+                else:
+                    getattr(group, RECORD_LISTS[kind]).append(payload)
         for group in groups.values():
             self._check_slices(group)
         return list(groups.values())
