@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,16 @@ def save_model(model: onnx.ModelProto, folder: Path, info: dict[str, Any] | None
 def write_info(folder: Path, info: dict[str, Any]) -> ModelArtifact:
     (folder / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True, default=str))
     return ModelArtifact(folder=folder, info=info)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file so readers see the old or the new content, never half (temp file, fsync, rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def copy_file(src: Path, dst: Path) -> None:

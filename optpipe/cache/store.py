@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from importlib import metadata
@@ -32,7 +31,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from optpipe.artifact import INFO_FILE, MANIFEST_FILE, ModelArtifact, content_hash, sha256_file, sha256_json
+from optpipe.artifact import INFO_FILE, MANIFEST_FILE, ModelArtifact, content_hash, sha256_file, sha256_json, write_text_atomic
 from optpipe.cache.locking import exclusive_nowait, hold_exclusive, hold_shared, release
 
 MANIFEST = MANIFEST_FILE
@@ -263,12 +262,7 @@ def _touch(path: Path) -> None:
 
 
 def _write_json_atomic(path: Path, value: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(value, fh, indent=2, sort_keys=True, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True, default=str))
 
 
 __all__ = ["StageCache", "default_cache_dir", "library_versions", "verify_entry", "write_manifest", "INFO_FILE"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import platform
-import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, Field
 
+from optpipe.artifact import write_text_atomic
 from optpipe.metrics import StageResult
 from optpipe.recipe import Recipe
 from optpipe.targets import render_targets_markdown
@@ -105,11 +105,11 @@ def machine_description() -> dict[str, Any]:
 
 def write_report(report: RunReport, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(run_dir / "report.json", report.model_dump_json(indent=2))
-    _write_atomic(run_dir / "report.md", render_markdown(report))
+    write_text_atomic(run_dir / "report.json", report.model_dump_json(indent=2))
+    write_text_atomic(run_dir / "report.md", render_markdown(report))
     from optpipe.reporting.html import render_html  # matplotlib loads only when a report is written
 
-    _write_atomic(run_dir / "report.html", render_html(report))
+    write_text_atomic(run_dir / "report.html", render_html(report))
 
 
 def render_markdown(report: RunReport) -> str:
@@ -179,13 +179,6 @@ def _size_delta(before: int | None, after: int | None) -> str:
 
 def _f(value: float | None, fmt: str) -> str:
     return "" if value is None else format(value, fmt)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def _cpu_name() -> str:
