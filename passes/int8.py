@@ -34,7 +34,7 @@ from optpipe.errors import PassError, first_line
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.graph.unfuse import has_fused_ops, unfuse
-from optpipe.metrics import Accuracy
+from optpipe.results import Accuracy
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
