@@ -170,7 +170,7 @@ def stage_table(report: RunReport) -> str:
 def _cosine(s: StageResult) -> str:
     if not s.accuracy:
         return ""
-    text = f"{s.accuracy.worst_cosine:.5f}"
+    text = f"{s.accuracy.worst_cosine:.5f}" + guard_figure(s.accuracy)
     return text if s.accuracy.within_tolerance else text + " ⚠"
 
 
@@ -179,6 +179,14 @@ def precision_cell(s: StageResult) -> str:
     if not s.coverage:
         return ""
     return s.coverage.summary() + (" ⚠" if s.warnings else "")
+
+
+def guard_figure(accuracy) -> str:
+    """The pass's guard figure beside the report's, where the two disagree (the stricter is the verdict)."""
+    guard = accuracy.guard
+    if guard is None or (guard.within_tolerance and abs(guard.cosine - accuracy.worst_cosine) < 1e-3):
+        return ""
+    return f" (guard {guard.cosine:.5f}, {guard.numerics})"
 
 
 def _ratio(base: float | None, value: float | None) -> str:
