@@ -5,6 +5,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from optpipe.graph.coverage import Coverage
+
 
 class OutputAccuracy(BaseModel):
     name: str
@@ -83,6 +85,8 @@ class StageResult(BaseModel):
     pareto: bool = False
     memory: Optional[Memory] = None
     info: dict[str, Any] = Field(default_factory=dict)
+    coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
+    warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
 
     def latency_at(self, batch_size: int) -> Latency | None:
         return next((lat for lat in self.latency if lat.batch_size == batch_size and lat.sweep is None), None)
