@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, Field
 
 from optpipe.errors import OptpipeError
+from optpipe.graph.coverage import Coverage
 
 
 class OutputAccuracy(BaseModel):
@@ -97,6 +98,8 @@ class StageResult(BaseModel):
     pareto: bool = False
     memory: Optional[Memory] = None
     info: dict[str, Any] = Field(default_factory=dict)
+    coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
+    warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
 
     @property
     def headline(self) -> Latency | None:

@@ -72,6 +72,7 @@ def _html_cell(cell: Cell) -> str:
 def _problems(report: RunReport) -> str:
     items = []
     for s in report.stages:
+        items += [f"<li><code>{html.escape(s.name)}</code> warning: {html.escape(w)}</li>" for w in s.warnings]
         if s.status != "ok":
             items.append(f"<li><code>{html.escape(s.name)}</code> {s.status}: {html.escape(s.reason or '')}</li>")
         elif s.accuracy and not s.accuracy.within_tolerance:

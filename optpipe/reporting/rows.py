@@ -109,6 +109,13 @@ def _peak_mb(stage: StageResult) -> Optional[float]:
     return stage.memory.host_rss_bytes / 1e6 if stage.memory and stage.memory.host_rss_bytes is not None else None
 
 
+def _precision(c: RowContext) -> Cell:
+    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning."""
+    if not c.stage.coverage:
+        return Cell()
+    return Cell(c.stage.coverage.summary(), "out" if c.stage.warnings else None)
+
+
 def _ratio(base: Optional[float], value: Optional[float]) -> str:
     return f"{base / value:.2f}x" if base and value else ""
 
@@ -136,5 +143,6 @@ COLUMNS: list[Column] = [
     Column("size MB", lambda c: Cell(_f(c.stage.size_bytes / 1e6 if c.stage.size_bytes else None, ".1f"))),
     Column("Δ size", lambda c: Cell(_pct(c.parent.size_bytes if c.parent else None, c.stage.size_bytes))),
     Column("peak mem MB", lambda c: Cell(_f(_peak_mb(c.stage), ".0f"))),
+    Column("precision (MACs)", _precision),
     Column("frontier", lambda c: Cell("★" if c.stage.pareto else "")),
 ]

@@ -90,6 +90,9 @@ def render_markdown(report: RunReport) -> str:
     lines += [stage_table(report), ""]
     if report.pareto:
         lines += ["Pareto frontier (latency, accuracy error, size; within tolerance): " + ", ".join(f"**{n}**" for n in report.pareto), ""]
+    warned = [s for s in report.stages if s.warnings]
+    if warned:
+        lines += ["## Warnings", ""] + [f"- `{s.name}`: {w}" for s in warned for w in s.warnings] + [""]
     problems = [s for s in report.stages if s.status != "ok" or (s.accuracy and not s.accuracy.within_tolerance)]
     if problems:
         lines += ["## Problems", ""]
