@@ -119,9 +119,9 @@ def render_markdown(report: RunReport) -> str:
     lines += [stage_table(report), ""]
     if report.pareto:
         lines += ["Pareto frontier (latency, accuracy error, size; within tolerance): " + ", ".join(f"**{n}**" for n in report.pareto), ""]
-    warned = [s for s in report.stages if s.warnings]
+    warned = grouped_warnings(report.stages)
     if warned:
-        lines += ["## Warnings", ""] + [f"- `{s.name}`: {w}" for s in warned for w in s.warnings] + [""]
+        lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
     problems = [s for s in report.stages if s.status != "ok" or (s.accuracy and not s.accuracy.within_tolerance)]
     if problems:
         lines += ["## Problems", ""]
@@ -140,8 +140,8 @@ def stage_table(report: RunReport) -> str:
     eager = report.stage(EAGER)
     eager_p50 = eager.latency[0].p50_ms if eager and eager.latency else None
     header = ("| stage | pass | after | status | p50 ms | p90 ms | vs eager | vs parent | cosine | max abs | size MB | Δ size "
-              "| precision (MACs) | frontier |")
-    rows = [header, "|" + "---|" * 14]
+              "| task metric | precision (MACs) | frontier |")
+    rows = [header, "|" + "---|" * 15]
     for s in report.stages:
         parent = report.stage(s.parent) if s.parent else None
         lat = s.latency[0] if s.latency else None
@@ -160,6 +160,7 @@ def stage_table(report: RunReport) -> str:
                 _f(max((o.max_abs for o in s.accuracy.outputs), default=None) if s.accuracy else None, ".2e"),
                 _f(s.size_bytes / 1e6 if s.size_bytes else None, ".1f"),
                 _size_delta(parent.size_bytes if parent else None, s.size_bytes),
+                task_cell(s),
                 precision_cell(s),
                 "★" if s.pareto else "",
             ]) + " |"
@@ -170,8 +171,38 @@ def stage_table(report: RunReport) -> str:
 def _cosine(s: StageResult) -> str:
     if not s.accuracy:
         return ""
-    text = f"{s.accuracy.worst_cosine:.5f}" + guard_figure(s.accuracy)
+    text = f"{s.accuracy.worst_cosine:.5f}" + guard_figure(s.accuracy) + meaningless_mark(s.accuracy)
     return text if s.accuracy.within_tolerance else text + " ⚠"
+
+
+def meaningless_mark(accuracy) -> str:
+    """Marks a figure measured on outputs that barely depend on the inputs (see the Warnings section)."""
+    return " (meaningless: inputs barely matter ⚠)" if accuracy.warnings else ""
+
+
+def task_cell(s: StageResult) -> str:
+    """The task metric (evaluate.task), which is the verdict when the recipe names one."""
+    task = s.accuracy.task if s.accuracy else None
+    if task is None:
+        return ""
+    shown = {k: v for k, v in task.metrics.items() if k in TASK_HEADLINES and v is not None}
+    shown.update({f"labels {k}": v for k, v in task.labels.items() if not k.startswith("reference") and v is not None})
+    text = " · ".join(f"{TASK_HEADLINES.get(k, k)} {v:.3f}" for k, v in shown.items()) or "not measured"
+    return text + (" ⚠" if task.violations else "")
+
+
+TASK_HEADLINES = {"top1_agreement": "top-1 agree", "top5_agreement": "top-5 agree", "class_agreement": "class agree",
+                  "map50": "mAP@0.5", "next_token_agreement": "next-token agree", "perplexity_ratio": "ppl ×",
+                  "token_cosine": "token cosine"}
+
+
+def grouped_warnings(stages: list[StageResult]) -> dict[str, list[str]]:
+    """Each distinct warning with the stages it concerns (an input-insensitive eval set concerns them all)."""
+    grouped: dict[str, list[str]] = {}
+    for s in stages:
+        for w in s.warnings:
+            grouped.setdefault(w, []).append(s.name)
+    return grouped
 
 
 def precision_cell(s: StageResult) -> str:
@@ -222,4 +253,4 @@ def _version() -> str:
     return _dist_version("optpipe") or "dev"
 
 
-__all__ = ["RunReport", "pareto_frontier", "precision_cell", "render_markdown", "write_report"]
+__all__ = ["RunReport", "grouped_warnings", "meaningless_mark", "pareto_frontier", "precision_cell", "task_cell", "render_markdown", "write_report"]
