@@ -14,7 +14,7 @@ from optpipe.errors import DataError
 from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.task_metrics import box_iou, mean_average_precision, nms
 from optpipe.recipe import TaskSpec, Tolerance, parse_recipe
-from optpipe.reporting.run_report import RunReport, render_markdown
+from optpipe.reporting.run_report import build_report, render_markdown
 from optpipe.results import StageResult
 
 TOL = Tolerance(cosine_min=0.99)
@@ -242,5 +242,5 @@ def test_input_insensitive_model_is_flagged_and_the_report_says_so():
 
     recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}], "stages": {"export": {"pass": "export"}}})
     stage = StageResult(name="export", pass_name="export", status="ok", accuracy=acc, warnings=acc.warnings)
-    text = render_markdown(RunReport.build(recipe, [stage]))
+    text = render_markdown(build_report(recipe, [stage]))
     assert "meaningless" in text and "## Warnings" in text and "mean nothing" in text
