@@ -159,7 +159,7 @@ def runner(compiled, output_names: list[str] | None = None) -> Callable[[Feeds],
     """
     request = compiled.create_infer_request()
     inputs = {port.get_any_name() for port in compiled.inputs}
-    ports = [(_pick_name(port, output_names), port) for port in compiled.outputs]
+    ports = [(pick_name(port, output_names), port) for port in compiled.outputs]
 
     def run(feeds: Feeds) -> Outputs:
         request.infer({k: v for k, v in feeds.items() if k in inputs})
@@ -168,7 +168,7 @@ def runner(compiled, output_names: list[str] | None = None) -> Callable[[Feeds],
     return run
 
 
-def _pick_name(port, wanted: list[str] | None) -> str:
+def pick_name(port, wanted: list[str] | None) -> str:
     names = port.get_names()
     for name in wanted or []:
         if name in names:

@@ -1,4 +1,4 @@
-"""`optpipe export RUN_DIR --stage NAME --format ort|tensorrt|triton --to DIR`: a finished stage
+"""`optpipe export RUN_DIR --stage NAME --format ort|tensorrt|triton|openvino --to DIR`: a finished stage
 as a deployable artifact, later, without recomputing the run."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from optpipe.targets import KINDS
 @click.option("--to", "to", required=True, type=click.Path(path_type=Path), help="folder to write it into")
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: the recipe's, $OPTPIPE_CACHE or ~/.cache/optpipe)")
 def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Path | None) -> None:
-    """Write STAGE of the finished run RUN_DIR as an ORT bundle, TensorRT engine or Triton repository."""
+    """Write STAGE of the finished run RUN_DIR as an ORT bundle, TensorRT engine, Triton repository or OpenVINO IR."""
     from optpipe.targets import export_stage
 
     result = export_stage(run_dir, stage, kind, to, cache_dir=cache_dir)
