@@ -31,7 +31,7 @@ from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.instruments import Instrument
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.isolation import memory_message, run_pass_isolated
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.model_source import load_torch_model, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe

@@ -32,7 +32,7 @@ from optpipe.calibration.ranges import CalibrationCache, ranges_key
 from optpipe.calibration.readers import ort_calibration_reader
 from optpipe.errors import PassError, first_line
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
-from optpipe.metrics import Accuracy
+from optpipe.results import Accuracy
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]

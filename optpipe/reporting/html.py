@@ -13,7 +13,7 @@ import io
 import re
 from typing import Any
 
-from optpipe.metrics import Latency, StageResult
+from optpipe.results import Latency, StageResult
 from optpipe.reporting.run_report import EAGER, RunReport
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, Field
 
 from optpipe.artifact import write_text_atomic
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 from optpipe.targets import render_targets_markdown
 
