@@ -26,7 +26,7 @@ from pydantic import Field
 from optpipe.artifact import ModelArtifact, write_info
 from optpipe.errors import PassError, first_line
 from optpipe.evaluation import openvino_runtime as ovr
-from optpipe.metrics import Accuracy
+from optpipe.results import Accuracy
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 class OpenVinoParams(PassParams):
