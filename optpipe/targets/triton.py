@@ -51,7 +51,7 @@ def write_repository(job: TargetJob) -> TargetResult:
     if params.platform == "tensorrt":
         engine = engine_for(job)
         if not engine.ok:
-            return job.result(engine.status, details={"model": name, "platform": PLATFORMS["tensorrt"]})
+            return job.result(engine.status, engine.reason, details={"model": name, "platform": PLATFORMS["tensorrt"]})
     if version_dir.exists():
         shutil.rmtree(version_dir)  # a stale model.onnx beside a new model.plan would confuse a reader
     version_dir.mkdir(parents=True)
@@ -66,11 +66,13 @@ def write_repository(job: TargetJob) -> TargetResult:
     (folder / CONFIG_FILE).write_text(render_config(config))
     files, digest = hash_files(folder)
     source = engine or job.stage.result
+    if ir and ir["converted"]:
+        source = None  # the stage's numbers are ONNX Runtime's, not this IR's: the openvino target measures it
     return job.result(
         "ok",
         path=relative(folder, job.root),
         precision=engine.precision if engine else (ir["precision"] if ir else precision_of(job.stage.graph)),
-        provider=(engine.provider if engine else (source.latency[0].provider if source and source.latency else None)),
+        provider=(engine.provider if engine else ("openvino-cpu" if ir else (source.headline.provider if source and source.headline else None))),
         accuracy=source.accuracy if source else None,
         latency=source.latency if source else [],
         files=files,
@@ -112,9 +114,10 @@ def openvino_model(job: TargetJob, version_dir: Path) -> dict[str, Any]:
     """`1/model.xml` + `model.bin` for Triton's openvino backend: the stage's IR, or its ONNX converted."""
     from optpipe.targets import openvino
 
-    settings, _ = openvino.place_ir(job, version_dir)
+    settings, converted = openvino.place_ir(job, version_dir)
     (version_dir / "openvino.json").unlink()  # Triton reads the config.pbtxt parameters, not this file
     settings["io"] = openvino.ir_io_specs(version_dir, settings.get("output_names"))
+    settings["converted"] = converted
     return settings
 
 
