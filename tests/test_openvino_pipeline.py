@@ -47,7 +47,8 @@ def feeds(batch: int = 3):
 
 
 def target(report, kind, stage):
-    return next(t for t in report.targets if t["kind"] == kind and t["stage"] == stage)
+    found = next(t for t in report.targets if t.kind == kind and t.stage == stage)
+    return found.model_dump(mode="json")
 
 
 def test_ir_stages_are_rows_of_the_same_report_labelled_with_their_runtime(run):
