@@ -24,7 +24,7 @@ class ExportParams(PassParams):
     check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against PyTorch eager")
 
 
-class ExportPass(Pass):
+class ExportPass(Pass[ExportParams]):
     """Export the recipe's PyTorch model to ONNX with the recipe's dynamic dims, checked against eager."""
 
     name = "export"
@@ -49,7 +49,7 @@ class ExportPass(Pass):
         expected = eager_outputs(torch_model, feeds)
         raw = ctx.workdir / "raw"
         raw.mkdir()
-        params: ExportParams = self.params  # type: ignore[assignment]
+        params = self.params
         try:
             if params.exporter == "dynamo":
                 _export_dynamo(torch_model, feeds, ctx.recipe, params.opset, raw / "model.onnx")

@@ -29,7 +29,7 @@ class Fp16Params(PassParams):
     localize_samples: int = Field(4, ge=1, description="evaluation samples used to find the culprit nodes")
 
 
-class Fp16Pass(Pass):
+class Fp16Pass(Pass[Fp16Params]):
     """Cast weights and activations to FP16 (FP32 I/O); the guard keeps overflowing/lossy nodes in FP32."""
 
     name = "fp16"
@@ -38,13 +38,13 @@ class Fp16Pass(Pass):
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu", "onnx-ir")
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        params: Fp16Params = self.params  # type: ignore[assignment]
+        params = self.params
         if not params.guard:
             return {}
         return {"eval_set": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        params: Fp16Params = self.params  # type: ignore[assignment]
+        params = self.params
         source = name_unnamed_nodes(model.load())
         _check_node_names(source, params.node_block_list)
         kept = [{"node": n, "op": _op_of(source, n), "reason": "listed in node_block_list"} for n in params.node_block_list]
@@ -67,7 +67,7 @@ class Fp16Pass(Pass):
         return write_info(ctx.workdir, info)
 
     def _convert(self, source: onnx.ModelProto, node_block_list: list[str]) -> onnx.ModelProto:
-        params: Fp16Params = self.params  # type: ignore[assignment]
+        params = self.params
         return convert_to_fp16(source, params.keep_io_types, params.op_block_list, node_block_list)
 
 

@@ -59,7 +59,7 @@ class Int8Params(PassParams):
     rank_samples: int = Field(4, ge=1, description="guard: evaluation samples used to rank nodes by error")
 
 
-class Int8Pass(Pass):
+class Int8Pass(Pass[Int8Params]):
     """Quantize to INT8 (static QDQ calibrated on the recipe's data, or dynamic), guarded by the stage's tolerance."""
 
     name = "int8"
@@ -68,14 +68,14 @@ class Int8Pass(Pass):
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        params: Int8Params = self.params  # type: ignore[assignment]
+        params = self.params
         # The calibration set's key covers its file's content: new data re-runs the stage.
         calibration = ctx.calibration_set().key if params.mode == "static" else None
         guard = {"eval": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")} if params.guard else None
         return {"calibration": calibration, "guard": guard}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        params: Int8Params = self.params  # type: ignore[assignment]
+        params = self.params
         quantizer = Quantizer(model, params, ctx)
         try:
             excluded = list(params.exclude)
