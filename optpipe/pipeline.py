@@ -70,7 +70,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     notify = manager._notify
     try:
         outcomes = manager.run(order, graph, passes)
-        results = evaluate_stages(recipe, order, outcomes, services, cache, options.providers, notify)
+        results = evaluate_stages(recipe, order, outcomes, services, cache, options.providers, notify, options.force)
         report = RunReport.build(recipe, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
         with FileLock(str(run_dir / ".optpipe.lock")):

@@ -9,9 +9,11 @@ from typing import Callable
 from optpipe.cache.store import StageCache
 from optpipe.errors import OptpipeError, first_line
 from optpipe.evaluation.evaluator import Evaluator
+from optpipe.evaluation.guard import fold_guard_verdict
+from optpipe.evaluation.verdict import stage_coverage
 from optpipe.execution.services import RunServices
 from optpipe.execution.stage_runner import StageOutcome
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.model_source import source_fingerprint
 from optpipe.recipe import OnnxModel, Recipe
 
@@ -28,9 +30,10 @@ def evaluate_stages(
     cache: StageCache,
     providers: str,
     notify: Notify,
+    force: bool = False,
 ) -> list[StageResult]:
     """Measure every finished stage on the same inputs; the reference stage's outputs are the yardstick."""
-    evaluator = Evaluator(recipe, cache, services.eval_set, providers, progress=lambda *a: notify("step", *a))
+    evaluator = Evaluator(recipe, cache, services.eval_set, providers, progress=lambda *a: notify("step", *a), force=force)
     reference = recipe.evaluate.reference or next(n for n in order if recipe.stages[n].after is None)
     ref_outcome = outcomes.get(reference)
     if ref_outcome is not None and ref_outcome.status == "ok":
@@ -62,6 +65,8 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     result.hash = artifact.content_hash()
     result.size_bytes = artifact.size_bytes()
     result.info = artifact.info
+    dims = {dim: spec_.opt for dim, spec_ in recipe.dims.items()}
+    result.coverage, result.warnings = stage_coverage(artifact, dims, spec.pass_name, artifact.info.get("excluded"))
     notify("stage_start", f"evaluate {name}", "accuracy and latency")
     try:
         accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(name))
@@ -70,7 +75,7 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
         logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", notify)
-    result.accuracy, result.latency, result.memory = accuracy, latency, memory
+    result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
     result.cached = result.cached and cached
     notify("stage_end", f"evaluate {name}", "cached" if cached else "ok", _summary(result))
     return result
@@ -106,4 +111,7 @@ def _summary(result: StageResult) -> str:
         parts.append(f"cosine {result.accuracy.worst_cosine:.5f}")
         if not result.accuracy.within_tolerance:
             parts.append("OUT OF TOLERANCE")
+    if result.coverage:
+        parts.append(result.coverage.summary())
+    parts += [f"WARNING: {w}" for w in result.warnings]
     return ", ".join(parts)
