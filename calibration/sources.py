@@ -86,6 +86,11 @@ def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> 
             size = array.shape[axis]
             if isinstance(dim, int) and size != dim:
                 raise DataError(f"{what}: input '{spec.name}' has size {size} on axis {axis}, the recipe says {dim}; fix the data or inputs.{i}.shape")
+            if isinstance(dim, str) and not recipe.dims[dim].allows(size):
+                raise DataError(
+                    f"{what}: input '{spec.name}' has size {size} on axis {axis}, not a multiple of "
+                    f"{recipe.dims[dim].multiple_of} (dims.{dim}.multiple_of); resize the data to {recipe.dims[dim].nearest(size)}"
+                )
             if isinstance(dim, str) and not recipe.dims[dim].min <= size <= recipe.dims[dim].max:
                 bounds = recipe.dims[dim]
                 raise DataError(

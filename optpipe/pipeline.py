@@ -31,7 +31,7 @@ from optpipe.instruments import Instrument
 from optpipe.pass_base import Pass
 from optpipe.recipe import Recipe
 from optpipe.reporting.inspection import save_sample_inputs
-from optpipe.reporting.run_report import RunReport, write_report
+from optpipe.reporting.run_report import RunReport, build_report, write_report
 from optpipe.targets import run_targets
 from optpipe.validate import validate_recipe
 
@@ -71,15 +71,16 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     try:
         outcomes = manager.run(order, graph, passes)
         results = evaluate_stages(recipe, order, outcomes, services, cache, options.providers, notify, options.force)
-        report = RunReport.build(recipe, results)
+        report = build_report(recipe, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
         with FileLock(str(run_dir / ".optpipe.lock")):
             publish_stage_folders(run_dir, results, outcomes)
             if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
                 save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
-            write_report(report, run_dir)
-            run_targets(recipe, report, run_dir, cache, options.providers, notify)
-            write_report(report, run_dir)
+            try:
+                run_targets(recipe, report, run_dir, cache, options.providers, notify)
+            finally:
+                write_report(report, run_dir)  # once, with the targets' rows
     finally:
         cache.release_leases()  # `cache gc` may prune what this run used from now on
     return report

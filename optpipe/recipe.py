@@ -139,12 +139,26 @@ class DimRange(Strict):
     min: int = Field(ge=1)
     opt: int = Field(ge=1)
     max: int = Field(ge=1)
+    multiple_of: Optional[int] = Field(None, ge=2, description="every size must be a multiple of this (e.g. 32 for a detector's strides)")
 
     @model_validator(mode="after")
     def _ordered(self):
         if not self.min <= self.opt <= self.max:
             raise ValueError(f"expected min <= opt <= max, got {self.min}, {self.opt}, {self.max}")
+        for key in ("min", "opt", "max"):
+            value = getattr(self, key)
+            if not self.allows(value):
+                raise ValueError(f"{key} {value} is not a multiple of {self.multiple_of} (multiple_of); use {self.nearest(value)}")
         return self
+
+    def allows(self, value: int) -> bool:
+        return self.multiple_of is None or value % self.multiple_of == 0
+
+    def nearest(self, value: int) -> str:
+        """The multiples of `multiple_of` around `value`, for error messages."""
+        n = self.multiple_of or 1
+        below, above = value // n * n, -(-value // n) * n
+        return " or ".join(str(v) for v in (below, above) if v >= 1)
 
 
 class InputSpec(Strict):
@@ -249,6 +263,14 @@ class Recipe(Strict):
             outside = [v for v in (values if isinstance(values, list) else []) if not rng.min <= v <= rng.max]
             if outside:
                 raise ValueError(f"evaluate.sweep.{dim}: {outside} outside the dim's range {rng.min}..{rng.max}")
+            off_grid = [v for v in (values if isinstance(values, list) else []) if not rng.allows(v)]
+            if off_grid:
+                raise ValueError(f"evaluate.sweep.{dim}: {off_grid} not a multiple of {rng.multiple_of} (dims.{dim}.multiple_of)")
+        batch = self.batch_dim()
+        if batch and self.dims[batch].multiple_of:
+            off_grid = [b for b in self.evaluate.batch_sizes if not self.dims[batch].allows(b)]
+            if off_grid:
+                raise ValueError(f"evaluate.batch_sizes: {off_grid} not a multiple of {self.dims[batch].multiple_of} (dims.{batch}.multiple_of)")
         return self
 
     def sweep_values(self, dim: str) -> list[int]:
@@ -257,7 +279,7 @@ class Recipe(Strict):
         if isinstance(values, list):
             return sorted(set(values))
         rng = self.dims[dim]
-        powers = [2**i for i in range(rng.max.bit_length()) if rng.min <= 2**i <= rng.max]
+        powers = [2**i for i in range(rng.max.bit_length()) if rng.min <= 2**i <= rng.max and rng.allows(2**i)]
         return sorted(set(powers + [rng.max]))
 
     def resolve(self, path: str | None) -> Path | None:

@@ -105,8 +105,8 @@ def _evaluation_failed(result: StageResult, reason: str, notify: Notify) -> Stag
 
 def _summary(result: StageResult) -> str:
     parts = []
-    if result.latency:
-        parts.append(f"p50 {result.latency[0].p50_ms:.2f} ms @ batch {result.latency[0].batch_size}")
+    if result.headline:
+        parts.append(f"p50 {result.headline.p50_ms:.2f} ms @ batch {result.headline.batch_size}")
     if result.accuracy:
         parts.append(f"cosine {result.accuracy.worst_cosine:.5f}")
         if not result.accuracy.within_tolerance:
