@@ -72,6 +72,7 @@ class StageResult(BaseModel):
     pareto: bool = False
     memory: Optional[Memory] = None
     info: dict[str, Any] = Field(default_factory=dict)
+    measured_on: Optional[dict[str, Any]] = Field(None, description="the node that measured the figures (multi-node runs)")
 
     def latency_at(self, batch_size: int) -> Latency | None:
         return next((lat for lat in self.latency if lat.batch_size == batch_size and lat.sweep is None), None)

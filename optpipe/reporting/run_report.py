@@ -36,6 +36,8 @@ class RunReport(BaseModel):
     stages: list[StageResult]
     pareto: list[str] = Field(default_factory=list)
     targets: list[dict[str, Any]] = Field(default_factory=list)
+    search: Optional[dict[str, Any]] = Field(None, description="a search's trials, frontier, best and param effects (optpipe.search)")
+    hardware: Optional[dict[str, Any]] = Field(None, description="multi-node runs: the kinds of machine that measured, the frontier rule")
 
     @classmethod
     def build(cls, recipe: Recipe, stages: list[StageResult]) -> "RunReport":
@@ -129,6 +131,9 @@ def render_markdown(report: RunReport) -> str:
                 lines.append(f"- `{s.name}` is out of tolerance: {'; '.join(s.accuracy.violations)}")
         lines.append("")
     lines += render_targets_markdown(report.targets)
+    from optpipe.search.report import render_search_markdown  # the search's own section, when there was one
+
+    lines += render_search_markdown(report.search, report.hardware)
     return "\n".join(lines)
 
 
