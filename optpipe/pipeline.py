@@ -27,11 +27,12 @@ from optpipe.calibration.dataset import SampleSet, build_sample_set
 from optpipe.dag import ancestors_and_self, execution_order
 from optpipe.errors import DataError, OptpipeError, PassError, StageOutOfMemory, first_line
 from optpipe.evaluation.evaluator import Evaluator
+from optpipe.evaluation.guard import fold_guard_verdict
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.instruments import Instrument
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.isolation import memory_message, run_pass_isolated
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.model_source import load_torch_model, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
@@ -277,7 +278,7 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
         logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", options)
-    result.accuracy, result.latency, result.memory = accuracy, latency, memory
+    result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
     result.cached = result.cached and cached
     detail = _summary(result)
     _notify(options, "stage_end", f"evaluate {name}", "cached" if cached else "ok", detail)

@@ -17,7 +17,7 @@ from optpipe.evaluation.checks import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import measure
 from optpipe.evaluation.memory import PeakMemory
-from optpipe.metrics import Accuracy, Latency, Memory
+from optpipe.results import Accuracy, Latency, Memory
 from optpipe.recipe import Recipe, Tolerance
 from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers
 

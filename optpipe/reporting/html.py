@@ -13,8 +13,8 @@ import io
 import re
 from typing import Any
 
-from optpipe.metrics import Latency, StageResult
-from optpipe.reporting.run_report import EAGER, RunReport
+from optpipe.results import Latency, StageResult
+from optpipe.reporting.run_report import EAGER, RunReport, guard_figure
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
 FRONTIER = "#f9a825"
@@ -262,7 +262,7 @@ def _status_cell(s: StageResult) -> str:
 def _cosine_cell(s: StageResult) -> str:
     if not s.accuracy:
         return ""
-    text = f"{s.accuracy.worst_cosine:.5f}"
+    text = html.escape(f"{s.accuracy.worst_cosine:.5f}" + guard_figure(s.accuracy))
     return text if s.accuracy.within_tolerance else f"<span style='color:{FAILED}'>{text} ⚠</span>"
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, Field
 
 from optpipe.artifact import write_text_atomic
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 from optpipe.targets import render_targets_markdown
 
@@ -170,8 +170,16 @@ def stage_table(report: RunReport) -> str:
 def _cosine(s: StageResult) -> str:
     if not s.accuracy:
         return ""
-    text = f"{s.accuracy.worst_cosine:.5f}"
+    text = f"{s.accuracy.worst_cosine:.5f}" + guard_figure(s.accuracy)
     return text if s.accuracy.within_tolerance else text + " ⚠"
+
+
+def guard_figure(accuracy) -> str:
+    """The pass's guard figure beside the report's, where the two disagree (the stricter is the verdict)."""
+    guard = accuracy.guard
+    if guard is None or (guard.within_tolerance and abs(guard.cosine - accuracy.worst_cosine) < 1e-3):
+        return ""
+    return f" (guard {guard.cosine:.5f}, {guard.numerics})"
 
 
 def _ratio(base: float | None, value: float | None) -> str:
