@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from optpipe.execution.stage_tasks import TaskSettings, evaluate, node_description, run_stage
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 
 

@@ -18,7 +18,7 @@ from optpipe.dag import build_dag, execution_order
 from optpipe.errors import OptpipeError
 from optpipe.execution.executors import Executor, Plan, Progress, RunMemo, settings_for
 from optpipe.execution.stage_tasks import hardware_class
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.reporting.run_report import RunReport, pareto_frontier, write_report
 from optpipe.validate import validate_recipe

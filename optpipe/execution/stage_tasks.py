@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optpipe.cache.store import StageCache
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 
 

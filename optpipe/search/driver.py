@@ -11,7 +11,7 @@ from typing import Any
 from optpipe.dag import build_dag, execution_order
 from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail, settings_for
 from optpipe.execution.fan_out import finish_run, reference_of, wants_eager
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 from optpipe.reporting.run_report import RunReport
 from optpipe.search.report import search_section

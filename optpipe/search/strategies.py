@@ -6,7 +6,7 @@ import random
 from typing import Any
 
 from optpipe.errors import RecipeError
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.search.space import SearchSpace, Trial
 from optpipe.search.spec import GRID_CONFIRM_LIMIT, SearchSettings
 
