@@ -5,6 +5,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from optpipe.graph.coverage import Coverage
+
 
 class OutputAccuracy(BaseModel):
     name: str
@@ -83,6 +85,8 @@ class StageResult(BaseModel):
     pareto: bool = False
     memory: Optional[Memory] = None
     info: dict[str, Any] = Field(default_factory=dict)
+    coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
+    warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
     measured_on: Optional[dict[str, Any]] = Field(None, description="the node that measured the figures (multi-node runs)")
 
     def latency_at(self, batch_size: int) -> Latency | None:

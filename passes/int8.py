@@ -31,7 +31,9 @@ from optpipe.calibration.ranges import CalibrationCache, ranges_key
 from optpipe.calibration.readers import ort_calibration_reader
 from optpipe.errors import PassError, first_line
 from optpipe.evaluation.guard import AccuracyGuard, GuardParams
+from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
+from optpipe.graph.unfuse import has_fused_ops, unfuse
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
@@ -62,6 +64,11 @@ class Int8Pass(Pass):
     Params = Int8Params
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Static mode calibrates on `data.calibration` (checked by `optpipe validate`)."""
+        return self.params.mode == "static"
+
     def fingerprint(self, ctx: PassContext) -> dict:
         params: Int8Params = self.params  # type: ignore[assignment]
         # The calibration set's key covers its file's content: new data re-runs the stage.
@@ -72,6 +79,7 @@ class Int8Pass(Pass):
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: Int8Params = self.params  # type: ignore[assignment]
+        model, unfused = unfused_input(model, ctx)
         quantizer = Quantizer(model, params, ctx)
         candidates = quantized_nodes(model, quantizer.op_types, params.exclude)
         weights = weight_sizes(model, candidates)
@@ -88,9 +96,34 @@ class Int8Pass(Pass):
         finally:
             shutil.rmtree(quantizer.scratch, ignore_errors=True)  # the cache entry holds only the model
         info = quantizer.info(artifact)
+        if unfused:
+            shutil.rmtree(model.folder, ignore_errors=True)
+        info["unfused"] = unfused
         info["excluded"] = result.excluded
+        info["coverage"] = coverage_of(artifact, ctx, result.excluded)
         info["guard"] = result.report.model_dump(mode="json")
         return write_info(ctx.workdir, info)
+
+
+def unfused_input(model: ModelArtifact, ctx: PassContext) -> tuple[ModelArtifact, dict[str, int]]:
+    """The input with com.microsoft FusedConv/FusedGemm split back into standard ops (which ORT's
+    quantizer handles, and ORT fuses again at load time); the input itself where it has none."""
+    proto = model.load(with_weights=False)
+    if not has_fused_ops(proto):
+        return model, {}
+    split, counts = unfuse(model.load())
+    ctx.log.info("split fused ops back into standard ops before quantizing: %s", counts)
+    return save_model(split, Path(tempfile.mkdtemp(prefix="unfused-", dir=ctx.workdir))), counts
+
+
+def coverage_of(artifact: ModelArtifact, ctx: PassContext, excluded: list[str]) -> dict:
+    """The int8 share of weights and MACs; warns in the log when most compute stayed in float."""
+    dims = {name: dim.opt for name, dim in ctx.recipe.dims.items()}
+    coverage = precision_coverage(artifact.load(with_weights=False), dims, excluded=set(excluded))
+    warning = quantization_warning(coverage)
+    if warning:
+        ctx.log.warning("int8: %s", warning)
+    return coverage.model_dump(mode="json")
 
 
 # --- quantization ---------------------------------------------------------------------------
