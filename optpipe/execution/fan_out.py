@@ -52,6 +52,18 @@ class PlainDriver:
         return report.failed
 
 
+def _preflight(recipe: Recipe, cache_dir: Path) -> None:
+    """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
+    from optpipe.pipeline import RunServices
+    from optpipe.safety.preflight import preflight
+
+    cache = StageCache(cache_dir)  # also creates the folder layout once, before any task uses it
+    try:
+        preflight(recipe, RunServices(recipe, cache))
+    finally:
+        cache.release_leases()
+
+
 def reference_of(recipe: Recipe) -> str:
     return recipe.evaluate.reference or recipe.root_stages()[0]
 
@@ -74,7 +86,7 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     for recipe in recipes:
         run_dir = output or recipe.resolve(recipe.output)
         cache = cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-        StageCache(cache)  # creates the folder layout once, before any task uses it
+        _preflight(recipe, cache)
         cls = SearchDriver if SearchSpace.declared(recipe) else PlainDriver
         drivers.append(cls(recipe, run_dir, cache, force, providers) if cls is PlainDriver
                        else SearchDriver(recipe, run_dir, cache, force, providers, yes))

@@ -55,7 +55,7 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     cache = StageCache(settings.cache_dir)
     evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
     scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
-    options = RunOptions(output=settings.run_dir, cache_dir=settings.cache_dir, providers=settings.providers)
+    options = RunOptions(output=settings.run_dir, force=settings.force, cache_dir=settings.cache_dir, providers=settings.providers)
     try:
         results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, options)
     finally:
