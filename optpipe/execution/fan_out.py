@@ -18,9 +18,9 @@ from optpipe.dag import build_dag, execution_order
 from optpipe.errors import OptpipeError
 from optpipe.execution.executors import Executor, Plan, Progress, RunMemo, settings_for
 from optpipe.execution.stage_tasks import hardware_class
-from optpipe.results import StageResult
+from optpipe.results import RunReport, StageResult
 from optpipe.recipe import OnnxModel, Recipe
-from optpipe.reporting.run_report import RunReport, pareto_frontier, write_report
+from optpipe.reporting.run_report import build_report, pareto_frontier, write_report
 from optpipe.validate import validate_recipe
 
 
@@ -119,7 +119,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, c
     from optpipe.targets import run_targets
 
     results = ([memo.eager] if memo.eager else []) + [memo.results[name] for name in order]
-    report = RunReport.build(recipe, results)
+    report = build_report(recipe, results)
     report.hardware = frontier_by_hardware(report, group_by_node)
     report.search = search(report) if search else None
     cache = StageCache(cache_dir)

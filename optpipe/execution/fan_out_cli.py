@@ -38,8 +38,8 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
         click.echo(f"report {recipe.name}: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)")
         for stage in [s for s in failed if s.status == "failed"]:
             click.echo(f"error: {recipe.name}: stage '{stage.name}' failed: {stage.reason}", err=True)
-        for target in [t for t in report.targets if t["status"].startswith("failed")]:
-            click.echo(f"error: {recipe.name}: target {target['kind']} for '{target['stage']}' {target['status']}", err=True)
+        for target in report.failed_targets:
+            click.echo(f"error: {recipe.name}: target {target.kind} for '{target.stage}' failed: {target.reason}", err=True)
             code = 1
         if failed:
             code = 1

@@ -13,7 +13,7 @@ from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail, 
 from optpipe.execution.fan_out import finish_run, reference_of, wants_eager
 from optpipe.results import StageResult
 from optpipe.recipe import Recipe
-from optpipe.reporting.run_report import RunReport
+from optpipe.results import RunReport
 from optpipe.search.report import search_section
 from optpipe.search.space import SearchSpace, Trial
 from optpipe.search.spec import SearchSettings
