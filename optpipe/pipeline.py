@@ -284,6 +284,7 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
         logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", options)
     result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
+    result.warnings += accuracy.warnings if accuracy else []
     result.cached = result.cached and cached
     detail = _summary(result)
     _notify(options, "stage_end", f"evaluate {name}", "cached" if cached else "ok", detail)
@@ -301,6 +302,7 @@ def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices,
     except Exception as exc:  # the baseline is informative; its failure must not stop the run
         return _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", options)
     result.accuracy, result.latency, result.memory, result.cached = accuracy, latency, memory, cached
+    result.warnings += accuracy.warnings if accuracy else []
     _notify(options, "stage_end", f"evaluate {EAGER_STAGE}", "cached" if cached else "ok", _summary(result))
     return result
 

@@ -23,6 +23,21 @@ class OutputAccuracy(BaseModel):
     cosine_min: float
     top1: Optional[float] = None
     finite: bool = True
+    beyond_tolerance: Optional[float] = Field(None, description="share of elements outside max_abs + rtol * |reference| (where rtol is set)")
+    input_sensitivity: Optional[float] = Field(
+        None, description="the reference's spread across samples relative to its magnitude; near 0: the output hardly depends on the input"
+    )
+
+
+class TaskAccuracy(BaseModel):
+    """The task's metrics (evaluate.task) against the reference stage and, where the data has labels, the labels."""
+
+    kind: str
+    output: str
+    metrics: dict[str, Optional[float]] = Field(description="candidate against the reference stage")
+    labels: dict[str, Optional[float]] = Field(default_factory=dict, description="candidate and reference against the labels")
+    violations: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list, description="what could not be measured, and why")
 
 
 class GuardCheck(BaseModel):
@@ -43,6 +58,8 @@ class Accuracy(BaseModel):
     violations: list[str] = Field(default_factory=list)
     polygraphy_match: Optional[bool] = Field(None, description="Polygraphy's elementwise comparison at the recipe's max_abs")
     guard: Optional[GuardCheck] = Field(None, description="the pass's own guard figure; the stricter of the two is the verdict")
+    task: Optional[TaskAccuracy] = Field(None, description="the task metric; when present it is the verdict")
+    warnings: list[str] = Field(default_factory=list, description="why these figures may mean less than they seem (e.g. input-insensitive outputs)")
 
     @property
     def worst_cosine(self) -> float:

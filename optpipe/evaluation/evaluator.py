@@ -106,7 +106,9 @@ class Evaluator:
         name, _, reference = self._reference
         candidate = require_finite(outputs(), "it outputs")
         expected = require_finite(reference(), f"the reference stage '{name}' outputs")
-        return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1)
+        return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1,
+                       task=self.settings.task, labels=self.eval_set.labels,
+                       min_input_sensitivity=self.settings.min_input_sensitivity)
 
     def _latency(self, run: Callable[[Feeds], Outputs], provider: str) -> list[Latency]:
         """The batch_sizes measurements first (the report's headline), then one point per sweep value."""

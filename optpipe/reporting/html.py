@@ -12,7 +12,7 @@ import html
 import io
 import re
 
-from optpipe.reporting.rows import Cell, headers, out_of_tolerance, stage_rows, table_note
+from optpipe.reporting.rows import Cell, grouped_warnings, headers, out_of_tolerance, stage_rows, table_note
 from optpipe.results import EAGER, Latency, RunReport, StageResult
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
@@ -70,9 +70,9 @@ def _html_cell(cell: Cell) -> str:
 
 
 def _problems(report: RunReport) -> str:
-    items = []
+    items = [f"<li>{', '.join(f'<code>{html.escape(n)}</code>' for n in names)} warning: {html.escape(w)}</li>"
+             for w, names in grouped_warnings(report.stages).items()]
     for s in report.stages:
-        items += [f"<li><code>{html.escape(s.name)}</code> warning: {html.escape(w)}</li>" for w in s.warnings]
         if s.status != "ok":
             items.append(f"<li><code>{html.escape(s.name)}</code> {s.status}: {html.escape(s.reason or '')}</li>")
         elif s.accuracy and not s.accuracy.within_tolerance:
