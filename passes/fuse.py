@@ -44,7 +44,7 @@ class FuseParams(PassParams):
     check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against the input model")
 
 
-class FusePass(Pass):
+class FusePass(Pass[FuseParams]):
     """Fuse operators for ONNX Runtime (attention, layer norms, GELU, conv+bn), checked against the input."""
 
     name = "fuse"
@@ -53,7 +53,7 @@ class FusePass(Pass):
     libraries = ("onnx", "onnxscript", "onnx-ir", "onnxruntime", "onnxruntime-gpu")
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        params: FuseParams = self.params  # type: ignore[assignment]
+        params = self.params
         before = op_histogram(model.load(with_weights=False))
         fused, transformer_info = transformer_fusion(model, params, ctx)
         artifact = save_model(fused, ctx.workdir)
