@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from optpipe.errors import RecipeError
+from optpipe.search.spec import Choices, SearchSettings, normalize_settings
 
 DTYPES = ("float32", "float16", "int64", "int32", "int8", "uint8", "bool")
 
@@ -248,6 +249,16 @@ class StageSpec(Strict):
     after: Optional[str] = None
     tolerance: Optional[Tolerance] = None
     timeout_s: Optional[float] = Field(None, gt=0)
+    search: dict[str, Choices] = Field(default_factory=dict, description="params to search: a list of choices, or {min, max, step}")
+    optional: bool = Field(False, description="search: try the search with and without this stage")
+
+    @field_validator("search")
+    @classmethod
+    def _choices_not_empty(cls, value: dict):
+        empty = [name for name, choices in value.items() if isinstance(choices, list) and not choices]
+        if empty:
+            raise ValueError(f"search.{empty[0]}: no choices; list at least one value")
+        return value
 
 
 class EvaluateSpec(Strict):
@@ -271,10 +282,16 @@ class EvaluateSpec(Strict):
         "pow2 = powers of two from the dim's min to its max; other dims stay at `opt`, the batch at batch_sizes[0]",
     )
     sweep_iterations: Optional[int] = Field(None, ge=1, description="timed iterations per sweep point; default: iterations")
+    search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
+
+    @field_validator("search", mode="before")
+    @classmethod
+    def _search_shorthand(cls, value):
+        return normalize_settings(value)
 
 
 class TargetSpec(Strict):
-    kind: Literal["ort", "tensorrt", "triton"]
+    kind: Literal["ort", "tensorrt", "triton", "openvino"]
     stages: list[str] = Field(default_factory=list, description="stages to emit; default: the Pareto frontier")
     params: dict[str, Any] = Field(default_factory=dict)
 

@@ -117,6 +117,7 @@ class StageResult(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict)
     coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
     warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
+    measured_on: Optional[dict[str, Any]] = Field(None, description="the node that measured the figures (multi-node runs)")
 
     @property
     def headline(self) -> Latency | None:
@@ -183,6 +184,8 @@ class RunReport(BaseModel):
     stages: list[StageResult]
     pareto: list[str] = Field(default_factory=list)
     targets: list[TargetResult] = Field(default_factory=list)
+    search: Optional[dict[str, Any]] = Field(None, description="a search's trials, frontier, best and param effects (optpipe.search)")
+    hardware: Optional[dict[str, Any]] = Field(None, description="multi-node runs: the kinds of machine that measured, the frontier rule")
 
     def stage(self, name: str) -> StageResult | None:
         return next((s for s in self.stages if s.name == name), None)

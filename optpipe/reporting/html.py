@@ -30,6 +30,9 @@ def render_html(report: RunReport) -> str:
     for title, curves in _latency_curves(report):
         sections.append(_section(title, _curves_svg(curves, title)))
     sections.append(_problems(report))
+    from optpipe.search.report import render_search_html  # a search's trials, frontier and param effects
+
+    sections.append(render_search_html(report.search, report.hardware))
     body = "\n".join(s for s in sections if s)
     return _PAGE.format(title=html.escape(f"optpipe report: {report.recipe}"), style=_STYLE, body=body)
 
