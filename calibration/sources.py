@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from optpipe.calibration.labels import attach_labels, class_folders, load_class_folders
 from optpipe.errors import DataError, first_line
 from optpipe.recipe import DataSource, InputSpec, Recipe
 
@@ -35,7 +36,7 @@ def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     """All samples of a source, batch-stacked along axis 0."""
     loaders = {"synthetic": _synthetic, "text": _text, "npy": _npy, "npz": _npz, "images": _images}
     try:
-        samples = loaders[source.source](source, recipe)
+        samples = attach_labels(loaders[source.source](source, recipe), source, recipe)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         # numpy refuses pickled object arrays (allow_pickle=False) and raises these on broken files
         raise DataError(
@@ -152,4 +153,7 @@ def _npz(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
 def _images(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     from optpipe.calibration.images import load_image_folder
 
-    return load_image_folder(source_path(source, recipe), source, recipe)
+    folder = source_path(source, recipe)
+    if class_folders(folder):
+        return load_class_folders(folder, source, recipe)
+    return load_image_folder(folder, source, recipe)
