@@ -27,6 +27,9 @@ class ExportParams(PassParams):
     )
     opset: int = Field(20, ge=17, le=23, description="ONNX opset (dynamo needs >= 18)")
     check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against PyTorch eager")
+    check_rtol: float = Field(
+        0.0, ge=0, description="relative error allowed beside check_atol (|onnx - eager| <= atol + rtol * |eager|), for outputs in pixels or logits in the hundreds"
+    )
 
 
 class ExportPass(Pass[ExportParams]):
@@ -96,7 +99,7 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
             if branches and params.exporter == "auto":
                 # A trace records one branch of data-dependent control flow: it matches eager on the
                 # trace inputs and is wrong on others, so `auto` must not hand it on as a success.
-                raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch ({branches[0]})")
+                raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch, taken on a tensor's values or shape ({branches[0]})")
     except (PassError, _ExportFailed):
         raise
     except Exception as exc:  # exporters raise anything; the stage log has the traceback
@@ -104,7 +107,8 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
         raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
     try:
         return require_agreement(
-            onnx_outputs(path, feeds), expected, params.check_atol, "the exported model does not match PyTorch eager", "raise check_atol"
+            onnx_outputs(path, feeds), expected, params.check_atol, "the exported model does not match PyTorch eager", "raise check_atol",
+            rtol=params.check_rtol,
         )
     except PassError as exc:
         raise _ExportFailed(str(exc).removesuffix("; raise check_atol")) from None
@@ -114,8 +118,8 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
 _HINTS = (
     ("Inference tensors cannot be saved", "the model keeps tensors made under torch.inference_mode(); "
      "build them under torch.no_grad() (or lazily in forward) instead"),
-    ("data-dependent", "forward() branches on tensor values; make the branch static (or torch.cond) in the model's code"),
-    ("does not match PyTorch eager", "raise check_atol if the error is rounding on large outputs, else set a fixed shape in `inputs`"),
+    ("data-dependent", "forward() branches on tensor values or shapes; make the branch static (or torch.cond) in the model's code"),
+    ("does not match PyTorch eager", "if the error is rounding on large outputs (pixels, big logits), set `check_rtol` (e.g. 1e-4) or raise check_atol"),
     ("not supported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
     ("Unsupported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
     ("Constraints violated", "the model's code fixes a dim that `dims` declares dynamic; make that dim fixed in `inputs`"),
@@ -126,7 +130,8 @@ _HINTS = (
 def _failure_message(failures: dict[str, str], requested: str) -> str:
     """Every exporter's reason, and a hint true for those reasons (never 'try the other one' once both were tried)."""
     text = "; ".join(failures.values())
-    hints = [hint for marker, hint in _HINTS if marker in text]
+    # The first exporter's failure picks the hint: it is the one the user asked for (or auto's first choice).
+    hints = [hint for reason in failures.values() for marker, hint in _HINTS if marker in reason]
     untried = [e for e in EXPORTERS if e not in failures]
     if hints and untried:
         hint = f"{hints[0]}, or set `exporter: auto`, which also tries {untried[0]}"

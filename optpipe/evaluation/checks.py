@@ -34,12 +34,16 @@ def agreement(candidate: Outputs, reference: Outputs) -> dict[str, float]:
     return {"max_abs": worst_abs, "cosine": worst_cos}
 
 
-def require_agreement(candidate: Outputs, reference: Outputs, atol: float, what: str, hint: str) -> dict[str, float]:
+def require_agreement(candidate: Outputs, reference: Outputs, atol: float, what: str, hint: str, rtol: float = 0.0) -> dict[str, float]:
+    """Every value within atol + rtol * |reference| (numpy.allclose's rule), else a PassError."""
     require_finite(reference, "the model it starts from outputs", PassError)
     require_finite(candidate, "the result outputs", PassError)
     found = agreement(candidate, reference)
-    if not found["max_abs"] <= atol:
-        raise PassError(f"{what}: max abs error {found['max_abs']:.3g} exceeds {atol:g}; {hint}")
+    excess = max((float((np.abs(np.asarray(c, np.float64) - r) - rtol * np.abs(r)).max()) if np.size(c) else 0.0
+                  for c, r in ((c, np.asarray(r, np.float64)) for c, r in zip(candidate.values(), reference.values()))), default=0.0)
+    if not excess <= atol:
+        allowed = f"{atol:g}" + (f" + {rtol:g} x |reference|" if rtol else "")
+        raise PassError(f"{what}: max abs error {found['max_abs']:.3g} exceeds {allowed}; {hint}")
     return found
 
 
