@@ -29,7 +29,9 @@ from optpipe.errors import DataError, OptpipeError, PassError, StageOutOfMemory,
 from optpipe.evaluation.evaluator import Evaluator
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.instruments import Instrument
-from optpipe.execution.interrupt import KeptTracker, explain_interruption
+from optpipe.cache.folder import check_apart
+from optpipe.execution.interrupt import KeptTracker, escalate, explain_interruption
+from optpipe.safety.os_errors import folder_errors
 from optpipe.execution.isolation import memory_message, run_pass_isolated
 from optpipe.metrics import StageResult
 from optpipe.model_source import load_torch_model, source_fingerprint
@@ -78,8 +80,12 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
 
     graph, passes = validate_recipe(recipe)
     run_dir = options.output or recipe.resolve(recipe.output)
-    cache = StageCache(options.cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir()))
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    cache_root = options.cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+    check_apart(run_dir, cache_root)  # `cache gc` must never remove a run, nor a run folder the cache
+    with folder_errors("cache folder", cache_root):
+        cache = StageCache(cache_root)
+    with folder_errors("output folder", run_dir):
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     services = RunServices(recipe, cache)
     preflight(recipe, services)
 
@@ -175,12 +181,14 @@ class PassManager:
                     artifact = self.cache.publish(key, workdir, {"stage": name, "pass": pass_.name, "recipe": self.recipe.name})
                     return StageOutcome("ok", artifact, key=key, duration_s=time.perf_counter() - started)
             except (PassError, OptpipeError) as exc:
+                escalate(exc)  # a Ctrl-C or a full disk behind it stops the run, not only this stage
                 log.error("%s", exc)
                 return self._failed(str(exc), log_path, started)
             except MemoryError as exc:
                 log.error("out of memory:\n%s", traceback.format_exc())
                 return self._failed(str(StageOutOfMemory(memory_message(exc))), log_path, started)
             except Exception as exc:  # a bug in a pass must not take the other branches down
+                escalate(exc)
                 log.error("unexpected error:\n%s", traceback.format_exc())
                 return self._failed(f"internal error in pass '{pass_.name}' ({type(exc).__name__}: {first_line(exc)})", log_path, started)
             finally:
@@ -273,8 +281,10 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     try:
         accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(name))
     except OptpipeError as exc:
+        escalate(exc)
         return _evaluation_failed(result, str(exc), options)
     except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
+        escalate(exc)
         logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", options)
     result.accuracy, result.latency, result.memory = accuracy, latency, memory
@@ -291,8 +301,10 @@ def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices,
         digest = StageCache.key(source=source_fingerprint(recipe), inputs=[s.model_dump() for s in recipe.inputs])
         accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, recipe.evaluate.tolerance)
     except OptpipeError as exc:
+        escalate(exc)
         return _evaluation_failed(result, str(exc), options)
     except Exception as exc:  # the baseline is informative; its failure must not stop the run
+        escalate(exc)
         return _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", options)
     result.accuracy, result.latency, result.memory, result.cached = accuracy, latency, memory, cached
     _notify(options, "stage_end", f"evaluate {EAGER_STAGE}", "cached" if cached else "ok", _summary(result))

@@ -5,6 +5,7 @@ error (a bug: one line, the traceback with OPTPIPE_DEBUG=1), 130 interrupted (Ct
 """
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -22,6 +23,10 @@ class OptpipeGroup(click.Group):
         try:
             return super().invoke(ctx)
         except OptpipeError as exc:
+            from optpipe.execution.interrupt import interrupt_in
+
+            if interrupt_in(exc) is not None:
+                raise KeyboardInterrupt() from exc
             click.echo(f"error: {exc}", err=True)
             ctx.exit(exc.exit_code)
 
@@ -31,6 +36,8 @@ def main() -> None:
 
     terminate_as_interrupt()
     one_line_warnings()
+    # A log file that cannot be written (a full disk) must not print logging's own tracebacks.
+    logging.raiseExceptions = False
     try:
         # Not standalone: click then returns the code of a ctx.exit() instead of exiting itself.
         code = cli(standalone_mode=False)
@@ -45,16 +52,24 @@ def main() -> None:
         sys.exit(2 if exc.exit_code == 1 else exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except OptpipeError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except Exception as exc:  # a bug: one line, the traceback only on request
+    except Exception as exc:
+        from optpipe.execution.interrupt import interrupt_in
         from optpipe.execution.signals import internal_error_exit
+        from optpipe.safety.os_errors import describe
 
-        internal_error_exit(exc)
+        if interrupt_in(exc) is not None:  # a Ctrl-C a library turned into another exception
+            interrupted_exit(interrupt_in(exc))
+        if isinstance(exc, OptpipeError):
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        if isinstance(exc, OSError) and describe(exc):  # the environment's fault: a full disk, a file for a folder
+            click.echo(f"error: {describe(exc)}", err=True)
+            sys.exit(2)
+        internal_error_exit(exc)  # a bug: one line, the traceback only on request
 
 
 ALLOW_HELP = "a folder outside the recipe's folder and the working directory that the recipe may name (repeatable)"
+FACTORY_HELP = "an installed module whose functions the recipe's model.factory may call (repeatable); a factory runs code"
 
 
 @click.group(cls=OptpipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -70,14 +85,16 @@ def cli() -> None:
 @click.option("--only", metavar="STAGE", help="run only this stage and its ancestors")
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: $OPTPIPE_CACHE or ~/.cache/optpipe)")
 @click.option("--allow-path", "allow_paths", multiple=True, type=click.Path(path_type=Path), help=ALLOW_HELP)
-def compile_command(recipe: Path, output: Path | None, force: bool, only: str | None, cache_dir: Path | None, allow_paths: tuple[Path, ...]) -> None:
+@click.option("--allow-factory", "allow_factories", multiple=True, metavar="MODULE", help=FACTORY_HELP)
+def compile_command(recipe: Path, output: Path | None, force: bool, only: str | None, cache_dir: Path | None, allow_paths: tuple[Path, ...],
+                    allow_factories: tuple[str, ...]) -> None:
     """Run RECIPE: every stage, its evaluation, the report."""
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.recipe import load_recipe
     from optpipe.reporting.run_report import stage_table
 
-    parsed = load_recipe(recipe, allow_paths)
+    parsed = load_recipe(recipe, allow_paths, allow_factories)
     options = RunOptions(output=output, force=force, only=only, cache_dir=cache_dir, instruments=[ConsoleProgress()])
     report = compile_recipe(parsed, options)
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
@@ -101,13 +118,14 @@ def compile_command(recipe: Path, output: Path | None, force: bool, only: str | 
 @cli.command("validate")
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--allow-path", "allow_paths", multiple=True, type=click.Path(path_type=Path), help=ALLOW_HELP)
-def validate_command(recipe: Path, allow_paths: tuple[Path, ...]) -> None:
+@click.option("--allow-factory", "allow_factories", multiple=True, metavar="MODULE", help=FACTORY_HELP)
+def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...]) -> None:
     """Check RECIPE without running it."""
     from optpipe.dag import execution_order
     from optpipe.recipe import load_recipe
     from optpipe.validate import validate_recipe
 
-    parsed = load_recipe(recipe, allow_paths)
+    parsed = load_recipe(recipe, allow_paths, allow_factories)
     graph, _ = validate_recipe(parsed)
     order = execution_order(graph)
     click.echo(f"{recipe}: valid; {len(order)} stages: " + ", ".join(

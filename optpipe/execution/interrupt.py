@@ -57,5 +57,28 @@ def explain_interruption(tracker: KeptTracker) -> Iterator[None]:
         raise RunInterrupted(tracker.summary()) from None
 
 
+def interrupt_in(exc: BaseException) -> KeyboardInterrupt | None:
+    """A Ctrl-C anywhere in an exception's cause/context chain: libraries (torch importing its
+    exporter, for one) catch KeyboardInterrupt and raise something else while handling it."""
+    from optpipe.safety.os_errors import chain
+
+    return next((link for link in chain(exc) if isinstance(link, KeyboardInterrupt)), None)
+
+
+def escalate(exc: BaseException) -> None:
+    """Raise what must stop the whole run instead of failing one stage: a Ctrl-C hidden in the
+    chain (exit 130), or a full or read-only disk (exit 2, one line)."""
+    from optpipe.safety.os_errors import FolderError, describe, disk_error_in
+
+    interrupt = interrupt_in(exc)
+    if isinstance(interrupt, RunInterrupted):
+        raise interrupt
+    if interrupt is not None:
+        raise KeyboardInterrupt() from None
+    disk = disk_error_in(exc)
+    if disk is not None:
+        raise FolderError(describe(disk)) from None
+
+
 def _count(items: list[str], noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
