@@ -16,7 +16,16 @@ from optpipe.recipe import DataSource, InputSpec, Recipe
 def synthetic_batch(recipe: Recipe, seed: int = 0, **dim_overrides: int) -> dict[str, np.ndarray]:
     """One batch of synthetic inputs at the `opt` shape (dims overridable), seeded."""
     rng = np.random.default_rng(seed)
-    return {spec.name: _synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng) for spec in recipe.inputs}
+    batch = {}
+    for i, spec in enumerate(recipe.inputs):
+        try:
+            batch[spec.name] = _synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng)
+        except (ValueError, OverflowError) as exc:  # e.g. an integer range holding no integer, a fill the dtype cannot hold
+            raise DataError(
+                f"data: cannot draw synthetic values for input '{spec.name}' ({first_line(exc)}); fix inputs.{i}.range "
+                f"or inputs.{i}.fill for dtype {spec.dtype}"
+            ) from None
+    return batch
 
 
 def _synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -38,6 +47,9 @@ def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
         samples = loaders[source.source](source, recipe)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         # numpy refuses pickled object arrays (allow_pickle=False) and raises these on broken files
+        if source.source == "synthetic":  # no file to blame: the sizes are
+            raise DataError(f"data: cannot build {source.samples} synthetic samples ({first_line(exc)[:160]}); lower `samples` "
+                            "or the dims' `opt`") from None
         raise DataError(
             f"data: '{source.path}' is not a readable {source.source} file ({first_line(exc)[:160]}); "
             f"give a {source.source} file of plain numeric arrays"

@@ -18,8 +18,11 @@ from optpipe.targets import KINDS
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: the recipe's, $OPTPIPE_CACHE or ~/.cache/optpipe)")
 def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Path | None) -> None:
     """Write STAGE of the finished run RUN_DIR as an ORT bundle, TensorRT engine or Triton repository."""
+    from optpipe.errors import TargetError
     from optpipe.targets import export_stage
 
+    if to.exists() and not to.is_dir():
+        raise TargetError(f"--to: '{to}' is a file; give a folder to write the {kind} artifact into (new or existing)")
     result = export_stage(run_dir, stage, kind, to, cache_dir=cache_dir)
     where = to / result.path if result.path else to
     click.echo(f"{kind} {stage}: {result.status}" + (f" -> {where}" if result.ok else ""))
