@@ -90,6 +90,8 @@ def onnx_source_path(recipe: Recipe) -> Path:
     path = recipe.resolve(spec.onnx)
     if path.is_dir():
         raise ModelSourceError(f"model.onnx: '{path}' is a folder; give the path of the .onnx file in it")
+    if path.exists() and not path.is_file():
+        raise ModelSourceError(f"model.onnx: '{path}' is not a regular file (a device or a pipe); give the path of an .onnx file")
     if not path.is_file():
         raise ModelSourceError(f"model.onnx: file '{path}' does not exist; give the path of an .onnx model")
     return path

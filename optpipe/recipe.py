@@ -304,6 +304,8 @@ def load_recipe(path: str | Path, allow_paths: tuple[Path, ...] = (), allow_fact
     path = Path(path)
     if path.is_dir():
         raise RecipeError(f"recipe '{path}' is a folder; pass the path of a YAML recipe file inside it")
+    if path.exists() and not path.is_file():  # a device, a FIFO: reading it could block or never end
+        raise RecipeError(f"recipe '{path}' is not a regular file; pass the path of a YAML recipe file")
     if not path.is_file():
         raise RecipeError(f"recipe file '{path}' does not exist; pass the path of a YAML recipe")
     if path.stat().st_size > MAX_RECIPE_BYTES:

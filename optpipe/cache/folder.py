@@ -9,6 +9,7 @@ folder and a cache may not nest (pruning one would remove the other).
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -70,7 +71,8 @@ def require_marked(root: Path) -> bool:
 
 def check_apart(run_dir: Path, cache_root: Path) -> None:
     """A run folder inside the cache (or the reverse) would be removed by `cache gc`: refuse it."""
-    run, cache = run_dir.expanduser().resolve(), cache_root.expanduser().resolve()
+    # realpath, not Path.resolve: a symlink loop is reported when the folder is created, not as a RuntimeError
+    run, cache = (Path(os.path.realpath(p.expanduser())) for p in (run_dir, cache_root))
     if run == cache or run.is_relative_to(cache):
         raise CacheFolderError(
             f"the run folder '{run_dir}' is inside the cache '{cache_root}', where `cache gc` would remove it; choose "

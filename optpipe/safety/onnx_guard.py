@@ -36,6 +36,8 @@ def load_graph(path: Path, where: str) -> onnx.ModelProto:
     """The model without its weights, after checking it is ONNX and its external data is safe."""
     if path.is_dir():
         raise ModelSourceError(f"{where}: '{path}' is a folder; give the path of the .onnx file in it")
+    if path.exists() and not path.is_file():
+        raise ModelSourceError(f"{where}: '{path}' is not a regular file (a device or a pipe); give the path of an .onnx file")
     if not path.is_file():
         raise ModelSourceError(f"{where}: file '{path}' does not exist; give the path of an .onnx model")
     if path.stat().st_size == 0:

@@ -96,7 +96,10 @@ def check_paths(recipe: Recipe, origin: str, allow: Iterable[Path] = ()) -> None
     for where, value in recipe_paths(recipe):
         if "\0" in value:
             raise RecipeError(f"{origin}: {where}: the path contains a NUL character; give a plain path")
-        resolved = Path(os.path.realpath(recipe.resolve(value)))
+        try:
+            resolved = Path(os.path.realpath(recipe.resolve(value)))
+        except (RuntimeError, OSError):  # pathlib's "Symlink loop"
+            raise RecipeError(f"{origin}: {where}: '{value}' is a symlink loop; give a real path") from None
         if not any(resolved.is_relative_to(root) for root in roots):
             raise RecipeError(
                 f"{origin}: {where}: '{value}' resolves to {resolved}, outside the recipe's folder and the working "
