@@ -9,7 +9,7 @@ from typing import Callable
 
 import numpy as np
 
-from optpipe.metrics import Latency
+from optpipe.results import Latency
 from optpipe.runtime import Feeds, Outputs, pinned_threads
 
 
