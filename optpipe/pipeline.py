@@ -183,14 +183,14 @@ class PassManager:
                     artifact = self.cache.publish(key, workdir, {"stage": name, "pass": pass_.name, "recipe": self.recipe.name})
                     return StageOutcome("ok", artifact, key=key, duration_s=time.perf_counter() - started)
             except (PassError, OptpipeError) as exc:
-                escalate(exc)  # a Ctrl-C or a full disk behind it stops the run, not only this stage
+                escalate(exc, self.cache.root)  # a Ctrl-C or a full disk behind it stops the run, not only this stage
                 log.error("%s", exc)
                 return self._failed(str(exc), log_path, started)
             except MemoryError as exc:
                 log.error("out of memory:\n%s", traceback.format_exc())
                 return self._failed(str(StageOutOfMemory(memory_message(exc))), log_path, started)
             except Exception as exc:  # a bug in a pass must not take the other branches down
-                escalate(exc)
+                escalate(exc, self.cache.root)
                 log.error("unexpected error:\n%s", traceback.format_exc())
                 return self._failed(f"internal error in pass '{pass_.name}' ({type(exc).__name__}: {first_line(exc)})", log_path, started)
             finally:
@@ -286,10 +286,10 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     try:
         accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(name))
     except OptpipeError as exc:
-        escalate(exc)
+        escalate(exc, evaluator.cache.root)
         return _evaluation_failed(result, str(exc), options)
     except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
-        escalate(exc)
+        escalate(exc, evaluator.cache.root)
         logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", options)
     result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
@@ -306,10 +306,10 @@ def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices,
         digest = StageCache.key(source=source_fingerprint(recipe), inputs=[s.model_dump() for s in recipe.inputs])
         accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, recipe.evaluate.tolerance)
     except OptpipeError as exc:
-        escalate(exc)
+        escalate(exc, evaluator.cache.root)
         return _evaluation_failed(result, str(exc), options)
     except Exception as exc:  # the baseline is informative; its failure must not stop the run
-        escalate(exc)
+        escalate(exc, evaluator.cache.root)
         return _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", options)
     result.accuracy, result.latency, result.memory, result.cached = accuracy, latency, memory, cached
     _notify(options, "stage_end", f"evaluate {EAGER_STAGE}", "cached" if cached else "ok", _summary(result))
@@ -361,7 +361,8 @@ def stage_logger(name: str, path: Path, truncate: bool = True):
         logging.captureWarnings(False)
         warnings_log.removeHandler(handler)
         log.removeHandler(handler)
-        handler.close()
+        with contextlib.suppress(OSError):  # a full disk: the error that stopped the stage matters more than the log's tail
+            handler.close()
 
 
 class _LogWriter:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import signal
-import sys
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -23,31 +21,13 @@ from reliability_fixtures import (
     HERE,
     PLUGIN,
     onnx_recipe,
+    run_main,
     write_custom_op_onnx,
     write_linear_onnx,
     write_recipe,
 )
 
-from optpipe.cli import main
-
 USER, STAGE = 2, 1
-
-
-def run_main(args: list[str], capsys) -> tuple[int, str, str]:
-    """Run the console script in-process; returns (exit code, stdout, stderr)."""
-    previous = signal.getsignal(signal.SIGTERM)
-    old_argv = sys.argv
-    sys.argv = ["optpipe", *args]
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = old_argv
-        signal.signal(signal.SIGTERM, previous)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

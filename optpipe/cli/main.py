@@ -6,7 +6,9 @@ error (a bug: one line, the traceback with OPTPIPE_DEBUG=1), 130 interrupted (Ct
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import click
@@ -63,6 +65,8 @@ def main() -> None:
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
         if isinstance(exc, OSError) and describe(exc):  # the environment's fault: a full disk, a file for a folder
+            if os.environ.get("OPTPIPE_DEBUG"):
+                traceback.print_exception(exc)
             click.echo(f"error: {describe(exc)}", err=True)
             sys.exit(2)
         internal_error_exit(exc)  # a bug: one line, the traceback only on request

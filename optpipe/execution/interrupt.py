@@ -6,6 +6,7 @@ Every stage and evaluation that finished is already published in the cache
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Iterator
 
 from optpipe.errors import RunInterrupted
@@ -65,9 +66,10 @@ def interrupt_in(exc: BaseException) -> KeyboardInterrupt | None:
     return next((link for link in chain(exc) if isinstance(link, KeyboardInterrupt)), None)
 
 
-def escalate(exc: BaseException) -> None:
+def escalate(exc: BaseException, cache_root: Path | None = None) -> None:
     """Raise what must stop the whole run instead of failing one stage: a Ctrl-C hidden in the
-    chain (exit 130), or a full or read-only disk (exit 2, one line)."""
+    chain (exit 130), or a full or read-only disk (exit 2, one line naming `cache_root`, where
+    stages and evaluations write)."""
     from optpipe.safety.os_errors import FolderError, describe, disk_error_in
 
     interrupt = interrupt_in(exc)
@@ -77,7 +79,7 @@ def escalate(exc: BaseException) -> None:
         raise KeyboardInterrupt() from None
     disk = disk_error_in(exc)
     if disk is not None:
-        raise FolderError(describe(disk)) from None
+        raise FolderError(describe(disk, "cache folder" if cache_root else "", cache_root)) from None
 
 
 def _count(items: list[str], noun: str) -> str:

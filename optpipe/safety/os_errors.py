@@ -40,9 +40,12 @@ def describe(exc: OSError, role: str = "", folder: Path | None = None) -> str | 
     problem = _PROBLEMS.get(exc.errno or 0)
     if problem is None:
         return None
-    where = f"{role} '{folder}'" if role and folder is not None else f"'{exc.filename or folder or '?'}'"
+    if role and folder is not None:
+        where = f"{role} '{folder}'" + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(folder) else "")
+    else:
+        where = f"'{exc.filename}'" if exc.filename else "to disk"  # a flush on close carries no file name
     fix = "free space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix it"
-    return f"cannot write {where}: {problem} ({exc.filename or folder}); {fix} or choose another folder (--output, --cache-dir)"
+    return f"cannot write {where}: {problem}; {fix} or choose another folder (--output, --cache-dir)"
 
 
 def disk_error_in(exc: BaseException) -> OSError | None:
