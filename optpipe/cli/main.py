@@ -105,9 +105,9 @@ def compile_command(recipe: Path, output: Path | None, force: bool, only: str | 
     console.print(stage_table(report), markup=False)
     run_dir = output or parsed.resolve(parsed.output)
     console.print(f"\nreport: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)", markup=False)
-    failed_targets = [t for t in report.targets if t["status"].startswith("failed")]
+    failed_targets = report.failed_targets
     for target in failed_targets:
-        click.echo(f"error: target {target['kind']} for '{target['stage']}' {target['status']}", err=True)
+        click.echo(f"error: target {target.kind} for '{target.stage}' failed: {target.reason}", err=True)
     if report.failed:
         # One line per stage that failed; the stages skipped after them are counted, not repeated.
         failed = [s for s in report.failed if s.status == "failed"]

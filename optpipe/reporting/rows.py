@@ -1,0 +1,148 @@
+"""The stage table as data: one `StageRow` per stage, rendered by both report.md and report.html.
+
+A column is one entry of `COLUMNS`: a header and a function from the row's context (the
+stage, its parent, the eager baseline) to a `Cell`. Adding a column to both views is one
+line here. A cell carries its text and a tone (ok / out of tolerance / failed) that each
+view shows its own way (a ⚠ in Markdown, a colour in HTML).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+from optpipe.results import Accuracy, RunReport, StageResult
+
+Tone = Optional[Literal["ok", "out", "failed"]]
+
+
+@dataclass(frozen=True)
+class Cell:
+    text: str = ""
+    tone: Tone = None
+
+
+@dataclass(frozen=True)
+class RowContext:
+    stage: StageResult
+    parent: Optional[StageResult]
+    eager: Optional[StageResult]
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    cell: Callable[[RowContext], Cell]
+
+
+@dataclass(frozen=True)
+class StageRow:
+    stage: StageResult
+    cells: list[Cell]
+
+
+def stage_rows(report: RunReport) -> list[StageRow]:
+    eager = report.stage(report.baseline) if report.baseline else None
+    rows = []
+    for stage in report.stages:
+        context = RowContext(stage, report.stage(stage.parent) if stage.parent else None, eager)
+        rows.append(StageRow(stage, [column.cell(context) for column in COLUMNS]))
+    return rows
+
+
+def headers() -> list[str]:
+    return [column.header for column in COLUMNS]
+
+
+def table_note(report: RunReport) -> str:
+    return f"Latency at batch {report.headline_batch}; 'vs' columns are speed-ups (>1x is faster); Δ columns are against the stage's parent."
+
+
+# --- cells -----------------------------------------------------------------------------------
+
+
+def out_of_tolerance(stage: StageResult) -> bool:
+    return bool(stage.accuracy and not stage.accuracy.within_tolerance)
+
+
+def guard_figure(accuracy: Accuracy) -> str:
+    """The pass's guard figure beside the report's, where the two disagree (the stricter is the verdict)."""
+    guard = accuracy.guard
+    if guard is None or (guard.within_tolerance and abs(guard.cosine - accuracy.worst_cosine) < 1e-3):
+        return ""
+    return f" (guard {guard.cosine:.5f}, {guard.numerics})"
+
+
+def _status(c: RowContext) -> Cell:
+    s = c.stage
+    tone: Tone = "failed" if s.status != "ok" else "out" if out_of_tolerance(s) else "ok"
+    return Cell(s.status + (" (cached)" if s.cached and s.status == "ok" else ""), tone)
+
+
+def _cosine(c: RowContext) -> Cell:
+    accuracy = c.stage.accuracy
+    if not accuracy:
+        return Cell()
+    return Cell(f"{accuracy.worst_cosine:.5f}" + guard_figure(accuracy), None if accuracy.within_tolerance else "out")
+
+
+def _cosine_delta(c: RowContext) -> Cell:
+    if not (c.parent and c.parent.accuracy and c.stage.accuracy):
+        return Cell()
+    return Cell(f"{c.stage.accuracy.worst_cosine - c.parent.accuracy.worst_cosine:+.5f}")
+
+
+def _max_abs(c: RowContext) -> Cell:
+    accuracy = c.stage.accuracy
+    return Cell(_f(max((o.max_abs for o in accuracy.outputs), default=None) if accuracy else None, ".2e"))
+
+
+def _p50(stage: Optional[StageResult]) -> Optional[float]:
+    headline = stage.headline if stage else None
+    return headline.p50_ms if headline else None
+
+
+def _p90(stage: StageResult) -> Optional[float]:
+    return stage.headline.p90_ms if stage.headline else None
+
+
+def _peak_mb(stage: StageResult) -> Optional[float]:
+    return stage.memory.host_rss_bytes / 1e6 if stage.memory and stage.memory.host_rss_bytes is not None else None
+
+
+def _precision(c: RowContext) -> Cell:
+    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning."""
+    if not c.stage.coverage:
+        return Cell()
+    return Cell(c.stage.coverage.summary(), "out" if c.stage.warnings else None)
+
+
+def _ratio(base: Optional[float], value: Optional[float]) -> str:
+    return f"{base / value:.2f}x" if base and value else ""
+
+
+def _pct(before: Optional[int], after: Optional[int]) -> str:
+    return f"{(after - before) / before * 100:+.0f}%" if before and after else ""
+
+
+def _f(value: Optional[float], fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+COLUMNS: list[Column] = [
+    Column("stage", lambda c: Cell(c.stage.name)),
+    Column("pass", lambda c: Cell(c.stage.pass_name)),
+    Column("after", lambda c: Cell(c.stage.parent or "")),
+    Column("status", _status),
+    Column("p50 ms", lambda c: Cell(_f(_p50(c.stage), ".2f"))),
+    Column("p90 ms", lambda c: Cell(_f(_p90(c.stage), ".2f"))),
+    Column("vs eager", lambda c: Cell(_ratio(_p50(c.eager), _p50(c.stage)))),
+    Column("vs parent", lambda c: Cell(_ratio(_p50(c.parent), _p50(c.stage)))),
+    Column("cosine", _cosine),
+    Column("Δ cosine", _cosine_delta),
+    Column("max abs", _max_abs),
+    Column("size MB", lambda c: Cell(_f(c.stage.size_bytes / 1e6 if c.stage.size_bytes else None, ".1f"))),
+    Column("Δ size", lambda c: Cell(_pct(c.parent.size_bytes if c.parent else None, c.stage.size_bytes))),
+    Column("peak mem MB", lambda c: Cell(_f(_peak_mb(c.stage), ".0f"))),
+    Column("precision (MACs)", _precision),
+    Column("frontier", lambda c: Cell("★" if c.stage.pareto else "")),
+]
