@@ -32,7 +32,7 @@ from optpipe.evaluation.verdict import stage_coverage
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.instruments import Instrument
 from optpipe.cache.folder import check_apart
-from optpipe.execution.interrupt import KeptTracker, escalate, explain_interruption
+from optpipe.execution.interrupt import InterruptWatch, KeptTracker, escalate, explain_interruption
 from optpipe.safety.os_errors import folder_errors
 from optpipe.execution.isolation import memory_message, run_pass_isolated
 from optpipe.results import StageResult
@@ -170,6 +170,7 @@ class PassManager:
         with stage_logger(name, log_path) as log:
             workdir = self.cache.new_workdir()
             ctx = self._context(name, workdir, log)
+            watch = InterruptWatch()
             try:
                 key = self.stage_key(pass_, model, ctx)
                 with self.cache.lock(key):
@@ -179,19 +180,20 @@ class PassManager:
                         return StageOutcome("ok", hit, cached=True, key=key, duration_s=time.perf_counter() - started)
                     log.info("running pass %s v%s with %s", pass_.name, pass_.version, pass_.params.model_dump())
                     self._run_pass(name, pass_, model, ctx, log_path)
+                    watch.check()  # a Ctrl-C the pass swallowed: its result is not published
                     if self.options.force:
                         self.cache.discard(self.cache.entry_dir(key))
                     artifact = self.cache.publish(key, workdir, {"stage": name, "pass": pass_.name, "recipe": self.recipe.name})
                     return StageOutcome("ok", artifact, key=key, duration_s=time.perf_counter() - started)
             except (PassError, OptpipeError) as exc:
-                escalate(exc, self.cache.root)  # a Ctrl-C or a full disk behind it stops the run, not only this stage
+                escalate(exc, self.cache.root, watch)  # a Ctrl-C or a full disk behind it stops the run, not only this stage
                 log.error("%s", exc)
                 return self._failed(str(exc), log_path, started)
             except MemoryError as exc:
                 log.error("out of memory:\n%s", traceback.format_exc())
                 return self._failed(str(StageOutOfMemory(memory_message(exc))), log_path, started)
             except Exception as exc:  # a bug in a pass must not take the other branches down
-                escalate(exc, self.cache.root)
+                escalate(exc, self.cache.root, watch)
                 log.error("unexpected error:\n%s", traceback.format_exc())
                 return self._failed(f"internal error in pass '{pass_.name}' ({type(exc).__name__}: {first_line(exc)})", log_path, started)
             finally:

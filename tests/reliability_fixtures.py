@@ -129,7 +129,7 @@ def run_main(args: list[str], capsys) -> tuple[int, str, str]:
 
     from optpipe.cli import main
 
-    previous = signal.getsignal(signal.SIGTERM)
+    previous, previous_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     old_argv, raise_logging = sys.argv, logging.raiseExceptions
     sys.argv = ["optpipe", *args]
     try:
@@ -141,6 +141,7 @@ def run_main(args: list[str], capsys) -> tuple[int, str, str]:
         sys.argv = old_argv
         logging.raiseExceptions = raise_logging
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -12,7 +12,9 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import onnx
@@ -173,16 +175,58 @@ def test_the_readme_says_a_factory_recipe_runs_code():
 # --- 4. Ctrl-C anywhere in an exception's chain ends the run with exit 130 ------------------------
 
 
+def _ctrl_c() -> None:
+    """A real SIGINT to this process: the handler raises KeyboardInterrupt right here."""
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)  # not reached: the handler runs at the next bytecode
+
+
 def _wrapped_interrupt(message: str):
     """What a library does when Ctrl-C lands inside it: catches it, raises something else."""
 
     def raiser(*args, **kwargs):
         try:
-            raise KeyboardInterrupt
+            _ctrl_c()
         except KeyboardInterrupt:
             raise RuntimeError(message)
 
     return raiser
+
+
+def _swallowed_interrupt(real):
+    """Worse: the library catches the Ctrl-C and goes on as if nothing happened."""
+
+    def call(*args, **kwargs):
+        try:
+            _ctrl_c()
+        except KeyboardInterrupt:
+            pass
+        return real(*args, **kwargs)
+
+    return call
+
+
+def _caused_interrupt(*args, **kwargs):
+    try:
+        _ctrl_c()
+    except KeyboardInterrupt as exc:
+        raise RuntimeError("ONNX Runtime failed") from exc
+
+
+def _bare_interrupt(*args, **kwargs):
+    _ctrl_c()
+
+
+@pytest.fixture
+def ctrl_c_counted():
+    """SIGINT/SIGTERM handled as the CLI handles them (counted, then KeyboardInterrupt)."""
+    from optpipe.execution import signals
+
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signals.terminate_as_interrupt()
+    yield
+    signal.signal(signal.SIGINT, previous[0])
+    signal.signal(signal.SIGTERM, previous[1])
 
 
 def _factory_recipe(tmp_path: Path):
@@ -194,36 +238,32 @@ def _factory_recipe(tmp_path: Path):
     return parse_recipe(recipe, base_dir=tmp_path)
 
 
-def _cause(exc: BaseException):
-    def raiser(*args, **kwargs):
-        raise RuntimeError("ONNX Runtime failed") from exc
-
-    return raiser
-
-
 INTERRUPT_POINTS = {
-    # while torch imports and runs its exporter (the issue's case): KeyboardInterrupt in __context__
-    "torch.onnx.export": (torch.onnx, "export", _wrapped_interrupt("torch.onnx.export (dynamo) failed")),
+    # while torch runs its exporter (the issue's case): KeyboardInterrupt in __context__ of its error
+    "torch.onnx.export raises": (torch.onnx, "export", _wrapped_interrupt("torch.onnx.export (dynamo) failed")),
+    # the exporter swallows the Ctrl-C and finishes: the stage made under an interrupt is not kept
+    "torch.onnx.export goes on": (torch.onnx, "export", _swallowed_interrupt(torch.onnx.export)),
     # while PyTorch eager runs the model for the export check: inside forward()
     "the model's forward": (torch.nn.Linear, "forward", _wrapped_interrupt("forward failed")),
     # reading the exported model back: a bare KeyboardInterrupt
-    "onnx.load": (onnx, "load", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())),
+    "onnx.load": (onnx, "load", _bare_interrupt),
     # ONNX Runtime checking the export against eager: KeyboardInterrupt as __cause__
-    "onnxruntime session": (onnxruntime, "InferenceSession", _cause(KeyboardInterrupt())),
+    "onnxruntime session": (onnxruntime, "InferenceSession", _caused_interrupt),
 }
 
 
 @pytest.mark.parametrize("point", list(INTERRUPT_POINTS))
-def test_ctrl_c_inside_export_stops_the_run(point, tmp_path, monkeypatch):
+def test_ctrl_c_inside_export_stops_the_run(point, tmp_path, monkeypatch, ctrl_c_counted):
     owner, name, raiser = INTERRUPT_POINTS[point]
     recipe = _factory_recipe(tmp_path)
     monkeypatch.setattr(owner, name, raiser)
     with pytest.raises(KeyboardInterrupt, match="interrupted during stage 'export'"):
         compile_recipe(recipe, RunOptions())
     assert not (tmp_path / "run" / "report.json").exists(), "no report: the run did not go on"
+    assert not list((tmp_path / "cache" / "stages").iterdir()), "nothing made under the interrupt is published"
 
 
-def test_ctrl_c_inside_evaluation_stops_the_run(tmp_path, monkeypatch):
+def test_ctrl_c_inside_evaluation_stops_the_run(tmp_path, monkeypatch, ctrl_c_counted):
     from optpipe.evaluation.evaluator import Evaluator
 
     recipe = _factory_recipe(tmp_path)
@@ -233,6 +273,7 @@ def test_ctrl_c_inside_evaluation_stops_the_run(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_in_export_exits_130_with_the_interrupted_line(tmp_path, monkeypatch, capsys):
+    """Through the CLI (which installs the handler), with the default exporter choice."""
     recipe = onnx_recipe(tmp_path, stages={"export": {"pass": "export"}})
     recipe["model"] = {"factory": "reliability_fixtures:tiny_torch", "path": str(HERE)}
     path = write_recipe(tmp_path, recipe)

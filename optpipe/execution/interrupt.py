@@ -66,12 +66,30 @@ def interrupt_in(exc: BaseException) -> KeyboardInterrupt | None:
     return next((link for link in chain(exc) if isinstance(link, KeyboardInterrupt)), None)
 
 
-def escalate(exc: BaseException, cache_root: Path | None = None) -> None:
+class InterruptWatch:
+    """Notices a Ctrl-C during a stage even when a library swallowed it entirely (caught it and
+    went on, e.g. an exporter falling back to the next one): the signal was counted
+    (optpipe.execution.signals), so the stage's result, made under an interrupt, is not kept."""
+
+    def __init__(self) -> None:
+        from optpipe.execution.signals import interrupts_received
+
+        self._count = interrupts_received
+        self._mark = interrupts_received()
+
+    def check(self) -> None:
+        if self._count() > self._mark:
+            raise KeyboardInterrupt()
+
+
+def escalate(exc: BaseException, cache_root: Path | None = None, watch: InterruptWatch | None = None) -> None:
     """Raise what must stop the whole run instead of failing one stage: a Ctrl-C hidden in the
-    chain (exit 130), or a full or read-only disk (exit 2, one line naming `cache_root`, where
-    stages and evaluations write)."""
+    chain or counted by `watch` (exit 130), or a full or read-only disk (exit 2, one line naming
+    `cache_root`, where stages and evaluations write)."""
     from optpipe.safety.os_errors import FolderError, describe, disk_error_in
 
+    if watch is not None:
+        watch.check()
     interrupt = interrupt_in(exc)
     if isinstance(interrupt, RunInterrupted):
         raise interrupt
