@@ -23,6 +23,21 @@ class OutputAccuracy(BaseModel):
     cosine_min: float
     top1: Optional[float] = None
     finite: bool = True
+    beyond_tolerance: Optional[float] = Field(None, description="share of elements outside max_abs + rtol * |reference| (where rtol is set)")
+    input_sensitivity: Optional[float] = Field(
+        None, description="the reference's spread across samples relative to its magnitude; near 0: the output hardly depends on the input"
+    )
+
+
+class TaskAccuracy(BaseModel):
+    """The task's metrics (evaluate.task) against the reference stage and, where the data has labels, the labels."""
+
+    kind: str
+    output: str
+    metrics: dict[str, Optional[float]] = Field(description="candidate against the reference stage")
+    labels: dict[str, Optional[float]] = Field(default_factory=dict, description="candidate and reference against the labels")
+    violations: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list, description="what could not be measured, and why")
 
 
 class GuardCheck(BaseModel):
@@ -43,6 +58,8 @@ class Accuracy(BaseModel):
     violations: list[str] = Field(default_factory=list)
     polygraphy_match: Optional[bool] = Field(None, description="Polygraphy's elementwise comparison at the recipe's max_abs")
     guard: Optional[GuardCheck] = Field(None, description="the pass's own guard figure; the stricter of the two is the verdict")
+    task: Optional[TaskAccuracy] = Field(None, description="the task metric; when present it is the verdict")
+    warnings: list[str] = Field(default_factory=list, description="why these figures may mean less than they seem (e.g. input-insensitive outputs)")
 
     @property
     def worst_cosine(self) -> float:
@@ -100,6 +117,7 @@ class StageResult(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict)
     coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
     warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
+    measured_on: Optional[dict[str, Any]] = Field(None, description="the node that measured the figures (multi-node runs)")
 
     @property
     def headline(self) -> Latency | None:
@@ -166,6 +184,8 @@ class RunReport(BaseModel):
     stages: list[StageResult]
     pareto: list[str] = Field(default_factory=list)
     targets: list[TargetResult] = Field(default_factory=list)
+    search: Optional[dict[str, Any]] = Field(None, description="a search's trials, frontier, best and param effects (optpipe.search)")
+    hardware: Optional[dict[str, Any]] = Field(None, description="multi-node runs: the kinds of machine that measured, the frontier rule")
 
     def stage(self, name: str) -> StageResult | None:
         return next((s for s in self.stages if s.name == name), None)

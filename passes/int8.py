@@ -56,7 +56,7 @@ class Int8Params(PassParams, GuardParams):
     calibration_batch: int = Field(8, ge=1, description="static: samples per calibration batch")
 
 
-class Int8Pass(Pass):
+class Int8Pass(Pass[Int8Params]):
     """Quantize to INT8 (static QDQ calibrated on the recipe's data, or dynamic), guarded by the stage's tolerance."""
 
     name = "int8"
@@ -70,7 +70,7 @@ class Int8Pass(Pass):
         return self.params.mode == "static"
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        params: Int8Params = self.params  # type: ignore[assignment]
+        params = self.params
         # The calibration set's key covers its file's content: new data re-runs the stage.
         calibration = ctx.calibration_set().key if params.mode == "static" else None
         # The guard always measures (and, when on, repairs) on the evaluation set with the stage's tolerance.
@@ -78,7 +78,7 @@ class Int8Pass(Pass):
         return {"calibration": calibration, "guard": guard}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        params: Int8Params = self.params  # type: ignore[assignment]
+        params = self.params
         model, unfused = unfused_input(model, ctx)
         quantizer = Quantizer(model, params, ctx)
         candidates = quantized_nodes(model, quantizer.op_types, params.exclude)

@@ -12,7 +12,7 @@ import html
 import io
 import re
 
-from optpipe.reporting.rows import Cell, headers, out_of_tolerance, stage_rows, table_note
+from optpipe.reporting.rows import Cell, grouped_warnings, headers, out_of_tolerance, stage_rows, table_note
 from optpipe.results import EAGER, Latency, RunReport, StageResult
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
@@ -30,6 +30,9 @@ def render_html(report: RunReport) -> str:
     for title, curves in _latency_curves(report):
         sections.append(_section(title, _curves_svg(curves, title)))
     sections.append(_problems(report))
+    from optpipe.search.report import render_search_html  # a search's trials, frontier and param effects
+
+    sections.append(render_search_html(report.search, report.hardware))
     body = "\n".join(s for s in sections if s)
     return _PAGE.format(title=html.escape(f"optpipe report: {report.recipe}"), style=_STYLE, body=body)
 
@@ -70,9 +73,9 @@ def _html_cell(cell: Cell) -> str:
 
 
 def _problems(report: RunReport) -> str:
-    items = []
+    items = [f"<li>{', '.join(f'<code>{html.escape(n)}</code>' for n in names)} warning: {html.escape(w)}</li>"
+             for w, names in grouped_warnings(report.stages).items()]
     for s in report.stages:
-        items += [f"<li><code>{html.escape(s.name)}</code> warning: {html.escape(w)}</li>" for w in s.warnings]
         if s.status != "ok":
             items.append(f"<li><code>{html.escape(s.name)}</code> {s.status}: {html.escape(s.reason or '')}</li>")
         elif s.accuracy and not s.accuracy.within_tolerance:

@@ -82,7 +82,38 @@ def _cosine(c: RowContext) -> Cell:
     accuracy = c.stage.accuracy
     if not accuracy:
         return Cell()
-    return Cell(f"{accuracy.worst_cosine:.5f}" + guard_figure(accuracy), None if accuracy.within_tolerance else "out")
+    text = f"{accuracy.worst_cosine:.5f}" + guard_figure(accuracy) + meaningless_mark(accuracy)
+    return Cell(text, None if accuracy.within_tolerance and not accuracy.warnings else "out")
+
+
+def meaningless_mark(accuracy: Accuracy) -> str:
+    """Marks a figure measured on outputs that barely depend on the inputs (see the Warnings section)."""
+    return " (meaningless: inputs barely matter)" if accuracy.warnings else ""
+
+
+TASK_HEADLINES = {"top1_agreement": "top-1 agree", "top5_agreement": "top-5 agree", "class_agreement": "class agree",
+                  "map50": "mAP@0.5", "next_token_agreement": "next-token agree", "perplexity_ratio": "ppl ×",
+                  "token_cosine": "token cosine"}
+
+
+def _task(c: RowContext) -> Cell:
+    """The task metric (evaluate.task), which is the verdict when the recipe names one."""
+    task = c.stage.accuracy.task if c.stage.accuracy else None
+    if task is None:
+        return Cell()
+    shown = {TASK_HEADLINES[k]: v for k, v in task.metrics.items() if k in TASK_HEADLINES and v is not None}
+    shown.update({f"labels {k}": v for k, v in task.labels.items() if not k.startswith("reference") and v is not None})
+    text = " · ".join(f"{k} {v:.3f}" for k, v in shown.items()) or "not measured"
+    return Cell(text, "out" if task.violations else None)
+
+
+def grouped_warnings(stages: list[StageResult]) -> dict[str, list[str]]:
+    """Each distinct warning with the stages it concerns (an input-insensitive eval set concerns them all)."""
+    grouped: dict[str, list[str]] = {}
+    for s in stages:
+        for w in s.warnings:
+            grouped.setdefault(w, []).append(s.name)
+    return grouped
 
 
 def _cosine_delta(c: RowContext) -> Cell:
@@ -143,6 +174,7 @@ COLUMNS: list[Column] = [
     Column("size MB", lambda c: Cell(_f(c.stage.size_bytes / 1e6 if c.stage.size_bytes else None, ".1f"))),
     Column("Δ size", lambda c: Cell(_pct(c.parent.size_bytes if c.parent else None, c.stage.size_bytes))),
     Column("peak mem MB", lambda c: Cell(_f(_peak_mb(c.stage), ".0f"))),
+    Column("task metric", _task),
     Column("precision (MACs)", _precision),
     Column("frontier", lambda c: Cell("★" if c.stage.pareto else "")),
 ]

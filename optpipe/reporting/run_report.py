@@ -16,7 +16,7 @@ from typing import Any
 
 from optpipe.artifact import write_text_atomic
 from optpipe.recipe import Recipe
-from optpipe.reporting.rows import Cell, headers, stage_rows, table_note
+from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
 from optpipe.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
 
 def build_report(recipe: Recipe, stages: list[StageResult]) -> RunReport:
@@ -90,9 +90,9 @@ def render_markdown(report: RunReport) -> str:
     lines += [stage_table(report), ""]
     if report.pareto:
         lines += ["Pareto frontier (latency, accuracy error, size; within tolerance): " + ", ".join(f"**{n}**" for n in report.pareto), ""]
-    warned = [s for s in report.stages if s.warnings]
+    warned = grouped_warnings(report.stages)
     if warned:
-        lines += ["## Warnings", ""] + [f"- `{s.name}`: {w}" for s in warned for w in s.warnings] + [""]
+        lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
     problems = [s for s in report.stages if s.status != "ok" or (s.accuracy and not s.accuracy.within_tolerance)]
     if problems:
         lines += ["## Problems", ""]
@@ -103,6 +103,9 @@ def render_markdown(report: RunReport) -> str:
                 lines.append(f"- `{s.name}` is out of tolerance: {'; '.join(s.accuracy.violations)}")
         lines.append("")
     lines += targets_markdown(report.targets)
+    from optpipe.search.report import render_search_markdown  # the search's own section, when there was one
+
+    lines += render_search_markdown(report.search, report.hardware)
     return "\n".join(lines)
 
 
