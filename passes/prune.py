@@ -121,6 +121,11 @@ def prune_structured(model: onnx.ModelProto, params: PruneParams) -> dict:
                 "channels_after": int(len(keep)),
             }
         )
+    if not plan and unchanged:
+        raise PassError(
+            f"structured pruning of {params.amount:.0%} removes nothing: every prunable channel group keeps all its channels "
+            f"once rounded up to a multiple of {params.round_to} (round_to); raise `amount` or lower `round_to`"
+        )
     if not plan:
         raise PassError(
             "structured pruning found no channel group it can prune soundly (Conv/MatMul outputs that reach only "

@@ -23,20 +23,20 @@ def _fill(path: Path, data: dict, **changes) -> dict:
 
 
 def test_init_from_a_factory_writes_a_cnn_recipe_that_compiles_once_filled(tmp_path, cli_run, monkeypatch):
-    shutil.copy(TESTS.parent / "recipes" / "models" / "tiny.py", tmp_path / "tiny.py")
+    shutil.copy(TESTS / "family_models.py", tmp_path / "family_models.py")
     monkeypatch.chdir(tmp_path)
-    result = cli_run("init", "tiny:build_cnn", "-o", "gray_cnn.yaml")
+    result = cli_run("init", "family_models:wide_cnn", "-o", "cnn.yaml")
     assert result.exit_code == 0, result.output
-    assert "wrote gray_cnn.yaml: a cnn recipe, valid" in result.output
-    recipe = yaml.safe_load(Path("gray_cnn.yaml").read_text())
-    assert recipe["model"] == {"factory": "tiny:build_cnn", "path": "."}
+    assert "wrote cnn.yaml: a cnn recipe, valid" in result.output
+    recipe = yaml.safe_load(Path("cnn.yaml").read_text())
+    assert recipe["model"] == {"factory": "family_models:wide_cnn", "path": "."}
     assert recipe["inputs"] == [{"name": "images", "dtype": "float32", "shape": ["batch", 3, 224, 224]}]
     assert recipe["stages"]["int8"]["after"] == "simplify" and recipe["stages"]["fuse"]["after"] == "simplify"
     photos = {"source": "images", "path": "package:skimage/data", "preprocess": {"resize": 40}}
-    recipe = _fill(Path("gray_cnn.yaml"), {"eval": {**photos, "samples": 4}, "calibration": {**photos, "samples": 4}},
+    recipe = _fill(Path("cnn.yaml"), {"eval": {**photos, "samples": 4}, "calibration": {**photos, "samples": 4}},
                    evaluate={"batch_sizes": [1], "warmup": 1, "iterations": 2, "eager_baseline": False},
                    inputs=[{"name": "images", "dtype": "float32", "shape": ["batch", 3, 32, 32]}])
-    compiled = cli_run("compile", "gray_cnn.yaml")
+    compiled = cli_run("compile", "cnn.yaml")
     assert compiled.exit_code == 0, compiled.output
     for stage in recipe["stages"]:
         assert f"| {stage} |" in compiled.output
