@@ -33,7 +33,7 @@ def stages(tmp_path_factory):
         execution_order(graph), graph, passes
     )
     assert all(o.status == "ok" for o in outcomes.values()), {n: o.reason for n, o in outcomes.items()}
-    return {name: outcome.artifact for name, outcome in outcomes.items()}
+    return {name: outcome.model for name, outcome in outcomes.items()}
 
 
 def test_fuse_makes_attention_layernorm_and_gelu_fusions_on_the_dynamo_export(stages):
