@@ -11,25 +11,8 @@ import numpy as np
 
 from optpipe.calibration.labels import attach_labels, class_folders, load_class_folders
 from optpipe.errors import DataError, first_line
-from optpipe.recipe import DataSource, InputSpec, Recipe
-
-
-def synthetic_batch(recipe: Recipe, seed: int = 0, **dim_overrides: int) -> dict[str, np.ndarray]:
-    """One batch of synthetic inputs at the `opt` shape (dims overridable), seeded."""
-    rng = np.random.default_rng(seed)
-    return {spec.name: _synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng) for spec in recipe.inputs}
-
-
-def _synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    if spec.fill is not None:
-        return np.full(shape, spec.fill, dtype=spec.dtype)
-    if spec.dtype in ("int64", "int32", "int8", "uint8"):
-        low, high = spec.range or (0, 100)
-        return rng.integers(int(low), int(high), size=shape).astype(spec.dtype)
-    if spec.dtype == "bool":
-        return rng.integers(0, 2, size=shape).astype(bool)
-    low, high = spec.range or (-1.0, 1.0)
-    return rng.uniform(low, high, size=shape).astype(spec.dtype)
+from optpipe.example_inputs import synthetic_inputs
+from optpipe.recipe import DataSource, Recipe
 
 
 def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
@@ -103,9 +86,9 @@ def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> 
 def _synthetic(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     batch_dim = recipe.batch_dim()
     if batch_dim is None:
-        batches = [synthetic_batch(recipe, seed=source.seed + i) for i in range(source.samples)]
+        batches = [synthetic_inputs(recipe, seed=source.seed + i) for i in range(source.samples)]
         return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-    return synthetic_batch(recipe, seed=source.seed, **{batch_dim: source.samples})
+    return synthetic_inputs(recipe, seed=source.seed, **{batch_dim: source.samples})
 
 
 def _text(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ from pydantic import Field
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.checks import onnx_outputs, require_agreement
 from optpipe.errors import ModelSourceError, PassError
+from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.model_source import TorchModel, onnx_source_path, source_fingerprint
 from optpipe.pass_base import Pass, PassContext, PassParams
@@ -137,15 +138,6 @@ def _failure_message(failures: dict[str, str], requested: str) -> str:
     else:
         hint = "both exporters failed; the stage log has the tracebacks"
     return f"{text}; {hint}"
-
-
-def trace_inputs(recipe: Recipe) -> dict[str, np.ndarray]:
-    """Synthetic inputs for tracing: dynamic dims at `opt`, but never 1 where the dim may grow
-    (an exporter specializes a dim it sees as 1)."""
-    from optpipe.calibration.sources import synthetic_batch
-
-    overrides = {name: (2 if dim.opt == 1 and dim.max > 1 else dim.opt) for name, dim in recipe.dims.items()}
-    return synthetic_batch(recipe, seed=0, **overrides)
 
 
 def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
