@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.evaluation.checks import onnx_outputs, require_agreement
+from optpipe.evaluation.self_check import onnx_outputs, require_agreement
 from optpipe.errors import ModelSourceError, PassError
 from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats

@@ -20,7 +20,7 @@ import onnx
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.evaluation.checks import onnx_outputs, require_agreement
+from optpipe.evaluation.self_check import onnx_outputs, require_agreement
 from optpipe.errors import PassError, first_line
 from optpipe.graph.stats import fused_ops as graph_stats_fused_ops
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram

@@ -10,7 +10,7 @@ from onnx import numpy_helper
 from pydantic import Field, model_validator
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.evaluation.checks import agreement, onnx_outputs
+from optpipe.evaluation.self_check import agreement, onnx_outputs
 from optpipe.errors import PassError, first_line
 from optpipe.graph.edit import name_unnamed_nodes
 from optpipe.graph.stats import graph_stats

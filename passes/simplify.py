@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.evaluation.checks import onnx_outputs, require_agreement
+from optpipe.evaluation.self_check import onnx_outputs, require_agreement
 from optpipe.errors import PassError
 from optpipe.graph.stats import graph_stats, op_changes
 from optpipe.pass_base import Pass, PassContext, PassParams

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from optpipe.evaluation.checks import onnx_outputs
+from optpipe.evaluation.self_check import onnx_outputs
 from optpipe.errors import ModelSourceError, PassError
 from optpipe.pass_base import PassContext
 from optpipe.passes.export import ExportParams, ExportPass

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from optpipe.errors import ModelSourceError
-from optpipe.evaluation.checks import onnx_outputs
+from optpipe.evaluation.self_check import onnx_outputs
 from optpipe.model_source import load_torch_model
 from optpipe.pass_base import PassContext
 from optpipe.passes.export import ExportParams, ExportPass
