@@ -14,10 +14,11 @@ from pathlib import Path
 from optpipe.artifact import ModelArtifact, write_info
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, first_line
+from optpipe.evaluation.self_check import NumericSelfCheck
 from optpipe.execution.contract import run_pass
 from optpipe.execution.isolation import memory_message, run_pass_isolated
 from optpipe.execution.services import RunServices, make_pass_context, stage_logger
-from optpipe.instruments import Instrument, StageInfo
+from optpipe.instruments import Instrument, Instruments, StageInfo
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import Recipe
 from optpipe.results import StageResult
@@ -34,7 +35,8 @@ class StageRunner:
         self.cache = cache
         self.services = services
         self.logs_dir = logs_dir
-        self.instruments = instruments
+        # The numeric self-check always runs first after a pass: a stage it fails is never published.
+        self.instruments = Instruments([NumericSelfCheck(), instruments])
         self.force = force
 
     def run(self, name: str, pass_: Pass, model: ModelArtifact | None) -> StageResult:
@@ -106,6 +108,14 @@ class StageRunner:
     @staticmethod
     def _key_with_data(base: str, data: dict[str, str]) -> str:
         return StageCache.key(stage=base, data=data) if data else base
+
+
+def run_checked(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+    """One pass as a stage runs it, without the cache: the contract, then the numeric self-check
+    (its record in the returned info). For tests and notebooks."""
+    output = run_pass(pass_, model, ctx)
+    NumericSelfCheck().after_stage(StageInfo(ctx.stage, pass_, ctx), model, output)
+    return write_info(ctx.workdir, output.info)
 
 
 def stage_key(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> str:
