@@ -291,7 +291,7 @@ class EvaluateSpec(Strict):
 
 
 class TargetSpec(Strict):
-    kind: Literal["ort", "tensorrt", "triton"]
+    kind: Literal["ort", "tensorrt", "triton", "openvino"]
     stages: list[str] = Field(default_factory=list, description="stages to emit; default: the Pareto frontier")
     params: dict[str, Any] = Field(default_factory=dict)
 
