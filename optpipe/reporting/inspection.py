@@ -41,7 +41,16 @@ def inspect_stage(handle: StageHandle) -> dict[str, Any]:
         "memory": _memory_of(result),
         "pass_info": info,
         "graph": handle.graph,
+        "missing": _missing_copy(handle),
     }
+
+
+def _missing_copy(handle: StageHandle) -> str | None:
+    """Why the graph sections are absent, when a finished ONNX stage's copy is gone from the run folder."""
+    if handle.result.status != "ok" or handle.result.hash is None or handle.model_path is not None:
+        return None
+    return (f"{handle.run_dir / 'stages' / handle.name / 'model.onnx'} is missing, so its graph sections are not shown; "
+            "rerun the same compile to restore the run folder")
 
 
 def inspect_run(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -19,6 +19,8 @@ def render_inspection(data: dict[str, Any]) -> str:
     lines = [f"stage {data['stage']} ({data['pass']}{', after ' + data['parent'] if data['parent'] else ''}): {data['status']}"]
     if data["reason"]:
         lines.append(f"  reason: {data['reason']}")
+    if data.get("missing"):
+        lines.append(f"  note: {data['missing']}")
     graph = data["graph"]
     if graph:
         lines += ["", "inputs / outputs:"]
