@@ -28,7 +28,9 @@ def inspect_command(run: Path, stage: str | None, layers: bool, samples: int, as
         if not as_json:
             from optpipe.search.report import render_trials_text  # a search run: its trials too
 
-            click.echo(render_trials_text(inspection.open_run(run)))
+            trials = render_trials_text(inspection.open_run(run))
+            if trials:  # nothing, not an empty line, for a run that was no search
+                click.echo(trials)
         return
     handle = inspection.stage_handle(run, stage)
     data = inspection.inspect_stage(handle)
