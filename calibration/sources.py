@@ -20,8 +20,11 @@ def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     loaders = {"synthetic": _synthetic, "text": _text, "npy": _npy, "npz": _npz, "images": _images}
     try:
         samples = attach_labels(loaders[source.source](source, recipe), source, recipe)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, MemoryError) as exc:  # MemoryError: a header declaring a huge shape
         # numpy refuses pickled object arrays (allow_pickle=False) and raises these on broken files
+        if source.source == "synthetic":  # no file to blame: the sizes are
+            raise DataError(f"data: cannot build {source.samples} synthetic samples ({first_line(exc)[:160]}); lower `samples` "
+                            "or the dims' `opt`") from None
         raise DataError(
             f"data: '{source.path}' is not a readable {source.source} file ({first_line(exc)[:160]}); "
             f"give a {source.source} file of plain numeric arrays"
@@ -37,6 +40,8 @@ def source_path(source: DataSource, recipe: Recipe) -> Path | None:
     path = package_path(source.path) if (source.path or "").startswith(PACKAGE_PREFIX) else recipe.resolve(source.path)
     if path is not None and not path.exists():
         raise DataError(f"data: file '{path}' does not exist; fix `path` in the recipe's data section")
+    if path is not None and not (path.is_file() or path.is_dir()):  # a FIFO or a device would block or never end
+        raise DataError(f"data: '{path}' is not a regular file or folder (a device or a pipe); give a data file")
     return path
 
 
@@ -93,16 +98,17 @@ def _synthetic(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
 
 def _text(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     """Lines of a text file through the model's own tokenizer, padded to the `opt` sequence length."""
-    from transformers import AutoTokenizer
-
     from optpipe.model_source import hf_folder
+
+    tokenizer_folder = hf_folder(recipe)  # before importing transformers: a model without a tokenizer fails fast
+    from transformers import AutoTokenizer
 
     path = source_path(source, recipe)
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
         raise DataError(f"data: text file '{path}' has no non-empty lines")
     lines = (lines * (source.samples // len(lines) + 1))[: source.samples]
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_folder(recipe)), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder), local_files_only=True)
     seq_len = _sequence_length(recipe)
     encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np")
     out = {}

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from optpipe.errors import DataError, first_line
 from optpipe.recipe import InputSpec, Recipe
 
 
 def synthetic_inputs(recipe: Recipe, seed: int = 0, **dim_overrides: int) -> dict[str, np.ndarray]:
     """One batch of synthetic inputs at the `opt` shape (dims overridable), seeded."""
     rng = np.random.default_rng(seed)
-    return {spec.name: synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng) for spec in recipe.inputs}
+    batch = {}
+    for i, spec in enumerate(recipe.inputs):
+        try:
+            batch[spec.name] = synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng)
+        except (ValueError, OverflowError) as exc:  # e.g. an integer range holding no integer, a fill the dtype cannot hold
+            raise DataError(
+                f"data: cannot draw synthetic values for input '{spec.name}' ({first_line(exc)}); fix inputs.{i}.range "
+                f"or inputs.{i}.fill for dtype {spec.dtype}"
+            ) from None
+    return batch
 
 
 def trace_inputs(recipe: Recipe) -> dict[str, np.ndarray]:

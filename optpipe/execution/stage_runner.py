@@ -16,6 +16,7 @@ from optpipe.cache.store import StageCache, library_versions
 from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, first_line
 from optpipe.evaluation.self_check import NumericSelfCheck
 from optpipe.execution.contract import run_pass
+from optpipe.execution.interrupt import InterruptWatch, escalate
 from optpipe.execution.isolation import memory_message, run_pass_isolated
 from optpipe.execution.services import RunServices, make_pass_context, stage_logger
 from optpipe.instruments import Instrument, Instruments, StageInfo
@@ -53,25 +54,29 @@ class StageRunner:
 
         with stage_logger(name, log_path) as log:
             workdir = self.cache.new_workdir()
+            watch = InterruptWatch()
             try:
                 ctx = make_pass_context(self.recipe, self.services, name, workdir, log, self.instruments.step)
                 info = StageInfo(name, pass_, ctx)
                 self.instruments.before_stage(info)
-                artifact, cached = self._cached_run(info, model, log_path)
+                artifact, cached = self._cached_run(info, model, log_path, watch)
                 return result("ok", cached=cached).with_model(artifact)
             except (PassError, OptpipeError) as exc:
+                escalate(exc, self.cache.root, watch)  # a Ctrl-C or a full disk behind it stops the run, not only this stage
                 log.error("%s", exc)
                 return failed(str(exc))
             except MemoryError as exc:
                 log.error("out of memory:\n%s", traceback.format_exc())
                 return failed(str(StageOutOfMemory(memory_message(exc))))
             except Exception as exc:  # a bug in a pass must not take the other branches down
+                escalate(exc, self.cache.root, watch)
                 log.error("unexpected error:\n%s", traceback.format_exc())
                 return failed(f"internal error in pass '{pass_.name}' ({type(exc).__name__}: {first_line(exc)})")
             finally:
                 self.cache.release_workdir(workdir)
 
-    def _cached_run(self, info: StageInfo, model: ModelArtifact | None, log_path: Path) -> tuple[ModelArtifact, bool]:
+    def _cached_run(self, info: StageInfo, model: ModelArtifact | None, log_path: Path,
+                    watch: InterruptWatch) -> tuple[ModelArtifact, bool]:
         """(artifact, cached): the cache entry when there is one, else the pass's fresh output, published."""
         pass_, ctx = info.pass_, info.ctx
         base = stage_key(pass_, model, ctx)
@@ -84,6 +89,7 @@ class StageRunner:
                 return hit, True
             ctx.log.info("running pass %s v%s with %s", pass_.name, pass_.version, pass_.params.model_dump())
             output = self._execute(pass_, model, ctx, log_path)
+            watch.check()  # a Ctrl-C the pass swallowed: its result is not published
             self.instruments.after_stage(info, model, output)  # the self-check; may fail the stage
             write_info(ctx.workdir, output.info)  # with what the instruments added
             key = self._key_with_data(base, ctx.data_used)
