@@ -10,7 +10,7 @@ from optpipe.execution.interrupt import escalate
 from optpipe.errors import OptpipeError, first_line
 from optpipe.evaluation.evaluator import Evaluator
 from optpipe.evaluation.guard import fold_guard_verdict
-from optpipe.evaluation.verdict import stage_coverage
+from optpipe.evaluation.verdict import flag_unchanged_stages, stage_coverage
 from optpipe.execution.services import RunServices
 from optpipe.instruments import Instrument
 from optpipe.model_source import source_fingerprint
@@ -48,6 +48,7 @@ def evaluate_stages(
         if result.status == "ok":
             _evaluate_stage(result, recipe, evaluator, instruments)
         results.append(result)
+    flag_unchanged_stages([stages[name] for name in order], stages)
     return results
 
 
