@@ -251,6 +251,9 @@ class StageSpec(Strict):
     timeout_s: Optional[float] = Field(None, gt=0)
     search: dict[str, Choices] = Field(default_factory=dict, description="params to search: a list of choices, or {min, max, step}")
     optional: bool = Field(False, description="search: try the search with and without this stage")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="--executor ray: what the pass's task needs: CPU, GPU, or a custom resource such as a GPU type"
+    )
 
     @field_validator("search")
     @classmethod
@@ -283,6 +286,9 @@ class EvaluateSpec(Strict):
     )
     sweep_iterations: Optional[int] = Field(None, ge=1, description="timed iterations per sweep point; default: iterations")
     search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="--executor ray: what an evaluation task needs besides the node's `benchmark` slot (GPU, a GPU type)"
+    )
 
     @field_validator("search", mode="before")
     @classmethod
