@@ -28,7 +28,7 @@ def sh(*cmd, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120, **kw)
 
 
-def main(recipe: str, run_dir: str, cache: str, kill_driver_after: int, kill_worker_after: int) -> dict:
+def main(recipe: str, run_dir: str, cache: str, kill_driver_after: int, kill_worker_after: int, allow: str) -> dict:
     sh("ip", "link", "set", "lo", "up")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"]
@@ -39,7 +39,8 @@ def main(recipe: str, run_dir: str, cache: str, kill_driver_after: int, kill_wor
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     worker_id = _wait_for_worker()
-    compile_cmd = [*OPTPIPE, "compile", recipe, "--executor", "ray", "--address", f"127.0.0.1:{PORT}", "-o", run_dir, "--cache-dir", cache]
+    compile_cmd = [*OPTPIPE, "compile", recipe, "--executor", "ray", "--address", f"127.0.0.1:{PORT}", "-o", run_dir, "--cache-dir", cache,
+                   "--allow-path", allow]
 
     # 1. The driver killed after a few stages: what it finished is in the cache.
     first = subprocess.Popen(compile_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -83,5 +84,5 @@ def _wait_for_worker() -> str:
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    result = main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     print(json.dumps(result))

@@ -49,13 +49,14 @@ def test_search_on_a_two_node_cluster_survives_a_killed_driver_and_worker_and_ma
     recipe = _tiny_search(tmp_path)
     ray_run, ray_cache = tmp_path / "ray-run", tmp_path / "ray-cache"
     proc = subprocess.run(
-        [*NAMESPACE, sys.executable, str(REPO / "tests" / "ray_cluster_run.py"), str(recipe), str(ray_run), str(ray_cache), "3", "2"],
+        [*NAMESPACE, sys.executable, str(REPO / "tests" / "ray_cluster_run.py"), str(recipe), str(ray_run), str(ray_cache), "3", "2",
+         str(REPO / "recipes" / "models")],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     log = "\n".join(out["lines"])
-    assert out["first_returncode"] != 0  # the first driver was killed
+    assert out["first_returncode"] != 0 and sum(" ok pass " in x for x in out["first_lines"]) == 3, out["first_lines"]
     assert out["returncode"] == 0, log
     # The rerun took what the killed driver had finished from the cache.
     assert sum(" cached pass " in line for line in out["lines"]) >= 3, log

@@ -75,8 +75,10 @@ def cli() -> None:
 @click.option("--address", metavar="auto|ray://HOST:PORT|HOST:PORT", help="--executor ray: the cluster (default: a local Ray instance)")
 @click.option("--yes", is_flag=True, help="run a grid search however many trials it has")
 @click.option("--group-by-node", is_flag=True, help="one Pareto frontier per kind of machine, when several measured")
+@click.option("--remote-cache", metavar="URL", help="an object store behind the cache folder (s3://bucket/prefix; pip install 'optpipe[s3]')")
 def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool, only: str | None, cache_dir: Path | None,
-                    allow_paths: tuple[Path, ...], executor: str, address: str | None, yes: bool, group_by_node: bool) -> None:
+                    allow_paths: tuple[Path, ...], executor: str, address: str | None, yes: bool, group_by_node: bool,
+                    remote_cache: str | None) -> None:
     """Run RECIPE: every stage, its evaluation, the report (several recipes: all of them, together)."""
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
@@ -87,10 +89,10 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
     loaded = [load_recipe(path, allow_paths) for path in recipes]
     if address is not None and executor != "ray":
         raise click.UsageError("--address needs --executor ray")
-    if len(loaded) > 1 or executor == "ray" or SearchSpace.declared(loaded[0]):
+    if len(loaded) > 1 or executor == "ray" or remote_cache or SearchSpace.declared(loaded[0]):
         from optpipe.execution.fan_out_cli import compile_fanned_out
 
-        sys.exit(compile_fanned_out(loaded, executor, address, output, force, only, cache_dir, yes, group_by_node))
+        sys.exit(compile_fanned_out(loaded, executor, address, output, force, only, cache_dir, yes, group_by_node, remote_cache))
     recipe, parsed = recipes[0], loaded[0]
     options = RunOptions(output=output, force=force, only=only, cache_dir=cache_dir, instruments=[ConsoleProgress()])
     report = compile_recipe(parsed, options)

@@ -125,5 +125,7 @@ def _node_text(node: dict) -> str:
     return f"{node.get('host')}{ray_node}"
 
 
-def settings_for(recipe: Recipe, cache_dir: Path, run_dir: Path, force: bool, providers: str) -> TaskSettings:
-    return TaskSettings(cache_dir=cache_dir.resolve(), run_dir=run_dir.resolve(), force=force, providers=providers)
+def settings_for(recipe: Recipe, cache_dir: Path, run_dir: Path, force: bool, providers: str,
+                 remote_cache: str | None = None, storage_options: dict | None = None) -> TaskSettings:
+    return TaskSettings(cache_dir=cache_dir.resolve(), run_dir=run_dir.resolve(), force=force, providers=providers,
+                        remote_cache=remote_cache, storage_options=storage_options or {})

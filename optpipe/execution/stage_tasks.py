@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from optpipe.cache.store import StageCache
+from optpipe.cache.backends import open_cache
 from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 
@@ -26,6 +27,11 @@ class TaskSettings:
     run_dir: Path
     force: bool = False
     providers: str = "auto"
+    remote_cache: str | None = None  # an object store behind the cache folder (s3://, gs://)
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def open_cache(self):
+        return open_cache(self.cache_dir, self.remote_cache, **self.storage_options)
 
 
 def run_stage(recipe: Recipe, name: str, parent, settings: TaskSettings):
@@ -36,7 +42,7 @@ def run_stage(recipe: Recipe, name: str, parent, settings: TaskSettings):
     if parent is not None and parent.status != "ok":
         return StageOutcome("skipped", reason=f"parent stage '{recipe.stages[name].after}' {parent.status}")
     _, passes = validate_recipe(recipe)
-    cache = StageCache(settings.cache_dir)
+    cache = settings.open_cache()
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     options = RunOptions(output=settings.run_dir, force=settings.force, cache_dir=settings.cache_dir, providers=settings.providers)
     manager = PassManager(recipe, cache, RunServices(recipe, cache), settings.run_dir, options)
@@ -52,7 +58,7 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     first when `eager`), each result stamped with the node that measured it."""
     from optpipe.pipeline import RunOptions, RunServices, evaluate_stages
 
-    cache = StageCache(settings.cache_dir)
+    cache = settings.open_cache()
     evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
     scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
     options = RunOptions(output=settings.run_dir, force=settings.force, cache_dir=settings.cache_dir, providers=settings.providers)

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.dag import build_dag, execution_order
-from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail, settings_for
+from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail
+from optpipe.execution.stage_tasks import TaskSettings
 from optpipe.execution.fan_out import finish_run, reference_of, wants_eager
 from optpipe.results import StageResult
 from optpipe.recipe import Recipe
@@ -30,7 +31,7 @@ class TrialRecord:
 
 
 class SearchDriver:
-    def __init__(self, recipe: Recipe, run_dir: Path, cache_dir: Path, force: bool, providers: str, yes: bool):
+    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings, yes: bool):
         self.recipe = recipe
         self.run_dir = run_dir
         self.space = SearchSpace(recipe)
@@ -38,7 +39,7 @@ class SearchDriver:
         self.strategy, self.budget = resolve_strategy(self.space, self.settings, yes)
         _validate_every_value(self.space)
         self.proposer = make_proposer(self.space, self.settings, self.strategy, self.budget)
-        self.task_settings = settings_for(recipe, cache_dir, run_dir, force, providers)
+        self.task_settings = settings
         self.memo = RunMemo()
         self.records: list[TrialRecord] = []
         self.pending: list[tuple[Any, Trial]] = []
@@ -84,8 +85,7 @@ class SearchDriver:
         def section(report: RunReport) -> dict:
             return search_section(self, report, wall)
 
-        report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings.cache_dir, providers,
-                            group_by_node, section)
+        report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings, group_by_node, section)
         s = report.search
         best = s["best"]["stage"] if s.get("best") else "none within tolerance"
         progress.line(f"search {self.recipe.name}: {len(s['trials'])} trials ({s['counts']}), stopped: {s['stopped']}, "
