@@ -124,6 +124,13 @@ def validate_command(recipe: Path, allow_paths: tuple[Path, ...]) -> None:
     from optpipe.validate import validate_recipe
 
     parsed = load_recipe(recipe, allow_paths)
+    from optpipe.search.space import SearchSpace
+
+    if SearchSpace.declared(parsed):  # checked trial by trial: a searched param is in no stage's params
+        from optpipe.search.driver import describe_search
+
+        click.echo(f"{recipe}: valid; {describe_search(parsed)}")
+        return
     graph, _ = validate_recipe(parsed)
     order = execution_order(graph)
     click.echo(f"{recipe}: valid; {len(order)} stages: " + ", ".join(

@@ -88,6 +88,7 @@ class LocalExecutor:
                 started = time.perf_counter()
                 outcomes = {name: plan.memo.outcomes[name], **_with_reference(plan, reference)}
                 result = evaluate(plan.recipe, [name], outcomes, plan.reference, False, plan.settings)[0]
+                result.evaluation_s = round(time.perf_counter() - started, 3)
                 plan.memo.results[name] = result
                 progress.stage(plan, name, "evaluate", result_label(result), time.perf_counter() - started, node, result_detail(result))
 

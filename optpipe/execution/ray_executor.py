@@ -127,6 +127,7 @@ class RayExecutor:
                 plan.memo.eager = value
                 progress.stage(plan, value.name, "evaluate", result_label(value), seconds, node, result_detail(value))
             else:
+                value.evaluation_s = round(seconds, 3)
                 plan.memo.results[name] = value
                 progress.stage(plan, name, "evaluate", result_label(value), seconds, node, result_detail(value))
 

@@ -73,6 +73,8 @@ class SearchDriver:
             self.records.append(record)
             detail = result_detail(result) if result else "nothing to measure: every searched stage is off"
             status = result.status if result else "failed"
+            if result is not None and result.accuracy is not None and status == "ok" and not result.accuracy.within_tolerance:
+                status = "out of tolerance"
             params = ", ".join(f"{k}={v}" for k, v in trial.values)
             again = f" (repeat of trial {record.repeat_of})" if record.repeat_of else ""
             progress.line(f"  trial {record.number}/{total} {status}{again}: {params} -> {stage} — {detail}")
@@ -123,3 +125,15 @@ def _validate_every_value(space: SearchSpace) -> None:
     probes = [space.trial({**first, dim.key: value}) for dim in space.dimensions for value in dim.values]
     recipe, _ = space.expand(list(dict.fromkeys(probes)))
     validate_recipe(recipe)
+
+
+def describe_search(recipe: Recipe) -> str:
+    """`optpipe validate`'s line for a search: its space, strategy and how many trials it would run."""
+    space = SearchSpace(recipe)
+    _validate_every_value(space)
+    settings = recipe.evaluate.search or SearchSettings()
+    strategy, budget = resolve_strategy(space, settings, yes=True)
+    runs = min(budget, space.size) if budget else space.size
+    wall = f", at most {settings.wall_time_s:g}s" if settings.wall_time_s else ""
+    return (f"search: {strategy} over {space.size} points ({', '.join(f'{k}: {len(v)}' for k, v in space.describe().items())}); "
+            f"{'up to ' if strategy == 'optuna' or settings.wall_time_s else ''}{runs} trials{wall}")
