@@ -59,7 +59,8 @@ def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
 
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
     try:
-        preflight(recipe, RunServices(recipe, cache))
+        services = RunServices(recipe, cache)
+        preflight(recipe, services.eval_set, services.calibration_set)
     finally:
         cache.release_leases()
 
