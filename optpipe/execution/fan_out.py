@@ -13,6 +13,7 @@ from typing import Callable
 
 from filelock import FileLock
 
+from optpipe.cache.folder import check_apart
 from optpipe.cache.store import default_cache_dir
 from optpipe.dag import build_dag, execution_order
 from optpipe.errors import OptpipeError
@@ -54,7 +55,7 @@ class PlainDriver:
 
 def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
     """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
-    from optpipe.pipeline import RunServices
+    from optpipe.execution.services import RunServices
     from optpipe.safety.preflight import preflight
 
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
@@ -88,6 +89,7 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     for recipe in recipes:
         run_dir = output or recipe.resolve(recipe.output)
         cache = cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+        check_apart(run_dir, cache)  # as a local compile: `cache gc` must never remove a run, nor a run the cache
         settings = settings_for(recipe, cache, run_dir, force, providers, remote_cache, storage_options)
         _preflight(recipe, settings)
         if SearchSpace.declared(recipe):
@@ -118,7 +120,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
                group_by_node: bool, search: Callable[[RunReport], dict] | None = None) -> RunReport:
     """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
     from optpipe.execution.run_folder import publish_stage_folders
-    from optpipe.pipeline import RunServices
+    from optpipe.execution.services import RunServices
     from optpipe.reporting.inspection import save_sample_inputs
     from optpipe.targets import run_targets
 

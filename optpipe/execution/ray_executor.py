@@ -101,7 +101,7 @@ class RayExecutor:
 
     def _collect(self, waiting: dict, progress: Progress) -> None:
         """Take results as they finish: one progress line each, with the node that ran it."""
-        from optpipe.pipeline import StageOutcome
+        from optpipe.execution.stage_runner import StageOutcome
         from optpipe.results import StageResult
 
         ray = self.ray

@@ -36,18 +36,19 @@ class TaskSettings:
 
 def run_stage(recipe: Recipe, name: str, parent, settings: TaskSettings):
     """The stage's model: a cache hit, or its pass run and published; `parent` is its parent's outcome."""
-    from optpipe.pipeline import PassManager, RunOptions, RunServices, StageOutcome
+    from optpipe.execution.services import RunServices
+    from optpipe.execution.stage_runner import StageOutcome, StageRunner
     from optpipe.validate import validate_recipe
 
     if parent is not None and parent.status != "ok":
         return StageOutcome("skipped", reason=f"parent stage '{recipe.stages[name].after}' {parent.status}")
     _, passes = validate_recipe(recipe)
     cache = settings.open_cache()
-    (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    options = RunOptions(output=settings.run_dir, force=settings.force, cache_dir=settings.cache_dir, providers=settings.providers)
-    manager = PassManager(recipe, cache, RunServices(recipe, cache), settings.run_dir, options)
+    logs = settings.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    runner = StageRunner(recipe, cache, RunServices(recipe, cache), logs, force=settings.force)
     try:
-        return manager.run_stage(name, passes[name], parent.artifact if parent else None)
+        return runner.run(name, passes[name], parent.artifact if parent else None)
     finally:
         cache.release_leases()
 
@@ -56,14 +57,15 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
              settings: TaskSettings) -> list[StageResult]:
     """Accuracy against `reference` and latency of each stage in `names` (and the eager baseline
     first when `eager`), each result stamped with the node that measured it."""
-    from optpipe.pipeline import RunOptions, RunServices, evaluate_stages
+    from optpipe.execution.services import RunServices
+    from optpipe.execution.stage_evaluation import evaluate_stages
 
     cache = settings.open_cache()
     evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
     scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
-    options = RunOptions(output=settings.run_dir, force=settings.force, cache_dir=settings.cache_dir, providers=settings.providers)
     try:
-        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, options)
+        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, settings.providers,
+                                  _no_notify, force=settings.force)
     finally:
         cache.release_leases()
     node = node_description()
@@ -71,6 +73,10 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
         if result.latency:
             result.measured_on = node
     return results
+
+
+def _no_notify(*args) -> None:
+    """Progress inside a task stays there: the driver prints one line per finished task."""
 
 
 def node_description() -> dict:
