@@ -341,13 +341,13 @@ def _folder_with_sources(folder: Path) -> Path:
     return project
 
 
-def _cache_subfolder_is_a_file(folder: Path) -> list[str]:
+def _cache_subfolder_is_a_file(folder: Path, sub: str = "stages") -> list[str]:
     args = _recipe_file(folder)
     from optpipe.cache.store import StageCache
 
     StageCache(folder / "cache")
-    shutil.rmtree(folder / "cache" / "stages")
-    (folder / "cache" / "stages").write_text("a file where a folder was")
+    shutil.rmtree(folder / "cache" / sub, ignore_errors=True)
+    (folder / "cache" / sub).write_text("a file where a folder was")
     return args
 
 
@@ -370,6 +370,7 @@ ROUND_TWO = {
     "output inside the cache": (lambda d: _recipe_with_cache(d, "cache", "cache/run"), USER, "is inside the cache"),
     "cache inside the output": (lambda d: _recipe_with_cache(d, "run/cache"), USER, "is inside the run folder"),
     "output is the cache": (lambda d: _recipe_with_cache(d, "cache", "cache"), USER, "is inside the cache"),
+    "two recipes, the second run inside the cache": (lambda d: _recipe_file(d) + [str(write_recipe(d, onnx_recipe(d, output="cache/run2"), "second.yaml"))], USER, "is inside the cache"),
     "output inside the cache by --output": (lambda d: _recipe_file(d) + ["--output", str(d / "cache" / "stages" / "x")], USER, "is inside the cache"),
     "factory numpy savetxt": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "numpy:savetxt", "kwargs": {"fname": "pwned.txt", "X": [1]}})), USER, "module 'numpy' is not in a `model.path` folder"),
     "factory of an installed module beside model.path": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "numpy:savetxt", "path": ".", "kwargs": {"fname": "pwned.txt", "X": [1]}})), USER, "--allow-factory numpy"),
@@ -439,6 +440,7 @@ ROUND_TWO = {
     "cache is a symlink loop": (lambda d: _recipe_with_cache(d, _symlink_loop(d, "loop")), USER, "cache: 'loop' is a symlink loop"),
     "--cache-dir is a symlink loop": (lambda d: _recipe_file(d) + ["--cache-dir", str(d / _symlink_loop(d, "loop"))], USER, "cache folder"),
     "cache sub-folder is a file": (_cache_subfolder_is_a_file, USER, "'stages' is a file"),
+    "cache datasets folder is a file": (lambda d: _cache_subfolder_is_a_file(d, "datasets"), USER, "cache/datasets': a file stands where a folder is needed; remove that file"),
     "OPTPIPE_CACHE is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "cfile").write_text("x"), _recipe_with_cache(d, None))[2], USER, "is a file", {"OPTPIPE_CACHE": lambda d: str(d / "cfile")}),
     "OPTPIPE_CACHE is the project": (lambda d: (_folder_with_sources(d), _recipe_with_cache(d, None))[1], USER, "is not an optpipe cache", {"OPTPIPE_CACHE": lambda d: str(d / "project")}),
     "OPTPIPE_PLUGINS names a missing module": (lambda d: _recipe_file(d), USER, "cannot import pass module", {"OPTPIPE_PLUGINS": "no_such_plugin_xyz"}),

@@ -133,11 +133,11 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(str(run_dir / ".optpipe.lock")):
-            publish_stage_folders(run_dir, results, memo.outcomes)
+            publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):
                 save_sample_inputs(run_dir, RunServices(recipe, cache).eval_set().arrays)
             try:
-                run_targets(recipe, report, run_dir, cache, providers, lambda *args: None)
+                run_targets(recipe, report, run_dir, cache, providers)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows
     finally:

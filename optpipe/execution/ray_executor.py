@@ -33,11 +33,13 @@ def _pass_task(recipe, name, parent, settings):
     return outcome, node_description(), time.perf_counter() - started
 
 
-def _eval_task(recipe, name, stage, reference_name, reference, eager, settings):
+def _eval_task(recipe, name, stage, parent_name, parent, reference_name, reference, eager, settings):
     started = time.perf_counter()
     outcomes = {}
     if reference is not None:
         outcomes[reference_name] = reference[0]
+    if parent is not None:  # to tell a stage that changed nothing
+        outcomes[parent_name] = parent[0]
     if name is not None:
         outcomes[name] = stage[0]
     results = evaluate(recipe, [name] if name else [], outcomes, reference_name, eager, settings)
@@ -92,16 +94,19 @@ class RayExecutor:
             ref_arg = refs.get(ref) or (_done(plan.memo.outcomes[ref]) if ref in plan.memo.outcomes else None)
             timing = self._timing_options(plan)
             if plan.eager:
-                eager = self._eval.options(name="evaluate pytorch-eager", **timing).remote(recipe, None, None, ref, ref_arg, True, plan.settings)
+                eager = self._eval.options(name="evaluate pytorch-eager", **timing).remote(
+                    recipe, None, None, None, None, ref, ref_arg, True, plan.settings)
                 waiting[eager] = (plan, "", "eager")
             for name in plan.stages:
-                evaluation = self._eval.options(name=f"evaluate {name}", **timing).remote(recipe, name, refs[name], ref, ref_arg, False, plan.settings)
+                parent = plan.recipe.stages[name].after
+                parent_arg = refs.get(parent) or (_done(plan.memo.outcomes[parent]) if parent in plan.memo.outcomes else None)
+                evaluation = self._eval.options(name=f"evaluate {name}", **timing).remote(
+                    recipe, name, refs[name], parent, parent_arg, ref, ref_arg, False, plan.settings)
                 waiting[evaluation] = (plan, name, "evaluate")
         self._collect(waiting, progress)
 
     def _collect(self, waiting: dict, progress: Progress) -> None:
         """Take results as they finish: one progress line each, with the node that ran it."""
-        from optpipe.execution.stage_runner import StageOutcome
         from optpipe.results import StageResult
 
         ray = self.ray
@@ -113,13 +118,10 @@ class RayExecutor:
                 value, node, seconds = ray.get(done[0])
             except Exception as exc:  # retries spent (or a task that could not run): the stage fails, the run goes on
                 reason = f"Ray task failed after {MAX_RETRIES} retries: {type(exc).__name__}: {first_line(exc)}"
-                value, node, seconds = None, None, 0.0
-                if kind == "pass":
-                    value = StageOutcome("failed", reason=reason)
-                else:
-                    spec = plan.recipe.stages.get(name)
-                    value = StageResult(name=name or "pytorch-eager", pass_name=spec.pass_name if spec else "eager",
-                                        parent=spec.after if spec else None, status="failed", reason=reason)
+                spec = plan.recipe.stages.get(name)
+                value = StageResult(name=name or "pytorch-eager", pass_name=spec.pass_name if spec else "eager",
+                                    parent=spec.after if spec else None, status="failed", reason=reason)
+                node, seconds = None, 0.0
             if kind == "pass":
                 plan.memo.outcomes[name] = value
                 progress.stage(plan, name, "pass", outcome_label(value), seconds, node, value.reason or "")

@@ -1,7 +1,7 @@
 """One stage, one evaluation: the units an executor schedules (in this process or as Ray tasks).
 
 Each function rebuilds what it needs from the recipe and the cache folder, so it can run in
-any process that sees the cache; it returns plain data (a StageOutcome, StageResults). The
+any process that sees the cache; it returns plain data (StageResults). The
 pass itself, the cache protocol (key lock, atomic publish) and the evaluation are the
 pipeline's own: nothing here re-implements them.
 """
@@ -34,21 +34,23 @@ class TaskSettings:
         return open_cache(self.cache_dir, self.remote_cache, **self.storage_options)
 
 
-def run_stage(recipe: Recipe, name: str, parent, settings: TaskSettings):
-    """The stage's model: a cache hit, or its pass run and published; `parent` is its parent's outcome."""
+def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: TaskSettings) -> StageResult:
+    """The stage's result, its model a cache hit or its pass run and published; `parent` is its parent's result."""
     from optpipe.execution.services import RunServices
-    from optpipe.execution.stage_runner import StageOutcome, StageRunner
+    from optpipe.execution.stage_runner import StageRunner
+    from optpipe.instruments import Instruments
     from optpipe.validate import validate_recipe
 
+    spec = recipe.stages[name]
     if parent is not None and parent.status != "ok":
-        return StageOutcome("skipped", reason=f"parent stage '{recipe.stages[name].after}' {parent.status}")
+        return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
+                           reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0)
     _, passes = validate_recipe(recipe)
     cache = settings.open_cache()
-    logs = settings.run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    runner = StageRunner(recipe, cache, RunServices(recipe, cache), logs, force=settings.force)
+    (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    runner = StageRunner(recipe, cache, RunServices(recipe, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
     try:
-        return runner.run(name, passes[name], parent.artifact if parent else None)
+        return runner.run(name, passes[name], parent.model if parent else None)
     finally:
         cache.release_leases()
 
@@ -59,13 +61,14 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     first when `eager`), each result stamped with the node that measured it."""
     from optpipe.execution.services import RunServices
     from optpipe.execution.stage_evaluation import evaluate_stages
+    from optpipe.instruments import Instruments
 
     cache = settings.open_cache()
     evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
     scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
     try:
-        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, settings.providers,
-                                  _no_notify, force=settings.force)
+        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, settings.providers, Instruments(),
+                                  settings.force)
     finally:
         cache.release_leases()
     node = node_description()
@@ -73,10 +76,6 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
         if result.latency:
             result.measured_on = node
     return results
-
-
-def _no_notify(*args) -> None:
-    """Progress inside a task stays there: the driver prints one line per finished task."""
 
 
 def node_description() -> dict:
