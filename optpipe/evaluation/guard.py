@@ -21,12 +21,12 @@ A new pass uses it in about ten lines (mixed INT8/FP16, say)::
     class MixedParams(PassParams, GuardParams):
         ...
 
-    class MixedPass(Pass):
+    class MixedPass(Pass[MixedParams]):
         def run(self, model, ctx):
             source = model.load()
             convert = lambda excluded: to_mixed(source, keep_float=excluded)
             result = AccuracyGuard(ctx, model, self.params, convert).run(self.params.exclude)
-            artifact = save_model(result.model, ctx.workdir)
+            save_model(result.model, ctx.workdir)
             return write_info(ctx.workdir, {"guard": result.report.model_dump(mode="json")})
 
 `tests/test_guard.py` builds exactly such a third pass-like use on a hand-built graph.
