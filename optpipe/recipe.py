@@ -192,6 +192,7 @@ class EvaluateSpec(Strict):
         "pow2 = powers of two from the dim's min to its max; other dims stay at `opt`, the batch at batch_sizes[0]",
     )
     sweep_iterations: Optional[int] = Field(None, ge=1, description="timed iterations per sweep point; default: iterations")
+    adaptive: bool = Field(True, description="stop timing once the median's 95% interval is within 3%; iterations is the cap")
 
 
 class TargetSpec(Strict):

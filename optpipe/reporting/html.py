@@ -48,6 +48,10 @@ def _header(report: RunReport) -> str:
     )
 
 
+def _busy(*latencies) -> str:
+    return " ⚠busy" if any(lat is not None and lat.unreliable for lat in latencies) else ""
+
+
 def _section(title: str, content: str) -> str:
     return f"<section><h2>{html.escape(title)}</h2>\n{content}\n</section>"
 
@@ -65,7 +69,8 @@ def _stage_table(report: RunReport) -> str:
             f"<b>{html.escape(s.name)}</b>", html.escape(s.pass_name), html.escape(s.parent or ""),
             _status_cell(s),
             _f(lat.p50_ms if lat else None, ".2f"), _f(lat.p90_ms if lat else None, ".2f"),
-            _ratio(eager_p50, _p50(s)), _ratio(_p50(parent), _p50(s)),
+            _ratio(lat.eager_p50_ms if lat and lat.eager_p50_ms else eager_p50, _p50(s)) + _busy(lat, None if lat and lat.eager_p50_ms else _headline(eager)),
+            _ratio(_p50(parent), _p50(s)) + _busy(lat, _headline(parent)),
             _cosine_cell(s), _cosine_delta(parent, s),
             _f(max((o.max_abs for o in s.accuracy.outputs), default=None) if s.accuracy else None, ".2e"),
             _f(s.size_bytes / 1e6 if s.size_bytes else None, ".1f"),
@@ -76,7 +81,8 @@ def _stage_table(report: RunReport) -> str:
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     batch = _headline_batch(report)
     note = (f"<p class='note'>Latency at batch {batch}. 'vs' columns are speed-ups (&gt;1x is faster); "
-            "Δ columns are against the stage's parent.</p>")
+            "Δ columns are against the stage's parent; 'vs eager' against PyTorch eager timed interleaved with that stage; "
+            "⚠busy: the machine was busy while it was timed, don't trust the ratio.</p>")
     return note + "<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
 
 

@@ -150,8 +150,8 @@ def stage_table(report: RunReport) -> str:
                 s.status + (" (cached)" if s.cached and s.status == "ok" else ""),
                 _f(lat.p50_ms if lat else None, ".2f"),
                 _f(lat.p90_ms if lat else None, ".2f"),
-                _ratio(eager_p50, lat.p50_ms if lat else None),
-                _ratio(p_lat.p50_ms if p_lat else None, lat.p50_ms if lat else None),
+                _vs_eager(lat, eager.latency[0] if eager and eager.latency else None),
+                _ratio(p_lat.p50_ms if p_lat else None, lat.p50_ms if lat else None) + _busy_mark(lat, p_lat),
                 _cosine(s),
                 _f(max((o.max_abs for o in s.accuracy.outputs), default=None) if s.accuracy else None, ".2e"),
                 _f(s.size_bytes / 1e6 if s.size_bytes else None, ".1f"),
@@ -159,7 +159,39 @@ def stage_table(report: RunReport) -> str:
                 "★" if s.pareto else "",
             ]) + " |"
         )
-    return f"Latency at batch {batch}; 'vs' columns are speed-ups (>1x is faster).\n\n" + "\n".join(rows)
+    return (f"Latency at batch {batch}; 'vs' columns are speed-ups (>1x is faster); 'vs eager' against PyTorch eager "
+            "timed interleaved with that stage; ⚠busy: the machine was busy while it was timed, don't trust the ratio.\n\n"
+            + "\n".join(rows) + timing_notes(report))
+
+
+def _vs_eager(lat, eager_lat) -> str:
+    """Against the eager figure timed beside this stage; else (cached older results) the eager row's own."""
+    if lat is None:
+        return ""
+    if lat.eager_p50_ms:
+        return _ratio(lat.eager_p50_ms, lat.p50_ms) + _busy_mark(lat)
+    return _ratio(eager_lat.p50_ms if eager_lat else None, lat.p50_ms) + _busy_mark(lat, eager_lat)
+
+
+def _busy_mark(*latencies) -> str:
+    return " ⚠busy" if any(lat is not None and lat.unreliable for lat in latencies) else ""
+
+
+def timing_notes(report: RunReport) -> str:
+    """How far PyTorch eager moved between stages, and which figures were timed on a busy machine."""
+    lines = []
+    beside = [s.latency[0].eager_p50_ms for s in report.stages if s.latency and s.latency[0].eager_p50_ms]
+    if beside:
+        lo, hi = min(beside), max(beside)
+        lines.append(f"PyTorch eager, re-timed beside each of {len(beside)} stages: p50 {lo:.2f} to {hi:.2f} ms "
+                     f"(spread {(hi - lo) / lo:.0%}).")
+    for s in report.stages:
+        busy = [lat for lat in s.latency if lat.unreliable]
+        if busy:
+            loads = {lat.load_average for lat in busy if lat.load_average is not None}
+            load = f", load average {max(loads):.1f}" if loads else ""
+            lines.append(f"⚠ `{s.name}`: {len(busy)} of {len(s.latency)} latency figures unreliable ({busy[0].unreliable}{load}).")
+    return "\n\n" + "\n".join(f"- {line}" for line in lines) if lines else ""
 
 
 def _cosine(s: StageResult) -> str:
