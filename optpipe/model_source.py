@@ -58,10 +58,10 @@ def source_fingerprint(recipe: Recipe) -> dict[str, Any]:
     spec = recipe.model
     if isinstance(spec, HFModel):
         folder = hf_folder(recipe)
-        return {"hf": _folder_hash(folder), "task": spec.task}
+        return {"hf": _folder_hash(folder), "task": spec.task, "outputs": spec.outputs}
     if isinstance(spec, HFConfigModel):
         tokenizer = _folder_hash(hf_folder(recipe)) if spec.tokenizer else None
-        return {"hf_config": spec.hf_config, "seed": spec.seed, "weights": "random", "tokenizer": tokenizer}
+        return {"hf_config": spec.hf_config, "task": spec.task, "outputs": spec.outputs, "seed": spec.seed, "weights": "random", "tokenizer": tokenizer}
     if isinstance(spec, OnnxModel):
         from optpipe.safety.onnx_guard import external_locations, load_graph
 
@@ -73,9 +73,9 @@ def source_fingerprint(recipe: Recipe) -> dict[str, Any]:
         origin = _module_origin(module_name, recipe)
         checkpoint = recipe.resolve(spec.checkpoint)
         weights = sha256_file(checkpoint) if checkpoint and checkpoint.is_file() else None
-        return {"factory": spec.factory, "kwargs": spec.kwargs, "code": sha256_file(origin) if origin else None, "checkpoint": weights}
+        return {"factory": spec.factory, "kwargs": spec.kwargs, "code": sha256_file(origin) if origin else None, "checkpoint": weights, "outputs": spec.outputs}
     if isinstance(spec, TorchvisionModel):
-        return {"torchvision": spec.torchvision, "num_classes": spec.num_classes, "weights": "random"}
+        return {"torchvision": spec.torchvision, "num_classes": spec.num_classes, "weights": "random", "outputs": spec.outputs}
     raise ModelSourceError("model: unsupported model kind")
 
 
@@ -111,15 +111,41 @@ def example_inputs(recipe: Recipe, batch: int | None = None) -> dict[str, np.nda
     return synthetic_batch(recipe, seed=0, **overrides)
 
 
-def _load_hf(recipe: Recipe, spec: HFModel) -> TorchModel:
+# Optimum's task names (and short aliases) -> transformers Auto classes, as optimum.exporters.tasks maps them.
+HF_AUTO_CLASSES = {
+    "feature-extraction": "AutoModel",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "text-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "fill-mask": "AutoModelForMaskedLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "causal-lm": "AutoModelForCausalLM",
+    "text-generation": "AutoModelForCausalLM",
+    "image-classification": "AutoModelForImageClassification",
+    "object-detection": "AutoModelForObjectDetection",
+    "semantic-segmentation": "AutoModelForSemanticSegmentation",
+    "audio-classification": "AutoModelForAudioClassification",
+}
+# Decoders without past key/values: the exported graph takes the whole sequence and returns logits
+# (Optimum's "text-generation" without "-with-past").
+NO_CACHE_TASKS = ("causal-lm", "text-generation")
+
+
+def _auto_class(task: str):
     import transformers
 
+    return getattr(transformers, HF_AUTO_CLASSES[task])
+
+
+def _load_hf(recipe: Recipe, spec: HFModel) -> TorchModel:
     folder = hf_folder(recipe)
-    cls = transformers.AutoModel if spec.task == "feature-extraction" else transformers.AutoModelForSequenceClassification
+    cls = _auto_class(spec.task)
+    extra = {"use_cache": False} if spec.task in NO_CACHE_TASKS else {}
     try:
-        model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code)
+        model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code, **extra)
     except Exception as exc:  # transformers raises many types; all mean "cannot load this folder"
-        raise ModelSourceError(f"model: cannot load '{folder}' with transformers: {first_line(exc)}") from None
+        raise ModelSourceError(f"model: cannot load '{folder}' as {spec.task} ({cls.__name__}): {first_line(exc)}") from None
     return _wrap_hf(model, recipe, f"{cls.__name__} from {folder}")
 
 
@@ -129,28 +155,52 @@ def _load_hf_config(recipe: Recipe, spec: HFConfigModel) -> TorchModel:
 
     options = dict(spec.hf_config)
     model_type = options.pop("model_type")
+    if spec.task in NO_CACHE_TASKS:
+        options.setdefault("use_cache", False)
     try:
         config = transformers.AutoConfig.for_model(model_type, **options)
     except Exception as exc:  # unknown model types, bad config keys
         raise ModelSourceError(f"model.hf_config: transformers cannot build a '{model_type}' config: {first_line(exc)}") from None
+    cls = _auto_class(spec.task)
     torch.manual_seed(spec.seed)
-    model = transformers.AutoModel.from_config(config)
+    try:
+        model = cls.from_config(config)
+    except ValueError as exc:  # the architecture has no such head
+        raise ModelSourceError(f"model.task: '{model_type}' has no {spec.task} head ({first_line(exc)}); pick another task") from None
     return _wrap_hf(model, recipe, f"{type(model).__name__} from {type(config).__name__} (random weights, seed {spec.seed})")
 
 
 def _wrap_hf(model, recipe: Recipe, description: str) -> TorchModel:
-    """The model in eval mode, taking the recipe's inputs positionally and returning its tensor outputs."""
+    """The model in eval mode, taking the recipe's inputs by keyword and returning its chosen tensor outputs."""
+    names = [spec_.name for spec_ in recipe.inputs]
+    return _flattened(model.eval(), recipe, lambda m, *args: m(**dict(zip(names, args))), description)
+
+
+def _flattened(net, recipe: Recipe, call, description: str) -> TorchModel:
+    """`net` behind a module that returns a flat tuple of named tensors, chosen by `model.outputs`.
+
+    One forward pass on example inputs finds the output structure. It runs under no_grad, never
+    inference_mode: a model that caches tensors in forward (a detector's anchor grid) would keep
+    inference tensors, which export cannot save for backward."""
     import torch
 
-    model.eval()
-    names = [spec_.name for spec_ in recipe.inputs]
-    wrapper = _TupleOutputs(model, names)
-    with torch.inference_mode():
-        sample = {k: torch.from_numpy(v) for k, v in example_inputs(recipe, batch=1).items()}
-        outputs = model(**sample)
-    output_names = [k for k, v in outputs.items() if isinstance(v, torch.Tensor)]
-    wrapper.output_keys = output_names
-    return TorchModel(wrapper, names, output_names, description)
+    from optpipe.model_outputs import flat_module, named_leaves, pick_outputs
+
+    sample = example_inputs(recipe, batch=1)
+    args = [torch.from_numpy(sample[s.name]) for s in recipe.inputs]
+    try:
+        with torch.no_grad():
+            leaves = named_leaves(call(net, *args))
+    except Exception as exc:  # whatever forward() raises on inputs it does not accept
+        shapes = ", ".join(f"{name} {list(v.shape)} {v.dtype}" for name, v in sample.items())
+        raise ModelSourceError(
+            f"the PyTorch model fails on the recipe's inputs ({shapes}): {first_line(exc)}; "
+            "make `inputs` (names, dtypes, shapes) match what its forward() takes"
+        ) from None
+    declared = getattr(net, "output_names", None)
+    indices, output_names = pick_outputs([name for name, _ in leaves], recipe.model.outputs, declared)
+    module = flat_module(net, call, indices)
+    return TorchModel(module.eval(), [s.name for s in recipe.inputs], output_names, description)
 
 
 def _load_torchvision(recipe: Recipe, spec: TorchvisionModel) -> TorchModel:
@@ -164,7 +214,8 @@ def _load_torchvision(recipe: Recipe, spec: TorchvisionModel) -> TorchModel:
     if builder is None:
         raise ModelSourceError(f"model.torchvision: no architecture '{spec.torchvision}' in torchvision.models")
     module = builder(weights=None, num_classes=spec.num_classes).eval()
-    return TorchModel(module, [s.name for s in recipe.inputs], ["logits"], f"torchvision {spec.torchvision} (random weights)")
+    module.output_names = ["logits"]
+    return _flattened(module, recipe, _positional, f"torchvision {spec.torchvision} (random weights)")
 
 
 def _load_factory(recipe: Recipe, spec: FactoryModel) -> TorchModel:
@@ -193,8 +244,11 @@ def _load_factory(recipe: Recipe, spec: FactoryModel) -> TorchModel:
         from optpipe.safety.checkpoints import load_checkpoint
 
         load_checkpoint(net, recipe.resolve(spec.checkpoint), spec.allow_pickle)
-    output_names = list(getattr(net, "output_names", ["output"]))
-    return TorchModel(net.eval(), [s.name for s in recipe.inputs], output_names, f"factory {spec.factory}")
+    return _flattened(net.eval(), recipe, _positional, f"factory {spec.factory}")
+
+
+def _positional(model, *args):
+    return model(*args)
 
 
 def _module_origin(module_name: str, recipe: Recipe) -> Path | None:
@@ -216,21 +270,3 @@ def _folder_hash(folder: Path) -> str:
         digest.update(str(path.relative_to(folder)).encode())
         digest.update(sha256_file(path).encode())
     return digest.hexdigest()
-
-
-
-def _TupleOutputs(model, input_names):
-    """Wrap a module so it takes the recipe's inputs positionally and returns a tuple (what exporters want)."""
-    import torch
-
-    class TupleOutputs(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.output_keys: list[str] = []
-
-        def forward(self, *args):
-            out = self.model(**dict(zip(input_names, args)))
-            return tuple(out[k] for k in self.output_keys)
-
-    return TupleOutputs()

@@ -27,11 +27,13 @@ from optpipe.calibration.dataset import SampleSet, build_sample_set
 from optpipe.dag import ancestors_and_self, execution_order
 from optpipe.errors import DataError, OptpipeError, PassError, StageOutOfMemory, first_line
 from optpipe.evaluation.evaluator import Evaluator
+from optpipe.evaluation.guard import fold_guard_verdict
+from optpipe.evaluation.verdict import stage_coverage
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.instruments import Instrument
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.isolation import memory_message, run_pass_isolated
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.model_source import load_torch_model, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
@@ -237,7 +239,8 @@ def evaluate_stages(
     options: RunOptions,
 ) -> list[StageResult]:
     """Measure every finished stage on the same inputs; the reference stage's outputs are the yardstick."""
-    evaluator = Evaluator(recipe, cache, services.eval_set, options.providers, progress=lambda *a: _notify(options, "step", *a))
+    evaluator = Evaluator(recipe, cache, services.eval_set, options.providers, progress=lambda *a: _notify(options, "step", *a),
+                          force=options.force)
     reference = recipe.evaluate.reference or next(n for n in order if recipe.stages[n].after is None)
     ref_outcome = outcomes.get(reference)
     if ref_outcome is not None and ref_outcome.status == "ok":
@@ -269,6 +272,8 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     result.hash = artifact.content_hash()
     result.size_bytes = artifact.size_bytes()
     result.info = artifact.info
+    dims = {dim: spec_.opt for dim, spec_ in recipe.dims.items()}
+    result.coverage, result.warnings = stage_coverage(artifact, dims, spec.pass_name, artifact.info.get("excluded"))
     _notify(options, "stage_start", f"evaluate {name}", "accuracy and latency")
     try:
         accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(name))
@@ -277,7 +282,7 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
         logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", options)
-    result.accuracy, result.latency, result.memory = accuracy, latency, memory
+    result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
     result.cached = result.cached and cached
     detail = _summary(result)
     _notify(options, "stage_end", f"evaluate {name}", "cached" if cached else "ok", detail)
@@ -314,6 +319,9 @@ def _summary(result: StageResult) -> str:
         parts.append(f"cosine {result.accuracy.worst_cosine:.5f}")
         if not result.accuracy.within_tolerance:
             parts.append("OUT OF TOLERANCE")
+    if result.coverage:
+        parts.append(result.coverage.summary())
+    parts += [f"WARNING: {w}" for w in result.warnings]
     return ", ".join(parts)
 
 

@@ -24,14 +24,30 @@ class Strict(BaseModel):
 
 # --- model sources -------------------------------------------------------------------------
 
+# Hugging Face tasks, named as Optimum's exporter names them (plus short aliases); each maps to
+# a transformers Auto class in optpipe.model_source.
+HF_TASKS = (
+    "feature-extraction", "sequence-classification", "text-classification", "token-classification",
+    "question-answering", "fill-mask", "masked-lm", "causal-lm", "text-generation",
+    "image-classification", "object-detection", "semantic-segmentation", "audio-classification",
+)
 
-class HFModel(Strict):
+
+class TorchSource(Strict):
+    """What every PyTorch model source shares: which of its forward outputs become model outputs."""
+
+    outputs: Optional[list[str]] = Field(
+        None, description="forward outputs to keep, by name (a ModelOutput/dict key, or output_0...); default: every tensor"
+    )
+
+
+class HFModel(TorchSource):
     """A Hugging Face model from a local folder, or from a folder inside an installed package."""
 
     hf: Optional[str] = Field(None, description="local folder with config.json and weights")
     package: Optional[str] = Field(None, description="installed package that ships the model")
     subdir: str = Field("", description="folder inside `package`")
-    task: Literal["feature-extraction", "sequence-classification"] = "feature-extraction"
+    task: Literal[HF_TASKS] = Field("feature-extraction", description="the head: picks the transformers Auto class")  # type: ignore[valid-type]
     trust_remote_code: bool = False
 
     @model_validator(mode="after")
@@ -41,12 +57,12 @@ class HFModel(Strict):
         return self
 
 
-class TorchvisionModel(Strict):
+class TorchvisionModel(TorchSource):
     torchvision: str = Field(description="architecture name, e.g. resnet50 (random weights)")
     num_classes: int = 1000
 
 
-class FactoryModel(Strict):
+class FactoryModel(TorchSource):
     factory: str = Field(description="'module:function' returning a torch.nn.Module or (module, example_inputs)")
     kwargs: dict[str, Any] = Field(default_factory=dict)
     path: Optional[str] = Field(None, description="folder added to sys.path before importing the module")
@@ -65,10 +81,11 @@ class FactoryModel(Strict):
         return value
 
 
-class HFConfigModel(Strict):
+class HFConfigModel(TorchSource):
     """A Hugging Face architecture built from its config: random (seeded) weights, for speed rather than accuracy."""
 
     hf_config: dict[str, Any] = Field(description="`model_type` plus config overrides, e.g. {model_type: bert} for BertConfig()")
+    task: Literal[HF_TASKS] = Field("feature-extraction", description="the head: picks the transformers Auto class")  # type: ignore[valid-type]
     tokenizer: Optional[HFModel] = Field(None, description="where a tokenizer for text data lives (hf folder or package)")
     seed: int = Field(0, description="torch seed for the random weights")
 

@@ -79,7 +79,9 @@ def eager_runner(torch_model, threads: int) -> Callable[[Feeds], Outputs]:
     module = torch_model.module
 
     def run(feeds: Feeds) -> Outputs:
-        with torch.inference_mode():
+        # no_grad, not inference_mode: a model that caches tensors in forward (a detector's grid)
+        # would keep inference tensors, and exporting it afterwards fails ("cannot be saved for backward").
+        with torch.no_grad():
             outs = module(*[torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in torch_model.input_names])
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         return {name: out.detach().numpy() for name, out in zip(torch_model.output_names, outs)}

@@ -8,6 +8,7 @@ from optpipe.dag import build_dag
 from optpipe.errors import RecipeError
 from optpipe.pass_base import Pass
 from optpipe.recipe import Recipe, describe_validation_error, suggest
+from optpipe.stage_rules import check_stage_rules
 from optpipe.targets import validate_targets
 
 
@@ -31,6 +32,7 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
             if stage not in recipe.stages:
                 raise RecipeError(f"targets.{i}.stages: unknown stage '{stage}'{suggest(stage, recipe.stages)}")
     validate_targets(recipe)
+    check_stage_rules(recipe, passes)
     return graph, passes
 
 

@@ -18,8 +18,13 @@ from optpipe.recipe import OnnxModel, Recipe
 from optpipe.runtime import eager_runner
 
 
+EXPORTERS = ("dynamo", "torchscript")
+
+
 class ExportParams(PassParams):
-    exporter: Literal["dynamo", "torchscript"] = Field("dynamo", description="torch.onnx exporter")
+    exporter: Literal["auto", "dynamo", "torchscript"] = Field(
+        "auto", description="torch.onnx exporter; auto = dynamo, and TorchScript when dynamo fails (the stage info says why)"
+    )
     opset: int = Field(20, ge=17, le=23, description="ONNX opset (dynamo needs >= 18)")
     check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against PyTorch eager")
 
@@ -28,7 +33,7 @@ class ExportPass(Pass):
     """Export the recipe's PyTorch model to ONNX with the recipe's dynamic dims, checked against eager."""
 
     name = "export"
-    version = "1"
+    version = "2"
     Params = ExportParams
     needs_input = False
     libraries = ("torch", "onnx", "onnxscript", "transformers")
@@ -47,33 +52,91 @@ class ExportPass(Pass):
         torch_model = ctx.torch_model()
         feeds = trace_inputs(ctx.recipe)
         expected = eager_outputs(torch_model, feeds)
-        raw = ctx.workdir / "raw"
-        raw.mkdir()
         params: ExportParams = self.params  # type: ignore[assignment]
-        try:
-            if params.exporter == "dynamo":
-                _export_dynamo(torch_model, feeds, ctx.recipe, params.opset, raw / "model.onnx")
-            else:
-                _export_torchscript(torch_model, feeds, ctx.recipe, params.opset, raw / "model.onnx")
-        except Exception as exc:  # exporters raise anything; the log has the traceback
-            ctx.log.exception("export failed")
-            other = "torchscript" if params.exporter == "dynamo" else "dynamo"
-            raise PassError(f"torch.onnx.export ({params.exporter}) failed: {_first_line(exc)}; try `exporter: {other}`") from None
+        exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
+        failures: dict[str, str] = {}
+        for exporter in exporters:
+            raw = ctx.workdir / f"raw-{exporter}"
+            try:
+                check = _export_checked(exporter, torch_model, feeds, expected, ctx.recipe, params, raw)
+            except _ExportFailed as exc:
+                ctx.log.warning("%s export failed: %s", exporter, exc)
+                failures[exporter] = str(exc)
+                _remove_tree(raw)
+                continue
+            break
+        else:
+            raise PassError(_failure_message(failures, params.exporter))
         import onnx
 
-        exported = onnx.load(str(raw / "model.onnx"))
-        artifact = save_model(exported, ctx.workdir)
+        artifact = save_model(onnx.load(str(raw / "model.onnx")), ctx.workdir)
         _remove_tree(raw)
-        check = require_agreement(
-            onnx_outputs(artifact.path, feeds),
-            expected,
-            params.check_atol,
-            "the exported model does not match PyTorch eager",
-            f"try `exporter: {'torchscript' if params.exporter == 'dynamo' else 'dynamo'}` or raise check_atol",
-        )
-        info = {"exporter": params.exporter, "opset": params.opset, "check_vs_eager": check, "source": torch_model.description}
+        info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": params.opset,
+                "check_vs_eager": check, "source": torch_model.description, "outputs": torch_model.output_names}
+        if failures:
+            info["fallback"] = {"from": list(failures), "reasons": failures}
+            ctx.log.warning("exported with %s after %s", exporter, "; ".join(f"{k} failed: {v}" for k, v in failures.items()))
         info["graph"] = graph_stats(artifact.load(with_weights=False))
         return write_info(ctx.workdir, info)
+
+
+class _ExportFailed(Exception):
+    """One exporter could not produce a model that matches eager; the message says why."""
+
+
+def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, recipe: Recipe, params: ExportParams, raw: Path) -> dict:
+    """Export with one exporter into `raw`, then check the result against eager."""
+    raw.mkdir()
+    path = raw / "model.onnx"
+    try:
+        if exporter == "dynamo":
+            _export_dynamo(torch_model, feeds, recipe, params.opset, path)
+        else:
+            branches = _export_torchscript(torch_model, feeds, recipe, params.opset, path)
+            if branches and params.exporter == "auto":
+                # A trace records one branch of data-dependent control flow: it matches eager on the
+                # trace inputs and is wrong on others, so `auto` must not hand it on as a success.
+                raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch ({branches[0]})")
+    except (PassError, _ExportFailed):
+        raise
+    except Exception as exc:  # exporters raise anything; the stage log has the traceback
+        logging.getLogger("optpipe.export").debug("%s export traceback", exporter, exc_info=True)
+        raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
+    try:
+        return require_agreement(
+            onnx_outputs(path, feeds), expected, params.check_atol, "the exported model does not match PyTorch eager", "raise check_atol"
+        )
+    except PassError as exc:
+        raise _ExportFailed(str(exc).removesuffix("; raise check_atol")) from None
+
+
+# Known failures -> the fix that is true for them. Matched on the root cause's message.
+_HINTS = (
+    ("Inference tensors cannot be saved", "the model keeps tensors made under torch.inference_mode(); "
+     "build them under torch.no_grad() (or lazily in forward) instead"),
+    ("data-dependent", "forward() branches on tensor values; make the branch static (or torch.cond) in the model's code"),
+    ("does not match PyTorch eager", "raise check_atol if the error is rounding on large outputs, else set a fixed shape in `inputs`"),
+    ("not supported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
+    ("Unsupported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
+    ("Constraints violated", "the model's code fixes a dim that `dims` declares dynamic; make that dim fixed in `inputs`"),
+    ("specialized", "the model's code fixes a dim that `dims` declares dynamic; make that dim fixed in `inputs`"),
+)
+
+
+def _failure_message(failures: dict[str, str], requested: str) -> str:
+    """Every exporter's reason, and a hint true for those reasons (never 'try the other one' once both were tried)."""
+    text = "; ".join(failures.values())
+    hints = [hint for marker, hint in _HINTS if marker in text]
+    untried = [e for e in EXPORTERS if e not in failures]
+    if hints and untried:
+        hint = f"{hints[0]}, or set `exporter: auto`, which also tries {untried[0]}"
+    elif hints:
+        hint = hints[0]
+    elif untried:
+        hint = f"`exporter: auto` also tries {untried[0]}"
+    else:
+        hint = "both exporters failed; the stage log has the tracebacks"
+    return f"{text}; {hint}"
 
 
 def trace_inputs(recipe: Recipe) -> dict[str, np.ndarray]:
@@ -90,7 +153,7 @@ def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray]) -> dict
     recipe's input specs fit the model."""
     try:
         return eager_runner(torch_model, threads=2)(feeds)
-    except Exception as exc:  # whatever forward() raises on inputs it does not accept
+    except Exception as exc:  # whatever forward() raises on inputs it does not accept (at the trace batch)
         shapes = ", ".join(f"{name} {list(v.shape)} {v.dtype}" for name, v in feeds.items())
         raise PassError(
             f"the PyTorch model fails on the recipe's inputs ({shapes}): {_first_line(exc)}; "
@@ -148,7 +211,11 @@ def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, p
     program.save(str(path), external_data=True)
 
 
-def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> None:
+def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> list[str]:
+    """Trace and export; returns the tracer's warnings about tensors turned into Python booleans
+    (control flow that the trace fixes to the branch the trace inputs took)."""
+    import warnings
+
     import torch
 
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
@@ -157,16 +224,19 @@ def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: i
         batch = recipe.batch_dim()
         if batch:
             dynamic_axes[out] = {0: batch}
-    torch.onnx.export(
-        torch_model.module,
-        args,
-        str(path),
-        dynamo=False,
-        opset_version=min(opset, 20),
-        input_names=torch_model.input_names,
-        output_names=torch_model.output_names,
-        dynamic_axes=dynamic_axes,
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        torch.onnx.export(
+            torch_model.module,
+            args,
+            str(path),
+            dynamo=False,
+            opset_version=min(opset, 20),
+            input_names=torch_model.input_names,
+            output_names=torch_model.output_names,
+            dynamic_axes=dynamic_axes,
+        )
+    return [str(w.message).split(".")[0] for w in caught if "Python boolean" in str(w.message)]
 
 
 def _takes_varargs(module) -> bool:

@@ -1,15 +1,15 @@
 """fp16: cast a model to FP16 (inputs/outputs kept FP32), with an accuracy guard that keeps culprits in FP32."""
 from __future__ import annotations
 
-import shutil
 from typing import Optional
 
-import numpy as np
 import onnx
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.errors import PassError, first_line
+from optpipe.evaluation.fp16_numerics import emulate_fp16
+from optpipe.evaluation.guard import MAX_EXCLUDED_ALIASES, AccuracyGuard, GuardParams
 from optpipe.graph.edit import name_unnamed_nodes, topologically_sorted
 from optpipe.graph.stats import graph_stats
 from optpipe.pass_base import Pass, PassContext, PassParams
@@ -18,57 +18,50 @@ from optpipe.pass_base import Pass, PassContext, PassParams
 _KEPT_OUTPUT_SUFFIX = "_cast_to_fp16"
 
 
-class Fp16Params(PassParams):
+class Fp16Params(PassParams, GuardParams):
     keep_io_types: bool = Field(True, description="keep FP32 model inputs and outputs (Casts inside the graph)")
     op_block_list: Optional[list[str]] = Field(
         None, description="op types left in FP32; default: onnxruntime's float16.DEFAULT_OP_BLOCK_LIST"
     )
-    node_block_list: list[str] = Field(default_factory=list, description="node names always left in FP32")
-    guard: bool = Field(True, description="keep nodes in FP32 until the stage's tolerance holds")
-    max_kept_nodes: int = Field(32, ge=0, description="the guard keeps at most this many nodes in FP32")
-    localize_samples: int = Field(4, ge=1, description="evaluation samples used to find the culprit nodes")
+    # Overflow culprits come several at a time (one per normalisation): a wider limit than int8's.
+    max_excluded: int = Field(32, ge=0, validation_alias=MAX_EXCLUDED_ALIASES, description="guard: most nodes it keeps in FP32")
 
 
 class Fp16Pass(Pass):
     """Cast weights and activations to FP16 (FP32 I/O); the guard keeps overflowing/lossy nodes in FP32."""
 
     name = "fp16"
-    version = "1"
+    version = "2"
     Params = Fp16Params
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu", "onnx-ir")
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        params: Fp16Params = self.params  # type: ignore[assignment]
-        if not params.guard:
-            return {}
+        # The guard always measures (and, when on, repairs) on the evaluation set with the stage's tolerance.
         return {"eval_set": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: Fp16Params = self.params  # type: ignore[assignment]
         source = name_unnamed_nodes(model.load())
-        _check_node_names(source, params.node_block_list)
-        kept = [{"node": n, "op": _op_of(source, n), "reason": "listed in node_block_list"} for n in params.node_block_list]
-        converted = self._convert(source, [k["node"] for k in kept])
-        guard_info = None
-        if params.guard:
-            guard = AccuracyGuard(source, model, ctx, params)
-            converted, guard_kept, guard_info = guard.run(converted, kept, self._convert)
-            kept += guard_kept
-        artifact = save_model(converted, ctx.workdir)
+        _check_node_names(source, params.exclude)
+        convert = lambda excluded: convert_to_fp16(source, params.keep_io_types, params.op_block_list, excluded)  # noqa: E731
+        guard = AccuracyGuard(
+            ctx, model, params, convert, numerics=emulate_fp16, numerics_label="emulated FP16 storage",
+            tensor_in=_kept_or_same, graph=source,
+        )
+        result = guard.run(params.exclude)
+        artifact = save_model(result.model, ctx.workdir)
+        kept = [{"node": n, "op": _op_of(source, n), "reason": "listed in exclude"} for n in params.exclude]
+        kept += [{"node": n, "op": op, "reason": step.reason} for step in result.report.steps if step.kept for n, op in zip(step.nodes, step.ops)]
         info = {
             "keep_io_types": params.keep_io_types,
             "op_block_list": sorted(params.op_block_list) if params.op_block_list is not None else "onnxruntime default",
             "fp32_nodes": kept,
-            "guard": guard_info,
+            "guard": result.report.model_dump(mode="json"),
             "note": "ONNX Runtime's CPU provider runs most FP16 ops as FP32 behind Casts: CPU latency of this stage "
             "is not FP16 speed, and the guard measures accuracy on an FP16-storage emulation (see optpipe/evaluation/fp16_numerics.py)",
             "graph": graph_stats(artifact.load(with_weights=False)),
         }
         return write_info(ctx.workdir, info)
-
-    def _convert(self, source: onnx.ModelProto, node_block_list: list[str]) -> onnx.ModelProto:
-        params: Fp16Params = self.params  # type: ignore[assignment]
-        return convert_to_fp16(source, params.keep_io_types, params.op_block_list, node_block_list)
 
 
 def convert_to_fp16(
@@ -124,106 +117,11 @@ def join_kept_regions(model: onnx.ModelProto) -> None:
         model.graph.node.remove(node)
 
 
-class AccuracyGuard:
-    """Keep the nodes that break the tolerance in FP32, one round at a time, until it holds or the limit is hit."""
-
-    def __init__(self, source: onnx.ModelProto, source_artifact: ModelArtifact, ctx: PassContext, params: Fp16Params):
-        self.source = source
-        self.ctx = ctx
-        self.params = params
-        self.threads = ctx.recipe.evaluate.threads
-        self.scratch = ctx.workdir / "guard"
-        self.scratch.mkdir(exist_ok=True)
-        eval_set = ctx.eval_set()
-        self.inputs = eval_set.arrays
-        self.batches = list(eval_set.batches(_accuracy_batch(ctx.recipe)))
-        self.localize_feeds = next(eval_set.batches(params.localize_samples))
-        from optpipe.evaluation.accuracy import run_onnx
-
-        self.reference = run_onnx(source_artifact.path, self.batches, self.threads)
-
-    def run(self, converted, kept_by_recipe, convert):
-        from optpipe.evaluation.fp16_numerics import tensor_types
-        from optpipe.evaluation.error_attribution import float_activations
-
-        types = tensor_types(self.source)
-        self.activations = float_activations(self.source, types)
-        accuracy = self.accuracy(converted)
-        plain = _summary(accuracy)
-        kept: list[dict] = []
-        blocked = [k["node"] for k in kept_by_recipe]
-        while not accuracy.within_tolerance and len(kept) < self.params.max_kept_nodes:
-            culprits = self.culprits(converted, set(blocked))
-            if not culprits:
-                break
-            room = self.params.max_kept_nodes - len(kept)
-            culprits = culprits[:room]
-            blocked += [c.node for c in culprits]
-            converted = convert(self.source, blocked)
-            new_accuracy = self.accuracy(converted)
-            for culprit in culprits:
-                kept.append({**culprit.as_dict(), "error_before": _summary(accuracy), "error_after": _summary(new_accuracy)})
-            self.ctx.log.info("fp16 guard kept %s in FP32: %s", [c.node for c in culprits], _summary(new_accuracy))
-            accuracy = new_accuracy
-        shutil.rmtree(self.scratch, ignore_errors=True)
-        info = {
-            "tolerance": self.ctx.tolerance.model_dump(mode="json"),
-            "samples": len(next(iter(self.inputs.values()))),
-            "plain_fp16": plain,
-            "final": _summary(accuracy),
-            "within_tolerance": accuracy.within_tolerance,
-            "kept_by_guard": len(kept),
-            "limit_reached": not accuracy.within_tolerance and len(kept) >= self.params.max_kept_nodes,
-        }
-        if not accuracy.within_tolerance:
-            self.ctx.log.warning("fp16 guard could not reach the tolerance: %s", accuracy.violations)
-        return converted, kept, info
-
-    def accuracy(self, converted: onnx.ModelProto):
-        """Accuracy of the FP16 numerics (emulated, see fp16_numerics) against the pass's input model."""
-        from optpipe.evaluation.accuracy import compare, run_onnx
-        from optpipe.evaluation.fp16_numerics import emulate_fp16
-
-        path = self.scratch / "emulated.onnx"
-        onnx.save_model(emulate_fp16(converted), str(path), save_as_external_data=True, location="emulated.onnx.data")
-        outputs = run_onnx(path, self.batches, self.threads)
-        return compare(outputs, self.reference, self.inputs, self.ctx.tolerance, "pass input (FP32)", self.ctx.recipe.evaluate.top1)
-
-    def culprits(self, converted: onnx.ModelProto, blocked: set[str]):
-        """The nodes to keep in FP32 next: every node that overflows, else the one adding the most error."""
-        from optpipe.evaluation.fp16_numerics import emulate_fp16
-        from optpipe.evaluation.error_attribution import blame_nodes, run_with_outputs
-
-        emulated = emulate_fp16(converted)
-        produced = {out for node in emulated.graph.node for out in node.output}
-        # A kept node's FP32 value is what its kept consumers read; its rounded copy is what FP16 consumers read.
-        alias = {name: name + _KEPT_OUTPUT_SUFFIX if name + _KEPT_OUTPUT_SUFFIX in produced else name for name in self.activations}
-        alias = {name: other for name, other in alias.items() if other in produced}
-        reference = run_with_outputs(self.source, list(alias), self.localize_feeds, self.threads)
-        values = run_with_outputs(emulated, list(alias.values()), self.localize_feeds, self.threads)
-        candidate = {name: values[other] for name, other in alias.items()}
-        blames = blame_nodes(self.source, reference, candidate, skip=blocked)
-        overflowing = [b for b in blames if b.overflow]
-        return overflowing or blames[:1]
-
-
-def _accuracy_batch(recipe) -> int:
-    if recipe.batch_dim():
-        return recipe.evaluate.accuracy_batch
-    first = recipe.inputs[0].shape[0] if recipe.inputs[0].shape else 1
-    return first if isinstance(first, int) else 1
-
-
-def _summary(accuracy) -> dict:
-    return {
-        "cosine": round(accuracy.worst_cosine, 6),
-        "max_abs": _finite_or_inf(max(o.max_abs for o in accuracy.outputs)),
-        "within_tolerance": accuracy.within_tolerance,
-    }
-
-
-def _finite_or_inf(value: float):
-    return float(value) if np.isfinite(value) else "inf"
+def _kept_or_same(name: str, produced: set[str]) -> str | None:
+    """A kept node's FP32 value is what its kept consumers read; its rounded copy is what FP16 consumers read."""
+    if name + _KEPT_OUTPUT_SUFFIX in produced:
+        return name + _KEPT_OUTPUT_SUFFIX
+    return name if name in produced else None
 
 
 def _cast_to(node: onnx.NodeProto) -> int | None:
@@ -238,4 +136,4 @@ def _check_node_names(model: onnx.ModelProto, names: list[str]) -> None:
     known = {node.name for node in model.graph.node}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise PassError(f"node_block_list names nodes the model does not have: {unknown[:5]}; use names from the input model")
+        raise PassError(f"exclude (node_block_list) names nodes the model does not have: {unknown[:5]}; use names from the input model")

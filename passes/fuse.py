@@ -49,7 +49,7 @@ class FusePass(Pass):
     """Fuse operators for ONNX Runtime (attention, layer norms, GELU, conv+bn), checked against the input."""
 
     name = "fuse"
-    version = "1"
+    version = "2"
     Params = FuseParams
     libraries = ("onnx", "onnxscript", "onnx-ir", "onnxruntime", "onnxruntime-gpu")
 
@@ -110,18 +110,30 @@ def transformer_fusion(model: ModelArtifact, params: FuseParams, ctx: PassContex
         try:
             fused, detail = FUSERS[fuser](model, params)
         except Exception as exc:  # a fuser that cannot handle a graph is a finding, not a crash, under auto
-            ctx.log.warning("%s fusion failed: %s", fuser, first_line(exc))
-            errors[fuser] = first_line(exc)
+            ctx.log.warning("%s fusion failed", fuser, exc_info=True)
+            errors[fuser] = library_failure(exc)
             continue
         candidates[fuser] = (fused, {**detail, "fused_ops": fused_ops(op_changes(before, op_histogram(fused)))})
     if not candidates:
-        raise PassError(f"transformer fusion failed ({'; '.join(f'{k}: {v}' for k, v in errors.items())}); set `transformer: off`")
+        untried = [f for f in FUSERS if f not in errors]
+        hint = f"try `transformer: {untried[0]}`, or set `transformer: off`" if untried else "set `transformer: off`"
+        raise PassError(f"transformer fusion failed ({'; '.join(f'{k}: {v}' for k, v in errors.items())}); {hint}")
     best = max(candidates, key=lambda name: fusion_score(candidates[name][1]["fused_ops"]))
     fused, _ = candidates[best]
     if fusion_score(candidates[best][1]["fused_ops"]) == (0, 0):
         best, fused = None, model.load()  # nothing fused: keep the input graph untouched
     summary = {name: detail for name, (_, detail) in candidates.items()}
     return fused, {"fuser": best, "candidates": summary, "errors": errors}
+
+
+def library_failure(exc: BaseException) -> str:
+    """A fuser's exception as one true line: its type and the library function that raised it, since
+    messages such as "list index out of range" say nothing alone."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" in {Path(frames[-1].filename).stem}.{frames[-1].name}" if frames else ""
+    return f"{type(exc).__name__}{where}: {first_line(exc)}"
 
 
 def fusion_score(ops: dict[str, int]) -> tuple[int, int]:
@@ -134,6 +146,8 @@ def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams) -> tuple[onnx
     import onnx_ir as ir
     from onnxscript.rewriter.ort_fusions import _core, optimize_for_ort
 
+    from optpipe.graph.attention_rank import restore_flattened_attention
+
     ir_model = ir.load(str(model.path))
     if params.attention == "separate":
         # Stop at MultiHeadAttention: packing Q/K/V into one Attention op concatenates their
@@ -143,6 +157,8 @@ def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams) -> tuple[onnx
             fused, counts = optimize_for_ort(ir_model)
     else:
         fused, counts = optimize_for_ort(ir_model)
+    counts = dict(counts)
+    counts["attention_output_reshape_restored"] = restore_flattened_attention(fused)
     # Read the weights into memory: the result is saved elsewhere, away from the input's data file.
     proto = ir.to_proto(ir.external_data.load_to_model(fused))
     return proto, {"fusions": {name: n for name, n in counts.items() if n}}

@@ -7,10 +7,10 @@ ops that do the arithmetic (MatMul with constant weights, Gemm, Conv) are quanti
 Q/DQ around every op is what made naive static QDQ 5x slower (DESIGN.md).
 Dynamic mode quantizes weights ahead of time and activations at run time (ORT CPU only).
 
-Guard: the result is compared with the pass's input on the evaluation set; while it
-breaks the stage's tolerance, the node that adds the most error (optpipe.sensitivity)
-is kept in float and the model re-quantized, up to `max_excluded` nodes. The stage
-info lists each kept node, what it bought (cosine) and cost (weights left in float).
+Guard (optpipe.evaluation.guard, shared with fp16): the result is compared with the pass's
+input on the evaluation set; while it breaks the stage's tolerance, the quantized node that
+adds the most error is kept in float and the model re-quantized, within the guard's budget.
+The stage info lists each try, what it bought (cosine) and cost (weights left in float).
 """
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ import numpy as np
 import onnx
 from pydantic import Field
 
-from optpipe.evaluation.accuracy import compare, run_onnx
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.calibration.ranges import CalibrationCache, ranges_key
 from optpipe.calibration.readers import ort_calibration_reader
 from optpipe.errors import PassError, first_line
+from optpipe.evaluation.guard import AccuracyGuard, GuardParams
+from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
-from optpipe.metrics import Accuracy
+from optpipe.graph.unfuse import has_fused_ops, unfuse
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
@@ -40,13 +41,12 @@ DYNAMIC_OPS = ["MatMul", "Gemm", "Conv", "Attention"]  # never Gather: int8 embe
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
 
-class Int8Params(PassParams):
+class Int8Params(PassParams, GuardParams):
     mode: Literal["static", "dynamic"] = Field("static", description="static: calibrated QDQ (ORT CPU and TensorRT); dynamic: ORT CPU only")
     method: Literal["minmax", "entropy", "percentile"] = Field("minmax", description="static: calibration method")
     percentile: float = Field(99.999, gt=90, le=100, description="static, method percentile: the range's percentile")
     per_channel: bool = Field(True, description="one scale per output channel of each weight")
     op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention)")
-    exclude: list[str] = Field(default_factory=list, description="node names to keep in float")
     reduce_range: bool = Field(False, description="7-bit weights (only for CPUs without VNNI)")
     target: Literal["tensorrt", "ort-cpu"] = Field(
         "tensorrt",
@@ -54,52 +54,76 @@ class Int8Params(PassParams):
         "ort-cpu = uint8 asymmetric activations, Q/DQ on outputs, int32 bias: ORT's integer kernels, not for TensorRT",
     )
     calibration_batch: int = Field(8, ge=1, description="static: samples per calibration batch")
-    guard: bool = Field(True, description="keep the worst nodes in float until the stage's tolerance holds")
-    max_excluded: int = Field(8, ge=0, description="guard: most nodes to keep in float")
-    rank_samples: int = Field(4, ge=1, description="guard: evaluation samples used to rank nodes by error")
 
 
 class Int8Pass(Pass):
     """Quantize to INT8 (static QDQ calibrated on the recipe's data, or dynamic), guarded by the stage's tolerance."""
 
     name = "int8"
-    version = "1"
+    version = "2"
     Params = Int8Params
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Static mode calibrates on `data.calibration` (checked by `optpipe validate`)."""
+        return self.params.mode == "static"
 
     def fingerprint(self, ctx: PassContext) -> dict:
         params: Int8Params = self.params  # type: ignore[assignment]
         # The calibration set's key covers its file's content: new data re-runs the stage.
         calibration = ctx.calibration_set().key if params.mode == "static" else None
-        guard = {"eval": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")} if params.guard else None
+        # The guard always measures (and, when on, repairs) on the evaluation set with the stage's tolerance.
+        guard = {"eval": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")}
         return {"calibration": calibration, "guard": guard}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: Int8Params = self.params  # type: ignore[assignment]
+        model, unfused = unfused_input(model, ctx)
         quantizer = Quantizer(model, params, ctx)
+        candidates = quantized_nodes(model, quantizer.op_types, params.exclude)
+        weights = weight_sizes(model, candidates)
+        total = sum(weights.values()) or 1
+
+        def float_weights(node: str) -> dict:
+            return {"float_weights": weights.get(node, 0), "float_weight_share": round(weights.get(node, 0) / total, 4)}
+
         try:
-            excluded = list(params.exclude)
-            path = quantizer.quantize(excluded)
-            guard = Guard(model, params, ctx)
-            accuracy = guard.check(path)
-            steps = [_step(None, accuracy)]
-            if not accuracy.within_tolerance and params.guard and params.max_excluded:
-                path, accuracy, excluded, steps = guard.repair(path, accuracy, quantizer, excluded, steps)
-            artifact = save_model(onnx.load(str(path)), ctx.workdir)
+            guard = AccuracyGuard(ctx, model, params, quantizer.quantize,
+                                  candidates={n.name for n in candidates}, node_facts=float_weights)
+            result = guard.run(params.exclude)
+            artifact = save_model(onnx.load(str(result.model)), ctx.workdir)
         finally:
             shutil.rmtree(quantizer.scratch, ignore_errors=True)  # the cache entry holds only the model
         info = quantizer.info(artifact)
-        info["excluded"] = excluded
-        info["guard"] = {
-            "enabled": params.guard,
-            "held": accuracy.within_tolerance,
-            "cosine": accuracy.worst_cosine,
-            "violations": accuracy.violations,
-            "steps": steps,
-        }
-        if not accuracy.within_tolerance:
-            ctx.log.warning("int8 result breaks the tolerance: %s", "; ".join(accuracy.violations))
+        if unfused:
+            shutil.rmtree(model.folder, ignore_errors=True)
+        info["unfused"] = unfused
+        info["excluded"] = result.excluded
+        info["coverage"] = coverage_of(artifact, ctx, result.excluded)
+        info["guard"] = result.report.model_dump(mode="json")
         return write_info(ctx.workdir, info)
+
+
+def unfused_input(model: ModelArtifact, ctx: PassContext) -> tuple[ModelArtifact, dict[str, int]]:
+    """The input with com.microsoft FusedConv/FusedGemm split back into standard ops (which ORT's
+    quantizer handles, and ORT fuses again at load time); the input itself where it has none."""
+    proto = model.load(with_weights=False)
+    if not has_fused_ops(proto):
+        return model, {}
+    split, counts = unfuse(model.load())
+    ctx.log.info("split fused ops back into standard ops before quantizing: %s", counts)
+    return save_model(split, Path(tempfile.mkdtemp(prefix="unfused-", dir=ctx.workdir))), counts
+
+
+def coverage_of(artifact: ModelArtifact, ctx: PassContext, excluded: list[str]) -> dict:
+    """The int8 share of weights and MACs; warns in the log when most compute stayed in float."""
+    dims = {name: dim.opt for name, dim in ctx.recipe.dims.items()}
+    coverage = precision_coverage(artifact.load(with_weights=False), dims, excluded=set(excluded))
+    warning = quantization_warning(coverage)
+    if warning:
+        ctx.log.warning("int8: %s", warning)
+    return coverage.model_dump(mode="json")
 
 
 # --- quantization ---------------------------------------------------------------------------
@@ -263,82 +287,6 @@ def root_logs_to(log: logging.Logger):
         yield
     finally:
         root.removeHandler(handler)
-
-
-# --- the accuracy guard -----------------------------------------------------------------------
-
-
-class Guard:
-    """Compares quantized models with the pass's input on the evaluation set, and repairs them."""
-
-    def __init__(self, model: ModelArtifact, params: Int8Params, ctx: PassContext):
-        self.model = model
-        self.params = params
-        self.ctx = ctx
-        settings = ctx.recipe.evaluate
-        self.threads = settings.threads
-        samples = ctx.eval_set()
-        self.inputs = samples.arrays
-        self.batches = list(samples.batches(settings.accuracy_batch))
-        self.reference = run_onnx(model.path, self.batches, self.threads)
-
-    def check(self, path: Path) -> Accuracy:
-        outputs = run_onnx(path, self.batches, self.threads)
-        return compare(outputs, self.reference, self.inputs, self.ctx.tolerance, "input")
-
-    def rank(self, quantized: Path, candidates: list[onnx.NodeProto]):
-        """Candidate nodes by the error each adds in the quantized model (layer-wise, on a few samples)."""
-        from optpipe.evaluation.error_attribution import blame_nodes, run_with_outputs
-
-        source = self.model.load()
-        names = [name for node in candidates for name in (*node.input, *node.output) if name]
-        feeds = {k: v[: self.params.rank_samples] for k, v in self.inputs.items()}
-        reference = run_with_outputs(source, names_in(source, names), feeds, self.threads)
-        quantized_proto = onnx.load(str(quantized))
-        candidate = run_with_outputs(quantized_proto, names_in(quantized_proto, names), feeds, self.threads)
-        skip = {node.name for node in source.graph.node} - {node.name for node in candidates}
-        return blame_nodes(source, reference, candidate, skip=skip)
-
-    def repair(self, path: Path, accuracy: Accuracy, quantizer: Quantizer, excluded: list[str], steps: list[dict]):
-        """Keep the worst node in float, re-quantize, re-check; until the tolerance holds or the limit."""
-        candidates = quantized_nodes(self.model, quantizer.op_types, excluded)
-        weights = weight_sizes(self.model, candidates)
-        total = sum(weights.values()) or 1
-        ranking = self.rank(path, candidates)
-        self.ctx.log.info("nodes by added error: %s", [(e.node, round(e.added_error, 4)) for e in ranking[:12]])
-        kept = 0
-        for error in ranking[: 2 * self.params.max_excluded]:
-            trial = quantizer.quantize(excluded + [error.node])
-            result = self.check(trial)
-            step = _step(error.node, result, accuracy) | {
-                "op_type": error.op,
-                "added_error": round(error.added_error, 5),
-                "float_weights": weights.get(error.node, 0),
-                "float_weight_share": round(weights.get(error.node, 0) / total, 4),
-            }
-            # The ranking is local; a node whose exclusion buys nothing end to end stays quantized.
-            step["kept"] = result.worst_cosine > accuracy.worst_cosine
-            steps.append(step)
-            self.ctx.log.info("tried %s in float: cosine %.5f (kept: %s)", error.node, result.worst_cosine, step["kept"])
-            if step["kept"]:
-                excluded, path, accuracy = excluded + [error.node], trial, result
-                kept += 1
-            if accuracy.within_tolerance or kept >= self.params.max_excluded:
-                break
-        return path, accuracy, excluded, steps
-
-
-def _step(node: str | None, accuracy: Accuracy, before: Accuracy | None = None) -> dict:
-    step = {"node": node, "cosine": round(accuracy.worst_cosine, 6), "within_tolerance": accuracy.within_tolerance}
-    if before is not None:
-        step["bought_cosine"] = round(accuracy.worst_cosine - before.worst_cosine, 6)
-    return step
-
-
-def names_in(model: onnx.ModelProto, names: list[str]) -> list[str]:
-    """The tensors of `names` that `model`'s nodes compute (quantizers keep node boundary names)."""
-    produced = {out for node in model.graph.node for out in node.output}
-    return [name for name in dict.fromkeys(names) if name in produced]
 
 
 def quantized_nodes(model: ModelArtifact, op_types: list[str], excluded: list[str]) -> list[onnx.NodeProto]:

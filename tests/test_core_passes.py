@@ -58,11 +58,21 @@ def test_export_keeps_dynamic_dims_and_matches_eager(tiny_recipe, tmp_path, expo
 def test_export_failure_is_one_sentence_with_a_hint(tiny_recipe, tmp_path):
     recipe = load_recipe(tiny_recipe({"model": {"factory": "failing_models:build_data_dependent", "path": str(TESTS)}}))
     with pytest.raises(PassError) as info:
+        ExportPass(ExportParams(exporter="dynamo")).run(None, _context(recipe, tmp_path))
+    message = str(info.value)
+    assert message.startswith("torch.onnx.export (dynamo):")
+    assert "forward() branches on tensor values" in message and "`exporter: auto`, which also tries torchscript" in message
+    assert "\n" not in message
+
+
+def test_auto_export_that_fails_both_ways_gives_both_reasons_and_no_loop(tiny_recipe, tmp_path):
+    """The trace of a data-dependent branch matches eager on the trace inputs only: auto refuses it."""
+    recipe = load_recipe(tiny_recipe({"model": {"factory": "failing_models:build_data_dependent", "path": str(TESTS)}}))
+    with pytest.raises(PassError) as info:
         ExportPass(ExportParams()).run(None, _context(recipe, tmp_path))
     message = str(info.value)
-    assert message.startswith("torch.onnx.export (dynamo) failed:")
-    assert "try `exporter: torchscript`" in message
-    assert "\n" not in message
+    assert "(dynamo)" in message and "(torchscript): the trace fixed a data-dependent branch" in message
+    assert "try `exporter" not in message and "also tries" not in message
 
 
 def test_onnx_source_is_imported(tiny_recipe, tmp_path):

@@ -160,9 +160,9 @@ def test_guard_keeps_the_node_that_breaks_the_tolerance_in_float(tmp_path):
     guard = guarded.info["guard"]
     assert guard["held"] and guard["cosine"] >= 0.99
     assert guarded.info["excluded"] == ["mm1"]
-    kept = [step for step in guard["steps"] if step.get("kept")]
-    assert [step["node"] for step in kept] == ["mm1"]
-    assert kept[0]["bought_cosine"] > 0.9 and kept[0]["float_weights"] == 16 * 32
+    kept = [step for step in guard["steps"] if step["kept"]]
+    assert [step["nodes"] for step in kept] == [["mm1"]] and guard["excluded"] == ["mm1"]
+    assert kept[0]["bought_cosine"] > 0.9 and kept[0]["facts"]["mm1"]["float_weights"] == 16 * 32
     # mm1 stays a float MatMul with a float weight; mm2 is still quantized.
     model = guarded.load()
     mm1 = next(n for n in model.graph.node if n.name == "mm1")

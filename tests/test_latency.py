@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from optpipe.evaluation.latency import BLOCK, MIN_ITERATIONS, busy_reason, measure, median_is_tight
-from optpipe.metrics import Latency
+from optpipe.results import Latency
 
 FEEDS = {"x": np.zeros((2, 3), dtype=np.float32)}
 
@@ -135,7 +135,7 @@ def pytest_approx(value, rel):
 
 
 def test_report_speedup_uses_the_eager_figure_timed_beside_the_stage_and_marks_busy_ones():
-    from optpipe.metrics import StageResult
+    from optpipe.results import StageResult
     from optpipe.reporting.run_report import RunReport, stage_table
 
     def lat(p50, eager=None, busy=None):

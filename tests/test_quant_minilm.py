@@ -60,9 +60,9 @@ def test_int8_static_is_symmetric_qdq_and_the_guard_records_each_kept_node(stage
     inits = {i.name: i for i in model.graph.initializer}
     zero_points = [numpy_helper.to_array(inits[n.input[2]]) for n in model.graph.node if n.op_type == "QuantizeLinear"]
     assert zero_points and all(zp.dtype == np.int8 and not zp.any() for zp in zero_points)
-    steps = info["guard"]["steps"]
-    kept = [s for s in steps[1:] if s["kept"]]
-    assert kept and [s["node"] for s in kept] == info["excluded"]
-    assert all(s["bought_cosine"] > 0 and s["float_weights"] > 0 for s in kept)
+    guard = info["guard"]
+    kept = [s for s in guard["steps"] if s["kept"]]
+    assert kept and [n for s in kept for n in s["nodes"]] == info["excluded"] == guard["excluded"]
+    assert all(s["bought_cosine"] > 0 and all(f["float_weights"] > 0 for f in s["facts"].values()) for s in kept)
     # Each kept node bought accuracy: the final cosine is above the plain conversion's.
-    assert info["guard"]["cosine"] > steps[0]["cosine"]
+    assert guard["cosine"] > guard["first"]["cosine"]

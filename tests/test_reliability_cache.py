@@ -182,7 +182,7 @@ def test_gc_waits_for_nobody_and_skips_an_entry_being_computed(tmp_path):
 
 
 def test_run_folder_copies_carry_their_manifest_and_are_restored(tmp_path, caplog):
-    from optpipe.metrics import StageResult
+    from optpipe.results import StageResult
     from optpipe.pipeline import StageOutcome
 
     cache = StageCache(tmp_path / "cache")

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from inspect_models import mlp_model, mlp_recipe, save
 from optpipe.cli import cli
-from optpipe.metrics import Accuracy, Latency, OutputAccuracy, StageResult
+from optpipe.results import Accuracy, Latency, OutputAccuracy, StageResult
 from optpipe.pipeline import RunOptions, compile_recipe
 from optpipe.recipe import parse_recipe
 from optpipe.reporting.run_report import RunReport

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from optpipe.metrics import Accuracy, OutputAccuracy
+from optpipe.results import Accuracy, OutputAccuracy
 from optpipe.recipe import Tolerance
 from optpipe.runtime import Feeds, Outputs
 

@@ -18,7 +18,7 @@ from optpipe.evaluation.checks import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import measure
 from optpipe.evaluation.memory import PeakMemory
-from optpipe.metrics import Accuracy, Latency, Memory
+from optpipe.results import Accuracy, Latency, Memory
 from optpipe.recipe import Recipe, Tolerance
 from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers
 
@@ -34,8 +34,9 @@ def no_progress(task: str, done: int, total: int) -> None:
 
 class Evaluator:
     def __init__(self, recipe: Recipe, cache: StageCache, eval_set: Callable[[], SampleSet], providers: str = "auto",
-                 progress: Progress = no_progress):
+                 progress: Progress = no_progress, force: bool = False):
         self.recipe = recipe
+        self.force = force  # --force: measure again, replacing the cached results
         self.progress = progress
         self.cache = cache
         self._eval_set = eval_set
@@ -77,7 +78,7 @@ class Evaluator:
         # Under the key's lock: a second process on the same cache waits and reuses the measurement
         # rather than measuring at the same time (and slowing both down).
         with self.cache.lock(key):
-            hit = self.cache.get_result(key)
+            hit = None if self.force else self.cache.get_result(key)
             if hit is not None:
                 return _decode(hit) + (True,)
             accuracy = self._accuracy(lambda: self.onnx_outputs(artifact), tolerance)
@@ -95,7 +96,7 @@ class Evaluator:
         with self.cache.lock(key):
             # Stages timed after this one re-time eager beside themselves: keep a way to build it.
             self._eager_factory = lambda: eager_runner(torch_model(), self.settings.threads)
-            hit = self.cache.get_result(key)
+            hit = None if self.force else self.cache.get_result(key)
             if hit is not None:
                 return _decode(hit) + (True,)
             run = self._eager_baseline()

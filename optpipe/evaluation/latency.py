@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from optpipe.metrics import Latency
+from optpipe.results import Latency
 from optpipe.runtime import Feeds, Outputs, pinned_threads
 
 Run = Callable[[Feeds], Outputs]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from optpipe.artifact import MANIFEST_FILE, copy_file
 from optpipe.cache.store import verify_entry
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 
 log = logging.getLogger("optpipe.run")
 

@@ -13,8 +13,8 @@ import io
 import re
 from typing import Any
 
-from optpipe.metrics import Latency, StageResult
-from optpipe.reporting.run_report import EAGER, RunReport
+from optpipe.results import Latency, StageResult
+from optpipe.reporting.run_report import EAGER, RunReport, guard_figure, precision_cell
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
 FRONTIER = "#f9a825"
@@ -60,7 +60,7 @@ def _stage_table(report: RunReport) -> str:
     eager = report.stage(EAGER)
     eager_p50 = _p50(eager)
     head = ["stage", "pass", "after", "status", "p50 ms", "p90 ms", "vs eager", "vs parent", "cosine", "Δ cosine",
-            "max abs", "size MB", "Δ size", "peak mem MB", "frontier"]
+            "max abs", "size MB", "Δ size", "peak mem MB", "precision (MACs)", "frontier"]
     rows = []
     for s in report.stages:
         parent = report.stage(s.parent) if s.parent else None
@@ -76,6 +76,7 @@ def _stage_table(report: RunReport) -> str:
             _f(s.size_bytes / 1e6 if s.size_bytes else None, ".1f"),
             _pct(parent.size_bytes if parent else None, s.size_bytes),
             _f(s.memory.host_rss_bytes / 1e6 if s.memory and s.memory.host_rss_bytes is not None else None, ".0f"),
+            html.escape(precision_cell(s)),
             "★" if s.pareto else "",
         ]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
@@ -89,6 +90,7 @@ def _stage_table(report: RunReport) -> str:
 def _problems(report: RunReport) -> str:
     items = []
     for s in report.stages:
+        items += [f"<li><code>{html.escape(s.name)}</code> warning: {html.escape(w)}</li>" for w in s.warnings]
         if s.status != "ok":
             items.append(f"<li><code>{html.escape(s.name)}</code> {s.status}: {html.escape(s.reason or '')}</li>")
         elif s.accuracy and not s.accuracy.within_tolerance:
@@ -265,7 +267,7 @@ def _status_cell(s: StageResult) -> str:
 def _cosine_cell(s: StageResult) -> str:
     if not s.accuracy:
         return ""
-    text = f"{s.accuracy.worst_cosine:.5f}"
+    text = html.escape(f"{s.accuracy.worst_cosine:.5f}" + guard_figure(s.accuracy))
     return text if s.accuracy.within_tolerance else f"<span style='color:{FAILED}'>{text} ⚠</span>"
 
 

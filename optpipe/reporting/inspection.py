@@ -15,7 +15,7 @@ import numpy as np
 
 from optpipe.errors import RunFolderError
 from optpipe.graph.stats import describe_graph, graph_diff
-from optpipe.metrics import Latency, StageResult
+from optpipe.results import Latency, StageResult
 from optpipe.recipe import Tolerance
 from optpipe.reporting.run_report import RunReport
 

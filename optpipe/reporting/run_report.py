@@ -16,7 +16,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, Field
 
 from optpipe.artifact import write_text_atomic
-from optpipe.metrics import StageResult
+from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 from optpipe.targets import render_targets_markdown
 
@@ -119,6 +119,9 @@ def render_markdown(report: RunReport) -> str:
     lines += [stage_table(report), ""]
     if report.pareto:
         lines += ["Pareto frontier (latency, accuracy error, size; within tolerance): " + ", ".join(f"**{n}**" for n in report.pareto), ""]
+    warned = [s for s in report.stages if s.warnings]
+    if warned:
+        lines += ["## Warnings", ""] + [f"- `{s.name}`: {w}" for s in warned for w in s.warnings] + [""]
     problems = [s for s in report.stages if s.status != "ok" or (s.accuracy and not s.accuracy.within_tolerance)]
     if problems:
         lines += ["## Problems", ""]
@@ -136,8 +139,9 @@ def stage_table(report: RunReport) -> str:
     batch = report.evaluation.get("batch_sizes", [1])[0]
     eager = report.stage(EAGER)
     eager_p50 = eager.latency[0].p50_ms if eager and eager.latency else None
-    header = "| stage | pass | after | status | p50 ms | p90 ms | vs eager | vs parent | cosine | max abs | size MB | Δ size | frontier |"
-    rows = [header, "|" + "---|" * 13]
+    header = ("| stage | pass | after | status | p50 ms | p90 ms | vs eager | vs parent | cosine | max abs | size MB | Δ size "
+              "| precision (MACs) | frontier |")
+    rows = [header, "|" + "---|" * 14]
     for s in report.stages:
         parent = report.stage(s.parent) if s.parent else None
         lat = s.latency[0] if s.latency else None
@@ -156,6 +160,7 @@ def stage_table(report: RunReport) -> str:
                 _f(max((o.max_abs for o in s.accuracy.outputs), default=None) if s.accuracy else None, ".2e"),
                 _f(s.size_bytes / 1e6 if s.size_bytes else None, ".1f"),
                 _size_delta(parent.size_bytes if parent else None, s.size_bytes),
+                precision_cell(s),
                 "★" if s.pareto else "",
             ]) + " |"
         )
@@ -197,8 +202,23 @@ def timing_notes(report: RunReport) -> str:
 def _cosine(s: StageResult) -> str:
     if not s.accuracy:
         return ""
-    text = f"{s.accuracy.worst_cosine:.5f}"
+    text = f"{s.accuracy.worst_cosine:.5f}" + guard_figure(s.accuracy)
     return text if s.accuracy.within_tolerance else text + " ⚠"
+
+
+def precision_cell(s: StageResult) -> str:
+    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning."""
+    if not s.coverage:
+        return ""
+    return s.coverage.summary() + (" ⚠" if s.warnings else "")
+
+
+def guard_figure(accuracy) -> str:
+    """The pass's guard figure beside the report's, where the two disagree (the stricter is the verdict)."""
+    guard = accuracy.guard
+    if guard is None or (guard.within_tolerance and abs(guard.cosine - accuracy.worst_cosine) < 1e-3):
+        return ""
+    return f" (guard {guard.cosine:.5f}, {guard.numerics})"
 
 
 def _ratio(base: float | None, value: float | None) -> str:
@@ -234,4 +254,4 @@ def _version() -> str:
     return _dist_version("optpipe") or "dev"
 
 
-__all__ = ["RunReport", "pareto_frontier", "render_markdown", "write_report"]
+__all__ = ["RunReport", "pareto_frontier", "precision_cell", "render_markdown", "write_report"]

@@ -17,7 +17,7 @@ import onnx
 from pydantic import BaseModel, ConfigDict, Field
 
 from optpipe.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
-from optpipe.metrics import Accuracy, Latency, StageResult
+from optpipe.results import Accuracy, Latency, StageResult
 from optpipe.recipe import Recipe, TargetSpec
 
 

@@ -16,13 +16,33 @@ from optpipe.targets import KINDS
 @click.option("--format", "kind", required=True, type=click.Choice(KINDS), help="the artifact to write")
 @click.option("--to", "to", required=True, type=click.Path(path_type=Path), help="folder to write it into")
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: the recipe's, $OPTPIPE_CACHE or ~/.cache/optpipe)")
-def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Path | None) -> None:
+@click.option("--allow-out-of-tolerance", is_flag=True, help="export a stage that broke its accuracy tolerance (warns)")
+def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Path | None, allow_out_of_tolerance: bool) -> None:
     """Write STAGE of the finished run RUN_DIR as an ORT bundle, TensorRT engine or Triton repository."""
     from optpipe.targets import export_stage
 
+    check_verdict(run_dir, stage, allow_out_of_tolerance)
     result = export_stage(run_dir, stage, kind, to, cache_dir=cache_dir)
     where = to / result.path if result.path else to
     click.echo(f"{kind} {stage}: {result.status}" + (f" -> {where}" if result.ok else ""))
     click.echo(f"manifest: {to / 'manifest.json'}")
     if result.failed:
         sys.exit(1)
+
+
+def check_verdict(run_dir: Path, stage: str, allow_out_of_tolerance: bool) -> None:
+    """Refuse an out-of-tolerance stage unless allowed; print the warnings its report carries."""
+    from optpipe.errors import TargetError
+    from optpipe.evaluation.verdict import export_refusal
+    from optpipe.reporting.run_report import RunReport
+
+    if not (run_dir / "report.json").is_file():
+        return  # export_stage says what is wrong with the folder
+    result = RunReport.load(run_dir).stage(stage)
+    if result is None:
+        return
+    refusal, warnings = export_refusal(result, allow_out_of_tolerance)
+    if refusal:
+        raise TargetError(refusal)
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)

@@ -14,7 +14,7 @@ from optpipe.cache.store import StageCache
 from optpipe.calibration.dataset import build_sample_set
 from optpipe.evaluation.evaluator import Evaluator
 from optpipe.evaluation.latency import measure
-from optpipe.metrics import Accuracy, Latency
+from optpipe.results import Accuracy, Latency
 from optpipe.recipe import Recipe, Tolerance
 from optpipe.runtime import Feeds, Outputs
 from optpipe.targets.base import StageView

@@ -1,9 +1,11 @@
 """Per-stage results as data with a schema: accuracy, latency, and the stage row of the report."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
+
+from optpipe.graph.coverage import Coverage
 
 
 class OutputAccuracy(BaseModel):
@@ -16,6 +18,16 @@ class OutputAccuracy(BaseModel):
     finite: bool = True
 
 
+class GuardCheck(BaseModel):
+    """The figure a pass's accuracy guard measured, shown beside the report's own (see evaluation/guard.py)."""
+
+    numerics: str = Field(description="what computed it, e.g. emulated FP16 storage")
+    cosine: float
+    max_abs: Union[float, str]
+    within_tolerance: bool
+    gave_up: Optional[str] = None
+
+
 class Accuracy(BaseModel):
     reference: str
     samples: int
@@ -23,6 +35,7 @@ class Accuracy(BaseModel):
     within_tolerance: bool
     violations: list[str] = Field(default_factory=list)
     polygraphy_match: Optional[bool] = Field(None, description="Polygraphy's elementwise comparison at the recipe's max_abs")
+    guard: Optional[GuardCheck] = Field(None, description="the pass's own guard figure; the stricter of the two is the verdict")
 
     @property
     def worst_cosine(self) -> float:
@@ -82,6 +95,8 @@ class StageResult(BaseModel):
     pareto: bool = False
     memory: Optional[Memory] = None
     info: dict[str, Any] = Field(default_factory=dict)
+    coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
+    warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
 
     def latency_at(self, batch_size: int) -> Latency | None:
         return next((lat for lat in self.latency if lat.batch_size == batch_size and lat.sweep is None), None)

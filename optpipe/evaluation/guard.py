@@ -1,0 +1,330 @@
+"""One accuracy guard for every lossy pass: keep the nodes that break the tolerance in float.
+
+A pass gives the guard a `convert(excluded_nodes)` callable (its own conversion, with
+those nodes left in float) and the guard does the rest, the same way for every pass:
+
+1. convert with the user's exclusions; measure against the pass's input on the
+   evaluation set with the stage's tolerance (`evaluation.accuracy.compare`);
+2. while out of tolerance and within its budget (`max_excluded` nodes, `guard_trials`
+   conversions, `guard_seconds`): blame nodes by the error each *adds*
+   (`evaluation.error_attribution`), try the nodes that overflow (all at once) or else
+   the worst one in float, and keep the exclusion only if it improves the figure;
+3. report what it did as a `GuardReport` (the stage's `info["guard"]`), including
+   when and why it gave up.
+
+The guard measures the numerics the deployed model will have (`numerics`, e.g. the
+FP16-storage emulation), which can differ from what the report's evaluation provider
+computes: `fold_guard_verdict` makes the stricter of the two the stage's verdict.
+
+A new pass uses it in about ten lines (mixed INT8/FP16, say)::
+
+    class MixedParams(PassParams, GuardParams):
+        ...
+
+    class MixedPass(Pass):
+        def run(self, model, ctx):
+            source = model.load()
+            convert = lambda excluded: to_mixed(source, keep_float=excluded)
+            result = AccuracyGuard(ctx, model, self.params, convert).run(self.params.exclude)
+            artifact = save_model(result.model, ctx.workdir)
+            return write_info(ctx.workdir, {"guard": result.report.model_dump(mode="json")})
+
+`tests/test_guard.py` builds exactly such a third pass-like use on a hand-built graph.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+import onnx
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from optpipe.evaluation.accuracy import compare, run_onnx
+from optpipe.results import Accuracy, GuardCheck
+
+if TYPE_CHECKING:
+    from optpipe.artifact import ModelArtifact
+    from optpipe.evaluation.error_attribution import NodeBlame
+    from optpipe.pass_base import PassContext
+
+Model = Union[onnx.ModelProto, Path]
+Convert = Callable[[list[str]], Model]
+
+
+MAX_EXCLUDED_ALIASES = AliasChoices("max_excluded", "max_kept_nodes")  # fp16's old name still reads
+
+
+class GuardParams(BaseModel):
+    """The guard's params, shared by every pass that has one: `class XParams(PassParams, GuardParams)`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    guard: bool = Field(True, description="keep the worst nodes in float until the stage's tolerance holds")
+    exclude: list[str] = Field(
+        default_factory=list, validation_alias=AliasChoices("exclude", "node_block_list"), description="node names always kept in float"
+    )
+    max_excluded: int = Field(
+        8, ge=0, validation_alias=MAX_EXCLUDED_ALIASES, description="guard: most nodes it keeps in float"
+    )
+    rank_samples: int = Field(
+        4, ge=1, validation_alias=AliasChoices("rank_samples", "localize_samples"),
+        description="guard: evaluation samples used to blame nodes",
+    )
+    guard_trials: int = Field(16, ge=0, description="guard: most conversions it tries after the first")
+    guard_seconds: float = Field(120.0, gt=0, description="guard: time budget; it gives up after the trial that crosses it")
+
+
+class GuardStep(BaseModel):
+    """One try: these nodes in float, the figure it gave, and whether the guard kept them."""
+
+    nodes: list[str]
+    ops: list[str] = Field(default_factory=list)
+    reason: Optional[str] = Field(None, description="why the blame fell on them")
+    added_error: Optional[float] = None
+    cosine: float
+    max_abs: Union[float, str]
+    within_tolerance: bool
+    bought_cosine: Optional[float] = None
+    kept: bool = True
+    facts: dict = Field(default_factory=dict, description="what the pass says each node costs when kept in float")
+
+
+class GuardReport(BaseModel):
+    """What the guard did: the stage's `info["guard"]`."""
+
+    enabled: bool
+    numerics: str = Field(description="what computed the guard's figure")
+    held: bool = Field(description="the final model is within the stage's tolerance under `numerics`")
+    cosine: float
+    max_abs: Union[float, str]
+    violations: list[str] = Field(default_factory=list)
+    first: GuardStep = Field(description="the conversion with only the user's exclusions")
+    excluded: list[str] = Field(default_factory=list, description="nodes the guard kept in float (the user's not included)")
+    steps: list[GuardStep] = Field(default_factory=list, description="every try after the first")
+    trials: int = 0
+    seconds: float = 0.0
+    gave_up: Optional[str] = Field(None, description="why the guard stopped out of tolerance; None when it held")
+
+
+@dataclass
+class GuardResult:
+    model: Model
+    excluded: list[str]  # the user's and the guard's
+    accuracy: Accuracy
+    report: GuardReport
+
+
+class AccuracyGuard:
+    """Measures `convert(excluded)` against the pass's input and widens `excluded` until the tolerance holds."""
+
+    def __init__(
+        self,
+        ctx: "PassContext",
+        source: "ModelArtifact",
+        params: GuardParams,
+        convert: Convert,
+        *,
+        numerics: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None,
+        numerics_label: str = "ONNX Runtime CPU",
+        candidates: Optional[set[str]] = None,
+        tensor_in: Callable[[str, set[str]], Optional[str]] | None = None,
+        node_facts: Callable[[str], dict] | None = None,
+        graph: onnx.ModelProto | None = None,
+    ):
+        """numerics: turns a converted model into the one whose outputs are the deployed numerics.
+        candidates: the only nodes the guard may keep in float (default: any).
+        tensor_in(name, produced): the converted model's tensor holding the source tensor `name`.
+        node_facts(node): what keeping that node in float costs (recorded in the steps).
+        graph: the source graph with the node names `convert` understands (default: `source` loaded)."""
+        self.ctx = ctx
+        self.source = source
+        self.params = params
+        self.convert = convert
+        self.numerics = numerics
+        self.numerics_label = numerics_label
+        self.candidates = candidates
+        self.tensor_in = tensor_in or (lambda name, produced: name if name in produced else None)
+        self.node_facts = node_facts or (lambda node: {})
+        self._graph = graph
+        settings = ctx.recipe.evaluate
+        self.threads = settings.threads
+        self.top1 = settings.top1
+        samples = ctx.eval_set()
+        self.inputs = samples.arrays
+        self.batches = list(samples.batches(accuracy_batch(ctx.recipe)))
+        self.rank_feeds = {name: array[: params.rank_samples] for name, array in self.inputs.items()}
+        self.scratch = Path(tempfile.mkdtemp(prefix="guard-", dir=ctx.workdir))
+        self.reference = run_onnx(source.path, self.batches, self.threads)
+
+    def run(self, excluded: list[str]) -> GuardResult:
+        try:
+            return self._run(list(excluded))
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)  # the cache entry holds only the model
+
+    def _run(self, excluded: list[str]) -> GuardResult:
+        started = time.perf_counter()
+        model = self.convert(excluded)
+        accuracy = self.measure(model)
+        first = _step([], accuracy)
+        steps: list[GuardStep] = []
+        tried = set(excluded)
+        by_guard: list[str] = []
+        gave_up = None
+        while not accuracy.within_tolerance:
+            gave_up = self._budget_spent(len(by_guard), len(steps), time.perf_counter() - started)
+            if gave_up:
+                break
+            blamed = self.blame(model, tried)
+            if not blamed:
+                gave_up = "no node left to blame: no candidate node adds error that keeping it in float could remove"
+                break
+            overflowing = [b for b in blamed if b.overflow]
+            pick = (overflowing or blamed[:1])[: self.params.max_excluded - len(by_guard)]
+            nodes = [b.node for b in pick]
+            tried.update(nodes)
+            trial = self.convert(excluded + nodes)
+            result = self.measure(trial)
+            step = _step(pick, result, accuracy, facts={n: self.node_facts(n) for n in nodes})
+            # The blame is local; an exclusion that buys nothing end to end is undone. An overflowing
+            # node stays in float regardless: its fix may only show once its consumers are kept too.
+            step.kept = bool(overflowing) or _score(result) > _score(accuracy)
+            steps.append(step)
+            self.ctx.log.info("guard tried %s in float: cosine %.5f (kept: %s)", nodes, result.worst_cosine, step.kept)
+            if step.kept:
+                excluded, by_guard, model, accuracy = excluded + nodes, by_guard + nodes, trial, result
+        seconds = time.perf_counter() - started
+        if not accuracy.within_tolerance:
+            gave_up = gave_up or "the guard is off (guard: false)"
+            self.ctx.log.warning(
+                "guard gave up out of tolerance (%s, %s): %s", self.numerics_label, gave_up, "; ".join(accuracy.violations)
+            )
+        report = GuardReport(
+            enabled=self.params.guard,
+            numerics=self.numerics_label,
+            held=accuracy.within_tolerance,
+            cosine=round(accuracy.worst_cosine, 6),
+            max_abs=_max_abs(accuracy),
+            violations=accuracy.violations,
+            first=first,
+            excluded=by_guard,
+            steps=steps,
+            trials=len(steps),
+            seconds=round(seconds, 2),
+            gave_up=None if accuracy.within_tolerance else gave_up,
+        )
+        return GuardResult(model, excluded, accuracy, report)
+
+    def _budget_spent(self, kept: int, trials: int, seconds: float) -> str | None:
+        p = self.params
+        if not p.guard:
+            return "the guard is off (guard: false)"
+        if kept >= p.max_excluded:
+            return f"{kept} nodes kept in float, the limit (max_excluded: {p.max_excluded})"
+        if trials >= p.guard_trials:
+            return f"{trials} conversions tried, the limit (guard_trials: {p.guard_trials})"
+        if seconds >= p.guard_seconds:
+            return f"{seconds:.0f} s spent, over the budget (guard_seconds: {p.guard_seconds:g})"
+        return None
+
+    def measure(self, model: Model) -> Accuracy:
+        """The model's outputs under the guard's numerics, against the pass's input."""
+        outputs = run_onnx(self._path(self._numerics(model)), self.batches, self.threads)
+        return compare(outputs, self.reference, self.inputs, self.ctx.tolerance, "pass input", self.top1)
+
+    def blame(self, model: Model, skip: set[str]) -> list["NodeBlame"]:
+        """Candidate nodes (not in `skip`) ranked by the error each adds, on a few samples."""
+        from optpipe.evaluation.error_attribution import blame_nodes, float_activations, run_with_outputs
+        from optpipe.evaluation.fp16_numerics import tensor_types
+
+        if self._graph is None:
+            self._graph = self.source.load()
+        source = self._graph
+        converted = self._numerics(model if isinstance(model, onnx.ModelProto) else onnx.load(str(model)))
+        produced = {out for node in converted.graph.node for out in node.output}
+        pairs = {name: self.tensor_in(name, produced) for name in float_activations(source, tensor_types(source))}
+        pairs = {name: other for name, other in pairs.items() if other}
+        reference = run_with_outputs(source, list(pairs), self.rank_feeds, self.threads)
+        values = run_with_outputs(converted, list(pairs.values()), self.rank_feeds, self.threads)
+        candidate = {name: values[other] for name, other in pairs.items()}
+        names = {node.name for node in source.graph.node}
+        allowed = names if self.candidates is None else self.candidates
+        return blame_nodes(source, reference, candidate, skip=skip | (names - allowed))
+
+    def _numerics(self, model: Model) -> Model:
+        if self.numerics is None:
+            return model
+        proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+        return self.numerics(proto)
+
+    def _path(self, model: Model) -> Path:
+        if isinstance(model, Path):
+            return model
+        path = self.scratch / "measured.onnx"
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)  # saving with external data rewrites the proto's initializers in place
+        onnx.save_model(copy, str(path), save_as_external_data=True, location="measured.onnx.data")
+        return path
+
+
+def fold_guard_verdict(accuracy: Accuracy | None, info: dict) -> Accuracy | None:
+    """The stage's accuracy with its guard's figure beside it; the stricter of the two is the verdict.
+
+    The report's figure comes from the evaluation provider (which may compute FP16 in FP32);
+    the guard's from the numerics it measured. A guard that gave up out of tolerance is
+    never reported as success, however good the report's own figure looks.
+    """
+    guard = info.get("guard") if isinstance(info, dict) else None
+    if accuracy is None or not isinstance(guard, dict) or "held" not in guard or "numerics" not in guard:
+        return accuracy
+    check = GuardCheck(
+        numerics=guard["numerics"],
+        cosine=guard["cosine"],
+        max_abs=guard["max_abs"],
+        within_tolerance=guard["held"],
+        gave_up=guard.get("gave_up"),
+    )
+    update: dict = {"guard": check}
+    if not check.within_tolerance:
+        why = f" ({check.gave_up})" if check.gave_up else ""
+        violation = f"the pass's guard measured {check.numerics} out of tolerance: cosine {check.cosine:.5f}{why}"
+        update |= {"within_tolerance": False, "violations": [*accuracy.violations, violation]}
+    return accuracy.model_copy(update=update)
+
+
+def accuracy_batch(recipe) -> int:
+    """The evaluation batch: the recipe's accuracy_batch, or the model's fixed batch when it has no batch dim."""
+    if recipe.batch_dim():
+        return recipe.evaluate.accuracy_batch
+    first = recipe.inputs[0].shape[0] if recipe.inputs[0].shape else 1
+    return first if isinstance(first, int) else 1
+
+
+def _score(accuracy: Accuracy) -> tuple:
+    max_abs = max((o.max_abs for o in accuracy.outputs), default=0.0)
+    return (accuracy.within_tolerance, -len(accuracy.violations), accuracy.worst_cosine, -max_abs)
+
+
+def _max_abs(accuracy: Accuracy) -> float | str:
+    value = max((o.max_abs for o in accuracy.outputs), default=0.0)
+    return float(value) if math.isfinite(value) else "inf"
+
+
+def _step(blamed: list, accuracy: Accuracy, before: Accuracy | None = None, facts: dict | None = None) -> GuardStep:
+    added = [b.added_error for b in blamed if math.isfinite(b.added_error)]
+    return GuardStep(
+        nodes=[b.node for b in blamed],
+        ops=[b.op for b in blamed],
+        reason="; ".join(sorted({b.reason() for b in blamed})) or None,
+        added_error=round(max(added), 6) if added else None,
+        cosine=round(accuracy.worst_cosine, 6),
+        max_abs=_max_abs(accuracy),
+        within_tolerance=accuracy.within_tolerance,
+        bought_cosine=None if before is None else round(accuracy.worst_cosine - before.worst_cosine, 6),
+        facts=facts or {},
+    )

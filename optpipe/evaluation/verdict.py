@@ -1,0 +1,51 @@
+"""What a stage's numbers are worth: the warnings that keep an "ok" honest.
+
+- coverage: the precision mix a stage computes in (optpipe.graph.coverage); a quantization
+  stage with most of its MACs still in float warns, naming the op types it could not handle;
+- input sensitivity: an evaluation set on which the reference barely changes from sample to
+  sample makes every accuracy figure meaningless (see optpipe.evaluation.accuracy).
+"""
+from __future__ import annotations
+
+import logging
+
+from optpipe.artifact import ModelArtifact
+from optpipe.graph.coverage import Coverage, precision_coverage, quantization_warning
+
+#: Passes whose job is to move compute to int8: they warn when most of it stayed in float.
+QUANTIZATION_PASSES = ("int8", "nncf", "openvino-int8")
+
+log = logging.getLogger("optpipe.verdict")
+
+
+def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str,
+                   excluded: list[str] | None = None) -> tuple[Coverage | None, list[str]]:
+    """The stage's precision mix and, for a quantization stage, the warning when it mostly stayed in float."""
+    try:
+        coverage = precision_coverage(artifact.load(with_weights=False), dims, excluded=set(excluded or ()))
+    except Exception as exc:  # a graph shape inference cannot read: the report says so, the run goes on
+        log.warning("precision coverage not computed: %s", exc)
+        return None, []
+    warnings = []
+    if pass_name in QUANTIZATION_PASSES:
+        warning = quantization_warning(coverage)
+        if warning:
+            warnings.append(warning)
+    return coverage, warnings
+
+
+def export_refusal(stage, allow_out_of_tolerance: bool) -> tuple[str | None, list[str]]:
+    """Why exporting this stage (a metrics.StageResult) needs the user's say-so, and the warnings to print.
+
+    An out-of-tolerance stage is refused unless allowed; allowed, it is exported with a warning,
+    as is any stage whose report carries warnings (float coverage, meaningless accuracy).
+    """
+    warnings = list(stage.warnings)
+    accuracy = stage.accuracy
+    if accuracy is not None and not accuracy.within_tolerance:
+        why = "; ".join(accuracy.violations) or "out of tolerance"
+        if not allow_out_of_tolerance:
+            return (f"--stage: '{stage.name}' is out of tolerance ({why}); pick a stage within tolerance "
+                    "or pass --allow-out-of-tolerance"), warnings
+        warnings.insert(0, f"'{stage.name}' is out of tolerance: {why}")
+    return None, warnings
