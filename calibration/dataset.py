@@ -13,6 +13,7 @@ from typing import Iterator
 import numpy as np
 
 from optpipe.artifact import sha256_file, sha256_json
+from optpipe.calibration.labels import labels_fingerprint, split_labels
 from optpipe.calibration.sources import load_samples, source_path
 from optpipe.recipe import DataSource, Recipe
 
@@ -27,6 +28,7 @@ class SampleSet:
     arrays: dict[str, np.ndarray]
     key: str
     cached: bool = False
+    labels: np.ndarray | None = None  # one label per sample, where the source has them (calibration/labels.py)
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values())))
@@ -54,9 +56,10 @@ def sample_set_key(source: DataSource, recipe: Recipe) -> str:
         tokenizer = source_fingerprint(recipe)
     return sha256_json(
         {
-            "format": 1,
-            "source": source.model_dump(exclude={"path"}),
+            "format": 2,
+            "source": source.model_dump(exclude={"path", "labels"}),
             "content": content,
+            "labels": labels_fingerprint(source, recipe),
             "inputs": [spec.model_dump() for spec in recipe.inputs],
             "dims": {name: dim.model_dump() for name, dim in recipe.dims.items()},
             "tokenizer": tokenizer,
@@ -79,7 +82,8 @@ def build_sample_set(source: DataSource, recipe: Recipe, cache: "StageCache | Pa
         if folder is not None:
             arrays = _read_arrays(folder / SAMPLES_FILE)
             if arrays is not None:
-                return SampleSet(arrays, key, cached=True)
+                arrays, labels = split_labels(arrays)
+                return SampleSet(arrays, key, cached=True, labels=labels)
             cache.discard(folder)
         arrays = load_samples(source, recipe)
         workdir = cache.new_workdir()
@@ -89,7 +93,8 @@ def build_sample_set(source: DataSource, recipe: Recipe, cache: "StageCache | Pa
             cache.publish_folder(key, workdir, DATASETS, {"source": source.source, "samples": len(next(iter(arrays.values())))})
         finally:
             cache.release_workdir(workdir)
-    return SampleSet(arrays, key, cached=False)
+    arrays, labels = split_labels(arrays)
+    return SampleSet(arrays, key, cached=False, labels=labels)
 
 
 def _read_arrays(path: Path) -> dict[str, np.ndarray] | None:

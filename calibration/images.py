@@ -7,10 +7,10 @@
                                         (default: the crop size * 256/224, as in ImageNet evaluation)
     crop:    224 | [h, w]               center crop (default: the input's fixed spatial dims)
     scale:   0.00392156                 pixel values are multiplied by this first (default 1/255)
-    mean:    [0.485, 0.456, 0.406]      then normalised per channel (default: ImageNet's)
-    std:     [0.229, 0.224, 0.225]
-    layout:  NCHW | NHWC                (default: from where the input's 3 channels are)
-    channels: rgb | bgr                 (default rgb)
+    mean:    [0.485, 0.456, 0.406]      then normalised per channel, one value or one per channel
+    std:     [0.229, 0.224, 0.225]      (default: ImageNet's; for 1 or 4 channels their average)
+    layout:  NCHW | NHWC                (default: from where the input's 1, 3 or 4 channels are)
+    channels: rgb | bgr | gray | rgba   (default: from the input's channel count: 1 gray, 3 rgb, 4 rgba)
     input:   images                     which model input (default: the only rank-4 input)
 
 The dtype is the input's: float inputs get scale/mean/std, uint8 inputs get raw pixels.
@@ -41,11 +41,16 @@ class ImagePreprocess(BaseModel):
     resize: Optional[Size] = None
     crop: Optional[Size] = None
     scale: float = 1 / 255
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    mean: Optional[list[float]] = None
+    std: Optional[list[float]] = None
     layout: Optional[Literal["NCHW", "NHWC"]] = None
-    channels: Literal["rgb", "bgr"] = "rgb"
+    channels: Optional[Literal["rgb", "bgr", "gray", "rgba"]] = None
     input: Optional[str] = None
+
+
+# Channels each mode decodes to (Pillow mode), and ImageNet's statistics reduced to them.
+CHANNEL_MODES = {"gray": ("L", 1), "rgb": ("RGB", 3), "bgr": ("RGB", 3), "rgba": ("RGBA", 4)}
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def load_image_folder(path: Path, source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
@@ -53,13 +58,14 @@ def load_image_folder(path: Path, source: DataSource, recipe: Recipe) -> dict[st
     options = _options(source)
     spec = _image_input(recipe, options)
     layout = options.layout or _layout_of(spec)
+    options = _with_channels(options, spec, layout)
     crop = _pair(options.crop) if options.crop is not None else _spatial_dims(spec, layout)
     files = image_files(path, options.files)
     rng = np.random.default_rng(source.seed)
     samples = []
     for index in range(source.samples):
         variant = index // len(files)
-        image = _decode(files[index % len(files)])
+        image = _decode(files[index % len(files)], CHANNEL_MODES[options.channels][0])
         samples.append(_preprocess(image, options, crop, variant, rng, spec.dtype))
     batch = np.stack(samples)  # N, H, W, C
     if layout == "NCHW":
@@ -90,9 +96,31 @@ def _options(source: DataSource) -> ImagePreprocess:
         options = ImagePreprocess.model_validate(source.preprocess)
     except ValidationError as exc:
         raise DataError(f"data: {describe_validation_error(exc, ImagePreprocess, source.preprocess, prefix='preprocess')}") from None
-    if any(s == 0 for s in options.std):
+    if any(s == 0 for s in options.std or ()):
         raise DataError("data: preprocess.std: a standard deviation of 0 divides by zero; use positive values")
     return options
+
+
+def _with_channels(options: ImagePreprocess, spec: InputSpec, layout: str) -> ImagePreprocess:
+    """The channel mode and per-channel statistics, filled in from the input's channel count."""
+    count = spec.shape[1] if layout == "NCHW" else spec.shape[3]
+    by_count = {1: "gray", 3: "rgb", 4: "rgba"}
+    mode = options.channels or by_count.get(count)
+    if mode is None or CHANNEL_MODES[mode][1] != count:
+        raise DataError(
+            f"data: input '{spec.name}' takes {count} channels, which images give only as 1 (gray), 3 (rgb/bgr) or "
+            f"4 (rgba){f'; preprocess.channels {mode} gives {CHANNEL_MODES[mode][1]}' if mode else ''}; "
+            "fix preprocess.channels or use an npy/npz source"
+        )
+    stats = {}
+    for key, imagenet in (("mean", IMAGENET_MEAN), ("std", IMAGENET_STD)):
+        value = getattr(options, key) or ([*imagenet] if count == 3 else [sum(imagenet) / 3] * count)
+        if len(value) == 1:
+            value = value * count
+        if len(value) != count:
+            raise DataError(f"data: preprocess.{key} has {len(value)} values; input '{spec.name}' has {count} channels, give 1 or {count}")
+        stats[key] = value
+    return options.model_copy(update={"channels": mode, **stats})
 
 
 def _image_input(recipe: Recipe, options: ImagePreprocess) -> InputSpec:
@@ -108,9 +136,9 @@ def _image_input(recipe: Recipe, options: ImagePreprocess) -> InputSpec:
 
 
 def _layout_of(spec: InputSpec) -> str:
-    if spec.shape[1] in (1, 3):
+    if spec.shape[1] in (1, 3, 4):
         return "NCHW"
-    if spec.shape[3] in (1, 3):
+    if spec.shape[3] in (1, 3, 4):
         return "NHWC"
     raise DataError(f"data: cannot tell the layout of input '{spec.name}' {spec.shape}; set `preprocess: {{layout: NCHW}}`")
 
@@ -126,12 +154,12 @@ def _pair(size: Size) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
-def _decode(path: Path):
+def _decode(path: Path, mode: str):
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
-            return image.convert("RGB")
+            return image.convert(mode)
     except (UnidentifiedImageError, OSError) as exc:
         raise DataError(f"data: cannot decode image '{path}' ({exc}); remove it or list others in preprocess.files") from None
 
@@ -149,6 +177,8 @@ def _preprocess(image, options: ImagePreprocess, crop: tuple[int, int], variant:
     if variant > 0:
         top, left = int(rng.integers(0, height - ch + 1)), int(rng.integers(0, width - cw + 1))
     pixels = np.asarray(image.crop((left, top, left + cw, top + ch)), dtype=np.float32)
+    if pixels.ndim == 2:
+        pixels = pixels[..., None]  # grayscale: one channel axis
     if variant % 2 == 1:
         pixels = pixels[:, ::-1]
     if options.channels == "bgr":

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from optpipe.calibration.labels import attach_labels, class_folders, load_class_folders
 from optpipe.errors import DataError, first_line
 from optpipe.recipe import DataSource, InputSpec, Recipe
 
@@ -35,7 +36,7 @@ def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     """All samples of a source, batch-stacked along axis 0."""
     loaders = {"synthetic": _synthetic, "text": _text, "npy": _npy, "npz": _npz, "images": _images}
     try:
-        samples = loaders[source.source](source, recipe)
+        samples = attach_labels(loaders[source.source](source, recipe), source, recipe)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         # numpy refuses pickled object arrays (allow_pickle=False) and raises these on broken files
         raise DataError(
@@ -86,6 +87,11 @@ def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> 
             size = array.shape[axis]
             if isinstance(dim, int) and size != dim:
                 raise DataError(f"{what}: input '{spec.name}' has size {size} on axis {axis}, the recipe says {dim}; fix the data or inputs.{i}.shape")
+            if isinstance(dim, str) and not recipe.dims[dim].allows(size):
+                raise DataError(
+                    f"{what}: input '{spec.name}' has size {size} on axis {axis}, not a multiple of "
+                    f"{recipe.dims[dim].multiple_of} (dims.{dim}.multiple_of); resize the data to {recipe.dims[dim].nearest(size)}"
+                )
             if isinstance(dim, str) and not recipe.dims[dim].min <= size <= recipe.dims[dim].max:
                 bounds = recipe.dims[dim]
                 raise DataError(
@@ -147,4 +153,7 @@ def _npz(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
 def _images(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     from optpipe.calibration.images import load_image_folder
 
-    return load_image_folder(source_path(source, recipe), source, recipe)
+    folder = source_path(source, recipe)
+    if class_folders(folder):
+        return load_class_folders(folder, source, recipe)
+    return load_image_folder(folder, source, recipe)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from optpipe.artifact import ModelArtifact
 
@@ -27,6 +27,34 @@ class PassParams(BaseModel):
     """Base of every pass's params: unknown keys are errors, values are typed."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_booleans_as_modes(cls, data: Any) -> Any:
+        """YAML 1.1 reads an unquoted `off`/`no` as false and `on`/`yes` as true: where a field
+        expects a string mode that has such a word, take the word the user wrote."""
+        if not isinstance(data, dict):
+            return data
+        fixed = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None:
+                words = ("on", "yes", "true") if value else ("off", "no", "none", "false")
+                choice = next((w for w in words if w in _literal_strings(field.annotation)), None)
+                if choice:
+                    fixed[name] = choice
+        return fixed
+
+
+def _literal_strings(annotation: Any) -> set[str]:
+    """The string values a (possibly Optional) Literal annotation accepts."""
+    from typing import Literal, Union, get_args, get_origin
+
+    if get_origin(annotation) is Union:
+        return set().union(*(_literal_strings(arg) for arg in get_args(annotation)))
+    if get_origin(annotation) is Literal:
+        return {arg for arg in get_args(annotation) if isinstance(arg, str)}
+    return set()
 
 
 @dataclass

@@ -37,7 +37,7 @@ from optpipe.results import StageResult
 from optpipe.model_source import load_torch_model, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
-from optpipe.reporting.run_report import RunReport, write_report
+from optpipe.reporting.run_report import RunReport, build_report, write_report
 from optpipe.targets import run_targets
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.validate import validate_recipe
@@ -96,15 +96,16 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     try:
         outcomes = manager.run(order, graph, passes)
         results = evaluate_stages(recipe, order, outcomes, services, cache, options)
-        report = RunReport.build(recipe, results)
+        report = build_report(recipe, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
         with FileLock(str(run_dir / ".optpipe.lock")):
             publish_stage_folders(run_dir, results, outcomes)
             if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
                 save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
-            write_report(report, run_dir)
-            run_targets(recipe, report, run_dir, cache, options.providers, lambda *args: _notify(options, *args))
-            write_report(report, run_dir)
+            try:
+                run_targets(recipe, report, run_dir, cache, options.providers, lambda *args: _notify(options, *args))
+            finally:
+                write_report(report, run_dir)  # once, with the targets' rows
     finally:
         cache.release_leases()  # `cache gc` may prune what this run used from now on
     return report
@@ -283,6 +284,7 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
         logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", options)
     result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
+    result.warnings += accuracy.warnings if accuracy else []
     result.cached = result.cached and cached
     detail = _summary(result)
     _notify(options, "stage_end", f"evaluate {name}", "cached" if cached else "ok", detail)
@@ -300,6 +302,7 @@ def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices,
     except Exception as exc:  # the baseline is informative; its failure must not stop the run
         return _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", options)
     result.accuracy, result.latency, result.memory, result.cached = accuracy, latency, memory, cached
+    result.warnings += accuracy.warnings if accuracy else []
     _notify(options, "stage_end", f"evaluate {EAGER_STAGE}", "cached" if cached else "ok", _summary(result))
     return result
 
@@ -313,8 +316,8 @@ def _evaluation_failed(result: StageResult, reason: str, options: RunOptions) ->
 
 def _summary(result: StageResult) -> str:
     parts = []
-    if result.latency:
-        parts.append(f"p50 {result.latency[0].p50_ms:.2f} ms @ batch {result.latency[0].batch_size}")
+    if result.headline:
+        parts.append(f"p50 {result.headline.p50_ms:.2f} ms @ batch {result.headline.batch_size}")
     if result.accuracy:
         parts.append(f"cosine {result.accuracy.worst_cosine:.5f}")
         if not result.accuracy.within_tolerance:

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from optpipe.errors import RecipeError
+from optpipe.search.spec import Choices, SearchSettings, normalize_settings
 
 DTYPES = ("float32", "float16", "int64", "int32", "int8", "uint8", "bool")
 
@@ -139,12 +140,26 @@ class DimRange(Strict):
     min: int = Field(ge=1)
     opt: int = Field(ge=1)
     max: int = Field(ge=1)
+    multiple_of: Optional[int] = Field(None, ge=2, description="every size must be a multiple of this (e.g. 32 for a detector's strides)")
 
     @model_validator(mode="after")
     def _ordered(self):
         if not self.min <= self.opt <= self.max:
             raise ValueError(f"expected min <= opt <= max, got {self.min}, {self.opt}, {self.max}")
+        for key in ("min", "opt", "max"):
+            value = getattr(self, key)
+            if not self.allows(value):
+                raise ValueError(f"{key} {value} is not a multiple of {self.multiple_of} (multiple_of); use {self.nearest(value)}")
         return self
+
+    def allows(self, value: int) -> bool:
+        return self.multiple_of is None or value % self.multiple_of == 0
+
+    def nearest(self, value: int) -> str:
+        """The multiples of `multiple_of` around `value`, for error messages."""
+        n = self.multiple_of or 1
+        below, above = value // n * n, -(-value // n) * n
+        return " or ".join(str(v) for v in (below, above) if v >= 1)
 
 
 class InputSpec(Strict):
@@ -163,6 +178,10 @@ class DataSource(Strict):
     samples: int = Field(16, ge=1)
     seed: int = 0
     preprocess: dict[str, Any] = Field(default_factory=dict, description="images: resize, crop, mean, std, layout")
+    labels: Optional[str] = Field(
+        None, description="an .npy file of integer labels, one per sample (an npz source may instead hold a `labels` array, "
+        "an images folder class subfolders)",
+    )
 
     @model_validator(mode="after")
     def _path_when_needed(self):
@@ -179,10 +198,49 @@ class DataSets(Strict):
 # --- stages and evaluation -----------------------------------------------------------------
 
 
+class OutputTolerance(Strict):
+    """One output's tolerance; a key left out inherits the stage's (set it to null to switch a check off)."""
+
+    cosine_min: Optional[float] = None
+    max_abs: Optional[float] = Field(None, description="absolute tolerance (atol)")
+    rtol: Optional[float] = Field(None, ge=0, description="relative tolerance: |candidate - reference| <= max_abs + rtol * |reference|")
+    top1_min: Optional[float] = None
+
+
 class Tolerance(Strict):
     cosine_min: Optional[float] = Field(0.99, description="per row (per token) cosine to the reference, mean")
-    max_abs: Optional[float] = None
+    max_abs: Optional[float] = Field(None, description="absolute tolerance (atol), elementwise")
+    rtol: Optional[float] = Field(None, ge=0, description="relative tolerance beside max_abs: |candidate - reference| <= max_abs + rtol * |reference|")
     top1_min: Optional[float] = Field(None, description="top-1 agreement, for logits")
+    outputs: dict[str, OutputTolerance] = Field(default_factory=dict, description="per output name: tolerances that replace the ones above")
+
+    def for_output(self, name: str) -> "Tolerance":
+        """The tolerance one output is held to: the stage's, with that output's own keys replacing them."""
+        own = self.outputs.get(name)
+        if own is None:
+            return self
+        return self.model_copy(update={key: getattr(own, key) for key in own.model_fields_set})
+
+
+class TaskSpec(Strict):
+    """What the model is for: the stage verdict then uses this task's metric instead of cosine alone."""
+
+    kind: Literal["classification", "detection", "language-model", "embeddings"]
+    output: Optional[str] = Field(None, description="the output the task reads (default: the first)")
+    agreement_min: float = Field(
+        0.99, ge=0, le=1, description="classification: top-1 agreement; detection: class agreement on confident "
+        "predictions; language-model: next-token top-1 agreement (all against the reference stage)",
+    )
+    label_drop_max: float = Field(0.01, ge=0, le=1, description="with labels: most top-1 accuracy may drop below the reference's")
+    score_threshold: float = Field(0.25, gt=0, lt=1, description="detection: a prediction is confident above this score")
+    iou_threshold: float = Field(0.45, gt=0, lt=1, description="detection: NMS overlap")
+    map50_min: float = Field(0.9, ge=0, le=1, description="detection: mAP@0.5 of the NMS'd boxes against the reference's")
+    layout: Literal["yolov5", "yolov8"] = Field(
+        "yolov5", description="detection: yolov5 = [N, anchors, 4 box + objectness + classes]; yolov8 = [N, 4 + classes, anchors]"
+    )
+    perplexity_ratio_max: float = Field(1.05, ge=1, description="language-model: most the perplexity may grow, as a ratio to the reference's")
+    tokens: str = Field("input_ids", description="language-model: the input holding the token ids")
+    cosine_min: float = Field(0.99, description="embeddings: mean token cosine")
 
 
 class StageSpec(Strict):
@@ -191,6 +249,16 @@ class StageSpec(Strict):
     after: Optional[str] = None
     tolerance: Optional[Tolerance] = None
     timeout_s: Optional[float] = Field(None, gt=0)
+    search: dict[str, Choices] = Field(default_factory=dict, description="params to search: a list of choices, or {min, max, step}")
+    optional: bool = Field(False, description="search: try the search with and without this stage")
+
+    @field_validator("search")
+    @classmethod
+    def _choices_not_empty(cls, value: dict):
+        empty = [name for name, choices in value.items() if isinstance(choices, list) and not choices]
+        if empty:
+            raise ValueError(f"search.{empty[0]}: no choices; list at least one value")
+        return value
 
 
 class EvaluateSpec(Strict):
@@ -203,6 +271,11 @@ class EvaluateSpec(Strict):
     accuracy_batch: int = Field(8, ge=1)
     eager_baseline: bool = True
     top1: Optional[bool] = Field(None, description="compare argmax of outputs; default: outputs named *logits*")
+    task: Optional[TaskSpec] = Field(None, description="what the model is for; the stage verdict then uses the task's metric")
+    min_input_sensitivity: float = Field(
+        1e-3, ge=0, description="outputs whose spread across samples is below this fraction of their magnitude make "
+        "the accuracy figures meaningless: the report says so",
+    )
     sweep: dict[str, Union[list[int], Literal["pow2"]]] = Field(
         default_factory=dict,
         description="latency per value of a named dim, e.g. {batch: pow2, sequence: [16, 64, 256]}; "
@@ -210,6 +283,12 @@ class EvaluateSpec(Strict):
     )
     sweep_iterations: Optional[int] = Field(None, ge=1, description="timed iterations per sweep point; default: iterations")
     adaptive: bool = Field(True, description="stop timing once the median's 95% interval is within 3%; iterations is the cap")
+    search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
+
+    @field_validator("search", mode="before")
+    @classmethod
+    def _search_shorthand(cls, value):
+        return normalize_settings(value)
 
 
 class TargetSpec(Strict):
@@ -250,6 +329,14 @@ class Recipe(Strict):
             outside = [v for v in (values if isinstance(values, list) else []) if not rng.min <= v <= rng.max]
             if outside:
                 raise ValueError(f"evaluate.sweep.{dim}: {outside} outside the dim's range {rng.min}..{rng.max}")
+            off_grid = [v for v in (values if isinstance(values, list) else []) if not rng.allows(v)]
+            if off_grid:
+                raise ValueError(f"evaluate.sweep.{dim}: {off_grid} not a multiple of {rng.multiple_of} (dims.{dim}.multiple_of)")
+        batch = self.batch_dim()
+        if batch and self.dims[batch].multiple_of:
+            off_grid = [b for b in self.evaluate.batch_sizes if not self.dims[batch].allows(b)]
+            if off_grid:
+                raise ValueError(f"evaluate.batch_sizes: {off_grid} not a multiple of {self.dims[batch].multiple_of} (dims.{batch}.multiple_of)")
         return self
 
     def sweep_values(self, dim: str) -> list[int]:
@@ -258,7 +345,7 @@ class Recipe(Strict):
         if isinstance(values, list):
             return sorted(set(values))
         rng = self.dims[dim]
-        powers = [2**i for i in range(rng.max.bit_length()) if rng.min <= 2**i <= rng.max]
+        powers = [2**i for i in range(rng.max.bit_length()) if rng.min <= 2**i <= rng.max and rng.allows(2**i)]
         return sorted(set(powers + [rng.max]))
 
     def resolve(self, path: str | None) -> Path | None:

@@ -1,10 +1,17 @@
-"""Per-stage results as data with a schema: accuracy, latency, and the stage row of the report."""
+"""Results as data with a schema: a stage's accuracy, latency and memory, a target's artifact, and the run report.
+
+A leaf module: the pipeline, the targets and both report views (reporting/run_report.py
+for Markdown, reporting/html.py for HTML) read these types; none of them is imported here.
+"""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from optpipe.errors import OptpipeError
 from optpipe.graph.coverage import Coverage
 
 
@@ -16,6 +23,21 @@ class OutputAccuracy(BaseModel):
     cosine_min: float
     top1: Optional[float] = None
     finite: bool = True
+    beyond_tolerance: Optional[float] = Field(None, description="share of elements outside max_abs + rtol * |reference| (where rtol is set)")
+    input_sensitivity: Optional[float] = Field(
+        None, description="the reference's spread across samples relative to its magnitude; near 0: the output hardly depends on the input"
+    )
+
+
+class TaskAccuracy(BaseModel):
+    """The task's metrics (evaluate.task) against the reference stage and, where the data has labels, the labels."""
+
+    kind: str
+    output: str
+    metrics: dict[str, Optional[float]] = Field(description="candidate against the reference stage")
+    labels: dict[str, Optional[float]] = Field(default_factory=dict, description="candidate and reference against the labels")
+    violations: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list, description="what could not be measured, and why")
 
 
 class GuardCheck(BaseModel):
@@ -36,6 +58,8 @@ class Accuracy(BaseModel):
     violations: list[str] = Field(default_factory=list)
     polygraphy_match: Optional[bool] = Field(None, description="Polygraphy's elementwise comparison at the recipe's max_abs")
     guard: Optional[GuardCheck] = Field(None, description="the pass's own guard figure; the stricter of the two is the verdict")
+    task: Optional[TaskAccuracy] = Field(None, description="the task metric; when present it is the verdict")
+    warnings: list[str] = Field(default_factory=list, description="why these figures may mean less than they seem (e.g. input-insensitive outputs)")
 
     @property
     def worst_cosine(self) -> float:
@@ -78,6 +102,12 @@ class Memory(BaseModel):
     device_bytes: Optional[int] = Field(None, description="peak device memory increase (GPU providers)")
 
 
+def headline_latency(latency: list[Latency]) -> Latency | None:
+    """The headline latency of a stage or target, read here only: the first batch_sizes measurement
+    (the evaluation measures batch_sizes first; sweep points come after and are never the headline)."""
+    return next((lat for lat in latency if lat.sweep is None), None)
+
+
 class StageResult(BaseModel):
     name: str
     pass_name: str
@@ -97,9 +127,100 @@ class StageResult(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict)
     coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
     warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
+    measured_on: Optional[dict[str, Any]] = Field(None, description="the node that measured the figures (multi-node runs)")
+
+    @property
+    def headline(self) -> Latency | None:
+        return headline_latency(self.latency)
 
     def latency_at(self, batch_size: int) -> Latency | None:
         return next((lat for lat in self.latency if lat.batch_size == batch_size and lat.sweep is None), None)
 
     def sweep(self, dim: str) -> list[Latency]:
         return [lat for lat in self.latency if lat.sweep == dim]
+
+
+TargetStatus = Literal["ok", "skipped", "failed"]
+
+
+class TargetResult(BaseModel):
+    """One artifact written (or not) for one stage: the row of the report's targets and of the manifest."""
+
+    kind: str
+    stage: str
+    status: TargetStatus
+    reason: Optional[str] = Field(None, description="why it was skipped or failed; None when ok")
+    path: Optional[str] = Field(None, description="the artifact folder, relative to the run (or export) folder")
+    precision: Optional[str] = None
+    provider: Optional[str] = Field(None, description="what measured the accuracy and latency below")
+    accuracy: Optional[Accuracy] = None
+    latency: list[Latency] = Field(default_factory=list)
+    files: dict[str, str] = Field(default_factory=dict, description="file (relative to path) -> sha256")
+    hash: Optional[str] = Field(None, description="one hash over the files")
+    details: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+    @property
+    def headline(self) -> Latency | None:
+        return headline_latency(self.latency)
+
+    def describe(self) -> str:
+        """One line for people: the status, and the reason where there is one."""
+        return self.status if self.reason is None else f"{self.status}: {self.reason}"
+
+
+SCHEMA_VERSION = 2  # 2: targets are TargetResult rows (status and reason apart)
+EAGER = "pytorch-eager"
+
+
+class RunReport(BaseModel):
+    """report.json: everything one compile measured. Built by reporting.run_report.build_report."""
+
+    schema_version: int = SCHEMA_VERSION
+    optpipe_version: str
+    recipe: str
+    created: str
+    machine: dict[str, Any]
+    evaluation: dict[str, Any]
+    reference: Optional[str]
+    baseline: Optional[str] = None
+    stages: list[StageResult]
+    pareto: list[str] = Field(default_factory=list)
+    targets: list[TargetResult] = Field(default_factory=list)
+    search: Optional[dict[str, Any]] = Field(None, description="a search's trials, frontier, best and param effects (optpipe.search)")
+    hardware: Optional[dict[str, Any]] = Field(None, description="multi-node runs: the kinds of machine that measured, the frontier rule")
+
+    def stage(self, name: str) -> StageResult | None:
+        return next((s for s in self.stages if s.name == name), None)
+
+    @property
+    def failed(self) -> list[StageResult]:
+        return [s for s in self.stages if s.status != "ok"]
+
+    @property
+    def failed_targets(self) -> list[TargetResult]:
+        return [t for t in self.targets if t.failed]
+
+    @property
+    def headline_batch(self) -> int:
+        """The batch size of every stage's headline latency."""
+        return (self.evaluation.get("batch_sizes") or [1])[0]
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunReport":
+        document = json.loads((run_dir / "report.json").read_text())
+        version = document.get("schema_version")
+        # Version 1 differs only in its targets rows: one without targets reads as is.
+        if version != SCHEMA_VERSION and not (version == 1 and not document.get("targets")):
+            raise OptpipeError(
+                f"{run_dir / 'report.json'} has schema version {version}, this optpipe reads "
+                f"{SCHEMA_VERSION}; rerun `optpipe compile` to write it again (cached stages are reused)"
+            )
+        return cls.model_validate(document)

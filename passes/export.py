@@ -192,7 +192,7 @@ def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, p
 
     if opset < 18:
         raise PassError("the dynamo exporter needs opset >= 18; set `opset: 18` or higher, or `exporter: torchscript`")
-    dims = {name: torch.export.Dim(name, min=max(1, d.min), max=d.max) for name, d in recipe.dims.items()}
+    dims = {name: _export_dim(name, d) for name, d in recipe.dims.items()}
     dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(recipe).values())
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
     if _takes_varargs(torch_model.module):
@@ -209,6 +209,34 @@ def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, p
         verbose=False,
     )
     program.save(str(path), external_data=True)
+    _name_derived_dims(path, recipe)
+
+
+def _export_dim(name: str, dim):
+    """A torch.export Dim for a recipe dim; `multiple_of: N` becomes the derived dim N * k, so the
+    exporter knows every size is a multiple (a detector's Concat of strided maps then lines up)."""
+    import torch
+
+    if not dim.multiple_of:
+        return torch.export.Dim(name, min=max(1, dim.min), max=dim.max)
+    n = dim.multiple_of
+    return n * torch.export.Dim(f"{name}_div", min=dim.min // n, max=dim.max // n)
+
+
+def _name_derived_dims(path: Path, recipe: Recipe) -> None:
+    """Derived dims come out named "32*h_div": give them the recipe's name `h` again, wherever they appear."""
+    import onnx
+
+    names = {f"{d.multiple_of}*{name}_div": name for name, d in recipe.dims.items() if d.multiple_of}
+    if not names:
+        return
+    model = onnx.load(str(path), load_external_data=False)  # the weights stay in their file
+    graph = model.graph
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in names:
+                dim.dim_param = names[dim.dim_param]
+    onnx.save(model, str(path))
 
 
 def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> list[str]:

@@ -77,3 +77,20 @@ class GrayCNN(nn.Module):
 
 def gray_cnn(channels: int = 1):
     return GrayCNN(channels).eval()
+
+
+class StridedConcat(nn.Module):
+    """Downsample by 2, upsample back, concatenate: sizes must be even, as a detector's must be multiples of its stride."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.down = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.up = nn.Upsample(scale_factor=2.0, mode="nearest")
+
+    def forward(self, x):
+        return torch.cat([x, self.up(self.down(x))], 1)
+
+
+def strided_concat():
+    return StridedConcat().eval()

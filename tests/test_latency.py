@@ -135,8 +135,8 @@ def pytest_approx(value, rel):
 
 
 def test_report_speedup_uses_the_eager_figure_timed_beside_the_stage_and_marks_busy_ones():
-    from optpipe.results import StageResult
-    from optpipe.reporting.run_report import RunReport, stage_table
+    from optpipe.reporting.run_report import stage_table
+    from optpipe.results import RunReport, StageResult
 
     def lat(p50, eager=None, busy=None):
         return [Latency(batch_size=1, shape={"x": [1]}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1 / p50,
@@ -150,9 +150,13 @@ def test_report_speedup_uses_the_eager_figure_timed_beside_the_stage_and_marks_b
                     latency=lat(2.0, eager=12.0, busy="machine busy: run-to-run spread 80% > 50%")),
     ]
     report = RunReport(optpipe_version="dev", recipe="t", created="now", machine={}, evaluation={"batch_sizes": [1]},
-                       reference="export", stages=stages)
+                       reference="export", baseline="pytorch-eager", stages=stages)
     table = stage_table(report)
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| ")}
-    assert rows["export"][6] == "2.00x"  # 10 / 5, not 84 / 5
-    assert rows["int8"][6] == "6.00x ⚠busy" and rows["int8"][7] == "2.50x ⚠busy"
-    assert "p50 10.00 to 12.00 ms" in table and "`int8`: 1 of 1 latency figures unreliable" in table and "load average 7.5" in table
+    head = next(line for line in table.splitlines() if line.startswith("| stage"))
+    column = [c.strip() for c in head.split("|")].index
+    rows = {cells[1]: cells for cells in ([c.strip() for c in line.split("|")] for line in table.splitlines() if line.startswith("| "))}
+    assert rows["export"][column("vs eager")] == "2.00x"  # 10 / 5, not 84 / 5
+    assert rows["int8"][column("vs eager")] == "6.00x ⚠busy" and rows["int8"][column("vs parent")] == "2.50x ⚠busy"
+    assert "p50 10.00 to 12.00 ms" in table and "int8: 1 of 1 latency figures unreliable" in table and "load average 7.5" in table
+
+

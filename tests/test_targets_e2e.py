@@ -32,7 +32,7 @@ def run(tmp_path_factory):
 
 
 def targets_by(report, kind):
-    return [t for t in report.targets if t["kind"] == kind]
+    return [t.model_dump(mode="json") for t in report.targets if t.kind == kind]
 
 
 def ort_bundle(report):
@@ -53,11 +53,11 @@ def feeds(batch: int = 5):
 
 def test_every_target_is_recorded(run):
     run_dir, report = run
-    statuses = {(t["kind"], t["stage"]): t["status"] for t in report.targets}
+    statuses = {(t.kind, t.stage): t.status for t in report.targets}
     assert statuses[("ort", "simplify")] == "ok"  # the default: the Pareto frontier
     assert statuses[("triton", "export")] == statuses[("triton", "simplify")] == "ok"
     saved = json.loads((run_dir / "report.json").read_text())["targets"]
-    assert [(t["kind"], t["stage"], t["status"]) for t in saved] == [(t["kind"], t["stage"], t["status"]) for t in report.targets]
+    assert [(t["kind"], t["stage"], t["status"], t["reason"]) for t in saved] == [(t.kind, t.stage, t.status, t.reason) for t in report.targets]
     assert "## Targets" in (run_dir / "report.md").read_text()
 
 
@@ -65,8 +65,8 @@ def test_every_target_is_recorded(run):
 def test_tensorrt_is_skipped_with_one_line_and_its_build_command(run):
     run_dir, report = run
     (trt,) = targets_by(report, "tensorrt")
-    assert trt["status"].startswith("skipped: ") and "\n" not in trt["status"]
-    assert "build_engine.sh" in trt["status"]
+    assert trt["status"] == "skipped" and "\n" not in trt["reason"]
+    assert "build_engine.sh" in trt["reason"]
     folder = run_dir / trt["path"]
     script = (folder / "build_engine.sh").read_text()
     # The profile is the recipe's batch dim: min 1, opt 4, max 16.
@@ -126,7 +126,7 @@ def test_manifest_lists_every_artifact_with_its_hashes(run):
     run_dir, report = run
     manifest = json.loads((run_dir / "manifest.json").read_text())
     entries = manifest["artifacts"]
-    assert [(e["target"], e["stage"]) for e in entries] == [(t["kind"], t["stage"]) for t in report.targets]
+    assert [(e["target"], e["stage"]) for e in entries] == [(t.kind, t.stage) for t in report.targets]
     for entry in entries:
         assert entry["precision"] == "fp32" and entry["hash"]
         for name, digest in entry["files"].items():

@@ -40,14 +40,14 @@ def tiny_run(tmp_path_factory):
 
 
 def _target(report, kind, stage, platform=None):
-    return next(t for t in report.targets if t["kind"] == kind and t["stage"] == stage
-                and (platform is None or t["details"].get("platform") == platform))
+    return next(t.model_dump(mode="json") for t in report.targets if t.kind == kind and t.stage == stage
+                and (platform is None or t.details.get("platform") == platform))
 
 
 def test_engine_is_built_measured_and_cached(tiny_run):
     run_dir, cache, report = tiny_run
     trt = _target(report, "tensorrt", "simplify")
-    assert trt["status"] == "ok", trt["status"]
+    assert trt["status"] == "ok", trt["reason"]
     assert (run_dir / trt["path"] / "model.plan").stat().st_size > 0
     accuracy = trt["accuracy"]
     assert accuracy["within_tolerance"], accuracy["violations"]
@@ -63,7 +63,7 @@ def test_triton_serves_the_engine(tiny_run):
 
     run_dir, _, report = tiny_run
     entry = _target(report, "triton", "simplify", platform="tensorrt_plan")
-    assert entry["status"] == "ok", entry["status"]
+    assert entry["status"] == "ok", entry["reason"]
     folder = run_dir / entry["path"]
     config = text_format.Parse((folder / "config.pbtxt").read_text(), pb.ModelConfig())
     assert config.platform == "tensorrt_plan" and config.max_batch_size == 16
@@ -84,7 +84,7 @@ def test_fp16_graph_builds_strongly_typed(tmp_path):
     }, base_dir=tmp_path)
     report = compile_recipe(recipe, RunOptions(output=tmp_path / "run", cache_dir=tmp_path / "cache"))
     trt = _target(report, "tensorrt", "export")
-    assert trt["status"] == "ok", trt["status"]
+    assert trt["status"] == "ok", trt["reason"]
     assert trt["precision"] == "fp16" and trt["details"]["build"]["strongly_typed"]
     assert trt["accuracy"]["within_tolerance"], trt["accuracy"]["violations"]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())

@@ -37,7 +37,7 @@ def tokens(batch: int = 2, seq: int = 24) -> dict[str, np.ndarray]:
 
 def test_minilm_bundle_round_trips(minilm_run):
     run_dir, report = minilm_run
-    bundle = next(t for t in report.targets if t["kind"] == "ort")
+    bundle = next(t.model_dump(mode="json") for t in report.targets if t.kind == "ort")
     assert bundle["status"] == "ok" and bundle["stage"] in report.pareto
     expected = ort_runner(ort_session(run_dir / "stages" / bundle["stage"] / "model.onnx", threads=2))(tokens())
     folder = run_dir / bundle["path"]
@@ -52,7 +52,7 @@ def test_minilm_triton_config_has_dynamic_sequence_and_batch(minilm_run):
     from tritonclient.grpc import model_config_pb2 as pb
 
     run_dir, report = minilm_run
-    entry = next(t for t in report.targets if t["kind"] == "triton")
+    entry = next(t.model_dump(mode="json") for t in report.targets if t.kind == "triton")
     config = text_format.Parse((run_dir / entry["path"] / "config.pbtxt").read_text(), pb.ModelConfig())
     assert config.max_batch_size == 32
     assert {t.name: (t.data_type, list(t.dims)) for t in config.input} == {
@@ -64,8 +64,8 @@ def test_minilm_triton_config_has_dynamic_sequence_and_batch(minilm_run):
 @pytest.mark.skipif(tensorrt_missing() is None, reason="TensorRT and a GPU are here: the engine is built instead")
 def test_minilm_tensorrt_command_uses_the_recipe_dims(minilm_run):
     run_dir, report = minilm_run
-    trt = next(t for t in report.targets if t["kind"] == "tensorrt")
-    assert trt["status"].startswith("skipped: TensorRT is not installed here")
+    trt = next(t.model_dump(mode="json") for t in report.targets if t.kind == "tensorrt")
+    assert trt["status"] == "skipped" and trt["reason"].startswith("TensorRT is not installed here")
     script = (run_dir / trt["path"] / "build_engine.sh").read_text()
     assert "--trt-max-shapes 'input_ids:[32,256]' 'attention_mask:[32,256]' 'token_type_ids:[32,256]'" in script
     assert "--minShapes=input_ids:1x8,attention_mask:1x8,token_type_ids:1x8" in script

@@ -243,6 +243,6 @@ def test_triton_tensorrt_plan_without_tensorrt_is_skipped_not_half_written(tmp_p
         pytest.skip("TensorRT and a GPU are here: the gpu tests cover tensorrt_plan models")
     view = stage(tmp_path, "s", mlp(np.ones((8, 4))))
     result = write_repository(job(tmp_path, view, "triton", TritonParams(platform="tensorrt")))
-    assert result.status.startswith("skipped: TensorRT is not installed here") and "build_engine.sh" in result.status
+    assert result.status == "skipped" and result.reason.startswith("TensorRT is not installed here") and "build_engine.sh" in result.reason
     assert not (tmp_path / "out" / "unit_s").exists()
     assert (tmp_path / "tensorrt" / "s" / "build_engine.sh").is_file()  # beside the repository, not inside it

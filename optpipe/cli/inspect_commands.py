@@ -25,6 +25,10 @@ def inspect_command(run: Path, stage: str | None, layers: bool, samples: int, as
     if stage is None:
         rows = inspection.inspect_run(run)
         click.echo(json.dumps(rows, indent=2) if as_json else inspection.render_run(rows))
+        if not as_json:
+            from optpipe.search.report import render_trials_text  # a search run: its trials too
+
+            click.echo(render_trials_text(inspection.open_run(run)))
         return
     handle = inspection.stage_handle(run, stage)
     data = inspection.inspect_stage(handle)

@@ -64,29 +64,43 @@ def cli() -> None:
 
 
 @cli.command("compile")
-@click.argument("recipe", type=click.Path(path_type=Path))
+@click.argument("recipes", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RECIPE...")
 @click.option("--output", "-o", type=click.Path(path_type=Path), help="run folder (default: the recipe's `output`)")
 @click.option("--force", is_flag=True, help="recompute every stage, ignoring the cache")
 @click.option("--only", metavar="STAGE", help="run only this stage and its ancestors")
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: $OPTPIPE_CACHE or ~/.cache/optpipe)")
 @click.option("--allow-path", "allow_paths", multiple=True, type=click.Path(path_type=Path), help=ALLOW_HELP)
-def compile_command(recipe: Path, output: Path | None, force: bool, only: str | None, cache_dir: Path | None, allow_paths: tuple[Path, ...]) -> None:
-    """Run RECIPE: every stage, its evaluation, the report."""
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="where stages run: this process, or Ray tasks (pip install 'optpipe[ray]')")
+@click.option("--address", metavar="auto|ray://HOST:PORT|HOST:PORT", help="--executor ray: the cluster (default: a local Ray instance)")
+@click.option("--yes", is_flag=True, help="run a grid search however many trials it has")
+@click.option("--group-by-node", is_flag=True, help="one Pareto frontier per kind of machine, when several measured")
+def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool, only: str | None, cache_dir: Path | None,
+                    allow_paths: tuple[Path, ...], executor: str, address: str | None, yes: bool, group_by_node: bool) -> None:
+    """Run RECIPE: every stage, its evaluation, the report (several recipes: all of them, together)."""
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.recipe import load_recipe
     from optpipe.reporting.run_report import stage_table
+    from optpipe.search.space import SearchSpace
 
-    parsed = load_recipe(recipe, allow_paths)
+    loaded = [load_recipe(path, allow_paths) for path in recipes]
+    if address is not None and executor != "ray":
+        raise click.UsageError("--address needs --executor ray")
+    if len(loaded) > 1 or executor == "ray" or SearchSpace.declared(loaded[0]):
+        from optpipe.execution.fan_out_cli import compile_fanned_out
+
+        sys.exit(compile_fanned_out(loaded, executor, address, output, force, only, cache_dir, yes, group_by_node))
+    recipe, parsed = recipes[0], loaded[0]
     options = RunOptions(output=output, force=force, only=only, cache_dir=cache_dir, instruments=[ConsoleProgress()])
     report = compile_recipe(parsed, options)
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     console.print(stage_table(report), markup=False)
     run_dir = output or parsed.resolve(parsed.output)
     console.print(f"\nreport: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)", markup=False)
-    failed_targets = [t for t in report.targets if t["status"].startswith("failed")]
+    failed_targets = report.failed_targets
     for target in failed_targets:
-        click.echo(f"error: target {target['kind']} for '{target['stage']}' {target['status']}", err=True)
+        click.echo(f"error: target {target.kind} for '{target.stage}' failed: {target.reason}", err=True)
     if report.failed:
         # One line per stage that failed; the stages skipped after them are counted, not repeated.
         failed = [s for s in report.failed if s.status == "failed"]

@@ -112,7 +112,9 @@ class Evaluator:
         name, _, reference = self._reference
         candidate = require_finite(outputs(), "it outputs")
         expected = require_finite(reference(), f"the reference stage '{name}' outputs")
-        return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1)
+        return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1,
+                       task=self.settings.task, labels=self.eval_set.labels,
+                       min_input_sensitivity=self.settings.min_input_sensitivity)
 
     def _eager_baseline(self) -> Callable[[Feeds], Outputs] | None:
         """PyTorch eager, built once and warmed up (so its allocations precede any stage's peak memory)."""

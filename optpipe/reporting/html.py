@@ -11,10 +11,9 @@ from __future__ import annotations
 import html
 import io
 import re
-from typing import Any
 
-from optpipe.results import Latency, StageResult
-from optpipe.reporting.run_report import EAGER, RunReport, guard_figure, precision_cell
+from optpipe.reporting.rows import Cell, grouped_warnings, headers, out_of_tolerance, stage_rows, table_note
+from optpipe.results import EAGER, Latency, RunReport, StageResult
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
 FRONTIER = "#f9a825"
@@ -31,6 +30,9 @@ def render_html(report: RunReport) -> str:
     for title, curves in _latency_curves(report):
         sections.append(_section(title, _curves_svg(curves, title)))
     sections.append(_problems(report))
+    from optpipe.search.report import render_search_html  # a search's trials, frontier and param effects
+
+    sections.append(render_search_html(report.search, report.hardware))
     body = "\n".join(s for s in sections if s)
     return _PAGE.format(title=html.escape(f"optpipe report: {report.recipe}"), style=_STYLE, body=body)
 
@@ -48,49 +50,32 @@ def _header(report: RunReport) -> str:
     )
 
 
-def _busy(*latencies) -> str:
-    return " ⚠busy" if any(lat is not None and lat.unreliable for lat in latencies) else ""
-
-
 def _section(title: str, content: str) -> str:
     return f"<section><h2>{html.escape(title)}</h2>\n{content}\n</section>"
 
 
 def _stage_table(report: RunReport) -> str:
-    eager = report.stage(EAGER)
-    eager_p50 = _p50(eager)
-    head = ["stage", "pass", "after", "status", "p50 ms", "p90 ms", "vs eager", "vs parent", "cosine", "Δ cosine",
-            "max abs", "size MB", "Δ size", "peak mem MB", "precision (MACs)", "frontier"]
+    """The same StageRows report.md renders; tones become colours."""
     rows = []
-    for s in report.stages:
-        parent = report.stage(s.parent) if s.parent else None
-        lat = _headline(s)
-        cells = [
-            f"<b>{html.escape(s.name)}</b>", html.escape(s.pass_name), html.escape(s.parent or ""),
-            _status_cell(s),
-            _f(lat.p50_ms if lat else None, ".2f"), _f(lat.p90_ms if lat else None, ".2f"),
-            _ratio(lat.eager_p50_ms if lat and lat.eager_p50_ms else eager_p50, _p50(s)) + _busy(lat, None if lat and lat.eager_p50_ms else _headline(eager)),
-            _ratio(_p50(parent), _p50(s)) + _busy(lat, _headline(parent)),
-            _cosine_cell(s), _cosine_delta(parent, s),
-            _f(max((o.max_abs for o in s.accuracy.outputs), default=None) if s.accuracy else None, ".2e"),
-            _f(s.size_bytes / 1e6 if s.size_bytes else None, ".1f"),
-            _pct(parent.size_bytes if parent else None, s.size_bytes),
-            _f(s.memory.host_rss_bytes / 1e6 if s.memory and s.memory.host_rss_bytes is not None else None, ".0f"),
-            html.escape(precision_cell(s)),
-            "★" if s.pareto else "",
-        ]
+    for row in stage_rows(report):
+        cells = [_html_cell(cell) for cell in row.cells]
+        cells[0] = f"<b>{cells[0]}</b>"
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    batch = _headline_batch(report)
-    note = (f"<p class='note'>Latency at batch {batch}. 'vs' columns are speed-ups (&gt;1x is faster); "
-            "Δ columns are against the stage's parent; 'vs eager' against PyTorch eager timed interleaved with that stage; "
-            "⚠busy: the machine was busy while it was timed, don't trust the ratio.</p>")
-    return note + "<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+    note = f"<p class='note'>{html.escape(table_note(report))}</p>"
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers())
+    return note + "<table><thead><tr>" + head + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+
+
+def _html_cell(cell: Cell) -> str:
+    text = html.escape(cell.text) + (" ⚠" if cell.tone == "out" else "")
+    colour = {"ok": OK, "out": OUT, "failed": FAILED}.get(cell.tone or "")
+    return f"<span style='color:{colour}'>{text}</span>" if colour else text
 
 
 def _problems(report: RunReport) -> str:
-    items = []
+    items = [f"<li>{', '.join(f'<code>{html.escape(n)}</code>' for n in names)} warning: {html.escape(w)}</li>"
+             for w, names in grouped_warnings(report.stages).items()]
     for s in report.stages:
-        items += [f"<li><code>{html.escape(s.name)}</code> warning: {html.escape(w)}</li>" for w in s.warnings]
         if s.status != "ok":
             items.append(f"<li><code>{html.escape(s.name)}</code> {s.status}: {html.escape(s.reason or '')}</li>")
         elif s.accuracy and not s.accuracy.within_tolerance:
@@ -127,8 +112,8 @@ def _dag_svg(report: RunReport) -> str:
         ax.annotate("", xy=pos[b], xytext=pos[a], arrowprops=dict(arrowstyle="-|>", color="#555", shrinkA=38, shrinkB=38))
     for name, (x, y) in pos.items():
         s = by_name[name]
-        colour = OK if s.status == "ok" and not _out_of_tolerance(s) else OUT if s.status == "ok" else FAILED
-        lat = _headline(s)
+        colour = OK if s.status == "ok" and not out_of_tolerance(s) else OUT if s.status == "ok" else FAILED
+        lat = s.headline
         detail = f"{lat.p50_ms:.2f} ms" if lat else s.status
         if s.accuracy:
             detail += f" · cos {s.accuracy.worst_cosine:.4f}"
@@ -141,7 +126,7 @@ def _dag_svg(report: RunReport) -> str:
 
 
 def _pareto_svg(report: RunReport) -> str:
-    points = [s for s in report.stages if s.status == "ok" and _headline(s) is not None]
+    points = [s for s in report.stages if s.status == "ok" and s.headline is not None]
     if not points:
         return "<p>No stage has a latency measurement.</p>"
     fig = _figure(7.5, 4.5)
@@ -149,17 +134,17 @@ def _pareto_svg(report: RunReport) -> str:
     sizes = [s.size_bytes for s in points if s.size_bytes]
     biggest = max(sizes) if sizes else 1
     for s in points:
-        x, y = _headline(s).p50_ms, _error(s)
+        x, y = s.headline.p50_ms, _error(s)
         area = 40 + 600 * (s.size_bytes / biggest) if s.size_bytes else 60
         if s.name == EAGER:
             ax.scatter([x], [y], s=90, marker="D", color="#555", label="PyTorch eager", zorder=3)
-        elif _out_of_tolerance(s):
+        elif out_of_tolerance(s):
             ax.scatter([x], [y], s=area, marker="X", color=FAILED, alpha=0.8, zorder=3)
         else:
             ax.scatter([x], [y], s=area, color=FRONTIER if s.pareto else CANDIDATE,
                        edgecolors="black" if s.pareto else "none", linewidths=1.5, alpha=0.85, zorder=3)
         ax.annotate(s.name, (x, y), xytext=(6, 6), textcoords="offset points", fontsize=8)
-    frontier = sorted((_headline(s).p50_ms, _error(s)) for s in points if s.pareto)
+    frontier = sorted((s.headline.p50_ms, _error(s)) for s in points if s.pareto)
     if len(frontier) > 1:
         xs, ys = zip(*frontier)
         ax.step(xs, ys, where="post", color=FRONTIER, lw=2, zorder=2, label="Pareto frontier")
@@ -167,7 +152,7 @@ def _pareto_svg(report: RunReport) -> str:
     if tolerance is not None:
         ax.axhline(1 - tolerance, color=FAILED, ls="--", lw=1, label=f"tolerance (cosine {tolerance})")
     ax.set_yscale("symlog", linthresh=1e-6)
-    ax.set_xlabel(f"p50 latency, ms (batch {_headline_batch(report)})")
+    ax.set_xlabel(f"p50 latency, ms (batch {report.headline_batch})")
     ax.set_ylabel("accuracy error (1 − worst mean cosine)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -235,58 +220,13 @@ def _svg(fig, name: str) -> str:
     return f"<figure class='plot' id='plot-{name}'>{text}</figure>"
 
 
-def _headline(s: StageResult | None) -> Latency | None:
-    if s is None:
-        return None
-    return next((lat for lat in s.latency if lat.sweep is None), None)
-
-
-def _headline_batch(report: RunReport) -> int:
-    return (report.evaluation.get("batch_sizes") or [1])[0]
-
-
 def _p50(s: StageResult | None) -> float | None:
-    lat = _headline(s)
+    lat = s.headline if s else None
     return lat.p50_ms if lat else None
 
 
 def _error(s: StageResult) -> float:
     return s.accuracy.error if s.accuracy else 0.0
-
-
-def _out_of_tolerance(s: StageResult) -> bool:
-    return bool(s.accuracy and not s.accuracy.within_tolerance)
-
-
-def _status_cell(s: StageResult) -> str:
-    colour = FAILED if s.status != "ok" else OUT if _out_of_tolerance(s) else OK
-    text = s.status + (" (cached)" if s.cached and s.status == "ok" else "")
-    return f"<span style='color:{colour}'>{text}</span>"
-
-
-def _cosine_cell(s: StageResult) -> str:
-    if not s.accuracy:
-        return ""
-    text = html.escape(f"{s.accuracy.worst_cosine:.5f}" + guard_figure(s.accuracy))
-    return text if s.accuracy.within_tolerance else f"<span style='color:{FAILED}'>{text} ⚠</span>"
-
-
-def _cosine_delta(parent: StageResult | None, s: StageResult) -> str:
-    if not (parent and parent.accuracy and s.accuracy):
-        return ""
-    return f"{s.accuracy.worst_cosine - parent.accuracy.worst_cosine:+.5f}"
-
-
-def _ratio(base: float | None, value: float | None) -> str:
-    return f"{base / value:.2f}x" if base and value else ""
-
-
-def _pct(before: int | None, after: int | None) -> str:
-    return f"{(after - before) / before * 100:+.0f}%" if before and after else ""
-
-
-def _f(value: Any, fmt: str) -> str:
-    return "" if value is None else format(value, fmt)
 
 
 _STYLE = """

@@ -137,7 +137,7 @@ def inspect_run(run_dir: str | Path) -> list[dict[str, Any]]:
             "nodes": graph["nodes"] if graph else None,
             "fused": sum(graph["fused_ops"].values()) if graph else None,
             "precision": _mix_text(graph["precision_mix"]) if graph else "",
-            "p50_ms": result.latency[0].p50_ms if result.latency else None,
+            "p50_ms": result.headline.p50_ms if result.headline else None,
             "cosine": result.accuracy.worst_cosine if result.accuracy else None,
             "size_bytes": result.size_bytes,
         })

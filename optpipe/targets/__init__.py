@@ -2,7 +2,7 @@
 
 `run_targets` runs after the report is built (from `compile_recipe`): each recipe target
 writes its artifact for each of its stages (default: the Pareto frontier) under
-`<run>/targets/<kind>/`, records "ok" / "skipped: <reason>" / "failed: <reason>" in the
+`<run>/targets/<kind>/`, records a TargetResult (status ok / skipped / failed, reason apart) in the
 report, and the run folder gets a manifest of every artifact. `export_stage` does the same
 later for one stage of a finished run, without recomputing anything.
 """
@@ -15,12 +15,13 @@ import shutil
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
 from optpipe.errors import OptpipeError, RecipeError, TargetError, first_line
 from optpipe.recipe import Recipe, TargetSpec, describe_validation_error, parse_recipe
+from optpipe.results import RunReport
 from optpipe.targets.base import PARAMS, StageView, TargetJob, TargetParams, TargetResult
 from optpipe.targets.manifest import write_manifest
 
@@ -53,7 +54,7 @@ def target_params(spec: TargetSpec, where: str) -> TargetParams:
 
 def run_targets(
     recipe: Recipe,
-    report,
+    report: RunReport,
     run_dir: Path,
     cache,
     providers: str = "auto",
@@ -79,14 +80,14 @@ def run_targets(
         params = target_params(spec, f"targets.{index}.params")
         stages = spec.stages or list(report.pareto)
         if not stages:
-            results.append(TargetResult(kind=spec.kind, stage="", status=(
-                f"skipped: no stage is on the Pareto frontier (none finished within tolerance); name stages in targets.{index}.stages")))
+            results.append(TargetResult(kind=spec.kind, stage="", status="skipped", reason=(
+                f"no stage is on the Pareto frontier (none finished within tolerance); name stages in targets.{index}.stages")))
             continue
         for stage in stages:
             notify("stage_start", f"target {spec.kind} {stage}", "writing")
             view = views(stage)
             if view is None:
-                result = TargetResult(kind=spec.kind, stage=stage, status=f"skipped: {_why_missing(report, stage)}")
+                result = TargetResult(kind=spec.kind, stage=stage, status="skipped", reason=_why_missing(report, stage))
             else:
                 job = TargetJob(
                     recipe=recipe, spec=spec, params=params, stage=view, out_dir=_out_dir(run_dir / "targets", spec.kind, stage),
@@ -95,8 +96,8 @@ def run_targets(
                 )
                 result = run_one(job)
             results.append(result)
-            notify("stage_end", f"target {spec.kind} {stage}", _label(result), _detail(result))
-    report.targets = [r.model_dump(mode="json") for r in results]
+            notify("stage_end", f"target {spec.kind} {stage}", result.status, _detail(result))
+    report.targets = results
     write_manifest(run_dir, recipe.name, results)
     return results
 
@@ -108,10 +109,10 @@ def run_one(job: TargetJob) -> TargetResult:
     try:
         return build(job)
     except OptpipeError as exc:
-        return job.result(f"failed: {exc}")
+        return job.result("failed", str(exc))
     except Exception as exc:  # a bug or a library refusing the model must not stop the other targets
         log.debug("target %s for %s failed:\n%s", job.spec.kind, job.stage.name, traceback.format_exc())
-        return job.result(f"failed: {job.spec.kind} target error ({type(exc).__name__}: {first_line(exc)})")
+        return job.result("failed", f"{job.spec.kind} target error ({type(exc).__name__}: {first_line(exc)})")
 
 
 def export_stage(
@@ -128,7 +129,6 @@ def export_stage(
     params for that kind of target are used where the recipe has one.
     """
     from optpipe.cache.store import StageCache, default_cache_dir
-    from optpipe.reporting.run_report import RunReport
     from optpipe.targets.measure import Measurer
 
     if kind not in BUILDERS:
@@ -203,27 +203,7 @@ def _out_dir(targets_dir: Path, kind: str, stage: str) -> Path:
     return targets_dir / kind if kind == "triton" else targets_dir / kind / stage
 
 
-def _label(result: TargetResult) -> str:
-    return result.status.split(":", 1)[0]
-
-
 def _detail(result: TargetResult) -> str:
     if result.ok:
         return f"{result.path} ({result.precision}" + (f", {result.provider})" if result.provider else ")")
-    return result.status.split(":", 1)[1].strip() if ":" in result.status else ""
-
-
-def render_targets_markdown(targets: Iterable[dict]) -> list[str]:
-    """The report's 'Targets' section (a view of report.targets)."""
-    rows = list(targets)
-    if not rows:
-        return []
-    lines = ["## Targets", "", "| target | stage | status | precision | provider | p50 ms | artifact |", "|---|---|---|---|---|---|---|"]
-    for row in rows:
-        latency = row.get("latency") or []
-        p50 = f"{latency[0]['p50_ms']:.2f}" if latency else ""
-        lines.append(
-            f"| {row['kind']} | {row['stage']} | {row['status']} | {row.get('precision') or ''} | "
-            f"{row.get('provider') or ''} | {p50} | {row.get('path') or ''} |"
-        )
-    return lines + [""]
+    return result.reason or ""

@@ -1,8 +1,8 @@
 """What every target shares: its typed params, the job it is given, and the result it records.
 
 A target turns one finished stage (its folder under `<run>/stages/<name>/` and its row of
-the report) into an artifact a serving stack loads as is. Its result is data: status
-("ok", "skipped: <reason>", "failed: <reason>"), the files with their hashes, and the
+the report) into an artifact a serving stack loads as is. Its result is data
+(optpipe.results.TargetResult): status ("ok", "skipped", "failed") and the reason apart, the files with their hashes, and the
 precision, accuracy and latency that belong to the artifact, with the provider that
 measured them.
 """
@@ -17,7 +17,7 @@ import onnx
 from pydantic import BaseModel, ConfigDict, Field
 
 from optpipe.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
-from optpipe.results import Accuracy, Latency, StageResult
+from optpipe.results import StageResult, TargetResult, TargetStatus
 from optpipe.recipe import Recipe, TargetSpec
 
 
@@ -53,30 +53,6 @@ class TritonParams(TargetParams):
 
 
 PARAMS: dict[str, type[TargetParams]] = {"ort": OrtParams, "tensorrt": TensorRTParams, "triton": TritonParams}
-
-
-class TargetResult(BaseModel):
-    """One artifact written (or not) for one stage: the row of the report's targets and of the manifest."""
-
-    kind: str
-    stage: str
-    status: str = Field(description='"ok", "skipped: <reason>" or "failed: <reason>"')
-    path: Optional[str] = Field(None, description="the artifact folder, relative to the run (or export) folder")
-    precision: Optional[str] = None
-    provider: Optional[str] = Field(None, description="what measured the accuracy and latency below")
-    accuracy: Optional[Accuracy] = None
-    latency: list[Latency] = Field(default_factory=list)
-    files: dict[str, str] = Field(default_factory=dict, description="file (relative to path) -> sha256")
-    hash: Optional[str] = Field(None, description="one hash over the files")
-    details: dict[str, Any] = Field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def failed(self) -> bool:
-        return self.status.startswith("failed")
 
 
 @dataclass
@@ -118,8 +94,8 @@ class TargetJob:
     stages_defaulted: bool = False  # stages came from the Pareto frontier, not the recipe
     extras: dict[str, Any] = field(default_factory=dict)
 
-    def result(self, status: str, **fields: Any) -> TargetResult:
-        return TargetResult(kind=self.spec.kind, stage=self.stage.name, status=status, **fields)
+    def result(self, status: TargetStatus, reason: Optional[str] = None, **fields: Any) -> TargetResult:
+        return TargetResult(kind=self.spec.kind, stage=self.stage.name, status=status, reason=reason, **fields)
 
 
 def copy_model(stage: StageView, folder: Path, name: str = MODEL_FILE) -> list[Path]:

@@ -24,7 +24,7 @@ def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Pa
     check_verdict(run_dir, stage, allow_out_of_tolerance)
     result = export_stage(run_dir, stage, kind, to, cache_dir=cache_dir)
     where = to / result.path if result.path else to
-    click.echo(f"{kind} {stage}: {result.status}" + (f" -> {where}" if result.ok else ""))
+    click.echo(f"{kind} {stage}: {result.describe()}" + (f" -> {where}" if result.ok else ""))
     click.echo(f"manifest: {to / 'manifest.json'}")
     if result.failed:
         sys.exit(1)

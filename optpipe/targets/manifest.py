@@ -6,10 +6,10 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from optpipe.targets.base import TargetResult
+from optpipe.results import TargetResult
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: status and reason apart
 
 
 def write_manifest(folder: Path, recipe: str, results: list[TargetResult]) -> Path:
@@ -33,6 +33,7 @@ def manifest_entry(result: TargetResult) -> dict:
         "target": result.kind,
         "stage": result.stage,
         "status": result.status,
+        "reason": result.reason,
         "path": result.path,
         "precision": result.precision,
         "provider": result.provider,

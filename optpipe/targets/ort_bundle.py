@@ -47,7 +47,7 @@ def write_bundle(job: TargetJob) -> TargetResult:
         path=relative(folder, job.root),
         precision=settings["precision"],
         # The bundle is the stage's model with the settings it was measured with: its numbers are the stage's.
-        provider=stage.latency[0].provider if stage and stage.latency else settings["providers"][0],
+        provider=stage.headline.provider if stage and stage.headline else settings["providers"][0],
         accuracy=stage.accuracy if stage else None,
         latency=stage.latency if stage else [],
         files=files,

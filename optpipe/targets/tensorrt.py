@@ -9,7 +9,7 @@
   model, the build settings, the TensorRT version and the GPU.
 - 2:4 sparse weights: enabled where the weights hold the pattern (or the prune stage says so).
 
-Where TensorRT or a CUDA device is missing, the target is "skipped: <reason>" and the exact
+Where TensorRT or a CUDA device is missing, the target is skipped (with the reason) and the exact
 build command (polygraphy convert, and the trtexec equivalent) is written beside the ONNX.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def build_target(job: TargetJob) -> TargetResult:
     try:
         result = _build_target(job)
     except TargetError as exc:
-        result = job.result(f"failed: {exc}")
+        result = job.result("failed", str(exc))
     job.extras.setdefault("engines", {})[engine_result_key(job.stage.name, job.params)] = result
     return result
 
@@ -89,7 +89,7 @@ def _build_target(job: TargetJob) -> TargetResult:
     refusal = standard_op_refusal(job)
     if refusal:
         if job.stages_defaulted:
-            return job.result(f"skipped: {refusal}")
+            return job.result("skipped", refusal)
         raise TargetError(refusal)
     missing = tensorrt_missing()
     features = ASSUMED_FEATURES if missing else probe_features()
@@ -107,7 +107,7 @@ def _build_target(job: TargetJob) -> TargetResult:
         files, digest = hash_files(folder)
         where = relative(folder / SCRIPT_FILE, job.root)
         return job.result(
-            f"skipped: {missing}; the build command is in {where}",
+            "skipped", f"{missing}; the build command is in {where}",
             path=relative(folder, job.root), precision=plan.precision, files=files, hash=digest, details=details,
         )
     plan_path = build_engine(job, plan, features)

@@ -49,7 +49,7 @@ def write_repository(job: TargetJob) -> TargetResult:
     if params.platform == "tensorrt":
         engine = engine_for(job)
         if not engine.ok:
-            return job.result(engine.status, details={"model": name, "platform": PLATFORMS["tensorrt"]})
+            return job.result(engine.status, engine.reason, details={"model": name, "platform": PLATFORMS["tensorrt"]})
     if version_dir.exists():
         shutil.rmtree(version_dir)  # a stale model.onnx beside a new model.plan would confuse a reader
     version_dir.mkdir(parents=True)
@@ -65,7 +65,7 @@ def write_repository(job: TargetJob) -> TargetResult:
         "ok",
         path=relative(folder, job.root),
         precision=engine.precision if engine else precision_of(job.stage.graph),
-        provider=(engine.provider if engine else (source.latency[0].provider if source and source.latency else None)),
+        provider=(engine.provider if engine else (source.headline.provider if source and source.headline else None)),
         accuracy=source.accuracy if source else None,
         latency=source.latency if source else [],
         files=files,

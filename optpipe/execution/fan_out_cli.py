@@ -1,0 +1,47 @@
+"""`optpipe compile` for several recipes, searches, and the Ray executor: the command's output and exit code."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from optpipe.errors import OptpipeError
+from optpipe.recipe import Recipe
+
+
+def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str | None, output: Path | None, force: bool,
+                       only: str | None, cache_dir: Path | None, yes: bool, group_by_node: bool) -> int:
+    from optpipe.execution.executors import LocalExecutor
+    from optpipe.execution.fan_out import compile_recipes
+    from optpipe.reporting.run_report import stage_table
+
+    if only is not None:
+        raise OptpipeError("--only runs one recipe's stage and its ancestors; it does not combine with searches, "
+                           "several recipes or --executor ray")
+    if executor_name == "ray":
+        from optpipe.execution.ray_executor import RayExecutor
+
+        executor = RayExecutor(address)
+    else:
+        executor = LocalExecutor()
+    try:
+        reports = compile_recipes(recipes, executor, cache_dir=cache_dir, output=output, force=force, yes=yes,
+                                  group_by_node=group_by_node)
+    finally:
+        executor.close()
+    code = 0
+    for recipe, (report, failed) in zip(recipes, reports):
+        run_dir = output or recipe.resolve(recipe.output)
+        if report.search is None:
+            click.echo(stage_table(report))
+        click.echo(f"report {recipe.name}: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)")
+        for stage in [s for s in failed if s.status == "failed"]:
+            click.echo(f"error: {recipe.name}: stage '{stage.name}' failed: {stage.reason}", err=True)
+        for target in report.failed_targets:
+            click.echo(f"error: {recipe.name}: target {target.kind} for '{target.stage}' failed: {target.reason}", err=True)
+            code = 1
+        if failed:
+            code = 1
+    sys.stdout.flush()
+    return code

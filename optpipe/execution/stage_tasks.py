@@ -1,0 +1,104 @@
+"""One stage, one evaluation: the units an executor schedules (in this process or as Ray tasks).
+
+Each function rebuilds what it needs from the recipe and the cache folder, so it can run in
+any process that sees the cache; it returns plain data (a StageOutcome, StageResults). The
+pass itself, the cache protocol (key lock, atomic publish) and the evaluation are the
+pipeline's own: nothing here re-implements them.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from optpipe.cache.store import StageCache
+from optpipe.results import StageResult
+from optpipe.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """What a task needs besides the recipe; plain values, so it pickles to any node."""
+
+    cache_dir: Path
+    run_dir: Path
+    force: bool = False
+    providers: str = "auto"
+
+
+def run_stage(recipe: Recipe, name: str, parent, settings: TaskSettings):
+    """The stage's model: a cache hit, or its pass run and published; `parent` is its parent's outcome."""
+    from optpipe.pipeline import PassManager, RunOptions, RunServices, StageOutcome
+    from optpipe.validate import validate_recipe
+
+    if parent is not None and parent.status != "ok":
+        return StageOutcome("skipped", reason=f"parent stage '{recipe.stages[name].after}' {parent.status}")
+    _, passes = validate_recipe(recipe)
+    cache = StageCache(settings.cache_dir)
+    (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    options = RunOptions(output=settings.run_dir, force=settings.force, cache_dir=settings.cache_dir, providers=settings.providers)
+    manager = PassManager(recipe, cache, RunServices(recipe, cache), settings.run_dir, options)
+    try:
+        return manager.run_stage(name, passes[name], parent.artifact if parent else None)
+    finally:
+        cache.release_leases()
+
+
+def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | None, eager: bool,
+             settings: TaskSettings) -> list[StageResult]:
+    """Accuracy against `reference` and latency of each stage in `names` (and the eager baseline
+    first when `eager`), each result stamped with the node that measured it."""
+    from optpipe.pipeline import RunOptions, RunServices, evaluate_stages
+
+    cache = StageCache(settings.cache_dir)
+    evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
+    scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
+    options = RunOptions(output=settings.run_dir, force=settings.force, cache_dir=settings.cache_dir, providers=settings.providers)
+    try:
+        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, options)
+    finally:
+        cache.release_leases()
+    node = node_description()
+    for result in results:
+        if result.latency:
+            result.measured_on = node
+    return results
+
+
+def node_description() -> dict:
+    """Where a figure was measured: the host, its CPU model and count, its GPUs, and the Ray node."""
+    from optpipe.reporting.run_report import machine_description
+
+    machine = machine_description()
+    node = {"host": platform.node(), "cpu": machine["processor"], "cores": os.cpu_count(), "gpu": _gpu_names()}
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node["ray_node"] = ray.get_runtime_context().get_node_id()[:12]
+    except ImportError:
+        pass
+    return node
+
+
+def hardware_class(node: dict) -> str:
+    """Figures are comparable when measured on the same kind of machine: CPU model, cores, GPUs."""
+    gpu = ",".join(node.get("gpu") or []) or "no GPU"
+    return f"{node.get('cpu')} x{node.get('cores')} / {gpu}"
+
+
+def _gpu_names() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return []
+    try:
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return []
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    except (ImportError, OSError, subprocess.SubprocessError):
+        return []

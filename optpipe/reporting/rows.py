@@ -1,0 +1,211 @@
+"""The stage table as data: one `StageRow` per stage, rendered by both report.md and report.html.
+
+A column is one entry of `COLUMNS`: a header and a function from the row's context (the
+stage, its parent, the eager baseline) to a `Cell`. Adding a column to both views is one
+line here. A cell carries its text and a tone (ok / out of tolerance / failed) that each
+view shows its own way (a ⚠ in Markdown, a colour in HTML).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+from optpipe.results import Accuracy, RunReport, StageResult
+
+Tone = Optional[Literal["ok", "out", "failed"]]
+
+
+@dataclass(frozen=True)
+class Cell:
+    text: str = ""
+    tone: Tone = None
+
+
+@dataclass(frozen=True)
+class RowContext:
+    stage: StageResult
+    parent: Optional[StageResult]
+    eager: Optional[StageResult]
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    cell: Callable[[RowContext], Cell]
+
+
+@dataclass(frozen=True)
+class StageRow:
+    stage: StageResult
+    cells: list[Cell]
+
+
+def stage_rows(report: RunReport) -> list[StageRow]:
+    eager = report.stage(report.baseline) if report.baseline else None
+    rows = []
+    for stage in report.stages:
+        context = RowContext(stage, report.stage(stage.parent) if stage.parent else None, eager)
+        rows.append(StageRow(stage, [column.cell(context) for column in COLUMNS]))
+    return rows
+
+
+def headers() -> list[str]:
+    return [column.header for column in COLUMNS]
+
+
+def table_note(report: RunReport) -> str:
+    return (f"Latency at batch {report.headline_batch}; 'vs' columns are speed-ups (>1x is faster); Δ columns are against "
+            "the stage's parent; 'vs eager' is against PyTorch eager timed interleaved with that stage; "
+            "⚠busy: the machine was busy while it was timed, don't trust that ratio." + "".join(" " + n for n in timing_notes(report)))
+
+
+def timing_notes(report: RunReport) -> list[str]:
+    """How far PyTorch eager moved between stages, and which figures were timed on a busy machine."""
+    notes = []
+    beside = [s.headline.eager_p50_ms for s in report.stages if s.headline and s.headline.eager_p50_ms]
+    if beside:
+        lo, hi = min(beside), max(beside)
+        notes.append(f"PyTorch eager, re-timed beside each of {len(beside)} stages: p50 {lo:.2f} to {hi:.2f} ms (spread {(hi - lo) / lo:.0%}).")
+    for s in report.stages:
+        busy = [lat for lat in s.latency if lat.unreliable]
+        if busy:
+            loads = [lat.load_average for lat in busy if lat.load_average is not None]
+            load = f", load average {max(loads):.1f}" if loads else ""
+            notes.append(f"⚠ {s.name}: {len(busy)} of {len(s.latency)} latency figures unreliable ({busy[0].unreliable}{load}).")
+    return notes
+
+
+# --- cells -----------------------------------------------------------------------------------
+
+
+def out_of_tolerance(stage: StageResult) -> bool:
+    return bool(stage.accuracy and not stage.accuracy.within_tolerance)
+
+
+def guard_figure(accuracy: Accuracy) -> str:
+    """The pass's guard figure beside the report's, where the two disagree (the stricter is the verdict)."""
+    guard = accuracy.guard
+    if guard is None or (guard.within_tolerance and abs(guard.cosine - accuracy.worst_cosine) < 1e-3):
+        return ""
+    return f" (guard {guard.cosine:.5f}, {guard.numerics})"
+
+
+def _status(c: RowContext) -> Cell:
+    s = c.stage
+    tone: Tone = "failed" if s.status != "ok" else "out" if out_of_tolerance(s) else "ok"
+    return Cell(s.status + (" (cached)" if s.cached and s.status == "ok" else ""), tone)
+
+
+def _cosine(c: RowContext) -> Cell:
+    accuracy = c.stage.accuracy
+    if not accuracy:
+        return Cell()
+    text = f"{accuracy.worst_cosine:.5f}" + guard_figure(accuracy) + meaningless_mark(accuracy)
+    return Cell(text, None if accuracy.within_tolerance and not accuracy.warnings else "out")
+
+
+def meaningless_mark(accuracy: Accuracy) -> str:
+    """Marks a figure measured on outputs that barely depend on the inputs (see the Warnings section)."""
+    return " (meaningless: inputs barely matter)" if accuracy.warnings else ""
+
+
+TASK_HEADLINES = {"top1_agreement": "top-1 agree", "top5_agreement": "top-5 agree", "class_agreement": "class agree",
+                  "map50": "mAP@0.5", "next_token_agreement": "next-token agree", "perplexity_ratio": "ppl ×",
+                  "token_cosine": "token cosine"}
+
+
+def _task(c: RowContext) -> Cell:
+    """The task metric (evaluate.task), which is the verdict when the recipe names one."""
+    task = c.stage.accuracy.task if c.stage.accuracy else None
+    if task is None:
+        return Cell()
+    shown = {TASK_HEADLINES[k]: v for k, v in task.metrics.items() if k in TASK_HEADLINES and v is not None}
+    shown.update({f"labels {k}": v for k, v in task.labels.items() if not k.startswith("reference") and v is not None})
+    text = " · ".join(f"{k} {v:.3f}" for k, v in shown.items()) or "not measured"
+    return Cell(text, "out" if task.violations else None)
+
+
+def grouped_warnings(stages: list[StageResult]) -> dict[str, list[str]]:
+    """Each distinct warning with the stages it concerns (an input-insensitive eval set concerns them all)."""
+    grouped: dict[str, list[str]] = {}
+    for s in stages:
+        for w in s.warnings:
+            grouped.setdefault(w, []).append(s.name)
+    return grouped
+
+
+def _cosine_delta(c: RowContext) -> Cell:
+    if not (c.parent and c.parent.accuracy and c.stage.accuracy):
+        return Cell()
+    return Cell(f"{c.stage.accuracy.worst_cosine - c.parent.accuracy.worst_cosine:+.5f}")
+
+
+def _max_abs(c: RowContext) -> Cell:
+    accuracy = c.stage.accuracy
+    return Cell(_f(max((o.max_abs for o in accuracy.outputs), default=None) if accuracy else None, ".2e"))
+
+
+def _p50(stage: Optional[StageResult]) -> Optional[float]:
+    headline = stage.headline if stage else None
+    return headline.p50_ms if headline else None
+
+
+def _p90(stage: StageResult) -> Optional[float]:
+    return stage.headline.p90_ms if stage.headline else None
+
+
+def _peak_mb(stage: StageResult) -> Optional[float]:
+    return stage.memory.host_rss_bytes / 1e6 if stage.memory and stage.memory.host_rss_bytes is not None else None
+
+
+def _precision(c: RowContext) -> Cell:
+    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning."""
+    if not c.stage.coverage:
+        return Cell()
+    return Cell(c.stage.coverage.summary(), "out" if c.stage.warnings else None)
+
+
+def _vs_eager(c: RowContext) -> Cell:
+    """Against the eager figure timed beside this stage; else (results from before that) the eager row's own."""
+    headline = c.stage.headline
+    if headline is not None and headline.eager_p50_ms:
+        return _busy_marked(_ratio(headline.eager_p50_ms, headline.p50_ms), c.stage)
+    return _busy_marked(_ratio(_p50(c.eager), _p50(c.stage)), c.stage, c.eager)
+
+
+def _busy_marked(text: str, *stages: Optional[StageResult]) -> Cell:
+    busy = text and any(s is not None and s.headline is not None and s.headline.unreliable for s in stages)
+    return Cell(text + " ⚠busy" if busy else text)
+
+
+def _ratio(base: Optional[float], value: Optional[float]) -> str:
+    return f"{base / value:.2f}x" if base and value else ""
+
+
+def _pct(before: Optional[int], after: Optional[int]) -> str:
+    return f"{(after - before) / before * 100:+.0f}%" if before and after else ""
+
+
+def _f(value: Optional[float], fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+COLUMNS: list[Column] = [
+    Column("stage", lambda c: Cell(c.stage.name)),
+    Column("pass", lambda c: Cell(c.stage.pass_name)),
+    Column("after", lambda c: Cell(c.stage.parent or "")),
+    Column("status", _status),
+    Column("p50 ms", lambda c: Cell(_f(_p50(c.stage), ".2f"))),
+    Column("p90 ms", lambda c: Cell(_f(_p90(c.stage), ".2f"))),
+    Column("vs eager", _vs_eager),
+    Column("vs parent", lambda c: _busy_marked(_ratio(_p50(c.parent), _p50(c.stage)), c.stage, c.parent)),
+    Column("cosine", _cosine),
+    Column("Δ cosine", _cosine_delta),
+    Column("max abs", _max_abs),
+    Column("size MB", lambda c: Cell(_f(c.stage.size_bytes / 1e6 if c.stage.size_bytes else None, ".1f"))),
+    Column("Δ size", lambda c: Cell(_pct(c.parent.size_bytes if c.parent else None, c.stage.size_bytes))),
+    Column("peak mem MB", lambda c: Cell(_f(_peak_mb(c.stage), ".0f"))),
+    Column("task metric", _task),
+    Column("precision (MACs)", _precision),
+    Column("frontier", lambda c: Cell("★" if c.stage.pareto else "")),
+]

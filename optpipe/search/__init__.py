@@ -1,0 +1,1 @@
+"""Search spaces over pass params: grid or Optuna, every trial an ordinary cached stage."""

@@ -1,0 +1,125 @@
+"""A search run: rounds of trials from the strategy, each trial ordinary cached stages,
+until the budget (trials, wall time) or the space is spent. Failed trials are results too:
+they are reported with their reason and the search goes on."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from optpipe.dag import build_dag, execution_order
+from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail, settings_for
+from optpipe.execution.fan_out import finish_run, reference_of, wants_eager
+from optpipe.results import StageResult
+from optpipe.recipe import Recipe
+from optpipe.results import RunReport
+from optpipe.search.report import search_section
+from optpipe.search.space import SearchSpace, Trial
+from optpipe.search.spec import SearchSettings
+from optpipe.search.strategies import make_proposer, resolve_strategy
+from optpipe.validate import validate_recipe
+
+
+@dataclass
+class TrialRecord:
+    number: int
+    trial: Trial
+    stage: str | None  # the trial's last stage in the expanded recipe
+    repeat_of: int | None = None  # optuna may propose a point again: measured once, listed once
+
+
+class SearchDriver:
+    def __init__(self, recipe: Recipe, run_dir: Path, cache_dir: Path, force: bool, providers: str, yes: bool):
+        self.recipe = recipe
+        self.run_dir = run_dir
+        self.space = SearchSpace(recipe)
+        self.settings = recipe.evaluate.search or SearchSettings()
+        self.strategy, self.budget = resolve_strategy(self.space, self.settings, yes)
+        _validate_every_value(self.space)
+        self.proposer = make_proposer(self.space, self.settings, self.strategy, self.budget)
+        self.task_settings = settings_for(recipe, cache_dir, run_dir, force, providers)
+        self.memo = RunMemo()
+        self.records: list[TrialRecord] = []
+        self.pending: list[tuple[Any, Trial]] = []
+        self.expanded, self.leaves = self.space.expand([])
+        self.started: float | None = None
+        self.stopped = ""
+
+    # The driver protocol of optpipe.execution.fan_out.
+    def next_plan(self, slots: int) -> Plan | None:
+        self.started = self.started or time.perf_counter()
+        count = self._room(slots)
+        if count == 0:
+            return None
+        self.pending = self.proposer.ask(count)
+        trials = [r.trial for r in self.records] + [t for _, t in self.pending]
+        self.expanded, self.leaves = self.space.expand(list(dict.fromkeys(trials)))
+        order = execution_order(build_dag(self.expanded))
+        new = [name for name in order if name not in self.memo.results]
+        eager = wants_eager(self.recipe) and self.memo.eager is None
+        return Plan(self.recipe.name, self.expanded, new, reference_of(self.expanded), eager, self.task_settings, self.memo)
+
+    def absorb(self, progress: Progress) -> None:
+        seen = {r.trial: r.number for r in self.records if r.repeat_of is None}
+        total = self.budget or self.space.size
+        for handle, trial in self.pending:
+            stage = self.leaves.get(trial)
+            result = self.memo.results.get(stage) if stage else None
+            self.proposer.tell(handle, result)
+            record = TrialRecord(len(self.records) + 1, trial, stage, seen.get(trial))
+            seen.setdefault(trial, record.number)
+            self.records.append(record)
+            detail = result_detail(result) if result else "nothing to measure: every searched stage is off"
+            status = result.status if result else "failed"
+            params = ", ".join(f"{k}={v}" for k, v in trial.values)
+            again = f" (repeat of trial {record.repeat_of})" if record.repeat_of else ""
+            progress.line(f"  trial {record.number}/{total} {status}{again}: {params} -> {stage} — {detail}")
+        self.pending = []
+
+    def finish(self, group_by_node: bool, providers: str, progress: Progress) -> RunReport:
+        wall = time.perf_counter() - (self.started or time.perf_counter())
+        order = execution_order(build_dag(self.expanded))
+
+        def section(report: RunReport) -> dict:
+            return search_section(self, report, wall)
+
+        report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings.cache_dir, providers,
+                            group_by_node, section)
+        s = report.search
+        best = s["best"]["stage"] if s.get("best") else "none within tolerance"
+        progress.line(f"search {self.recipe.name}: {len(s['trials'])} trials ({s['counts']}), stopped: {s['stopped']}, "
+                      f"frontier: {', '.join(s['frontier']) or 'none'}; best: {best}; wall {wall:.1f}s")
+        return report
+
+    def failed(self, report: RunReport) -> list[StageResult]:
+        """Stages outside the trials that failed; a failed trial is a search result, unless every trial failed."""
+        trial_stages = set(self.expanded.stages) - set(self.recipe.stages)
+        outside = [s for s in report.failed if s.name not in trial_stages]
+        trials = [report.stage(r.stage) for r in self.records if r.stage]
+        if self.records and not any(t is not None and t.status == "ok" for t in trials):
+            return outside + [t for t in trials if t is not None]
+        return outside
+
+    def _room(self, slots: int) -> int:
+        """How many trials the next round may start (0: the search is over, and why)."""
+        if self.budget is not None and len(self.records) >= self.budget:
+            self.stopped = f"budget of {self.budget} trials spent"
+            return 0
+        if self.settings.wall_time_s is not None and time.perf_counter() - self.started >= self.settings.wall_time_s:
+            self.stopped = f"wall-time budget of {self.settings.wall_time_s:g}s spent"
+            return 0
+        unique = len({r.trial for r in self.records})
+        if self.proposer.exhausted() or unique >= self.space.size and self.strategy == "optuna":
+            self.stopped = "every point of the space tried"
+            return 0
+        room = slots if self.budget is None else min(slots, self.budget - len(self.records))
+        return max(room, 0)
+
+
+def _validate_every_value(space: SearchSpace) -> None:
+    """Each value of each param through its pass's params check, before anything runs."""
+    first = {dim.key: dim.values[0] for dim in space.dimensions}
+    probes = [space.trial({**first, dim.key: value}) for dim in space.dimensions for value in dim.values]
+    recipe, _ = space.expand(list(dict.fromkeys(probes)))
+    validate_recipe(recipe)

@@ -1,0 +1,232 @@
+"""The search's part of the report: every trial with its params, the frontier over the trials,
+the best trial within tolerance, and each param's effect; data first, Markdown/HTML views of it.
+
+This module only formats: it imports nothing from optpipe.reporting (which calls it)."""
+from __future__ import annotations
+
+import html
+from typing import Any
+
+
+def search_section(driver, report, wall_s: float) -> dict[str, Any]:
+    trials = []
+    for record in driver.records:
+        stage = report.stage(record.stage) if record.stage else None
+        trials.append(_trial_row(record, stage))
+    refused = bool(report.hardware and report.hardware.get("frontier") == "refused")
+    objectives = driver.settings.objectives
+    frontier = [] if refused else trial_frontier(trials, objectives)
+    if report.hardware and report.hardware.get("frontier") == "per node type":
+        frontier = [name for name in frontier if name in report.pareto]
+    best = _best(trials)
+    counts: dict[str, int] = {}
+    for t in trials:
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    settings = driver.settings
+    return {
+        "strategy": driver.strategy,
+        "sampler": settings.sampler if driver.strategy == "optuna" else None,
+        "objectives": objectives,
+        "space": driver.space.describe(),
+        "space_size": driver.space.size,
+        "budget": {"trials": driver.budget, "wall_time_s": settings.wall_time_s},
+        "stopped": driver.stopped or "done",
+        "wall_s": round(wall_s, 1),
+        "counts": ", ".join(f"{n} {status}" for status, n in sorted(counts.items())),
+        "trials": trials,
+        "frontier": frontier,
+        "frontier_note": report.hardware.get("reason") if refused else None,
+        "best": best,
+        "effects": _effects(driver.space, trials),
+    }
+
+
+# Differences within these are noise, not a trade-off (as the report's own frontier):
+# p50 within 5%, accuracy error within 1e-6; size is exact.
+NOISE = {"latency": ("relative", 0.05), "accuracy": ("absolute", 1e-6), "size": ("absolute", 0.0)}
+
+
+def trial_frontier(trials: list[dict], objectives: list[str]) -> list[str]:
+    """The trials within tolerance that no other beats on the search's objectives (all minimised here)."""
+    points = {}
+    for t in trials:
+        if t["status"] != "ok" or t["repeat_of"] is not None or "p50_ms" not in t:
+            continue
+        values = {"latency": t["p50_ms"], "accuracy": 1.0 - t.get("cosine", 1.0), "size": float(t.get("size_bytes") or 0)}
+        points[t["stage"]] = {o: values[o] for o in objectives}
+    return [name for name, p in points.items() if not any(_dominates(q, p) for other, q in points.items() if other != name)]
+
+
+def _dominates(a: dict, b: dict) -> bool:
+    def slack(axis: str, value: float) -> float:
+        kind, amount = NOISE[axis]
+        return value * amount if kind == "relative" else amount
+
+    no_worse = all(a[o] <= b[o] + slack(o, b[o]) for o in a)
+    better = any(a[o] < b[o] - slack(o, b[o]) for o in a)
+    return no_worse and better
+
+
+def _trial_row(record, stage) -> dict[str, Any]:
+    off = {key.rsplit(".", 1)[0] for key, value in record.trial.values if key.endswith(".enabled") and value is False}
+    row: dict[str, Any] = {
+        "number": record.number,
+        # The params of a stage that is off played no part: they are left out.
+        "params": {k: v for k, v in record.trial.values if k.rsplit(".", 1)[0] not in off or k.endswith(".enabled")},
+        "stage": record.stage,
+        "repeat_of": record.repeat_of,
+        "status": "failed",
+        "reason": "every searched stage is off and the chain starts at the model: nothing to measure",
+    }
+    if stage is None:
+        return row
+    row.update(status=stage.status, reason=stage.reason, cached=stage.cached, size_bytes=stage.size_bytes,
+               measured_on=stage.measured_on)
+    if stage.latency:
+        row["p50_ms"] = stage.latency[0].p50_ms
+    if stage.accuracy:
+        row["cosine"] = stage.accuracy.worst_cosine
+        row["within_tolerance"] = stage.accuracy.within_tolerance
+        if stage.status == "ok" and not stage.accuracy.within_tolerance:
+            row["status"] = "out of tolerance"
+            row["reason"] = "; ".join(stage.accuracy.violations)
+    return row
+
+
+def _best(trials: list[dict]) -> dict | None:
+    """The fastest trial within tolerance (p50 at the first batch size); ties go to the more accurate."""
+    fit = [t for t in trials if t["status"] == "ok" and "p50_ms" in t and t["repeat_of"] is None]
+    if not fit:
+        return None
+    top = min(fit, key=lambda t: (t["p50_ms"], -t.get("cosine", 1.0)))
+    return {"number": top["number"], "stage": top["stage"], "rule": "lowest p50 within tolerance"}
+
+
+def _effects(space, trials: list[dict]) -> dict[str, list[dict]]:
+    """Per searched param and value: trials, how many held the tolerance, best p50, mean cosine
+    (a param of an optional stage counts only the trials where the stage is on)."""
+    effects = {}
+    unique = [t for t in trials if t["repeat_of"] is None]
+    for dim in space.dimensions:
+        rows = []
+        for value in dim.values:
+            group = [t for t in unique if t["params"].get(dim.key) == value]
+            if not group:
+                continue
+            ok = [t for t in group if t["status"] == "ok"]
+            cosines = [t["cosine"] for t in group if "cosine" in t]
+            latencies = [t["p50_ms"] for t in ok if "p50_ms" in t]
+            rows.append({
+                "value": value,
+                "trials": len(group),
+                "within_tolerance": len(ok),
+                "best_p50_ms": min(latencies) if latencies else None,
+                "mean_cosine": sum(cosines) / len(cosines) if cosines else None,
+                "worst_cosine": min(cosines) if cosines else None,
+            })
+        effects[dim.key] = rows
+    return effects
+
+
+# --- views ---------------------------------------------------------------------------------
+
+
+def render_search_markdown(search: dict | None, hardware: dict | None = None) -> list[str]:
+    lines: list[str] = []
+    if hardware and len(hardware.get("classes", [])) > 1:
+        lines += ["## Machines", "", *[f"- {c}" for c in hardware["classes"]], ""]
+        lines += [f"Frontier: {hardware.get('reason') or hardware.get('frontier')}", ""]
+    if not search:
+        return lines
+    budget = search["budget"]
+    lines += ["## Search", "",
+              f"{search['strategy']}" + (f" ({search['sampler']}, objectives: {', '.join(search['objectives'])})" if search.get("sampler") else "")
+              + f" over {search['space_size']} points; budget: {budget['trials'] or 'none'} trials, "
+              f"{budget['wall_time_s'] or 'no'} s wall; stopped: {search['stopped']}; {len(search['trials'])} trials "
+              f"({search['counts']}) in {search['wall_s']} s.", ""]
+    keys = list(search["space"])
+    lines += ["| # | " + " | ".join(keys) + " | stage | status | p50 ms | cosine | size KB | frontier |",
+              "|" + "---|" * (len(keys) + 7)]
+    for t in search["trials"]:
+        status = t["status"] + (f" (repeat of {t['repeat_of']})" if t.get("repeat_of") else "")
+        lines.append("| " + " | ".join([
+            str(t["number"]), *[str(t["params"].get(k, "—")) for k in keys], f"`{t['stage']}`", status,
+            _f(t.get("p50_ms"), ".3f"), _f(t.get("cosine"), ".5f"), _f(t["size_bytes"] / 1e3 if t.get("size_bytes") else None, ".1f"),
+            "★" if t["stage"] in search["frontier"] else "",
+        ]) + " |")
+    lines.append("")
+    if search.get("frontier_note"):
+        lines += [f"Frontier refused: {search['frontier_note']}", ""]
+    else:
+        lines += [f"Frontier over the trials ({', '.join(search['objectives'])}; within tolerance): "
+                  + (", ".join(f"`{n}`" for n in search["frontier"]) or "none"), ""]
+    best = search.get("best")
+    lines += [f"Best within tolerance ({best['rule']}): trial {best['number']}, `{best['stage']}`" if best
+              else "Best within tolerance: none of the trials held the tolerance", ""]
+    failed = [t for t in search["trials"] if t["status"] not in ("ok",) and not t.get("repeat_of")]
+    if failed:
+        lines += ["Trials that failed, were skipped or broke the tolerance:", ""]
+        lines += [f"- trial {t['number']} ({t['status']}): {t.get('reason')}" for t in failed]
+        lines.append("")
+    lines += ["### Effect of each param", ""]
+    for key, rows in search["effects"].items():
+        lines += [f"`{key}`:", "", "| value | trials | within tolerance | best p50 ms | mean cosine | worst cosine |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['value']} | {r['trials']} | {r['within_tolerance']} | {_f(r['best_p50_ms'], '.3f')} | "
+                  f"{_f(r['mean_cosine'], '.5f')} | {_f(r['worst_cosine'], '.5f')} |" for r in rows]
+        lines.append("")
+    return lines
+
+
+def render_search_html(search: dict | None, hardware: dict | None = None) -> str:
+    """The same tables as the Markdown view, as HTML (report.html's Search section)."""
+    if not search and not (hardware and len(hardware.get("classes", [])) > 1):
+        return ""
+    text = "\n".join(render_search_markdown(search, hardware))
+    return "<section><h2>Search</h2>\n" + _markdown_tables_to_html(text) + "\n</section>"
+
+
+def _markdown_tables_to_html(text: str) -> str:
+    out, table = [], []
+
+    def flush():
+        if table:
+            head, *body = [r for r in table if not set(r.replace("|", "").strip()) <= {"-"}]
+            cells = lambda row: [c.strip() for c in row.strip().strip("|").split("|")]  # noqa: E731
+            out.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cells(head)) + "</tr>"
+                       + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r)) + "</tr>" for r in body) + "</table>")
+            table.clear()
+
+    for line in text.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush()
+        if line.startswith("## "):
+            continue
+        if line.startswith("### "):
+            out.append(f"<h3>{html.escape(line[4:])}</h3>")
+        elif line.strip():
+            out.append(f"<p>{html.escape(line)}</p>")
+    flush()
+    return "\n".join(out)
+
+
+def _f(value, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+def render_trials_text(report) -> str:
+    """`optpipe inspect RUN`'s list of a search's trials (empty when the run was no search)."""
+    search = getattr(report, "search", None)
+    if not search:
+        return ""
+    lines = [f"\nsearch: {search['strategy']}, {len(search['trials'])} trials ({search['counts']}), stopped: {search['stopped']}"]
+    for t in search["trials"]:
+        params = ", ".join(f"{k}={v}" for k, v in t["params"].items())
+        figures = ", ".join(x for x in (_f(t.get("p50_ms"), ".3f") and f"p50 {t['p50_ms']:.3f} ms",
+                                         _f(t.get("cosine"), ".5f") and f"cosine {t['cosine']:.5f}") if x)
+        mark = " *frontier*" if t["stage"] in search["frontier"] else ""
+        best = " *best*" if search.get("best") and search["best"]["number"] == t["number"] else ""
+        reason = f" ({t['reason']})" if t["status"] != "ok" and t.get("reason") else ""
+        lines.append(f"  trial {t['number']:>3} {t['status']}{reason}: {params} -> {t['stage']}  {figures}{mark}{best}")
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""A recipe's search space, its trials, and the plain recipe a set of trials expands into.
+
+Every trial becomes ordinary stages of an expanded recipe (its params in the stage's params,
+so in its cache key): a rerun reuses finished trials, and widening the space computes only
+the new points. The searched stages and their descendants form a chain; each trial is one
+copy of that chain, named after its params (`int8-static__method-entropy__percentile-99.9`).
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from optpipe.artifact import sha256_json
+from optpipe.dag import build_dag, execution_order
+from optpipe.errors import RecipeError
+from optpipe.recipe import Recipe, StageSpec
+from optpipe.search.spec import choice_values
+
+ENABLED = "enabled"  # the pseudo-param of an optional stage: searched with (True) and without (False)
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+_MAX_NAME = 120
+
+
+@dataclass(frozen=True)
+class Dimension:
+    stage: str
+    param: str
+    values: tuple[Any, ...]
+
+    @property
+    def key(self) -> str:
+        return f"{self.stage}.{self.param}"
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One point of the space: a value per dimension, in the space's dimension order."""
+
+    values: tuple[tuple[str, Any], ...]  # (dimension key, value)
+
+    def get(self, key: str) -> Any:
+        return dict(self.values)[key]
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.values)
+
+
+class SearchSpace:
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.chain = _searched_chain(recipe)
+        self.dimensions = [dim for stage in self.chain for dim in _dimensions(recipe, stage)]
+        _check(recipe, self.chain, self.dimensions)
+
+    @staticmethod
+    def declared(recipe: Recipe) -> bool:
+        return any(spec.search or spec.optional for spec in recipe.stages.values())
+
+    @property
+    def size(self) -> int:
+        return len(self.grid())
+
+    def grid(self) -> list[Trial]:
+        """Every distinct point: an optional stage that is off has one point, whatever its params."""
+        keys = [dim.key for dim in self.dimensions]
+        combos = itertools.product(*(dim.values for dim in self.dimensions))
+        return list(dict.fromkeys(self.trial(dict(zip(keys, combo))) for combo in combos))
+
+    def trial(self, params: dict[str, Any]) -> Trial:
+        """The canonical trial for `params`: the params of a stage that is off at their first value."""
+        off = {dim.stage for dim in self.dimensions if dim.param == ENABLED and not params[dim.key]}
+        return Trial(tuple((dim.key, dim.values[0] if dim.stage in off and dim.param != ENABLED else params[dim.key])
+                           for dim in self.dimensions))
+
+    def expand(self, trials: list[Trial]) -> tuple[Recipe, dict[Trial, str | None]]:
+        """A plain recipe: the unsearched stages once, the searched chain once per trial.
+
+        Returns it with each trial's last stage (None when every stage of the trial is off
+        and the chain starts at the root: nothing to measure).
+        """
+        recipe = self.recipe
+        stages = {name: spec for name, spec in recipe.stages.items() if name not in self.chain}
+        leaves: dict[Trial, str | None] = {}
+        for trial in trials:
+            parent = recipe.stages[self.chain[0]].after
+            parts: list[str] = []
+            for stage in self.chain:
+                spec = recipe.stages[stage]
+                if spec.optional and not trial.get(f"{stage}.{ENABLED}"):
+                    parts.append(f"{stage}-off")
+                    continue
+                own = {d.param: trial.get(d.key) for d in self.dimensions if d.stage == stage and d.param != ENABLED}
+                parts += [f"{param}-{_text(value)}" for param, value in own.items()]
+                name = _stage_name(stage, parts)
+                stages[name] = spec.model_copy(update={"params": {**spec.params, **own}, "after": parent, "search": {}, "optional": False})
+                parent = name
+            leaves[trial] = parent
+        return recipe.model_copy(update={"stages": stages}), leaves
+
+    def describe(self) -> dict[str, list[Any]]:
+        return {dim.key: list(dim.values) for dim in self.dimensions}
+
+
+def _searched_chain(recipe: Recipe) -> list[str]:
+    graph = build_dag(recipe)
+    searched = [name for name, spec in recipe.stages.items() if spec.search or spec.optional]
+    subtree: set[str] = set(searched)
+    for name in searched:
+        subtree |= set(_descendants(graph, name))
+    chain = [name for name in execution_order(graph) if name in subtree]
+    for before, after in zip(chain, chain[1:]):
+        if recipe.stages[after].after != before:
+            raise RecipeError(
+                f"stages.{after}: the searched stages and the stages after them must form one chain "
+                f"('{after}' hangs off '{recipe.stages[after].after}', not '{before}'); search one branch per recipe"
+            )
+    return chain
+
+
+def _descendants(graph, name: str) -> list[str]:
+    import networkx as nx
+
+    return list(nx.descendants(graph, name))
+
+
+def _dimensions(recipe: Recipe, stage: str) -> list[Dimension]:
+    spec: StageSpec = recipe.stages[stage]
+    dims = [Dimension(stage, ENABLED, (True, False))] if spec.optional else []
+    for param, choices in spec.search.items():
+        values = tuple(dict.fromkeys(choice_values(choices)))  # order kept, repeats dropped
+        dims.append(Dimension(stage, param, values))
+    return dims
+
+
+def _check(recipe: Recipe, chain: list[str], dims: list[Dimension]) -> None:
+    for dim in dims:
+        if dim.param in recipe.stages[dim.stage].params:
+            raise RecipeError(f"stages.{dim.stage}.search.{dim.param}: also set in params; keep it in one of the two")
+        bad = [v for v in dim.values if not isinstance(v, (str, int, float, bool, type(None)))]
+        if bad:
+            raise RecipeError(f"stages.{dim.stage}.search.{dim.param}: choice {bad[0]!r} is not a plain value (text, number, true/false, null)")
+    if recipe.evaluate.reference in chain:
+        raise RecipeError(f"evaluate.reference: '{recipe.evaluate.reference}' is a searched stage; the reference must be one model")
+    for i, target in enumerate(recipe.targets):
+        named = [s for s in target.stages if s in chain]
+        if named:
+            raise RecipeError(f"targets.{i}.stages: '{named[0]}' is searched; leave `stages` empty to emit the search's frontier")
+
+
+def _text(value: Any) -> str:
+    text = _UNSAFE.sub("-", str(value)).strip("-.") or "x"
+    return text.replace("..", ".")
+
+
+def _stage_name(stage: str, parts: list[str]) -> str:
+    name = "__".join([stage, *parts])
+    if len(name) > _MAX_NAME or ".." in name:
+        name = f"{stage}__t{sha256_json(parts)[:10]}"
+    return name

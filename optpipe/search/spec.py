@@ -1,0 +1,81 @@
+"""The recipe's search settings, as typed objects (pydantic only: recipe.py imports this module).
+
+A stage declares `search: {param: choices}`; choices are a list, or a range with a step
+(`{min: 0.1, max: 0.5, step: 0.1}`). `optional: true` searches the stage with and without
+itself. `evaluate.search` picks the strategy and the budget.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: A grid without a budget that would run more trials than this asks for `--yes` first.
+GRID_CONFIRM_LIMIT = 64
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StepRange(_Strict):
+    """min, min+step, ..., up to max (included when it falls on a step)."""
+
+    min: float
+    max: float
+    step: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.max < self.min:
+            raise ValueError(f"expected min <= max, got {self.min}, {self.max}")
+        if (self.max - self.min) / self.step > 10_000:
+            raise ValueError(f"{(self.max - self.min) / self.step:.0f} steps is too many; use a larger step")
+        return self
+
+    def values(self) -> list[Union[int, float]]:
+        count = math.floor((self.max - self.min) / self.step + 1e-9) + 1
+        # Rounded to the step's decimals: 0.1 + 2 * 0.1 is 0.30000000000000004 otherwise,
+        # which would make a different cache key than the 0.3 a user writes.
+        decimals = max(_decimals(self.min), _decimals(self.step))
+        values = [round(self.min + i * self.step, decimals) for i in range(count)]
+        whole = all(float(v).is_integer() for v in (self.min, self.step))
+        return [int(v) for v in values] if whole else values
+
+
+Choices = Union[list[Any], StepRange]
+
+
+class SearchSettings(_Strict):
+    strategy: Literal["auto", "grid", "optuna"] = Field(
+        "auto", description=f"auto: grid when the space has at most {GRID_CONFIRM_LIMIT} points, else optuna"
+    )
+    sampler: Literal["tpe", "nsga2"] = Field("tpe", description="optuna: TPE or NSGA-II (multi-objective)")
+    objectives: list[Literal["latency", "accuracy", "size"]] = Field(
+        default_factory=lambda: ["latency", "accuracy"], min_length=1,
+        description="optuna: minimise latency (p50, first batch size) and size, maximise accuracy (worst cosine)",
+    )
+    trials: Optional[int] = Field(None, ge=1, description="budget: at most this many trials")
+    wall_time_s: Optional[float] = Field(None, gt=0, description="budget: start no new trial after this many seconds")
+    seed: int = Field(0, description="sampler seed (and grid order when the budget cuts the grid)")
+
+    @model_validator(mode="after")
+    def _unique_objectives(self):
+        if len(set(self.objectives)) != len(self.objectives):
+            raise ValueError(f"objectives listed twice: {self.objectives}")
+        return self
+
+
+def normalize_settings(value: Any) -> Any:
+    """`search: optuna` is short for `search: {strategy: optuna}`."""
+    return {"strategy": value} if isinstance(value, str) else value
+
+
+def choice_values(choices: Choices) -> list[Any]:
+    return choices.values() if isinstance(choices, StepRange) else list(choices)
+
+
+def _decimals(x: float) -> int:
+    text = repr(float(x))
+    return 0 if "e" in text else len(text.split(".")[1].rstrip("0"))

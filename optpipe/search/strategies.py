@@ -1,0 +1,101 @@
+"""Which trials to run next: the whole grid (or a seeded sample of it under a budget), or
+Optuna's multi-objective samplers (TPE, NSGA-II) through its ask/tell interface."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from optpipe.errors import RecipeError
+from optpipe.results import StageResult
+from optpipe.search.space import SearchSpace, Trial
+from optpipe.search.spec import GRID_CONFIRM_LIMIT, SearchSettings
+
+DIRECTIONS = {"latency": "minimize", "accuracy": "maximize", "size": "minimize"}
+
+
+def resolve_strategy(space: SearchSpace, settings: SearchSettings, yes: bool) -> tuple[str, int | None]:
+    """(grid | optuna, trial budget): auto picks the grid for small spaces; a big unbudgeted grid needs --yes."""
+    strategy, budget = settings.strategy, settings.trials
+    if strategy == "auto":
+        strategy = "grid" if space.size <= GRID_CONFIRM_LIMIT or budget is not None and budget >= space.size else "optuna"
+        if strategy == "optuna" and budget is None and settings.wall_time_s is None:
+            budget = GRID_CONFIRM_LIMIT
+    if strategy == "grid" and budget is None and settings.wall_time_s is None and space.size > GRID_CONFIRM_LIMIT and not yes:
+        raise RecipeError(
+            f"evaluate.search: the grid has {space.size} trials (more than {GRID_CONFIRM_LIMIT}); "
+            f"pass --yes to run all {space.size}, or set evaluate.search.trials or wall_time_s"
+        )
+    if strategy == "optuna" and budget is None and settings.wall_time_s is None:
+        raise RecipeError("evaluate.search: optuna needs a budget; set evaluate.search.trials or wall_time_s")
+    return strategy, budget
+
+
+class GridProposer:
+    def __init__(self, space: SearchSpace, budget: int | None, seed: int):
+        grid = space.grid()
+        if budget is not None and budget < len(grid):
+            # A seeded sample in grid order: the same trials on every rerun, spread over the space.
+            chosen = set(random.Random(seed).sample(range(len(grid)), budget))
+            grid = [trial for i, trial in enumerate(grid) if i in chosen]
+        self._pending = grid
+
+    def ask(self, count: int) -> list[tuple[Any, Trial]]:
+        batch, self._pending = self._pending[:count], self._pending[count:]
+        return [(None, trial) for trial in batch]
+
+    def exhausted(self) -> bool:
+        return not self._pending
+
+    def tell(self, handle: Any, result: StageResult | None) -> None:
+        pass
+
+
+class OptunaProposer:
+    def __init__(self, space: SearchSpace, settings: SearchSettings):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.optuna = optuna
+        self.space = space
+        self.objectives = settings.objectives
+        sampler_cls = {"tpe": optuna.samplers.TPESampler, "nsga2": optuna.samplers.NSGAIISampler}[settings.sampler]
+        # Out of tolerance is a constraint (Trial.set_constraint), not a bad score: both samplers
+        # then prefer feasible trials.
+        sampler = sampler_cls(seed=settings.seed)
+        self.study = optuna.create_study(directions=[DIRECTIONS[o] for o in self.objectives], sampler=sampler)
+
+    def ask(self, count: int) -> list[tuple[Any, Trial]]:
+        batch = []
+        for _ in range(count):
+            handle = self.study.ask()
+            params = {dim.key: handle.suggest_categorical(dim.key, list(dim.values)) for dim in self.space.dimensions}
+            batch.append((handle, self.space.trial(params)))
+        return batch
+
+    def exhausted(self) -> bool:
+        return False
+
+    def tell(self, handle: Any, result: StageResult | None) -> None:
+        values = objective_values(result, self.objectives)
+        if values is None:
+            self.study.tell(handle, state=self.optuna.trial.TrialState.FAIL)
+            return
+        handle.set_constraint("tolerance", 0.0 if result.accuracy is None or result.accuracy.within_tolerance else 1.0)
+        self.study.tell(handle, values)
+
+
+def objective_values(result: StageResult | None, objectives: list[str]) -> list[float] | None:
+    if result is None or result.status != "ok" or not result.latency:
+        return None
+    values = {
+        "latency": result.latency[0].p50_ms,
+        "accuracy": result.accuracy.worst_cosine if result.accuracy else 1.0,
+        "size": float(result.size_bytes or 0),
+    }
+    return [values[o] for o in objectives]
+
+
+def make_proposer(space: SearchSpace, settings: SearchSettings, strategy: str, budget: int | None):
+    if strategy == "grid":
+        return GridProposer(space, budget, settings.seed)
+    return OptunaProposer(space, settings)

@@ -1,0 +1,246 @@
+"""Task-aware accuracy: classification against labels, a detector head whose classes flip while
+row cosine stays ~1, a tiny decoder LM (next-token agreement, perplexity on real text), rtol per
+output, and an input-insensitive model whose figures the report calls meaningless."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from helpers_passes import artifact_of, run_model
+from optpipe.calibration.dataset import build_sample_set
+from optpipe.errors import DataError
+from optpipe.evaluation.accuracy import compare
+from optpipe.evaluation.task_metrics import box_iou, mean_average_precision, nms
+from optpipe.recipe import TaskSpec, Tolerance, parse_recipe
+from optpipe.reporting.run_report import build_report, render_markdown
+from optpipe.results import StageResult
+
+TOL = Tolerance(cosine_min=0.99)
+
+
+# --- classification ----------------------------------------------------------------------------
+
+
+def test_classification_against_labels_and_reference():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, 200)
+    reference = rng.normal(0, 1, (200, 10))
+    reference[np.arange(200), labels] += 3  # a classifier right on most samples
+    candidate = reference.copy()
+    flip = np.arange(0, 200, 10)  # 10% of the samples: the top class drops just below the runner-up
+    top = reference.argmax(-1)
+    candidate[flip, top[flip]] = np.sort(reference, axis=-1)[flip, -2] - 0.01
+    task = TaskSpec(kind="classification", agreement_min=0.95)
+    acc = compare({"logits": candidate}, {"logits": reference}, {"x": np.zeros((200, 1))}, TOL, "ref", task=task, labels=labels)
+    metrics, on_labels = acc.task.metrics, acc.task.labels
+    assert metrics["top1_agreement"] == pytest.approx(0.9) and metrics["top5_agreement"] == 1.0
+    assert on_labels["reference_top1"] - on_labels["top1"] > 0.05
+    assert not acc.within_tolerance and any("top-1 accuracy on the labels" in v for v in acc.violations)
+    same = compare({"logits": reference}, {"logits": reference}, {"x": np.zeros((200, 1))}, TOL, "ref", task=task, labels=labels)
+    assert same.within_tolerance and same.task.labels["top1"] == same.task.labels["reference_top1"] > 0.8
+
+
+def _recipe(tmp_path, data: dict, inputs=None):
+    return parse_recipe(
+        {"model": {"onnx": "m.onnx"}, "inputs": inputs or [{"name": "x", "shape": ["batch", 4]}],
+         "dims": {"batch": {"min": 1, "opt": 1, "max": 8}}, "stages": {"export": {"pass": "export"}}, "data": {"eval": data}},
+        base_dir=tmp_path,
+    )
+
+
+def test_npz_labels_and_npy_labels_file_become_sample_set_labels(tmp_path):
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, labels=np.array([0, 1, 2, 0, 1, 2]))
+    samples = build_sample_set(_recipe(tmp_path, {"source": "npz", "path": "data.npz", "samples": 4}).data.eval,
+                               _recipe(tmp_path, {"source": "npz", "path": "data.npz"}), tmp_path / "cache")
+    assert set(samples.arrays) == {"x"}, "labels are never fed to the model"
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", np.array([2, 2, 1, 1, 0, 0]))
+    recipe = _recipe(tmp_path, {"source": "npy", "path": "x.npy", "labels": "y.npy", "samples": 5})
+    from_file = build_sample_set(recipe.data.eval, recipe, tmp_path / "cache")
+    assert from_file.labels.tolist() == [2, 2, 1, 1, 0] and len(from_file) == 5
+    np.save(tmp_path / "bad.npy", np.array([0.5, 1.5]))
+    bad = _recipe(tmp_path, {"source": "npy", "path": "x.npy", "labels": "bad.npy"})
+    with pytest.raises(DataError, match="one integer per sample"):
+        build_sample_set(bad.data.eval, bad, tmp_path / "cache")
+
+
+def test_images_in_class_subfolders_are_labelled_by_folder(tmp_path):
+    from PIL import Image
+
+    for cls, color in (("cat", (250, 10, 10)), ("dog", (10, 250, 10)), ("fox", (10, 10, 250))):
+        (tmp_path / "photos" / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (20, 20), tuple(c - 5 * i for c in color)).save(tmp_path / "photos" / cls / f"{i}.png")
+    recipe = _recipe(tmp_path, {"source": "images", "path": "photos", "samples": 6, "preprocess": {"resize": 16, "crop": 16}},
+                     inputs=[{"name": "images", "shape": ["batch", 3, 16, 16]}])
+    samples = build_sample_set(recipe.data.eval, recipe, tmp_path / "cache")
+    assert samples.labels.tolist() == [0, 1, 2, 0, 1, 2]
+    # The label follows the picture: the dominant channel is the class's colour.
+    assert samples.arrays["images"].mean(axis=(2, 3)).argmax(-1).tolist() == samples.labels.tolist()
+
+
+# --- detection ---------------------------------------------------------------------------------
+
+ANCHORS, CLASSES, FEATURES = 64, 6, 16
+
+
+def detector_head(seed: int = 0, class_noise: float = 0.0) -> onnx.ModelProto:
+    """A YOLO-style head [N, anchors, features] -> [N, anchors, 4 box (pixels) + objectness + classes]."""
+    rng = np.random.default_rng(seed)
+    w_box = rng.normal(0, 0.5, (FEATURES, 4)).astype(np.float32)
+    w_obj = rng.normal(0, 1.0, (FEATURES, 1)).astype(np.float32)
+    w_cls = rng.normal(0, 1.0, (FEATURES, CLASSES)).astype(np.float32)
+    w_cls += np.random.default_rng(99).normal(0, class_noise, w_cls.shape).astype(np.float32)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((w_box, "w_box"), (w_obj, "w_obj"), (w_cls, "w_cls"),
+                                                         (np.array(640, np.float32), "pixels"))]
+    nodes = [
+        helper.make_node("MatMul", ["features", "w_box"], ["box_logits"]),
+        helper.make_node("Sigmoid", ["box_logits"], ["box_unit"]),
+        helper.make_node("Mul", ["box_unit", "pixels"], ["boxes"]),
+        helper.make_node("MatMul", ["features", "w_obj"], ["obj_logits"]),
+        helper.make_node("Sigmoid", ["obj_logits"], ["objectness"]),
+        helper.make_node("MatMul", ["features", "w_cls"], ["cls_logits"]),
+        helper.make_node("Sigmoid", ["cls_logits"], ["classes"]),
+        helper.make_node("Concat", ["boxes", "objectness", "classes"], ["output0"], axis=-1),
+    ]
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", ANCHORS, FEATURES])],
+                              [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["batch", ANCHORS, 5 + CLASSES])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_detection_metric_catches_class_flips_that_cosine_misses(tmp_path):
+    features = {"features": np.random.default_rng(1).normal(size=(8, ANCHORS, FEATURES)).astype(np.float32)}
+    reference = {"output0": run_model(artifact_of(detector_head(), tmp_path / "ref").path, features)[0]}
+    perturbed = {"output0": run_model(artifact_of(detector_head(class_noise=0.6), tmp_path / "noisy").path, features)[0]}
+    task = TaskSpec(kind="detection", agreement_min=0.95, map50_min=0.9, score_threshold=0.3)
+
+    cosine_only = compare(perturbed, reference, features, TOL, "ref")
+    assert cosine_only.worst_cosine > 0.999 and cosine_only.within_tolerance, "row cosine is blind to the class flips"
+
+    detected = compare(perturbed, reference, features, TOL, "ref", task=task)
+    metrics = detected.task.metrics
+    assert metrics["confident_predictions"] > 50
+    assert metrics["class_agreement"] < 0.9 and metrics["map50"] < 0.9
+    assert not detected.within_tolerance and any("class agreement" in v for v in detected.violations)
+
+    same = compare(reference, reference, features, TOL, "ref", task=task)
+    assert same.within_tolerance and same.task.metrics["class_agreement"] == 1.0 and same.task.metrics["map50"] == 1.0
+    fp16 = {"output0": reference["output0"].astype(np.float16).astype(np.float32)}  # storage rounding only
+    assert compare(fp16, reference, features, TOL, "ref", task=task).task.metrics["class_agreement"] > 0.99
+
+
+def test_nms_and_map_on_hand_made_boxes():
+    boxes = np.array([[0, 0, 10, 10], [1, 1, 10, 10], [20, 20, 30, 30], [0, 0, 10, 10]], dtype=float)
+    scores = np.array([[0.9, 0.0], [0.8, 0.0], [0.7, 0.0], [0.0, 0.6]])
+    kept_boxes, kept_classes, kept_scores = nms(boxes, scores, 0.5, 0.45)
+    # The second box overlaps the first (IoU 0.81) in the same class; the fourth is another class.
+    assert kept_classes.tolist() == [0, 0, 1] and kept_scores.tolist() == [0.9, 0.7, 0.6]
+    assert box_iou(boxes[:1], boxes[1:2])[0, 0] == pytest.approx(81 / 100)
+    truth = [(kept_boxes, kept_classes, kept_scores)]
+    assert mean_average_precision(truth, truth, 0.5) == (1.0, 1.0)
+    shifted = [(kept_boxes + np.array([5, 5, 5, 5]), kept_classes, kept_scores)]  # IoU 25/175: all misses
+    assert mean_average_precision(shifted, truth, 0.5)[0] == 0.0
+
+
+# --- language model ----------------------------------------------------------------------------
+
+TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
+        "all that glitters is not gold. the early bird catches the worm. ") * 4
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder():
+    """A 1-layer causal transformer LM trained for a few seconds on character-level text."""
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    vocab = sorted(set(TEXT))
+    ids = torch.tensor([vocab.index(c) for c in TEXT])
+
+    class Decoder(torch.nn.Module):
+        def __init__(self, v: int, d: int = 24, seq: int = 32):
+            super().__init__()
+            self.embed, self.pos = torch.nn.Embedding(v, d), torch.nn.Parameter(torch.zeros(seq, d))
+            self.block = torch.nn.TransformerEncoderLayer(d, 2, 48, dropout=0.0, batch_first=True)
+            self.head = torch.nn.Linear(d, v)
+
+        def forward(self, tokens):
+            n = tokens.shape[1]
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(n)
+            return self.head(self.block(self.embed(tokens) + self.pos[:n], src_mask=mask, is_causal=True))
+
+    model = Decoder(len(vocab))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    windows = ids.unfold(0, 33, 7)
+    for _ in range(40):
+        logits = model(windows[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, len(vocab)), windows[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return model, windows[:8, :32], len(vocab)
+
+
+def test_language_model_next_token_agreement_and_perplexity(tiny_decoder):
+    import torch
+
+    model, tokens, vocab = tiny_decoder
+    with torch.no_grad():
+        reference = model(tokens).numpy()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.15)
+        damaged = model(tokens).numpy()
+        model.load_state_dict(state)
+    inputs = {"input_ids": tokens.numpy()}
+    task = TaskSpec(kind="language-model", agreement_min=0.95, perplexity_ratio_max=1.05)
+    same = compare({"logits": reference}, {"logits": reference}, inputs, TOL, "ref", task=task)
+    assert same.within_tolerance
+    assert same.task.metrics["reference_perplexity"] < vocab / 3, "the trained LM predicts the text far better than chance"
+    assert same.task.metrics["next_token_agreement"] == 1.0 and same.task.metrics["perplexity_ratio"] == 1.0
+    fp16 = {"logits": reference.astype(np.float16).astype(np.float32)}
+    assert compare(fp16, {"logits": reference}, inputs, TOL, "ref", task=task).within_tolerance
+    worse = compare({"logits": damaged}, {"logits": reference}, inputs, TOL, "ref", task=task)
+    assert worse.task.metrics["perplexity_ratio"] > 1.05 and worse.task.metrics["next_token_agreement"] < 0.95
+    assert not worse.within_tolerance and any("perplexity" in v for v in worse.violations)
+
+
+# --- rtol, input sensitivity -------------------------------------------------------------------
+
+
+def test_rtol_per_output_on_pixel_scale_outputs():
+    rng = np.random.default_rng(0)
+    reference = {"boxes": rng.uniform(100, 600, (16, 4)), "scores": rng.uniform(0, 1, (16, 3))}
+    candidate = {"boxes": reference["boxes"] * (1 + 1e-4), "scores": reference["scores"] + 1e-4}
+    atol_only = Tolerance(cosine_min=None, max_abs=1e-3)
+    assert not compare(candidate, reference, {}, atol_only, "ref").within_tolerance, "0.06 px fails an absolute 1e-3"
+    per_output = Tolerance(cosine_min=None, max_abs=1e-3, outputs={"boxes": {"rtol": 1e-3, "max_abs": 0.0}})
+    acc = compare(candidate, reference, {}, per_output, "ref")
+    assert acc.within_tolerance and acc.polygraphy_match is True
+    assert next(o for o in acc.outputs if o.name == "boxes").beyond_tolerance == 0.0
+    tight = Tolerance(cosine_min=None, max_abs=1e-3, outputs={"boxes": {"rtol": 1e-5}})
+    acc = compare(candidate, reference, {}, tight, "ref")
+    assert not acc.within_tolerance and acc.polygraphy_match is False
+    assert any("boxes" in v and "rtol" in v for v in acc.violations)
+
+
+def test_input_insensitive_model_is_flagged_and_the_report_says_so():
+    rng = np.random.default_rng(0)
+    offsets = rng.uniform(0, 600, (1, 100))
+    reference = {"out": offsets + rng.normal(0, 3e-4, (16, 100))}  # outputs move 3e-4 px between samples
+    candidate = {"out": reference["out"] * (1 + 1e-6)}
+    acc = compare(candidate, reference, {}, TOL, "export")
+    assert acc.within_tolerance and acc.worst_cosine > 0.99999
+    assert len(acc.warnings) == 1 and "mean nothing" in acc.warnings[0]
+    sensitive = {"out": rng.normal(0, 1, (16, 100))}
+    assert compare(sensitive, sensitive, {}, TOL, "export").warnings == []
+
+    recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}], "stages": {"export": {"pass": "export"}}})
+    stage = StageResult(name="export", pass_name="export", status="ok", accuracy=acc, warnings=acc.warnings)
+    text = render_markdown(build_report(recipe, [stage]))
+    assert "meaningless" in text and "## Warnings" in text and "mean nothing" in text
