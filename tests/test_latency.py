@@ -55,7 +55,7 @@ def test_steady_machine_is_not_flagged_and_eager_is_timed_beside_the_stage():
     assert lat.p50_ms == pytest_approx(4.0, 0.01) and lat.eager_p50_ms == pytest_approx(10.0, 0.01)
     assert lat.speedup_vs_eager == pytest_approx(2.5, 0.02)
     assert lat.spread is not None and lat.spread < 0.05 and lat.iterations == 60
-    timed = clock.log[4:]  # after both warm-ups
+    timed = clock.log[2 * (2 + 2 * BLOCK):]  # after both warm-ups: 2 runs, then two blocks that agree
     # Interleaved block by block (alternating which goes first), not one after the other.
     runs = [name for i, name in enumerate(timed) if i % BLOCK == 0]
     assert runs[:4] == ["stage", "eager", "eager", "stage"]
@@ -71,7 +71,7 @@ def test_spiky_timings_are_flagged_with_the_reason():
 def test_a_busy_baseline_marks_the_stage_figure_unreliable():
     clock = FakeClock()
     # Eager's blocks drift: the machine got busy halfway through.
-    eager = iter([10.0] * 30 + [40.0] * 30)
+    eager = iter([10.0] * 40 + [40.0] * 30)  # 10 warm-up runs, then 30 at 10 ms and 30 at 40 ms
     lat = measure(clock.model("stage", steady(4.0)), FEEDS, 0, 60, 1, "cpu",
                   baseline=clock.model("eager", eager), adaptive=False, clock=clock)
     assert lat.unreliable and "eager beside it" in lat.unreliable and "spread" in lat.unreliable
@@ -85,6 +85,14 @@ def test_adaptive_timing_stops_early_on_a_steady_machine_but_not_on_a_noisy_one(
     noisy_times = iter(rng.lognormal(np.log(4.0), 0.6, size=400))
     noisy = measure(clock.model("stage", noisy_times), FEEDS, 0, 200, 1, "cpu", clock=clock)
     assert noisy.iterations > 3 * MIN_ITERATIONS
+
+
+def test_warm_up_runs_until_the_runs_stop_getting_faster():
+    clock = FakeClock()
+    # Caches and thread pools warming: each block of calls faster than the one before, for five blocks.
+    warming = [ms for ms in (60.0, 30.0, 10.0, 3.0, 1.0) for _ in range(BLOCK)]
+    lat = measure(clock.model("eager", iter([60.0] * 2 + warming + [0.05] * 500)), FEEDS, 2, 30, 1, "cpu", adaptive=False, clock=clock)
+    assert lat.p50_ms == pytest_approx(0.05, 0.01) and lat.unreliable is None
 
 
 def test_median_interval_and_busy_reason_directly():

@@ -16,13 +16,18 @@ from optpipe.artifact import ModelArtifact
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.evaluation.checks import require_finite
 from optpipe.calibration.dataset import SampleSet
-from optpipe.evaluation.latency import measure
+from optpipe.evaluation.latency import measure, warm_for
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.results import Accuracy, Latency, Memory
 from optpipe.recipe import Recipe, Tolerance
 from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers
 
 EVAL_FORMAT = 3  # 3: adaptive iteration counts, eager timed beside each stage, busy flags
+
+# Measured here on a loaded 2-core machine (load 17): a fresh PyTorch eager model's calls took 50-250 ms
+# for its first 2-4 s (its new intra-op threads waiting for the scheduler), then 0.05 ms; timed in that
+# window, every stage looked "3000x faster than eager". Eager is warmed for this long once per run.
+EAGER_WARM_S = 3.0
 
 Progress = Callable[[str, int, int], None]
 Measured = tuple[Accuracy | None, list[Latency], Memory | None, bool]  # accuracy, latency, peak memory, cached
@@ -122,7 +127,7 @@ class Evaluator:
             factory, self._eager_factory = self._eager_factory, None  # one try: a failing eager fails once
             try:
                 run = factory()
-                run(self.eval_set.first(self._batch_sizes()[0]))
+                warm_for(run, self.eval_set.first(self._batch_sizes()[0]), EAGER_WARM_S)
                 self._eager_run = run
             except Exception:  # noqa: BLE001 - the eager row reports its own failure; stages time alone then
                 logging.getLogger("optpipe").debug("PyTorch eager unavailable as a baseline", exc_info=True)

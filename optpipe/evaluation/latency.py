@@ -39,6 +39,9 @@ CI_TARGET = 0.03  # stop when the median's 95% interval is within ±3% of it
 # past 1.6 and 0.5. A figure beyond either is flagged, not dropped.
 BUSY_TAIL = 1.5  # p90 / p50
 BUSY_SPREAD = 0.5  # (max - min) / median of the per-block medians
+# Warm-up runs until a block is no faster than the one before (caches, lazy initialisation, JIT kernels).
+WARM_SETTLED = 0.9  # a block at least 10% faster than the previous means still warming up
+WARM_CAP_S = 3.0  # give up waiting for it to settle after this long (the busy flags then tell)
 
 
 def measure(
@@ -63,8 +66,7 @@ def measure(
     load = _load_average()
     with pinned_threads(threads):
         for fn in runners.values():
-            for _ in range(warmup):
-                fn(feeds)
+            warm_up(fn, feeds, warmup, clock)
         done = 0
         while done < iterations:
             if progress is not None:
@@ -86,6 +88,26 @@ def measure(
         latency = latency.model_copy(update={
             "eager_p50_ms": eager.p50_ms, "eager_p90_ms": eager.p90_ms, "unreliable": "; ".join(reasons) or None})
     return latency
+
+
+def warm_up(run: Run, feeds: Feeds, warmup: int, clock: Clock = time.perf_counter) -> None:
+    """`warmup` untimed runs, then blocks until one is no faster than the block before it (or WARM_CAP_S)."""
+    for _ in range(warmup):
+        run(feeds)
+    start, previous = clock(), None
+    while clock() - start < WARM_CAP_S:
+        current = float(np.median(_time_block(run, feeds, BLOCK, clock)))
+        if previous is not None and current >= WARM_SETTLED * previous:
+            return
+        previous = current
+
+
+def warm_for(run: Run, feeds: Feeds, seconds: float, clock: Clock = time.perf_counter) -> None:
+    """Run untimed for `seconds` (at least once): for runtimes whose first seconds are slow, not their first calls."""
+    start = clock()
+    run(feeds)
+    while clock() - start < seconds:
+        run(feeds)
 
 
 def median_is_tight(times: np.ndarray, target: float = CI_TARGET) -> bool:

@@ -8,8 +8,10 @@ view shows its own way (a ⚠ in Markdown, a colour in HTML).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import median
 from typing import Callable, Literal, Optional
 
+from optpipe.evaluation.latency import BUSY_SPREAD
 from optpipe.results import Accuracy, RunReport, StageResult
 
 Tone = Optional[Literal["ok", "out", "failed"]]
@@ -26,6 +28,7 @@ class RowContext:
     stage: StageResult
     parent: Optional[StageResult]
     eager: Optional[StageResult]
+    eager_typical_ms: Optional[float] = None  # median of the eager p50s timed beside the stages
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,11 @@ class StageRow:
 
 def stage_rows(report: RunReport) -> list[StageRow]:
     eager = report.stage(report.baseline) if report.baseline else None
+    beside = _eager_beside(report)
+    typical = float(median(beside)) if beside else None
     rows = []
     for stage in report.stages:
-        context = RowContext(stage, report.stage(stage.parent) if stage.parent else None, eager)
+        context = RowContext(stage, report.stage(stage.parent) if stage.parent else None, eager, typical)
         rows.append(StageRow(stage, [column.cell(context) for column in COLUMNS]))
     return rows
 
@@ -62,10 +67,13 @@ def table_note(report: RunReport) -> str:
 def timing_notes(report: RunReport) -> list[str]:
     """How far PyTorch eager moved between stages, and which figures were timed on a busy machine."""
     notes = []
-    beside = [s.headline.eager_p50_ms for s in report.stages if s.headline and s.headline.eager_p50_ms]
+    beside = _eager_beside(report)
     if beside:
         lo, hi = min(beside), max(beside)
         notes.append(f"PyTorch eager, re-timed beside each of {len(beside)} stages: p50 {lo:.2f} to {hi:.2f} ms (spread {(hi - lo) / lo:.0%}).")
+        if (hi - lo) / median(beside) > BUSY_SPREAD:
+            notes.append("⚠ PyTorch eager's own speed moved that much between stages: the machine was busy, so speed-ups "
+                         "against eager are not comparable across stages; rerun with --force on a quieter machine.")
     for s in report.stages:
         busy = [lat for lat in s.latency if lat.unreliable]
         if busy:
@@ -165,11 +173,23 @@ def _precision(c: RowContext) -> Cell:
     return Cell(c.stage.coverage.summary(), "out" if c.stage.warnings else None)
 
 
+def _eager_beside(report: RunReport) -> list[float]:
+    return [s.headline.eager_p50_ms for s in report.stages if s.headline and s.headline.eager_p50_ms]
+
+
 def _vs_eager(c: RowContext) -> Cell:
-    """Against the eager figure timed beside this stage; else (results from before that) the eager row's own."""
+    """Against the eager figure timed beside this stage; else (results from before that) the eager row's own.
+
+    Marked busy also when that eager figure is far from eager's typical one across the stages."""
     headline = c.stage.headline
     if headline is not None and headline.eager_p50_ms:
-        return _busy_marked(_ratio(headline.eager_p50_ms, headline.p50_ms), c.stage)
+        ratio = _ratio(headline.eager_p50_ms, headline.p50_ms)
+        if c.eager_typical_ms and abs(headline.eager_p50_ms - c.eager_typical_ms) > BUSY_SPREAD * c.eager_typical_ms:
+            return Cell(ratio + " ⚠busy")
+        return _busy_marked(ratio, c.stage)
+    if c.stage is c.eager and headline is not None and c.eager_typical_ms and \
+            abs(headline.p50_ms - c.eager_typical_ms) > BUSY_SPREAD * c.eager_typical_ms:
+        return Cell("1.00x ⚠busy")  # eager's own figure disagrees with eager timed beside the stages
     return _busy_marked(_ratio(_p50(c.eager), _p50(c.stage)), c.stage, c.eager)
 
 
