@@ -71,7 +71,8 @@ def build_stages(recipe, run_dir: str):
     """Every stage of the recipe through the cached pass manager (no evaluation phase)."""
     from optpipe.cache.store import StageCache, default_cache_dir
     from optpipe.dag import execution_order
-    from optpipe.pipeline import PassManager, RunOptions, RunServices
+    from optpipe.execution.services import RunServices
+    from optpipe.pipeline import PassManager, RunOptions
     from optpipe.validate import validate_recipe
 
     graph, passes = validate_recipe(recipe)

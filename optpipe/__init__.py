@@ -3,6 +3,7 @@
     from optpipe import load_recipe, compile_recipe
     report = compile_recipe(load_recipe("recipes/minilm.yaml"))
     session = load("runs/minilm/targets/ort/simplify")  # an ORT bundle -> InferenceSession
+    compiled = load("runs/minilm/targets/openvino/ov-int8")  # an OpenVINO folder -> CompiledModel
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.recipe import load_recipe
     from optpipe.reporting.run_report import RunReport
-    from optpipe.targets.ort_bundle import load_bundle as load
+    from optpipe.targets.loading import load
 
 
 def __getattr__(name: str) -> Any:
@@ -32,7 +33,7 @@ def __getattr__(name: str) -> Any:
 
         return RunReport
     if name == "load":
-        from optpipe.targets.ort_bundle import load_bundle
+        from optpipe.targets.loading import load
 
-        return load_bundle
+        return load
     raise AttributeError(name)

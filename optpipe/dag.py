@@ -36,9 +36,5 @@ def execution_order(graph: nx.DiGraph) -> list[str]:
     return list(nx.lexicographical_topological_sort(graph, key=lambda n: position[n]))
 
 
-def descendants(graph: nx.DiGraph, stage: str) -> set[str]:
-    return nx.descendants(graph, stage)
-
-
 def ancestors_and_self(graph: nx.DiGraph, stage: str) -> set[str]:
     return nx.ancestors(graph, stage) | {stage}

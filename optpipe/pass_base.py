@@ -4,14 +4,19 @@ A pass never mutates its input artifact: it reads `model` and writes a new
 artifact into `ctx.workdir`. Everything a pass needs from the run (the recipe,
 the source model, data sets, a logger) comes through its PassContext, never
 from globals, so a pass can be changed, tested and cached on its own.
+
+The pass manager enforces the contract (optpipe/execution/contract.py): it
+publishes the artifact `run` returns, refuses a workdir holding anything but the
+model, its external data and info.json, and checks the input is unchanged. The
+data sets a pass reads through `ctx.eval_set()` / `ctx.calibration_set()` join
+its stage's cache key by themselves (see `PassContext.data_used`).
 """
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -57,26 +62,75 @@ def _literal_strings(annotation: Any) -> set[str]:
     return set()
 
 
-@dataclass
+P = TypeVar("P", bound=PassParams)
+
+EVAL_SET = "eval"
+CALIBRATION_SET = "calibration"
+
+
+def _no_progress(task: str, done: int, total: int) -> None:
+    pass
+
+
 class PassContext:
-    """The run-scoped services a pass may use."""
+    """The run-scoped services a pass may use.
 
-    recipe: "Recipe"
-    stage: str
-    workdir: Path
-    log: logging.Logger
-    cache_dir: Path
-    torch_model: Callable[[], "TorchModel"]
-    eval_set: Callable[[], "SampleSet"]
-    calibration_set: Callable[[], "SampleSet"]
-    tolerance: "Tolerance"
-    extras: dict[str, Any] = field(default_factory=dict)
-    #: progress(task, done, total): long work (calibration batches, ...) reports here; instruments show it.
-    progress: Callable[[str, int, int], None] = lambda task, done, total: None
+    The data sets are read through methods that record each set's key in
+    `data_used`: the stage runner adds those keys to the stage's cache key, so a
+    pass that reads a data set is recomputed when that set changes, without
+    declaring anything.
+    """
+
+    def __init__(
+        self,
+        recipe: "Recipe",
+        stage: str,
+        workdir: Path,
+        log: logging.Logger,
+        cache_dir: Path,
+        torch_model: Callable[[], "TorchModel"],
+        eval_set: Callable[[], "SampleSet"] | None,
+        calibration_set: Callable[[], "SampleSet"] | None,
+        tolerance: "Tolerance",
+        progress: Callable[[str, int, int], None] = _no_progress,
+    ):
+        self.recipe = recipe
+        self.stage = stage
+        self.workdir = workdir
+        self.log = log
+        self.cache_dir = cache_dir
+        self.tolerance = tolerance
+        #: progress(task, done, total): long work (calibration batches, ...) reports here; instruments show it.
+        self.progress = progress
+        #: data set name ("eval", "calibration") -> its key, for every set this pass has read.
+        self.data_used: dict[str, str] = {}
+        self._torch_model = torch_model
+        self._sets = {EVAL_SET: eval_set, CALIBRATION_SET: calibration_set}
+
+    def torch_model(self) -> "TorchModel":
+        return self._torch_model()
+
+    def eval_set(self) -> "SampleSet":
+        return self._data_set(EVAL_SET)
+
+    def calibration_set(self) -> "SampleSet":
+        return self._data_set(CALIBRATION_SET)
+
+    def _data_set(self, which: str) -> "SampleSet":
+        build = self._sets[which]
+        if build is None:
+            raise RuntimeError(f"this PassContext has no {which} set")
+        samples = build()
+        self.data_used[which] = samples.key
+        return samples
 
 
-class Pass(ABC):
-    """Base class of every pass. Subclasses live one per module in `passes/`."""
+class Pass(ABC, Generic[P]):
+    """Base class of every pass. Subclasses live one per module in `passes/`.
+
+    Write `class MyPass(Pass[MyParams])` and set `Params = MyParams`: `self.params`
+    is then typed as MyParams.
+    """
 
     name: ClassVar[str]
     version: ClassVar[str] = "1"
@@ -86,15 +140,16 @@ class Pass(ABC):
     #: Distributions whose versions shape this pass's output (part of the cache key).
     libraries: ClassVar[tuple[str, ...]] = ("onnx",)
 
-    def __init__(self, params: PassParams):
-        self.params = params
+    def __init__(self, params: P):
+        self.params: P = params
 
     @classmethod
     def summary(cls) -> str:
         return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
 
     def fingerprint(self, ctx: PassContext) -> dict[str, Any]:
-        """Hashes of everything besides the input model and params that the output depends on."""
+        """Hashes of what the output depends on besides the input model, the params, the pass's
+        version and libraries, and the data sets read through `ctx` (those are added by the manager)."""
         return {}
 
     @abstractmethod

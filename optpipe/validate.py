@@ -24,6 +24,10 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
             raise RecipeError(f"stages.{name}: pass '{spec.pass_name}' transforms a model, so it needs `after: <stage>`")
         if not needs_input and spec.after is not None:
             raise RecipeError(f"stages.{name}: pass '{spec.pass_name}' starts from the recipe's model; remove `after:`")
+        # A pass that writes another format than ONNX (openvino: IR) ends its branch.
+        if spec.after is not None and getattr(passes[spec.after], "produces", "onnx") != "onnx":
+            raise RecipeError(f"stages.{name}: stage '{spec.after}' produces {passes[spec.after].produces}, which pass "
+                              f"'{spec.pass_name}' cannot read; hang it after an ONNX stage")
     reference = recipe.evaluate.reference
     if reference is not None and reference not in recipe.stages:
         raise RecipeError(f"evaluate.reference: unknown stage '{reference}'{suggest(reference, recipe.stages)}")

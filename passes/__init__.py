@@ -3,7 +3,36 @@
 Each module defines one subclass of `optpipe.pass_base.Pass`; the registry finds
 it by import, so heavy libraries must be imported inside `run`, not at the top.
 Passes from other packages register through the `optpipe.passes` entry-point
-group, or at run time with `register_pass` (used by tests and notebooks).
+group, through OPTPIPE_PLUGINS (comma-separated module names), or at run time
+with `register_pass` (used by tests and notebooks).
+
+What a new pass declares, shown on the simplest one possible::
+
+    class RenameParams(PassParams):                      # typed params; unknown keys are recipe errors
+        prefix: str = Field("x_", description="...")      # the description feeds `optpipe passes`
+
+    class RenamePass(Pass[RenameParams]):
+        '''Prefix every node name.'''                     # first line: the summary in `optpipe passes`
+
+        name = "rename"                                   # the recipe's `pass:` value
+        version = "1"                                     # bump when the output for the same input changes
+        Params = RenameParams
+        libraries = ("onnx",)                             # their versions join the cache key
+
+        def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+            proto = model.load()                          # read the input; never write into model.folder
+            for node in proto.graph.node:
+                node.name = self.params.prefix + node.name
+            return save_model(proto, ctx.workdir, {"renamed": len(proto.graph.node)})
+
+Optional: `needs_input = False` for a pass that starts from the recipe's model
+(export); `fingerprint(ctx)` returning hashes of anything else the output depends
+on (export: the model source). Nothing else: the manager enforces the rest
+(optpipe/execution/contract.py). It publishes the artifact `run` returns; it
+refuses a workdir holding anything besides model.onnx, model.onnx.data and
+info.json (clean scratch files up); it fails the stage if the input changed; and
+the data sets read through `ctx.eval_set()` / `ctx.calibration_set()` join the
+stage's cache key by themselves.
 """
 from __future__ import annotations
 
@@ -59,10 +88,3 @@ def registry() -> dict[str, type[Pass]]:
 def get_pass(name: str) -> type[Pass]:
     return registry()[name]
 
-
-def _passes_in(module) -> dict[str, type[Pass]]:
-    return {
-        obj.name: obj
-        for obj in vars(module).values()
-        if isinstance(obj, type) and issubclass(obj, Pass) and obj is not Pass and obj.__module__ == module.__name__
-    }

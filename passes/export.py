@@ -29,7 +29,7 @@ class ExportParams(PassParams):
     check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against PyTorch eager")
 
 
-class ExportPass(Pass):
+class ExportPass(Pass[ExportParams]):
     """Export the recipe's PyTorch model to ONNX with the recipe's dynamic dims, checked against eager."""
 
     name = "export"
@@ -52,7 +52,7 @@ class ExportPass(Pass):
         torch_model = ctx.torch_model()
         feeds = trace_inputs(ctx.recipe)
         expected = eager_outputs(torch_model, feeds)
-        params: ExportParams = self.params  # type: ignore[assignment]
+        params = self.params
         exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
         failures: dict[str, str] = {}
         for exporter in exporters:

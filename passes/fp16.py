@@ -27,7 +27,7 @@ class Fp16Params(PassParams, GuardParams):
     max_excluded: int = Field(32, ge=0, validation_alias=MAX_EXCLUDED_ALIASES, description="guard: most nodes it keeps in FP32")
 
 
-class Fp16Pass(Pass):
+class Fp16Pass(Pass[Fp16Params]):
     """Cast weights and activations to FP16 (FP32 I/O); the guard keeps overflowing/lossy nodes in FP32."""
 
     name = "fp16"
@@ -40,7 +40,7 @@ class Fp16Pass(Pass):
         return {"eval_set": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        params: Fp16Params = self.params  # type: ignore[assignment]
+        params = self.params
         source = name_unnamed_nodes(model.load())
         _check_node_names(source, params.exclude)
         convert = lambda excluded: convert_to_fp16(source, params.keep_io_types, params.op_block_list, excluded)  # noqa: E731

@@ -14,7 +14,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 from typing import Literal
-from unittest import mock
 
 import onnx
 from pydantic import Field
@@ -45,7 +44,7 @@ class FuseParams(PassParams):
     check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against the input model")
 
 
-class FusePass(Pass):
+class FusePass(Pass[FuseParams]):
     """Fuse operators for ONNX Runtime (attention, layer norms, GELU, conv+bn), checked against the input."""
 
     name = "fuse"
@@ -54,7 +53,7 @@ class FusePass(Pass):
     libraries = ("onnx", "onnxscript", "onnx-ir", "onnxruntime", "onnxruntime-gpu")
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        params: FuseParams = self.params  # type: ignore[assignment]
+        params = self.params
         before = op_histogram(model.load(with_weights=False))
         fused, transformer_info = transformer_fusion(model, params, ctx)
         artifact = save_model(fused, ctx.workdir)
@@ -144,17 +143,13 @@ def fusion_score(ops: dict[str, int]) -> tuple[int, int]:
 
 def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams) -> tuple[onnx.ModelProto, dict]:
     import onnx_ir as ir
-    from onnxscript.rewriter.ort_fusions import _core, optimize_for_ort
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
     from optpipe.graph.attention_rank import restore_flattened_attention
 
     ir_model = ir.load(str(model.path))
     if params.attention == "separate":
-        # Stop at MultiHeadAttention: packing Q/K/V into one Attention op concatenates their
-        # weights through a Concat node, which ORT's quantizers cannot quantize (measured:
-        # dynamic int8 left every packed Attention in FP32). onnxscript has no switch for it.
-        with mock.patch.object(_core, "fuse_attention", lambda model, debug=False: 0):
-            fused, counts = optimize_for_ort(ir_model)
+        fused, counts = fuse_up_to_multihead_attention(ir_model)
     else:
         fused, counts = optimize_for_ort(ir_model)
     counts = dict(counts)
@@ -162,6 +157,61 @@ def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams) -> tuple[onnx
     # Read the weights into memory: the result is saved elsewhere, away from the input's data file.
     proto = ir.to_proto(ir.external_data.load_to_model(fused))
     return proto, {"fusions": {name: n for name, n in counts.items() if n}}
+
+
+def fuse_up_to_multihead_attention(model):
+    """onnxscript's `optimize_for_ort`, stopping at MultiHeadAttention.
+
+    Packing Q/K/V into one Attention op concatenates their weights through a Concat node,
+    which ORT's quantizers cannot quantize (measured: dynamic int8 left every packed
+    Attention in FP32), and onnxscript has no switch for it. So the same steps, in the same
+    order as onnxscript 0.7's ort_fusions/_core.py, are composed here from its public rule
+    modules, without `attention.fuse_attention`. pyproject.toml bounds onnxscript to the
+    versions this order was read from, and tests/test_fuse.py fails if attention stops fusing.
+    """
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common_passes
+    from onnxscript.optimizer import optimize
+    from onnxscript.rewriter import rewrite
+    from onnxscript.rewriter.ort_fusions import ORT_PATTERN_REWRITE_RULES, shape_optimization
+    from onnxscript.rewriter.ort_fusions import (
+        bias_gelu, cos_sin_cache, erfgelu, gelu, gqa, gqa_packed_qkv, mha, mha_bias, mha_scale,
+        rms_normalization, rotary_embedding, sdpa, sdpa_via_mha, skip_normalization,
+    )
+    from onnxscript.rewriter.rules.common import gemm_to_matmul_add_rule
+
+    rewrite(model, [gemm_to_matmul_add_rule])
+    common_passes.ShapeInferencePass()(model)
+    optimize(model)
+    shape_optimization.rules.apply_to_model(model)
+    optimize(model)
+    counts: dict[str, int] = {}
+    steps = [
+        ("erf_gelu", erfgelu.fuse_erfgelu), ("rms_normalization", rms_normalization.fuse_rms_normalization),
+        ("skip_layer_normalization", skip_normalization.fuse_skip_layer_normalization),
+        ("skip_rms_normalization", skip_normalization.fuse_skip_rms_normalization),
+        ("rotary_embedding", rotary_embedding.fuse_rotary_embedding), ("cos_sin_cache", cos_sin_cache.fuse_cos_sin_cache),
+    ]
+    for name, fuse in steps:
+        counts[name] = fuse(model)
+    common_passes.CommonSubexpressionEliminationPass()(model)
+    counts["partial_rotary_embedding"] = rotary_embedding.fuse_partial_rotary_embedding(model)
+    counts["sdpa"] = sdpa.fuse_sdpa(model, apply_shape_inference=True)  # adds nodes that need shapes
+    steps = [
+        ("gqa", gqa.fuse_gqa), ("packed_qkv_for_gqa", gqa_packed_qkv.fuse_qkv_gqa), ("mha1", mha.fuse_mha1),
+        ("mha2", mha.fuse_mha2), ("mha_scale", mha_scale.fuse_mha_scale), ("mha_bias", mha_bias.fuse_mha_bias),
+        ("gelu", gelu.fuse_gelu), ("bias_gelu", bias_gelu.fuse_bias_gelu), ("sdpa_via_mha", sdpa_via_mha.replace_sdpa_by_mha),
+    ]
+    for name, fuse in steps:
+        counts[name] = fuse(model)
+    optimize(model)
+    rewrite(model, ORT_PATTERN_REWRITE_RULES)
+    ir.passes.Sequential(
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1),
+        common_passes.RemoveInitializersFromInputsPass(),
+        common_passes.ShapeInferencePass(),
+    )(model)
+    return model, counts
 
 
 def fuse_with_ort(model: ModelArtifact, params: FuseParams) -> tuple[onnx.ModelProto, dict]:

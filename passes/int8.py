@@ -33,7 +33,7 @@ from optpipe.errors import PassError, first_line
 from optpipe.evaluation.guard import AccuracyGuard, GuardParams
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
-from optpipe.graph.unfuse import has_fused_ops, unfuse
+from optpipe.graph.quant_prep import needs_preparation, prepare_for_quantizer
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
@@ -56,11 +56,11 @@ class Int8Params(PassParams, GuardParams):
     calibration_batch: int = Field(8, ge=1, description="static: samples per calibration batch")
 
 
-class Int8Pass(Pass):
+class Int8Pass(Pass[Int8Params]):
     """Quantize to INT8 (static QDQ calibrated on the recipe's data, or dynamic), guarded by the stage's tolerance."""
 
     name = "int8"
-    version = "2"
+    version = "3"  # 3: fused ops split and stale weight value_info dropped before quantizing
     Params = Int8Params
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
 
@@ -70,7 +70,7 @@ class Int8Pass(Pass):
         return self.params.mode == "static"
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        params: Int8Params = self.params  # type: ignore[assignment]
+        params = self.params
         # The calibration set's key covers its file's content: new data re-runs the stage.
         calibration = ctx.calibration_set().key if params.mode == "static" else None
         # The guard always measures (and, when on, repairs) on the evaluation set with the stage's tolerance.
@@ -78,8 +78,8 @@ class Int8Pass(Pass):
         return {"calibration": calibration, "guard": guard}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        params: Int8Params = self.params  # type: ignore[assignment]
-        model, unfused = unfused_input(model, ctx)
+        params = self.params
+        model, prepared = prepared_input(model, ctx)
         quantizer = Quantizer(model, params, ctx)
         candidates = quantized_nodes(model, quantizer.op_types, params.exclude)
         weights = weight_sizes(model, candidates)
@@ -96,24 +96,23 @@ class Int8Pass(Pass):
         finally:
             shutil.rmtree(quantizer.scratch, ignore_errors=True)  # the cache entry holds only the model
         info = quantizer.info(artifact)
-        if unfused:
+        if prepared:
             shutil.rmtree(model.folder, ignore_errors=True)
-        info["unfused"] = unfused
+        info["prepared"] = prepared
         info["excluded"] = result.excluded
         info["coverage"] = coverage_of(artifact, ctx, result.excluded)
         info["guard"] = result.report.model_dump(mode="json")
         return write_info(ctx.workdir, info)
 
 
-def unfused_input(model: ModelArtifact, ctx: PassContext) -> tuple[ModelArtifact, dict[str, int]]:
-    """The input with com.microsoft FusedConv/FusedGemm split back into standard ops (which ORT's
-    quantizer handles, and ORT fuses again at load time); the input itself where it has none."""
-    proto = model.load(with_weights=False)
-    if not has_fused_ops(proto):
+def prepared_input(model: ModelArtifact, ctx: PassContext) -> tuple[ModelArtifact, dict]:
+    """The input made fit for ORT's quantizer (optpipe.graph.quant_prep: fused ops split back,
+    stale initializer value_info dropped); the input itself where nothing needs it."""
+    if not needs_preparation(model.load(with_weights=False)):
         return model, {}
-    split, counts = unfuse(model.load())
-    ctx.log.info("split fused ops back into standard ops before quantizing: %s", counts)
-    return save_model(split, Path(tempfile.mkdtemp(prefix="unfused-", dir=ctx.workdir))), counts
+    prepared, changes = prepare_for_quantizer(model.load())
+    ctx.log.info("prepared the input for ORT's quantizer: %s", changes)
+    return save_model(prepared, Path(tempfile.mkdtemp(prefix="prepared-", dir=ctx.workdir))), changes
 
 
 def coverage_of(artifact: ModelArtifact, ctx: PassContext, excluded: list[str]) -> dict:

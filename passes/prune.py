@@ -44,7 +44,7 @@ class PruneParams(PassParams):
         return self
 
 
-class PrunePass(Pass):
+class PrunePass(Pass[PruneParams]):
     """Structured pruning (Conv channels through BN/ReLU/Add, FFN neurons) or magnitude / 2:4 weight sparsity."""
 
     name = "prune"
@@ -53,7 +53,7 @@ class PrunePass(Pass):
     libraries = ("onnx",)
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        params: PruneParams = self.params  # type: ignore[assignment]
+        params = self.params
         pruned = name_unnamed_nodes(model.load())
         before = graph_stats(pruned)
         if params.method == "structured":

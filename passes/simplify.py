@@ -17,7 +17,7 @@ class SimplifyParams(PassParams):
     check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against the input model")
 
 
-class SimplifyPass(Pass):
+class SimplifyPass(Pass[SimplifyParams]):
     """Fold constants and remove redundant nodes (onnxslim or onnxsim); dynamic dims are kept."""
 
     name = "simplify"
@@ -26,7 +26,7 @@ class SimplifyPass(Pass):
     libraries = ("onnx", "onnxslim", "onnxsim")
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        params: SimplifyParams = self.params  # type: ignore[assignment]
+        params = self.params
         from optpipe.safety.onnx_guard import PROTOBUF_LIMIT
 
         if params.backend == "onnxsim" and model.size_bytes() >= PROTOBUF_LIMIT:

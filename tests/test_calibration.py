@@ -107,7 +107,8 @@ def recipe_with_calibration(tmp_path, model_path, int8_params):
 def run_stages(recipe, cache_root, run_dir):
     from optpipe.cache.store import StageCache
     from optpipe.dag import execution_order
-    from optpipe.pipeline import PassManager, RunOptions, RunServices
+    from optpipe.execution.services import RunServices
+    from optpipe.pipeline import PassManager, RunOptions
     from optpipe.validate import validate_recipe
 
     graph, passes = validate_recipe(recipe)

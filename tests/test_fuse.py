@@ -95,3 +95,68 @@ def test_nothing_enabled_leaves_the_graph_as_it_was(tmp_path):
     out = run_fuse(source, recipe, arrays, tmp_path / "out", transformer="off", generic=False)
     assert op_histogram(out.load()) == op_histogram(source.load())
     assert out.info["fused_ops"] == {} and out.info["op_changes"] == {}
+
+
+# One self-attention block as the dynamo exporter writes it (Q/K/V projections, heads split by
+# Reshape/Transpose, scaled scores, additive mask from attention_mask, softmax, heads merged).
+ATTENTION = """
+<ir_version: 9, opset_import: ["" : 18]>
+attention (float[B, S, 16] x, int64[B, S] attention_mask) => (float[B, S, 16] y) {
+  heads = Constant<value = int64[4] {0, 0, 2, 8}>()
+  merged = Constant<value = int64[3] {0, 0, 16}>()
+  qm = MatMul(x, wq)
+  qb = Add(qm, bq)
+  qr = Reshape(qb, heads)
+  q = Transpose<perm = [0, 2, 1, 3]>(qr)
+  km = MatMul(x, wk)
+  kb = Add(km, bk)
+  kr = Reshape(kb, heads)
+  kt = Transpose<perm = [0, 2, 3, 1]>(kr)
+  vm = MatMul(x, wv)
+  vb = Add(vm, bv)
+  vr = Reshape(vb, heads)
+  v = Transpose<perm = [0, 2, 1, 3]>(vr)
+  axes = Constant<value = int64[2] {1, 2}>()
+  m4 = Unsqueeze(attention_mask, axes)
+  mf = Cast<to = 1>(m4)
+  one = Constant<value = float {1.0}>()
+  inv = Sub(one, mf)
+  big = Constant<value = float {-10000.0}>()
+  bias = Mul(inv, big)
+  scores = MatMul(q, kt)
+  scale = Constant<value = float {0.35355339}>()
+  scaled = Mul(scores, scale)
+  masked = Add(scaled, bias)
+  probs = Softmax<axis = -1>(masked)
+  ctx = MatMul(probs, v)
+  ctxt = Transpose<perm = [0, 2, 1, 3]>(ctx)
+  y = Reshape(ctxt, merged)
+}
+"""
+
+
+def attention_case(tmp_path):
+    weights = {f"w{n}": RNG.normal(size=(16, 16)) * 0.3 for n in "qkv"} | {f"b{n}": RNG.normal(size=16) * 0.1 for n in "qkv"}
+    model = add_weights(parser.parse_model(ATTENTION), **weights)
+    dims = {"B": {"min": 1, "opt": 2, "max": 4}, "S": {"min": 1, "opt": 6, "max": 8}}
+    recipe = graph_recipe([{"name": "x", "shape": ["B", "S", 16]},
+                           {"name": "attention_mask", "dtype": "int64", "shape": ["B", "S"]}], dims=dims)
+    mask = np.ones((4, 6), np.int64)
+    mask[1, 4:] = 0  # real padding: the fused op must honour the mask
+    arrays = {"x": RNG.normal(size=(4, 6, 16)).astype(np.float32), "attention_mask": mask}
+    return artifact_of(model, tmp_path / "in"), recipe, arrays
+
+
+def test_onnxscript_fuses_attention_without_patching_it(tmp_path):
+    """Fails if onnxscript's public rules stop fusing attention (a rename, a new version)."""
+    source, recipe, arrays = attention_case(tmp_path)
+    for mode in ("separate", "packed"):
+        out = run_fuse(source, recipe, arrays, tmp_path / mode, transformer="onnxscript", attention=mode, generic=False)
+        fused = out.info["fused_ops"]
+        assert any(op in fused for op in ("Attention", "MultiHeadAttention")), (mode, fused)
+        if mode == "separate":
+            # Q/K/V stay three MatMuls with their own weights (what int8 quantizes): no packed Attention.
+            assert fused.get("MultiHeadAttention") == 1 and "Attention" not in fused
+            assert op_histogram(out.load(with_weights=False))["MatMul"] == 3
+        outputs = run_model(out.path, arrays)[0]
+        np.testing.assert_allclose(outputs, run_model(source.path, arrays)[0], atol=1e-4)

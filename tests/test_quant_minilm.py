@@ -19,7 +19,8 @@ RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "minilm.yaml"
 def stages(tmp_path_factory):
     from optpipe.cache.store import StageCache, default_cache_dir
     from optpipe.dag import execution_order
-    from optpipe.pipeline import PassManager, RunOptions, RunServices
+    from optpipe.execution.services import RunServices
+    from optpipe.pipeline import PassManager, RunOptions
     from optpipe.recipe import load_recipe
     from optpipe.validate import validate_recipe
 

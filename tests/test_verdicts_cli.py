@@ -39,20 +39,13 @@ def noise_pass():
     unregister_pass(NoisePass.name)
 
 
-def test_force_measures_again(tiny_recipe, cache_dir):
-    recipe = load_recipe(tiny_recipe())
-    compile_recipe(recipe, RunOptions(cache_dir=cache_dir))
-    again = compile_recipe(recipe, RunOptions(cache_dir=cache_dir))
-    assert all(s.cached for s in again.stages), "an unchanged rerun measures nothing"
-    forced = compile_recipe(recipe, RunOptions(cache_dir=cache_dir, force=True))
-    # The eager baseline has no pass: only its evaluation can be cached, and --force re-measures it.
-    assert not any(s.cached for s in forced.stages)
-
-
-def test_export_of_out_of_tolerance_stage_needs_the_flag(tiny_recipe, cli_run, tmp_path):
+def test_export_needs_the_flag_for_out_of_tolerance_and_force_measures_again(tiny_recipe, cli_run, cache_dir, tmp_path):
     path = tiny_recipe({"stages": {"noisy": {"pass": "test-noise", "after": "simplify"}}})
     cli_run("compile", str(path))
     run = tmp_path / "run"
+    # --force: the eager baseline has no pass, so only its evaluation could be cached; it is measured again.
+    forced = compile_recipe(load_recipe(path), RunOptions(cache_dir=cache_dir, force=True))
+    assert not any(s.cached for s in forced.stages)
     refused = cli_run("export", str(run), "--stage", "noisy", "--format", "ort", "--to", str(tmp_path / "out"))
     assert refused.exit_code == 2
     assert "out of tolerance" in refused.output and "--allow-out-of-tolerance" in refused.output

@@ -14,6 +14,7 @@ import numpy as np
 from optpipe.evaluation.accuracy import compare, run_callable, run_onnx
 from optpipe.artifact import ModelArtifact
 from optpipe.cache.store import StageCache, library_versions
+from optpipe.evaluation import openvino_runtime
 from optpipe.evaluation.checks import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import measure, warm_for
@@ -79,6 +80,8 @@ class Evaluator:
         return run_onnx(artifact.path, self.accuracy_batches, self.settings.threads, self.providers)
 
     def evaluate_onnx(self, artifact: ModelArtifact, tolerance: Tolerance) -> Measured:
+        if openvino_runtime.is_ir(artifact.folder):  # an `openvino` stage: OpenVINO's runtime, same protocol
+            return self.evaluate_openvino(artifact, tolerance)
         key = self._result_key(artifact.content_hash(), tolerance)
         # Under the key's lock: a second process on the same cache waits and reuses the measurement
         # rather than measuring at the same time (and slowing both down).
@@ -93,6 +96,25 @@ class Evaluator:
                 session = ort_session(artifact.path, self.settings.threads, self.providers)
                 latency = self._latency(ort_runner(session), self.providers[0], baseline)
                 del session
+            self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
+        return accuracy, latency, peak.result(), False
+
+    def evaluate_openvino(self, artifact: ModelArtifact, tolerance: Tolerance) -> Measured:
+        """An IR stage (or any ONNX/IR file OpenVINO reads) measured like the ORT rows: same inputs,
+        reference, threads and latency protocol; labelled `openvino-cpu` in the latency rows."""
+        path, hint, names = openvino_runtime.stage_settings(artifact)
+        key = self._result_key(artifact.content_hash(), tolerance, extra={"runtime": "openvino", "hint": hint,
+                               **library_versions(("openvino", "nncf"))})
+        with self.cache.lock(key):
+            hit = self.cache.get_result(key)
+            if hit is not None:
+                return _decode(hit) + (True,)
+            # Peak memory covers what ORT's rows cover: compiling the model and the timed runs.
+            with PeakMemory() as peak:
+                run = openvino_runtime.runner(openvino_runtime.compile_model(path, self.settings.threads, hint), names)
+                latency = self._latency(run, openvino_runtime.PROVIDER)
+            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance)
+            del run
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 

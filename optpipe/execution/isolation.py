@@ -4,16 +4,16 @@ kill takes down the stage, not the run.
 Used for stages with `timeout_s`. A watchdog thread cannot stop a pass stuck in
 C++ (onnxsim, an exporter, ORT), and a signal only reaches Python code between
 bytecodes; a process can always be killed. The worker rebuilds the run's
-services from the recipe (the torch model, the cached sample sets), writes the
-pass's output into the same private workdir, and reports back through a small
-JSON file; the parent publishes the workdir as usual. The limit counts from the
+services from the recipe (the torch model, the cached sample sets), runs the pass
+under the same contract (optpipe/execution/contract.py) into the same private
+workdir, and reports back through a small JSON file (status, the returned
+artifact's info, the data sets it read); the parent publishes the workdir as usual. The limit counts from the
 moment the worker has started (imports done), not from its spawn.
 
     python -m optpipe.execution.isolation REQUEST.json
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -26,24 +26,18 @@ from typing import Any
 
 from optpipe.artifact import ModelArtifact
 from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, StageTimeout, first_line
-from optpipe.pass_base import Pass
-from optpipe.recipe import Recipe
+from optpipe.pass_base import Pass, PassContext
 
 POLL_S = 0.1
 GRACE_S = 2.0  # between SIGTERM and SIGKILL when stopping a worker
 
 
-def run_pass_isolated(
-    recipe: Recipe,
-    stage: str,
-    pass_: Pass,
-    model: ModelArtifact | None,
-    workdir: Path,
-    cache_root: Path,
-    log_path: Path,
-    timeout_s: float,
-) -> None:
-    """Run `pass_` in a worker; returns when its output is in `workdir`, else raises what went wrong."""
+def run_pass_isolated(pass_: Pass, model: ModelArtifact | None, ctx: PassContext, log_path: Path, timeout_s: float) -> ModelArtifact:
+    """Run `pass_` in a worker; returns the artifact it made in `ctx.workdir`, else raises what went wrong.
+
+    The data sets the worker's pass read are added to `ctx.data_used`, as if it had run here.
+    """
+    recipe, stage, workdir = ctx.recipe, ctx.stage, ctx.workdir
     files = _WorkerFiles(workdir)
     files.request.write_text(json.dumps({
         "recipe": recipe.model_dump(mode="json", by_alias=True, exclude={"base_dir"}),
@@ -53,7 +47,7 @@ def run_pass_isolated(
         "params": pass_.params.model_dump(mode="json"),
         "input": str(model.folder) if model else None,
         "workdir": str(workdir),
-        "cache": str(cache_root),
+        "cache": str(ctx.cache_dir),
         "log": str(log_path),
         "started": str(files.started),
         "result": str(files.result),
@@ -69,7 +63,10 @@ def run_pass_isolated(
         except BaseException:  # the time limit, Ctrl-C: the worker must not outlive the stage
             _stop(worker)
             raise
-        _raise_failure(stage, pass_.name, files.read_result(), returncode)
+        result = files.read_result()
+        _raise_failure(stage, pass_.name, result, returncode)
+        ctx.data_used.update(result["data_used"])
+        return ModelArtifact(folder=workdir, info=result["info"])
     finally:
         files.remove()
 
@@ -152,10 +149,11 @@ def worker_main(request_path: Path) -> int:
     return 0
 
 
-def _run_request(request: dict[str, Any]) -> dict[str, str]:
+def _run_request(request: dict[str, Any]) -> dict[str, Any]:
     from optpipe.cache.store import StageCache
+    from optpipe.execution.contract import run_pass
+    from optpipe.execution.services import RunServices, make_pass_context, stage_logger
     from optpipe.passes import get_pass
-    from optpipe.pipeline import PassManager, RunOptions, RunServices, _LogWriter, stage_logger
     from optpipe.recipe import parse_recipe
 
     stage = request["stage"]
@@ -166,13 +164,10 @@ def _run_request(request: dict[str, Any]) -> dict[str, str]:
             cls = get_pass(request["pass"])
             pass_ = cls(cls.Params.model_validate(request["params"]))
             model = ModelArtifact.open(Path(request["input"])) if request["input"] else None
-            services = RunServices(recipe, cache)
-            manager = PassManager(recipe, cache, services, Path(request["log"]).parent.parent, RunOptions())
-            ctx = manager._context(stage, Path(request["workdir"]), log)
+            ctx = make_pass_context(recipe, RunServices(recipe, cache), stage, Path(request["workdir"]), log)
             Path(request["started"]).touch()
-            with contextlib.redirect_stdout(_LogWriter(log)):
-                pass_.run(model, ctx)
-            return {"status": "ok"}
+            artifact = run_pass(pass_, model, ctx)
+            return {"status": "ok", "info": artifact.info, "data_used": ctx.data_used}
         except PassError as exc:
             return {"status": "pass", "message": str(exc)}
         except OptpipeError as exc:
@@ -190,9 +185,9 @@ def memory_message(exc: MemoryError) -> str:
     return f"ran out of memory{detail}; free memory, use a machine with more, or lower the pass's sizes"
 
 
-def _write_result(path: Path, outcome: dict[str, str]) -> None:
+def _write_result(path: Path, outcome: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(outcome))
+    tmp.write_text(json.dumps(outcome, default=str))
     os.replace(tmp, path)
 
 

@@ -119,7 +119,16 @@ def inspect_stage(handle: StageHandle) -> dict[str, Any]:
         "memory": _memory_of(result),
         "pass_info": info,
         "graph": handle.graph,
+        "missing": _missing_copy(handle),
     }
+
+
+def _missing_copy(handle: StageHandle) -> str | None:
+    """Why the graph sections are absent, when a finished ONNX stage's copy is gone from the run folder."""
+    if handle.result.status != "ok" or handle.result.hash is None or handle.model_path is not None:
+        return None
+    return (f"{handle.run_dir / 'stages' / handle.name / 'model.onnx'} is missing, so its graph sections are not shown; "
+            "rerun the same compile to restore the run folder")
 
 
 def inspect_run(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -292,6 +301,8 @@ def render_inspection(data: dict[str, Any]) -> str:
     lines = [f"stage {data['stage']} ({data['pass']}{', after ' + data['parent'] if data['parent'] else ''}): {data['status']}"]
     if data["reason"]:
         lines.append(f"  reason: {data['reason']}")
+    if data.get("missing"):
+        lines.append(f"  note: {data['missing']}")
     graph = data["graph"]
     if graph:
         lines += ["", "inputs / outputs:"]

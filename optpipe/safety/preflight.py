@@ -8,18 +8,16 @@ runs fail that stage and name it (exit code 1).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from optpipe.errors import DataError
 from optpipe.recipe import OnnxModel, Recipe
 
-if TYPE_CHECKING:
-    from optpipe.pipeline import RunServices
-
 _DATA_PREFIX = re.compile(r"^(data(\.\w+)?( source '\w+')?:\s*)")
 
 
-def preflight(recipe: Recipe, services: "RunServices") -> None:
+def preflight(recipe: Recipe, eval_set: Callable[[], object], calibration_set: Callable[[], object]) -> None:
+    """Build (or load) the data sets through the run's builders, so the stages reuse them."""
     if isinstance(recipe.model, OnnxModel):
         from optpipe.safety import onnx_guard
         from optpipe.model_source import onnx_source_path
@@ -27,9 +25,9 @@ def preflight(recipe: Recipe, services: "RunServices") -> None:
         path = onnx_source_path(recipe)
         graph = onnx_guard.load_graph(path, "model.onnx")
         onnx_guard.check_inputs_match(graph, recipe, path.name)
-    _check_data(services.eval_set, "eval")
+    _check_data(eval_set, "eval")
     if recipe.data.calibration is not None:
-        _check_data(services.calibration_set, "calibration")
+        _check_data(calibration_set, "calibration")
 
 
 def _check_data(build, which: str) -> None:

@@ -32,6 +32,7 @@ BUILDERS = {
     "ort": ("optpipe.targets.ort_bundle", "write_bundle"),
     "tensorrt": ("optpipe.targets.tensorrt", "build_target"),
     "triton": ("optpipe.targets.triton", "write_repository"),
+    "openvino": ("optpipe.targets.openvino", "write_ir"),
 }
 KINDS = tuple(BUILDERS)
 SNAPSHOT_FILE = "recipe.json"
@@ -105,6 +106,9 @@ def run_targets(
 def run_one(job: TargetJob) -> TargetResult:
     """One target for one stage; its failure is recorded, never raised, so the other targets go on."""
     module, function = BUILDERS[job.spec.kind]
+    refusal = _format_refusal(job)
+    if refusal:
+        return job.result("skipped", refusal)
     build = getattr(importlib.import_module(module), function)
     try:
         return build(job)
@@ -181,11 +185,21 @@ def _stage_views(run_dir: Path, report) -> Callable[[str], Optional[StageView]]:
     def view(name: str) -> Optional[StageView]:
         result = report.stage(name)
         folder = run_dir / "stages" / name
-        if result is None or result.status != "ok" or not (folder / "model.onnx").is_file():
+        if result is None or result.status != "ok" or not any((folder / f).is_file() for f in ("model.onnx", "model.xml")):
             return None
         return StageView(name, folder, result)
 
     return view
+
+
+def _format_refusal(job: TargetJob) -> str | None:
+    """An OpenVINO IR stage has no ONNX: only the openvino target (and Triton's openvino backend) take it."""
+    if not (job.stage.folder / "model.xml").is_file() or job.spec.kind == "openvino":
+        return None
+    if job.spec.kind == "triton" and getattr(job.params, "platform", None) == "openvino":
+        return None
+    return (f"stage '{job.stage.name}' is an OpenVINO IR (no ONNX); export it with the openvino target "
+            "or Triton's openvino platform")
 
 
 def _why_missing(report, stage: str) -> str:

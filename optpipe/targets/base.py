@@ -43,7 +43,8 @@ class TensorRTParams(TargetParams):
 
 
 class TritonParams(TargetParams):
-    platform: Literal["onnxruntime", "tensorrt"] = Field("onnxruntime", description="onnxruntime_onnx or tensorrt_plan")
+    platform: Literal["onnxruntime", "tensorrt", "openvino"] = Field(
+        "onnxruntime", description="onnxruntime_onnx, tensorrt_plan, or the openvino backend (model.xml)")
     device: Literal["auto", "cpu", "gpu"] = Field("auto", description="instance group kind; auto: the provider that was measured")
     instances: int = Field(1, ge=1, description="model instances per device")
     dynamic_batching: bool = True
@@ -52,7 +53,13 @@ class TritonParams(TargetParams):
     model_name: str = Field("{recipe}_{stage}", description="model folder name; {recipe} and {stage} are filled in")
 
 
-PARAMS: dict[str, type[TargetParams]] = {"ort": OrtParams, "tensorrt": TensorRTParams, "triton": TritonParams}
+class OpenVinoTargetParams(TargetParams):
+    evaluate: bool = Field(True, description="measure an IR converted from an ONNX stage on OpenVINO's runtime")
+
+
+PARAMS: dict[str, type[TargetParams]] = {
+    "ort": OrtParams, "tensorrt": TensorRTParams, "triton": TritonParams, "openvino": OpenVinoTargetParams,
+}
 
 
 @dataclass

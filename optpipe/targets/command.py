@@ -1,4 +1,4 @@
-"""`optpipe export RUN_DIR --stage NAME --format ort|tensorrt|triton --to DIR`: a finished stage
+"""`optpipe export RUN_DIR --stage NAME --format ort|tensorrt|triton|openvino --to DIR`: a finished stage
 as a deployable artifact, later, without recomputing the run."""
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ from optpipe.targets import KINDS
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: the recipe's, $OPTPIPE_CACHE or ~/.cache/optpipe)")
 @click.option("--allow-out-of-tolerance", is_flag=True, help="export a stage that broke its accuracy tolerance (warns)")
 def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Path | None, allow_out_of_tolerance: bool) -> None:
-    """Write STAGE of the finished run RUN_DIR as an ORT bundle, TensorRT engine or Triton repository."""
+    """Write STAGE of the finished run RUN_DIR as an ORT bundle, TensorRT engine, Triton repository or OpenVINO IR."""
+    from optpipe.errors import TargetError
     from optpipe.targets import export_stage
 
+    if to.exists() and not to.is_dir():
+        raise TargetError(f"--to: '{to}' is a file; give a folder to write the {kind} artifact into (new or existing)")
     check_verdict(run_dir, stage, allow_out_of_tolerance)
     result = export_stage(run_dir, stage, kind, to, cache_dir=cache_dir)
     where = to / result.path if result.path else to

@@ -21,6 +21,8 @@ from optpipe.targets.model_facts import TensorSpec, io_specs, precision_of
 CONFIG_FILE = "config.pbtxt"
 VERSION = "1"
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
+#: Platforms served by a named backend (config `backend:` rather than `platform:`).
+BACKENDS = {"openvino": "openvino"}
 # numpy dtype name (as model_facts reports it) -> Triton DataType
 TRITON_TYPES = {
     "bool": "TYPE_BOOL",
@@ -53,24 +55,29 @@ def write_repository(job: TargetJob) -> TargetResult:
     if version_dir.exists():
         shutil.rmtree(version_dir)  # a stale model.onnx beside a new model.plan would confuse a reader
     version_dir.mkdir(parents=True)
+    ir = None
     if engine is not None:
         shutil.copyfile(job.root / engine.path / tensorrt.PLAN_FILE, version_dir / tensorrt.PLAN_FILE)
+    elif params.platform == "openvino":
+        ir = openvino_model(job, version_dir)
     else:
         copy_model(job.stage, version_dir)
-    config = model_config(job, params, name)
+    config = model_config(job, params, name, ir)
     (folder / CONFIG_FILE).write_text(render_config(config))
     files, digest = hash_files(folder)
     source = engine or job.stage.result
+    if ir and ir["converted"]:
+        source = None  # the stage's numbers are ONNX Runtime's, not this IR's: the openvino target measures it
     return job.result(
         "ok",
         path=relative(folder, job.root),
-        precision=engine.precision if engine else precision_of(job.stage.graph),
-        provider=(engine.provider if engine else (source.headline.provider if source and source.headline else None)),
+        precision=engine.precision if engine else (ir["precision"] if ir else precision_of(job.stage.graph)),
+        provider=(engine.provider if engine else ("openvino-cpu" if ir else (source.headline.provider if source and source.headline else None))),
         accuracy=source.accuracy if source else None,
         latency=source.latency if source else [],
         files=files,
         hash=digest,
-        details={"model": name, "platform": config["platform"], "max_batch_size": config["max_batch_size"],
+        details={"model": name, "platform": config.get("platform") or config["backend"], "max_batch_size": config["max_batch_size"],
                  "instance_kind": config["instance_group"][0]["kind"]},
     )
 
@@ -103,14 +110,26 @@ def model_name(template: str, recipe: str, stage: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", template.format(recipe=recipe, stage=stage))
 
 
-def model_config(job: TargetJob, params: TritonParams, name: str) -> dict[str, Any]:
-    inputs, outputs = io_specs(job.stage.graph)
+def openvino_model(job: TargetJob, version_dir: Path) -> dict[str, Any]:
+    """`1/model.xml` + `model.bin` for Triton's openvino backend: the stage's IR, or its ONNX converted."""
+    from optpipe.targets import openvino
+
+    settings, converted = openvino.place_ir(job, version_dir)
+    (version_dir / "openvino.json").unlink()  # Triton reads the config.pbtxt parameters, not this file
+    settings["io"] = openvino.ir_io_specs(version_dir, settings.get("output_names"))
+    settings["converted"] = converted
+    return settings
+
+
+def model_config(job: TargetJob, params: TritonParams, name: str, ir: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    inputs, outputs = ir["io"] if ir else io_specs(job.stage.graph)
     batch_max = batching_limit(job, params, inputs, outputs)
     strip = 1 if batch_max > 0 else 0
     kind = instance_kind(job, params)
+    platform = {"backend": BACKENDS[params.platform]} if params.platform in BACKENDS else {"platform": PLATFORMS[params.platform]}
     config: dict[str, Any] = {
         "name": name,
-        "platform": PLATFORMS[params.platform],
+        **platform,
         "max_batch_size": batch_max,
         "input": [_tensor(t, strip) for t in inputs],
         "output": [_tensor(t, strip) for t in outputs],
@@ -126,6 +145,14 @@ def model_config(job: TargetJob, params: TritonParams, name: str) -> dict[str, A
             "intra_op_thread_count": str(job.recipe.evaluate.threads),
             "inter_op_thread_count": "1",
             "execution_mode": "0",  # sequential
+        }
+    if params.platform == "openvino":
+        # The openvino backend's names for the compile settings the stage was measured with.
+        config["parameters"] = {
+            "INFERENCE_NUM_THREADS": str(job.recipe.evaluate.threads),
+            "NUM_STREAMS": "1",
+            "PERFORMANCE_HINT": "LATENCY",
+            "HINT_BF16": "YES" if ir and ir["hint"] == "bf16" else "NO",
         }
     return config
 
@@ -150,6 +177,10 @@ def batching_limit(job: TargetJob, params: TritonParams, inputs: list[TensorSpec
 
 
 def instance_kind(job: TargetJob, params: TritonParams) -> str:
+    if params.platform == "openvino":
+        if params.device == "gpu":
+            raise TargetError("targets (triton): optpipe measures OpenVINO on the CPU; set `device: cpu` or another platform")
+        return "KIND_CPU"
     if params.platform == "tensorrt":
         if params.device == "cpu":
             raise TargetError("targets (triton): a tensorrt_plan model runs on GPUs only; set `device: gpu` or `platform: onnxruntime`")
@@ -176,9 +207,10 @@ def _tensor(tensor: TensorSpec, strip: int) -> dict[str, Any]:
 
 
 def render_config(config: dict[str, Any]) -> str:
+    runs_on = f'backend: "{config["backend"]}"' if "backend" in config else f'platform: "{config["platform"]}"'
     lines = [
         f'name: "{config["name"]}"',
-        f'platform: "{config["platform"]}"',
+        runs_on,
         f'max_batch_size: {config["max_batch_size"]}',
     ]
     for section in ("input", "output"):

@@ -1,0 +1,183 @@
+"""OpenVINO as a CPU engine: ONNX -> IR, compiled with the settings every stage is measured with.
+
+The latency protocol matches ONNX Runtime's rows (optpipe.runtime): `threads` inference
+threads, one stream and one infer request (`PERFORMANCE_HINT: LATENCY`), so the figures
+are comparable row by row. The inference precision is pinned to f32 unless a stage asks
+for bf16: on a CPU with AVX-512 BF16 but no AMX, OpenVINO's default hint (bf16) was
+slower than f32 (measured, issue 13). What the plugin actually ran with is read back
+from the compiled model and recorded, never assumed.
+
+openvino is imported inside the functions: `import optpipe` must not pay for it.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from optpipe.runtime import Feeds, Outputs
+
+IR_FILE = "model.xml"
+WEIGHTS_FILE = "model.bin"
+#: Beside the IR: the compile settings it was measured with (part of the stage's content hash).
+SETTINGS_FILE = "openvino.json"
+#: The label every OpenVINO measurement carries in Latency.provider (ORT's rows say CPUExecutionProvider).
+PROVIDER = "openvino-cpu"
+RUNTIME = "openvino"
+#: Recipe precision -> OpenVINO's INFERENCE_PRECISION_HINT. An INT8 IR runs its FakeQuantize'd ops in
+#: int8 and everything else at this hint: f32, for the reason in the module docstring.
+PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}
+
+
+def stage_settings(artifact) -> tuple[Path, str, list[str] | None]:
+    """(model file, precision hint, ONNX output names) to compile and run a stage with: an IR
+    stage's own settings, or an ONNX stage read as is at f32."""
+    folder = Path(artifact.folder)
+    if not is_ir(folder):
+        return folder / "model.onnx", "f32", output_names(folder / "model.onnx")
+    settings = read_settings(folder)
+    return folder / IR_FILE, settings.get("hint", "f32"), artifact.info.get("output_names")
+
+
+def read_settings(folder: Path) -> dict[str, Any]:
+    import json
+
+    path = Path(folder) / SETTINGS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {"precision": "fp32", "hint": "f32"}
+
+
+def write_settings(folder: Path, precision: str) -> dict[str, Any]:
+    """Threads are not here: they belong to the evaluation (and the deployment), not to the model."""
+    import json
+
+    settings = {"format": 1, "precision": precision, "hint": PRECISION_HINTS[precision]}
+    (Path(folder) / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
+    return settings
+
+
+def is_ir(folder: Path) -> bool:
+    """A stage folder holding an OpenVINO IR (the `openvino` pass's output) rather than ONNX."""
+    return (Path(folder) / IR_FILE).is_file()
+
+
+@lru_cache(maxsize=1)
+def core():
+    import openvino as ov
+
+    return ov.Core()
+
+
+def cpu_capabilities() -> list[str]:
+    """What OpenVINO's CPU plugin can run here, e.g. ['BF16', 'FP32', 'INT8', ...]."""
+    return [str(c) for c in core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")]
+
+
+def supports(precision: str) -> bool:
+    return precision != "bf16" or "BF16" in cpu_capabilities()
+
+
+def read_model(path: Path):
+    """An ov.Model from an IR (.xml + .bin) or an ONNX file (with its external data)."""
+    return core().read_model(str(path))
+
+
+def convert_onnx(path: Path):
+    """ONNX -> ov.Model, through the documented converter (openvino.convert_model)."""
+    import openvino as ov
+
+    return ov.convert_model(str(path))
+
+
+def save_ir(model, folder: Path) -> Path:
+    """Write model.xml + model.bin; weights stay FP32 (no FP16 compression: that is a precision change)."""
+    import openvino as ov
+
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / IR_FILE
+    ov.save_model(model, str(target), compress_to_fp16=False)
+    return target
+
+
+def compile_config(threads: int, hint: str = "f32") -> dict[str, Any]:
+    """The measured settings: one latency stream on `threads` threads at the given precision hint."""
+    return {
+        "INFERENCE_NUM_THREADS": int(threads),
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": 1,
+        "INFERENCE_PRECISION_HINT": hint,
+    }
+
+
+def compile_model(model_or_path, threads: int, hint: str = "f32"):
+    """A compiled CPU model (from an ov.Model or a path to .xml/.onnx) with `compile_config`."""
+    source = str(model_or_path) if isinstance(model_or_path, Path) else model_or_path
+    return core().compile_model(source, "CPU", compile_config(threads, hint))
+
+
+def inference_precision(compiled) -> str:
+    """The precision the plugin runs float ops at (bf16 / f32 / f16), as it reports it."""
+    hint = compiled.get_property("INFERENCE_PRECISION_HINT")
+    return hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
+
+
+def runtime_precisions(compiled) -> dict[str, int]:
+    """How many executed layers run at each precision, from the compiled model's runtime graph
+    (rt_info `runtimePrecision`): the evidence that an INT8 model really runs int8 kernels."""
+    counts: Counter[str] = Counter()
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if "runtimePrecision" not in info or _text(info["layerType"]) in ("Input", "Output", "Const"):
+            continue
+        counts[_text(info["runtimePrecision"])] += 1
+    return dict(sorted(counts.items()))
+
+
+def _text(value) -> str:
+    """An rt_info value (OVAny) as text."""
+    return value.astype(str) if hasattr(value, "astype") else str(value)
+
+
+def precision_facts(compiled) -> dict[str, Any]:
+    """What the stage info and report record about a compiled model's precision."""
+    layers = runtime_precisions(compiled)
+    return {
+        "inference_precision": inference_precision(compiled),
+        "layer_precisions": layers,
+        "int8_layers": sum(n for p, n in layers.items() if p in ("i8", "u8")),
+    }
+
+
+def runner(compiled, output_names: list[str] | None = None) -> Callable[[Feeds], Outputs]:
+    """run(feeds) -> {output name: array} through one infer request (the latency protocol).
+
+    Outputs are named as in the ONNX graph the IR came from (`output_names`: an output
+    tensor can carry several names after conversion; the ONNX one is the one compared),
+    and copied: the request reuses its output buffers on the next call.
+    """
+    request = compiled.create_infer_request()
+    inputs = {port.get_any_name() for port in compiled.inputs}
+    ports = [(pick_name(port, output_names), port) for port in compiled.outputs]
+
+    def run(feeds: Feeds) -> Outputs:
+        request.infer({k: v for k, v in feeds.items() if k in inputs})
+        return {name: np.array(request.get_tensor(port).data, copy=True) for name, port in ports}
+
+    return run
+
+
+def pick_name(port, wanted: list[str] | None) -> str:
+    names = port.get_names()
+    for name in wanted or []:
+        if name in names:
+            return name
+    return port.get_any_name()
+
+
+def output_names(path: Path) -> list[str]:
+    """Output names of an ONNX file (the names the reference stage's outputs carry)."""
+    import onnx
+
+    return [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]

@@ -1,0 +1,110 @@
+"""Run-scoped plumbing shared by the pass manager and its worker processes: the lazily built
+services (torch model, data sets), the per-stage logger, and the PassContext built from them."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+from optpipe.cache.store import StageCache
+from optpipe.calibration.dataset import SampleSet, build_sample_set
+from optpipe.errors import DataError
+from optpipe.model_source import load_torch_model
+from optpipe.pass_base import PassContext
+from optpipe.recipe import Recipe
+
+
+class RunServices:
+    """Lazy, run-scoped things passes share: the torch model and the data sets, each built once."""
+
+    def __init__(self, recipe: Recipe, cache: StageCache):
+        self.recipe = recipe
+        self.cache = cache
+
+    @lru_cache(maxsize=1)
+    def torch_model(self):
+        return load_torch_model(self.recipe)
+
+    @lru_cache(maxsize=1)
+    def eval_set(self) -> SampleSet:
+        return build_sample_set(self.recipe.data.eval, self.recipe, self.cache)
+
+    @lru_cache(maxsize=1)
+    def calibration_set(self) -> SampleSet:
+        source = self.recipe.data.calibration
+        if source is None:
+            raise DataError("data.calibration: this stage needs a calibration set; add `data: {calibration: ...}` to the recipe")
+        return build_sample_set(source, self.recipe, self.cache)
+
+    def data_set(self, which: str) -> SampleSet:
+        """A set by the name PassContext records it under ("eval", "calibration")."""
+        return {"eval": self.eval_set, "calibration": self.calibration_set}[which]()
+
+
+def make_pass_context(
+    recipe: Recipe,
+    services: RunServices,
+    stage: str,
+    workdir: Path,
+    log: logging.Logger,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> PassContext:
+    """The context one stage's pass runs with, in this process or in a worker."""
+    extra = {"progress": progress} if progress else {}
+    return PassContext(
+        recipe=recipe,
+        stage=stage,
+        workdir=workdir,
+        log=log,
+        cache_dir=services.cache.root,
+        torch_model=services.torch_model,
+        eval_set=services.eval_set,
+        calibration_set=services.calibration_set,
+        tolerance=recipe.tolerance_for(stage),
+        **extra,
+    )
+
+
+@contextlib.contextmanager
+def stage_logger(name: str, path: Path, truncate: bool = True):
+    """A logger writing to the stage's log file (and Python warnings with it) while the stage runs.
+
+    Appending (after truncating once): a stage's worker process writes to the same file.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if truncate:
+        path.write_text("", encoding="utf-8")
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger(f"optpipe.stage.{name}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(handler)
+    warnings_log = logging.getLogger("py.warnings")
+    warnings_log.addHandler(handler)
+    logging.captureWarnings(True)
+    try:
+        yield log
+    finally:
+        logging.captureWarnings(False)
+        warnings_log.removeHandler(handler)
+        log.removeHandler(handler)
+        with contextlib.suppress(OSError):  # a full disk: the error that stopped the stage matters more than the log's tail
+            handler.close()
+
+
+class LogWriter:
+    """A file-like object sending what libraries print into the stage log instead of the terminal."""
+
+    def __init__(self, log: logging.Logger):
+        self.log = log
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            self.log.info("%s", text.rstrip())
+        return len(text)
+
+    def flush(self) -> None:
+        pass

@@ -1,0 +1,19 @@
+"""`optpipe.load`: a ready runtime object from a folder a target (or `optpipe export`) wrote."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def load(path: str | Path, **options: Any):
+    """An OpenVINO folder (openvino.json beside model.xml) -> openvino.CompiledModel with the measured
+    settings (option: threads); an ORT bundle -> onnxruntime.InferenceSession (options: format, providers)."""
+    folder = Path(path)
+    folder = folder.parent if folder.is_file() else folder
+    if (folder / "openvino.json").is_file() and (folder / "model.xml").is_file():
+        from optpipe.targets.openvino import load_ir
+
+        return load_ir(folder, **options)
+    from optpipe.targets.ort_bundle import load_bundle
+
+    return load_bundle(path, **options)

@@ -1,0 +1,270 @@
+"""openvino: the stage's ONNX as an OpenVINO IR, in FP32, BF16 or INT8 (NNCF post-training quantization).
+
+The output is an IR stage (`model.xml` + `model.bin` + `openvino.json`, the compile settings it
+is measured and deployed with); every later measurement of it runs on OpenVINO's CPU runtime.
+No ONNX pass can follow it.
+
+- fp32 / bf16: `openvino.convert_model` of the input ONNX; the same IR, compiled with
+  INFERENCE_PRECISION_HINT f32 or bf16 (bf16 only where the CPU plugin lists BF16).
+- int8: `nncf.quantize` on the cached calibration set (NNCF's TRANSFORMER model type where the
+  graph has attention), FakeQuantize ops in the IR that the CPU plugin runs as int8 kernels.
+  Guard: the result is compared with the input ONNX (run by ONNX Runtime) on the evaluation set;
+  when it breaks the stage's tolerance, `nncf.quantize_with_accuracy_control` re-quantizes,
+  reverting the quantizers that cost the most (up to `max_excluded`) until the cosine holds.
+
+The stage info records the precision the compiled model really runs at (its
+INFERENCE_PRECISION_HINT and the number of layers per runtime precision).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal, Optional
+
+import numpy as np
+from pydantic import Field
+
+from optpipe.artifact import ModelArtifact, write_info
+from optpipe.errors import PassError, first_line
+from optpipe.evaluation import openvino_runtime as ovr
+from optpipe.results import Accuracy
+from optpipe.pass_base import Pass, PassContext, PassParams
+
+class OpenVinoParams(PassParams):
+    precision: Literal["fp32", "bf16", "int8"] = Field("fp32", description="fp32 / bf16 (inference precision hint) or int8 (NNCF)")
+    model_type: Literal["auto", "transformer", "other"] = Field(
+        "auto", description="int8: NNCF's TRANSFORMER model type; auto: when the graph has attention (Softmax feeding MatMul)"
+    )
+    preset: Optional[Literal["performance", "mixed"]] = Field(
+        None, description="int8: NNCF preset (mixed: asymmetric activations); default NNCF's choice for the model type"
+    )
+    subset_size: int = Field(300, ge=1, description="int8: calibration samples NNCF uses (at most the calibration set)")
+    fast_bias_correction: bool = Field(True, description="int8: NNCF's fast bias correction (false: the full algorithm)")
+    smooth_quant_alpha: Optional[float] = Field(
+        None, le=1.0, description="int8: SmoothQuant alpha for MatMul (negative disables); default NNCF's for the model type"
+    )
+    exclude: list[str] = Field(default_factory=list, description="int8: node names kept in float (NNCF ignored scope)")
+    exclude_types: list[str] = Field(default_factory=list, description="int8: op types kept in float, OpenVINO names (e.g. MatMul)")
+    guard: bool = Field(True, description="int8: hold the stage's tolerance with NNCF's accuracy-controlled quantization")
+    max_excluded: int = Field(8, ge=0, description="guard: most quantizers NNCF may revert to float")
+
+
+class OpenVinoPass(Pass):
+    """Convert to OpenVINO IR (FP32, BF16 or NNCF INT8), measured on OpenVINO's CPU runtime."""
+
+    name = "openvino"
+    version = "1"
+    Params = OpenVinoParams
+    libraries = ("onnx", "openvino", "nncf")
+    produces = "openvino-ir"  # optpipe.validate: no ONNX pass may follow this stage
+
+    def fingerprint(self, ctx: PassContext) -> dict:
+        params: OpenVinoParams = self.params  # type: ignore[assignment]
+        if params.precision != "int8":
+            return {}
+        guard = {"eval": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")} if params.guard else None
+        return {"calibration": ctx.calibration_set().key, "guard": guard}
+
+    def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+        params: OpenVinoParams = self.params  # type: ignore[assignment]
+        if not ovr.supports(params.precision):
+            raise PassError(f"this CPU cannot run bf16 in OpenVINO (its capabilities: {', '.join(ovr.cpu_capabilities())}); "
+                            "use precision fp32 or int8")
+        try:
+            converted = ovr.convert_onnx(model.path)
+        except Exception as exc:  # the converter raises assorted errors on ops it cannot translate
+            raise PassError(f"OpenVINO cannot convert this ONNX model: {first_line(exc)}") from None
+        check = InputCheck(model, ctx)
+        info: dict[str, Any] = {"runtime": ovr.RUNTIME, "precision": params.precision}
+        if params.precision == "int8":
+            result, accuracy, info["int8"] = quantize(converted, model, params, ctx, check)
+        else:
+            result = converted
+            accuracy = check(result, ovr.PRECISION_HINTS[params.precision])
+        ovr.save_ir(result, ctx.workdir)
+        hint = ovr.write_settings(ctx.workdir, params.precision)["hint"]
+        compiled = ovr.compile_model(ctx.workdir / ovr.IR_FILE, ctx.recipe.evaluate.threads, hint)
+        info.update(ovr.precision_facts(compiled))
+        info["output_names"] = ovr.output_names(model.path)
+        info["check"] = {"cosine": accuracy.worst_cosine, "held": accuracy.within_tolerance, "violations": accuracy.violations}
+        if not accuracy.within_tolerance:
+            ctx.log.warning("openvino %s result breaks the tolerance: %s", params.precision, "; ".join(accuracy.violations))
+        return write_info(ctx.workdir, info)
+
+
+# --- checking against the input -------------------------------------------------------------
+
+
+class InputCheck:
+    """Compares an ov.Model with the pass's input ONNX (run by ONNX Runtime) on the evaluation set."""
+
+    def __init__(self, model: ModelArtifact, ctx: PassContext):
+        self.model, self.ctx = model, ctx
+        self.names = ovr.output_names(model.path)
+        self._reference = None
+
+    @property
+    def batches(self) -> list[dict[str, np.ndarray]]:
+        return list(self.ctx.eval_set().batches(self.ctx.recipe.evaluate.accuracy_batch))
+
+    def reference(self):
+        if self._reference is None:
+            from optpipe.evaluation.accuracy import run_onnx
+
+            self._reference = run_onnx(self.model.path, self.batches, self.ctx.recipe.evaluate.threads)
+        return self._reference
+
+    def outputs(self, compiled) -> dict[str, np.ndarray]:
+        from optpipe.evaluation.accuracy import run_callable
+
+        return run_callable(ovr.runner(compiled, self.names), self.batches)
+
+    def compare(self, outputs) -> Accuracy:
+        from optpipe.evaluation.accuracy import compare
+
+        ctx = self.ctx
+        return compare(outputs, self.reference(), ctx.eval_set().arrays, ctx.tolerance, ctx.stage + " input", ctx.recipe.evaluate.top1)
+
+    def __call__(self, ov_model, hint: str = "f32") -> Accuracy:
+        return self.compare(self.outputs(ovr.compile_model(ov_model, self.ctx.recipe.evaluate.threads, hint)))
+
+
+# --- INT8 through NNCF -----------------------------------------------------------------------
+
+
+def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassContext, check: InputCheck):
+    """NNCF post-training quantization, then accuracy control when the plain result breaks the tolerance."""
+    import nncf
+
+    calibration = [_model_feeds(b, converted) for b in ctx.calibration_set().batches(1)]
+    options = nncf_options(params, model, len(calibration))
+    ctx.log.info("nncf.quantize with %s", {k: str(v) for k, v in options.items()})
+    with _nncf_logs_to(ctx.log):
+        try:
+            quantized = nncf.quantize(converted, nncf.Dataset(calibration), **options)
+        except Exception as exc:
+            raise PassError(f"NNCF quantization failed: {first_line(exc)}; try `exclude_types` or precision fp32") from None
+        accuracy = check(quantized)
+        steps = [{"method": "nncf.quantize", "cosine": accuracy.worst_cosine, "held": accuracy.within_tolerance,
+                  "quantizers": _fake_quantize_count(quantized)}]
+        if not accuracy.within_tolerance and params.guard and params.max_excluded and ctx.tolerance.cosine_min:
+            quantized, accuracy = _accuracy_controlled(converted, calibration, options, params, ctx, check)
+            steps.append({"method": "nncf.quantize_with_accuracy_control", "cosine": accuracy.worst_cosine,
+                          "held": accuracy.within_tolerance, "quantizers": _fake_quantize_count(quantized)})
+    details = {
+        "options": {k: str(v) for k, v in options.items()},
+        "calibration_samples": options["subset_size"],
+        "quantizers": _fake_quantize_count(quantized),
+        "guard": {"enabled": params.guard, "held": accuracy.within_tolerance, "cosine": accuracy.worst_cosine,
+                  "violations": accuracy.violations, "steps": steps},
+    }
+    return quantized, accuracy, details
+
+
+def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int) -> dict[str, Any]:
+    import nncf
+
+    transformer = params.model_type == "transformer" or (params.model_type == "auto" and has_attention(model))
+    options: dict[str, Any] = {
+        "subset_size": min(params.subset_size, samples),
+        "fast_bias_correction": params.fast_bias_correction,
+        "model_type": nncf.ModelType.TRANSFORMER if transformer else None,
+    }
+    if params.preset:
+        options["preset"] = nncf.QuantizationPreset(params.preset)
+    if params.exclude or params.exclude_types:
+        # validate=False: a name the IR lost in conversion is not an error worth failing the stage for.
+        options["ignored_scope"] = nncf.IgnoredScope(names=list(params.exclude), types=list(params.exclude_types), validate=False)
+    if params.smooth_quant_alpha is not None:
+        options["advanced_parameters"] = nncf.AdvancedQuantizationParameters(
+            smooth_quant_alphas=nncf.AdvancedSmoothQuantParameters(matmul=params.smooth_quant_alpha))
+    return options
+
+
+def _accuracy_controlled(converted, calibration, options, params: OpenVinoParams, ctx: PassContext, check: InputCheck):
+    """NNCF ranks the quantizers by the error they add and reverts the worst until the metric
+    (optpipe's own: the worst per-output mean cosine against the input) drops at most 1 - cosine_min."""
+    import nncf
+
+    indexed = list(enumerate(check.batches))
+
+    def validate(compiled, items) -> float:
+        run = ovr.runner(compiled, check.names)
+        outs = [run(_model_feeds(feeds, converted)) for _, feeds in items]
+        # Samples NNCF passes may be a subset: compare them with the matching reference rows.
+        picked = [i for i, _ in items]
+        return _subset_cosine(check, picked, outs)
+
+    validation = nncf.Dataset(indexed, lambda item: _model_feeds(item[1], converted))
+    restorer = nncf.AdvancedAccuracyRestorerParameters(max_num_iterations=params.max_excluded)
+    ctx.log.info("plain INT8 broke the tolerance: nncf.quantize_with_accuracy_control, max_drop %.4f", 1 - ctx.tolerance.cosine_min)
+    try:
+        quantized = nncf.quantize_with_accuracy_control(
+            converted, nncf.Dataset(calibration), validation, validate, max_drop=1.0 - ctx.tolerance.cosine_min,
+            drop_type=nncf.DropType.ABSOLUTE, advanced_accuracy_restorer_parameters=restorer,
+            **{("advanced_quantization_parameters" if k == "advanced_parameters" else k): v for k, v in options.items()},
+        )
+    except Exception as exc:
+        raise PassError(f"NNCF accuracy-controlled quantization failed: {first_line(exc)}; set guard: false to keep plain INT8") from None
+    return quantized, check(quantized)
+
+
+def _subset_cosine(check: InputCheck, picked: list[int], outs: list[dict]) -> float:
+    from optpipe.evaluation.accuracy import compare
+
+    size = check.ctx.recipe.evaluate.accuracy_batch
+    reference = check.reference()
+    rows = np.concatenate([np.arange(i * size, i * size + len(next(iter(o.values())))) for i, o in zip(picked, outs)])
+    candidate = {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
+    expected = {name: array[rows] for name, array in reference.items()}
+    inputs = {name: array[rows] for name, array in check.ctx.eval_set().arrays.items()}
+    return compare(candidate, expected, inputs, check.ctx.tolerance, "input").worst_cosine
+
+
+def has_attention(model: ModelArtifact) -> bool:
+    """A Softmax whose output reaches a MatMul within two nodes: scaled dot-product attention."""
+    graph = model.load(with_weights=False).graph
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    frontier = [out for node in graph.node if node.op_type == "Softmax" for out in node.output]
+    for _ in range(3):
+        nxt = []
+        for tensor in frontier:
+            for node in consumers.get(tensor, []):
+                if node.op_type == "MatMul":
+                    return True
+                nxt.extend(node.output)
+        frontier = nxt
+    return False
+
+
+def _model_feeds(feeds: dict[str, np.ndarray], ov_model) -> dict[str, np.ndarray]:
+    """Only the arrays the model takes (a data set may carry more, e.g. labels)."""
+    names = {port.get_any_name() for port in ov_model.inputs}
+    return {k: v for k, v in feeds.items() if k in names}
+
+
+def _fake_quantize_count(ov_model) -> int:
+    return sum(op.get_type_name() == "FakeQuantize" for op in ov_model.get_ops())
+
+
+class _nncf_logs_to:
+    """NNCF logs (and prints progress) on its own logger: keep them in the stage log."""
+
+    def __init__(self, log: logging.Logger):
+        self.log = log
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: log.log(record.levelno, "nncf: %s", record.getMessage())  # type: ignore[method-assign]
+
+    def __enter__(self):
+        nncf_log = logging.getLogger("nncf")
+        self.saved = nncf_log.propagate, list(nncf_log.handlers)
+        nncf_log.handlers = [self.handler]
+        nncf_log.propagate = False
+        return self
+
+    def __exit__(self, *exc):
+        nncf_log = logging.getLogger("nncf")
+        nncf_log.propagate, nncf_log.handlers = self.saved[0], self.saved[1]
+        return False

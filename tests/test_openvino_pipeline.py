@@ -1,0 +1,125 @@
+"""OpenVINO through the whole tool on the tiny MLP recipe: IR stages in the same report (runtime
+label, precision recorded, same reference), the openvino target and Triton's openvino backend,
+`optpipe.load`, `optpipe export --format openvino`, and the refusal of ONNX targets for an IR stage.
+One compile, shared by every test."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from google.protobuf import text_format
+
+import optpipe
+from optpipe.cli import cli
+from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.recipe import parse_recipe
+from optpipe.runtime import ort_runner, ort_session
+
+from conftest import TINY_RECIPE
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ov")
+    data = json.loads(json.dumps(TINY_RECIPE))
+    data["data"]["calibration"] = {"source": "synthetic", "samples": 16, "seed": 1}
+    data["stages"].update({
+        "ov-fp32": {"pass": "openvino", "after": "simplify"},
+        "ov-int8": {"pass": "openvino", "after": "simplify", "params": {"precision": "int8"},
+                    "tolerance": {"cosine_min": 0.99}},
+    })
+    data["evaluate"]["batch_sizes"] = [1, 4]
+    data["targets"] = [
+        {"kind": "openvino", "stages": ["ov-int8", "simplify"]},
+        {"kind": "triton", "stages": ["ov-int8"], "params": {"platform": "openvino"}},
+        {"kind": "ort", "stages": ["ov-fp32"]},
+    ]
+    recipe = parse_recipe(data, base_dir=root)
+    run_dir = root / "run"
+    report = compile_recipe(recipe, RunOptions(output=run_dir, cache_dir=root / "cache"))
+    return run_dir, report
+
+
+def feeds(batch: int = 3):
+    return {"x": np.random.default_rng(2).standard_normal((batch, 32)).astype(np.float32)}
+
+
+def target(report, kind, stage):
+    found = next(t for t in report.targets if t.kind == kind and t.stage == stage)
+    return found.model_dump(mode="json")
+
+
+def test_ir_stages_are_rows_of_the_same_report_labelled_with_their_runtime(run):
+    run_dir, report = run
+    fp32, int8, simplify = report.stage("ov-fp32"), report.stage("ov-int8"), report.stage("simplify")
+    assert fp32.status == int8.status == "ok"
+    assert [lat.provider for lat in fp32.latency] == ["openvino-cpu", "openvino-cpu"]
+    assert {lat.provider for lat in simplify.latency} == {"CPUExecutionProvider"}
+    # Same reference, same inputs: FP32 OpenVINO agrees with the ORT reference to float rounding.
+    assert fp32.accuracy.reference == simplify.accuracy.reference == "export"
+    assert fp32.accuracy.worst_cosine > 0.99999 and int8.accuracy.within_tolerance
+    assert fp32.info["inference_precision"] == int8.info["inference_precision"] == "f32"
+    assert int8.info["int8_layers"] > 0 and fp32.info["int8_layers"] == 0
+    assert (run_dir / "stages" / "ov-int8" / "model.xml").is_file()
+    assert "ov-int8" in (run_dir / "report.md").read_text()
+
+
+def test_openvino_target_copies_an_ir_stage_and_measures_a_converted_onnx_stage(run):
+    run_dir, report = run
+    ir = target(report, "openvino", "ov-int8")
+    assert ir["status"] == "ok" and ir["provider"] == "openvino-cpu" and ir["precision"] == "int8"
+    assert ir["latency"] == [lat.model_dump(mode="json") for lat in report.stage("ov-int8").latency]
+    converted = target(report, "openvino", "simplify")
+    assert converted["status"] == "ok" and converted["details"]["converted_from_onnx"]
+    # Converted here: measured here, on OpenVINO, not the stage's ORT numbers.
+    assert converted["latency"] and {lat["provider"] for lat in converted["latency"]} == {"openvino-cpu"}
+    assert converted["accuracy"]["outputs"][0]["cosine_mean"] > 0.99999
+
+
+def test_load_compiles_the_ir_with_the_measured_settings(run):
+    run_dir, report = run
+    folder = run_dir / target(report, "openvino", "simplify")["path"]
+    compiled = optpipe.load(folder)
+    assert int(compiled.get_property("INFERENCE_NUM_THREADS")) == 1  # the tiny recipe's threads
+    assert str(compiled.get_property("PERFORMANCE_HINT")) in ("LATENCY", "PerformanceMode.LATENCY")
+    got = compiled(feeds())[0]
+    expected = ort_runner(ort_session(run_dir / "stages" / "simplify" / "model.onnx", threads=1))(feeds())["logits"]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_openvino_model_parses_and_matches_the_ir(run):
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    run_dir, report = run
+    result = target(report, "triton", "ov-int8")
+    assert result["status"] == "ok"
+    folder = run_dir / result["path"]
+    config = text_format.Parse((folder / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert config.backend == "openvino" and not config.platform
+    assert (folder / "1" / "model.xml").is_file() and (folder / "1" / "model.bin").is_file()
+    assert config.max_batch_size == 16 and list(config.input[0].dims) == [32]
+    assert [(t.name, t.data_type) for t in config.output] == [("logits", pb.TYPE_FP32)]
+    assert config.instance_group[0].kind == pb.ModelInstanceGroup.KIND_CPU
+    assert config.parameters["INFERENCE_NUM_THREADS"].string_value == "1"
+    assert config.parameters["NUM_STREAMS"].string_value == "1"
+
+
+def test_onnx_targets_refuse_an_ir_stage_in_one_line(run):
+    _, report = run
+    refused = target(report, "ort", "ov-fp32")
+    assert refused["status"] == "skipped" and refused["reason"].startswith("stage 'ov-fp32' is an OpenVINO IR")
+
+
+def test_export_format_openvino_writes_a_loadable_ir(run, tmp_path):
+    run_dir, _ = run
+    result = CliRunner().invoke(cli, ["export", str(run_dir), "--stage", "ov-fp32", "--format", "openvino", "--to", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    entry = json.loads((tmp_path / "manifest.json").read_text())["artifacts"][0]
+    assert entry["target"] == "openvino" and entry["stage"] == "ov-fp32"
+    folder = tmp_path / entry["path"]
+    settings = json.loads((folder / "openvino.json").read_text())
+    assert settings["config"]["INFERENCE_PRECISION_HINT"] == "f32" and settings["inference_precision"] == "f32"
+    compiled = optpipe.load(folder)
+    assert compiled(feeds())[0].shape == (3, 10)
