@@ -341,13 +341,13 @@ def _folder_with_sources(folder: Path) -> Path:
     return project
 
 
-def _cache_subfolder_is_a_file(folder: Path) -> list[str]:
+def _cache_subfolder_is_a_file(folder: Path, sub: str = "stages") -> list[str]:
     args = _recipe_file(folder)
     from optpipe.cache.store import StageCache
 
     StageCache(folder / "cache")
-    shutil.rmtree(folder / "cache" / "stages")
-    (folder / "cache" / "stages").write_text("a file where a folder was")
+    shutil.rmtree(folder / "cache" / sub, ignore_errors=True)
+    (folder / "cache" / sub).write_text("a file where a folder was")
     return args
 
 
@@ -439,6 +439,7 @@ ROUND_TWO = {
     "cache is a symlink loop": (lambda d: _recipe_with_cache(d, _symlink_loop(d, "loop")), USER, "cache: 'loop' is a symlink loop"),
     "--cache-dir is a symlink loop": (lambda d: _recipe_file(d) + ["--cache-dir", str(d / _symlink_loop(d, "loop"))], USER, "cache folder"),
     "cache sub-folder is a file": (_cache_subfolder_is_a_file, USER, "'stages' is a file"),
+    "cache datasets folder is a file": (lambda d: _cache_subfolder_is_a_file(d, "datasets"), USER, "cache/datasets': a file stands where a folder is needed; remove that file"),
     "OPTPIPE_CACHE is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "cfile").write_text("x"), _recipe_with_cache(d, None))[2], USER, "is a file", {"OPTPIPE_CACHE": lambda d: str(d / "cfile")}),
     "OPTPIPE_CACHE is the project": (lambda d: (_folder_with_sources(d), _recipe_with_cache(d, None))[1], USER, "is not an optpipe cache", {"OPTPIPE_CACHE": lambda d: str(d / "project")}),
     "OPTPIPE_PLUGINS names a missing module": (lambda d: _recipe_file(d), USER, "cannot import pass module", {"OPTPIPE_PLUGINS": "no_such_plugin_xyz"}),

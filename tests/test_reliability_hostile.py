@@ -382,3 +382,36 @@ def test_inspect_says_when_a_stage_copy_is_missing(tmp_path, monkeypatch, capsys
     code, out, err = run_main(["inspect", "run", "export"], capsys)
     assert code == 0 and "op histogram" not in out
     assert "stages/export/model.onnx is missing, so its graph sections are not shown" in out, out
+
+
+# --- the documents stay true ---------------------------------------------------------------------
+
+
+def test_the_exit_code_table_and_the_catalogue_size_are_documented():
+    import re
+
+    from test_reliability_catalogue import CASES
+
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("Exit codes:"):].split("\n\n")[0]
+    for code, words in [(0, "success"), (1, "a stage failed"), (2, "a user or environment error"), (3, "an internal error"),
+                        (130, "interrupted"), (143, "terminated")]:
+        assert f"{code} {words}" in table, (code, table)
+    doc = (REPO / "docs" / "reliability.md").read_text()
+    assert int(re.search(r"\*\*(\d+) bad inputs\*\*", doc).group(1)) == len(CASES)
+
+
+def test_an_internal_error_is_one_line_and_its_traceback_only_on_request(tmp_path, monkeypatch, capsys):
+    import optpipe.recipe
+
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(optpipe.recipe, "load_recipe", bug)
+    monkeypatch.delenv("OPTPIPE_DEBUG", raising=False)
+    code, out, err = run_main(["validate", str(tmp_path / "r.yaml")], capsys)
+    assert code == 3 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("internal error: ZeroDivisionError")], err
+    monkeypatch.setenv("OPTPIPE_DEBUG", "1")
+    code, out, err = run_main(["validate", str(tmp_path / "r.yaml")], capsys)
+    assert code == 3 and "Traceback" in err

@@ -49,3 +49,37 @@ def export_refusal(stage, allow_out_of_tolerance: bool) -> tuple[str | None, lis
                     "or pass --allow-out-of-tolerance"), warnings
         warnings.insert(0, f"'{stage.name}' is out of tolerance: {why}")
     return None, warnings
+
+
+def flag_unchanged_stages(results: list, outcomes: dict) -> None:
+    """Warn on each stage whose model is its parent's: same file, or same ops with the same weights.
+
+    `results`: the run's StageResults; `outcomes`: stage name -> its outcome (with `.artifact`).
+    """
+    by_name = {r.name: r for r in results}
+    for result in results:
+        outcome, parent = outcomes.get(result.name), outcomes.get(result.parent or "")
+        if result.status != "ok" or outcome is None or parent is None or parent.artifact is None or outcome.artifact is None:
+            continue
+        if same_model(outcome.artifact, parent.artifact):
+            by_name[result.name].warnings.insert(0, f"this stage changed nothing: its model computes exactly what "
+                                                    f"'{result.parent}' does (same ops, same weights)")
+
+
+def same_model(a: ModelArtifact, b: ModelArtifact) -> bool:
+    """The same file, or (written anew) the same op histogram and byte-identical weights."""
+    from optpipe.graph.stats import op_histogram
+
+    if a.content_hash() == b.content_hash():
+        return True
+    if op_histogram(a.load(with_weights=False)) != op_histogram(b.load(with_weights=False)):
+        return False
+    return _weights_digest(a) == _weights_digest(b)
+
+
+def _weights_digest(artifact: ModelArtifact) -> list[str]:
+    import hashlib
+
+    from onnx import numpy_helper
+
+    return sorted(hashlib.sha256(numpy_helper.to_array(init).tobytes()).hexdigest() for init in artifact.load().graph.initializer)

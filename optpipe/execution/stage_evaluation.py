@@ -11,7 +11,7 @@ from optpipe.execution.interrupt import escalate
 from optpipe.errors import OptpipeError, first_line
 from optpipe.evaluation.evaluator import Evaluator
 from optpipe.evaluation.guard import fold_guard_verdict
-from optpipe.evaluation.verdict import stage_coverage
+from optpipe.evaluation.verdict import flag_unchanged_stages, stage_coverage
 from optpipe.execution.services import RunServices
 from optpipe.execution.stage_runner import StageOutcome
 from optpipe.results import StageResult
@@ -46,6 +46,7 @@ def evaluate_stages(
         results.append(_evaluate_eager(recipe, evaluator, services, notify))
     for name in order:
         results.append(_evaluate_stage(name, recipe, outcomes[name], evaluator, notify))
+    flag_unchanged_stages(results, outcomes)
     return results
 
 

@@ -17,17 +17,18 @@ from optpipe.errors import OptpipeError
 
 # Errors no stage can work around: the run stops with exit 2.
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+# errno -> (what is wrong, what to do)
 _PROBLEMS = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is exceeded",
-    errno.EROFS: "it is on a read-only file system",
-    errno.EACCES: "permission is denied",
-    errno.EPERM: "permission is denied",
-    errno.ENAMETOOLONG: "a name in its path is too long for the file system",
-    errno.ENOTDIR: "a file stands where a folder is needed",
-    errno.EEXIST: "a file stands where a folder is needed",
-    errno.EISDIR: "a folder stands where a file is needed",
-    errno.ELOOP: "its path has a symlink loop",
+    errno.ENOSPC: ("the disk is full", "free space there"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space there"),
+    errno.EROFS: ("it is on a read-only file system", "make it writable"),
+    errno.EACCES: ("permission is denied", "grant write permission"),
+    errno.EPERM: ("permission is denied", "grant write permission"),
+    errno.ENAMETOOLONG: ("a name in its path is too long for the file system", "use a shorter name"),
+    errno.ENOTDIR: ("a file stands where a folder is needed", "remove that file"),
+    errno.EEXIST: ("a file stands where a folder is needed", "remove that file"),
+    errno.EISDIR: ("a folder stands where a file is needed", "remove that folder"),
+    errno.ELOOP: ("its path has a symlink loop", "fix the link"),
 }
 
 
@@ -37,14 +38,13 @@ class FolderError(OptpipeError):
 
 def describe(exc: OSError, role: str = "", folder: Path | None = None) -> str | None:
     """One line for an environment OSError, or None when it is not one of those."""
-    problem = _PROBLEMS.get(exc.errno or 0)
-    if problem is None:
+    if (exc.errno or 0) not in _PROBLEMS:
         return None
+    problem, fix = _PROBLEMS[exc.errno]
     if role and folder is not None:
         where = f"{role} '{folder}'" + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(folder) else "")
     else:
         where = f"'{exc.filename}'" if exc.filename else "to disk"  # a flush on close carries no file name
-    fix = "free space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix it"
     return f"cannot write {where}: {problem}; {fix} or choose another folder (--output, --cache-dir)"
 
 

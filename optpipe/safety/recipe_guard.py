@@ -1,7 +1,8 @@
 """What a recipe file from elsewhere may not do: reach outside its folders, name files with
 its stage names, or blow up the YAML loader.
 
-A recipe is parsed with `yaml.safe_load` (no Python objects). Then:
+A recipe is parsed with a safe loader (no Python objects, no duplicate keys, bounded
+nesting: optpipe.safety.yaml_loader). Then:
 - every path it names (model, checkpoint, data, output, cache) must resolve,
   symlinks followed, inside the recipe's folder or the working directory, or a
   folder the user allows explicitly (`--allow-path`); a recipe cannot make

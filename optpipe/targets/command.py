@@ -37,7 +37,7 @@ def check_verdict(run_dir: Path, stage: str, allow_out_of_tolerance: bool) -> No
     """Refuse an out-of-tolerance stage unless allowed; print the warnings its report carries."""
     from optpipe.errors import TargetError
     from optpipe.evaluation.verdict import export_refusal
-    from optpipe.reporting.run_report import RunReport
+    from optpipe.results import RunReport
 
     if not (run_dir / "report.json").is_file():
         return  # export_stage says what is wrong with the folder
