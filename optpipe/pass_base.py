@@ -139,6 +139,8 @@ class Pass(ABC, Generic[P]):
     needs_input: ClassVar[bool] = True
     #: Distributions whose versions shape this pass's output (part of the cache key).
     libraries: ClassVar[tuple[str, ...]] = ("onnx",)
+    #: What to try when the numeric self-check fails (passes whose params inherit SelfCheckParams).
+    check_hint: ClassVar[str] = ""
 
     def __init__(self, params: P):
         self.params: P = params

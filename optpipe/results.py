@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
+
+from optpipe.artifact import ModelArtifact
 
 from optpipe.errors import OptpipeError
 from optpipe.graph.coverage import Coverage
@@ -130,6 +132,16 @@ class StageResult(BaseModel):
     coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
     warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
     measured_on: Optional[dict[str, Any]] = Field(None, description="the node that measured the figures (multi-node runs)")
+    #: The stage's model in the cache while the run lasts (not part of report.json).
+    _model: Optional[ModelArtifact] = PrivateAttr(None)
+
+    @property
+    def model(self) -> ModelArtifact | None:
+        return self._model
+
+    def with_model(self, model: ModelArtifact | None) -> "StageResult":
+        self._model = model
+        return self
 
     @property
     def headline(self) -> Latency | None:

@@ -97,7 +97,7 @@ def test_data_off_the_multiple_is_a_readable_data_error():
 
 
 def test_dynamo_export_knows_the_multiple_and_keeps_the_dim_name(tmp_path):
-    from optpipe.evaluation.checks import onnx_outputs
+    from optpipe.evaluation.self_check import onnx_outputs
     from optpipe.model_source import load_torch_model
     from optpipe.pass_base import PassContext
     from optpipe.passes.export import ExportParams, ExportPass

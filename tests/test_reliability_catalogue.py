@@ -370,6 +370,7 @@ ROUND_TWO = {
     "output inside the cache": (lambda d: _recipe_with_cache(d, "cache", "cache/run"), USER, "is inside the cache"),
     "cache inside the output": (lambda d: _recipe_with_cache(d, "run/cache"), USER, "is inside the run folder"),
     "output is the cache": (lambda d: _recipe_with_cache(d, "cache", "cache"), USER, "is inside the cache"),
+    "two recipes, the second run inside the cache": (lambda d: _recipe_file(d) + [str(write_recipe(d, onnx_recipe(d, output="cache/run2"), "second.yaml"))], USER, "is inside the cache"),
     "output inside the cache by --output": (lambda d: _recipe_file(d) + ["--output", str(d / "cache" / "stages" / "x")], USER, "is inside the cache"),
     "factory numpy savetxt": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "numpy:savetxt", "kwargs": {"fname": "pwned.txt", "X": [1]}})), USER, "module 'numpy' is not in a `model.path` folder"),
     "factory of an installed module beside model.path": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "numpy:savetxt", "path": ".", "kwargs": {"fname": "pwned.txt", "X": [1]}})), USER, "--allow-factory numpy"),

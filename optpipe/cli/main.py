@@ -99,6 +99,8 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
                     allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...], executor: str, address: str | None, yes: bool,
                     group_by_node: bool) -> None:
     """Run RECIPE: every stage, its evaluation, the report (several recipes: all of them, together)."""
+    from optpipe.cache.folder import check_apart
+    from optpipe.cache.store import default_cache_dir
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.recipe import load_recipe
@@ -106,6 +108,8 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
     from optpipe.search.space import SearchSpace
 
     loaded = [load_recipe(path, allow_paths, allow_factories) for path in recipes]
+    for each in loaded:  # every executor: `cache gc` must never remove a run, nor a run folder the cache
+        check_apart(output or each.resolve(each.output), cache_dir or (each.resolve(each.cache) if each.cache else default_cache_dir()))
     if address is not None and executor != "ray":
         raise click.UsageError("--address needs --executor ray")
     if len(loaded) > 1 or executor == "ray" or SearchSpace.declared(loaded[0]):

@@ -15,7 +15,7 @@ from optpipe.evaluation.accuracy import compare, run_callable, run_onnx
 from optpipe.artifact import ModelArtifact
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.evaluation import openvino_runtime
-from optpipe.evaluation.checks import require_finite
+from optpipe.evaluation.self_check import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import measure, warm_for
 from optpipe.evaluation.memory import PeakMemory

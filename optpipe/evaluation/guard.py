@@ -76,7 +76,9 @@ class GuardParams(BaseModel):
         description="guard: evaluation samples used to blame nodes",
     )
     guard_trials: int = Field(16, ge=0, description="guard: most conversions it tries after the first")
-    guard_seconds: float = Field(120.0, gt=0, description="guard: time budget; it gives up after the trial that crosses it")
+    # A safety net: the trial and node limits bound the guard deterministically; a budget in seconds
+    # makes the result depend on the machine's load, so it is set where a quiet run never meets it.
+    guard_seconds: float = Field(300.0, gt=0, description="guard: time budget; it gives up after the trial that crosses it")
 
 
 class GuardStep(BaseModel):
@@ -178,11 +180,12 @@ class AccuracyGuard:
         tried = set(excluded)
         by_guard: list[str] = []
         gave_up = None
+        blamed: list["NodeBlame"] | None = None  # valid while the model is unchanged (a try was undone)
         while not accuracy.within_tolerance:
             gave_up = self._budget_spent(len(by_guard), len(steps), time.perf_counter() - started)
             if gave_up:
                 break
-            blamed = self.blame(model, tried)
+            blamed = [b for b in blamed if b.node not in tried] if blamed is not None else self.blame(model, tried)
             if not blamed:
                 gave_up = "no node left to blame: no candidate node adds error that keeping it in float could remove"
                 break
@@ -200,6 +203,7 @@ class AccuracyGuard:
             self.ctx.log.info("guard tried %s in float: cosine %.5f (kept: %s)", nodes, result.worst_cosine, step.kept)
             if step.kept:
                 excluded, by_guard, model, accuracy = excluded + nodes, by_guard + nodes, trial, result
+                blamed = None  # a new model: blame again
         seconds = time.perf_counter() - started
         if not accuracy.within_tolerance:
             gave_up = gave_up or "the guard is off (guard: false)"

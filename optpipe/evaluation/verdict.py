@@ -51,19 +51,18 @@ def export_refusal(stage, allow_out_of_tolerance: bool) -> tuple[str | None, lis
     return None, warnings
 
 
-def flag_unchanged_stages(results: list, outcomes: dict) -> None:
-    """Warn on each stage whose model is its parent's: same file, or same ops with the same weights.
+def flag_unchanged_stages(results: list, stages: dict) -> None:
+    """Warn on each of `results` whose model is its parent's: same file, or same ops with the same weights.
 
-    `results`: the run's StageResults; `outcomes`: stage name -> its outcome (with `.artifact`).
+    `stages`: stage name -> its StageResult (with `.model`), where the parents are found.
     """
-    by_name = {r.name: r for r in results}
     for result in results:
-        outcome, parent = outcomes.get(result.name), outcomes.get(result.parent or "")
-        if result.status != "ok" or outcome is None or parent is None or parent.artifact is None or outcome.artifact is None:
+        parent = stages.get(result.parent or "")
+        if result.status != "ok" or result.model is None or parent is None or parent.model is None:
             continue
-        if same_model(outcome.artifact, parent.artifact):
-            by_name[result.name].warnings.insert(0, f"this stage changed nothing: its model computes exactly what "
-                                                    f"'{result.parent}' does (same ops, same weights)")
+        if same_model(result.model, parent.model):
+            result.warnings.insert(0, f"this stage changed nothing: its model computes exactly what "
+                                      f"'{result.parent}' does (same ops, same weights)")
 
 
 def same_model(a: ModelArtifact, b: ModelArtifact) -> bool:
@@ -83,3 +82,12 @@ def _weights_digest(artifact: ModelArtifact) -> list[str]:
     from onnx import numpy_helper
 
     return sorted(hashlib.sha256(numpy_helper.to_array(init).tobytes()).hexdigest() for init in artifact.load().graph.initializer)
+
+
+def left_in_float(stages: list) -> list[str]:
+    """One line per quantization stage that left compute in float: which ops, how much, and why."""
+    lines = []
+    for s in stages:
+        if s.pass_name in QUANTIZATION_PASSES and s.coverage and s.coverage.float_compute:
+            lines.append(f"`{s.name}` ({s.coverage.share('int8'):.0%} of MACs in int8): {s.coverage.float_ops_text(limit=6)}")
+    return lines

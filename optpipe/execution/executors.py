@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Protocol, TextIO
 
 from optpipe.execution.stage_tasks import TaskSettings, evaluate, node_description, run_stage
 from optpipe.results import StageResult
@@ -21,7 +21,7 @@ from optpipe.recipe import Recipe
 class RunMemo:
     """What one recipe's run has computed so far, by stage name (the driver's side)."""
 
-    outcomes: dict[str, Any] = field(default_factory=dict)  # name -> StageOutcome
+    outcomes: dict[str, StageResult] = field(default_factory=dict)  # name -> the stage's result before evaluation
     results: dict[str, StageResult] = field(default_factory=dict)
     eager: StageResult | None = None
 

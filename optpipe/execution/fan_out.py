@@ -54,12 +54,13 @@ class PlainDriver:
 
 def _preflight(recipe: Recipe, cache_dir: Path) -> None:
     """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
-    from optpipe.pipeline import RunServices
+    from optpipe.execution.services import RunServices
     from optpipe.safety.preflight import preflight
 
     cache = StageCache(cache_dir)  # also creates the folder layout once, before any task uses it
     try:
-        preflight(recipe, RunServices(recipe, cache))
+        services = RunServices(recipe, cache)
+        preflight(recipe, services.eval_set, services.calibration_set)
     finally:
         cache.release_leases()
 
@@ -114,7 +115,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, c
                group_by_node: bool, search: Callable[[RunReport], dict] | None = None) -> RunReport:
     """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
     from optpipe.execution.run_folder import publish_stage_folders
-    from optpipe.pipeline import RunServices
+    from optpipe.execution.services import RunServices
     from optpipe.reporting.inspection import save_sample_inputs
     from optpipe.targets import run_targets
 
@@ -126,11 +127,11 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, c
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(str(run_dir / ".optpipe.lock")):
-            publish_stage_folders(run_dir, results, memo.outcomes)
+            publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):
                 save_sample_inputs(run_dir, RunServices(recipe, cache).eval_set().arrays)
             try:
-                run_targets(recipe, report, run_dir, cache, providers, lambda *args: None)
+                run_targets(recipe, report, run_dir, cache, providers)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows
     finally:

@@ -16,6 +16,7 @@ from typing import Any
 
 from optpipe.artifact import write_text_atomic
 from optpipe.recipe import Recipe
+from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
 from optpipe.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
 
@@ -93,6 +94,9 @@ def render_markdown(report: RunReport) -> str:
     warned = grouped_warnings(report.stages)
     if warned:
         lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
+    floats = left_in_float(report.stages)
+    if floats:
+        lines += ["## Left in float by the quantization stages", ""] + [f"- {line}" for line in floats] + [""]
     problems = [s for s in report.stages if s.status != "ok" or (s.accuracy and not s.accuracy.within_tolerance)]
     if problems:
         lines += ["## Problems", ""]
