@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.artifact import write_text_atomic
+from optpipe.evaluation.speed_verdict import slower_than_parent
 from optpipe.recipe import Recipe
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
@@ -33,6 +34,7 @@ def build_report(recipe: Recipe, stages: list[StageResult]) -> RunReport:
         baseline=EAGER if any(s.name == EAGER for s in stages) else None,
         stages=stages,
     )
+    slower_than_parent(stages)
     report.pareto = pareto_frontier(stages)
     for stage in stages:
         stage.pareto = stage.name in report.pareto
