@@ -305,6 +305,7 @@ class EvaluateSpec(Strict):
         "pow2 = powers of two from the dim's min to its max; other dims stay at `opt`, the batch at batch_sizes[0]",
     )
     sweep_iterations: Optional[int] = Field(None, ge=1, le=MAX_ITERATIONS, description="timed iterations per sweep point; default: iterations")
+    adaptive: bool = Field(True, description="stop timing once the median's 95% interval is within 3%; iterations is the cap")
     search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
     resources: dict[str, float] = Field(
         default_factory=dict, description="--executor ray: what an evaluation task needs besides the node's `benchmark` slot (GPU, a GPU type)"
