@@ -28,7 +28,7 @@ from optpipe.cache.folder import MARKER, is_marked
 from optpipe.cache.store import StageCache, default_cache_dir, verify_entry
 from optpipe.errors import RecipeError
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import load_recipe, parse_recipe
+from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 from optpipe.safety.resource_bounds import available_cores
 
 REPO = HERE.parent
