@@ -25,10 +25,12 @@ def test_the_package_keeps_its_contracts():
         ("recipe.py", "from optpipe import pipeline  # noqa\n", "No import cycles"),
         # a function-level import counts as much as a top-level one
         ("dag.py", "def _late():\n    from optpipe.execution.stage_runner import StageRunner  # noqa\n", "optpipe.dag is not allowed to import"),
+        # a pass module (mapped into optpipe by package-dir) reaching up to the CLI
+        ("passes/simplify.py", "from optpipe.cli import main  # noqa\n", "optpipe.passes is not allowed to import optpipe.cli"),
         # two siblings of one package importing each other
         ("evaluation/latency.py", "from optpipe.evaluation import evaluator  # noqa\n", "No cycles are allowed in optpipe.evaluation"),
     ],
-    ids=["schema-imports-pipeline", "function-level-upward-import", "sibling-cycle"],
+    ids=["schema-imports-pipeline", "function-level-upward-import", "mapped-pass-module", "sibling-cycle"],
 )
 def test_an_added_cycle_or_upward_import_breaks_a_contract(tmp_path, module, line, broken):
     package = assemble(REPO, tmp_path)
