@@ -267,7 +267,7 @@ class StageSpec(Strict):
     params: dict[str, Any] = Field(default_factory=dict)
     after: Optional[str] = None
     tolerance: Optional[Tolerance] = None
-    timeout_s: Optional[float] = Field(None, gt=0)
+    timeout_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     search: dict[str, Choices] = Field(default_factory=dict, description="params to search: a list of choices, or {min, max, step}")
     optional: bool = Field(False, description="search: try the search with and without this stage")
 

@@ -97,7 +97,7 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
             if branches and params.exporter == "auto":
                 # A trace records one branch of data-dependent control flow: it matches eager on the
                 # trace inputs and is wrong on others, so `auto` must not hand it on as a success.
-                raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch ({branches[0]})")
+                raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch, taken on a tensor's values or shape ({branches[0]})")
     except (PassError, _ExportFailed):
         raise
     except Exception as exc:  # exporters raise anything; the stage log has the traceback
@@ -113,7 +113,7 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
 _HINTS = (
     ("Inference tensors cannot be saved", "the model keeps tensors made under torch.inference_mode(); "
      "build them under torch.no_grad() (or lazily in forward) instead"),
-    ("data-dependent", "forward() branches on tensor values; make the branch static (or torch.cond) in the model's code"),
+    ("data-dependent", "forward() branches on tensor values or shapes; make the branch static (or torch.cond) in the model's code"),
     ("does not match PyTorch eager", "raise check_atol/check_rtol if the error is rounding on large outputs, else set a fixed shape in `inputs`"),
     ("not supported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
     ("Unsupported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
@@ -125,7 +125,8 @@ _HINTS = (
 def _failure_message(failures: dict[str, str], requested: str) -> str:
     """Every exporter's reason, and a hint true for those reasons (never 'try the other one' once both were tried)."""
     text = "; ".join(failures.values())
-    hints = [hint for marker, hint in _HINTS if marker in text]
+    # The first exporter's failure picks the hint: it is the one the user asked for (or auto's first choice).
+    hints = [hint for reason in failures.values() for marker, hint in _HINTS if marker in reason]
     untried = [e for e in EXPORTERS if e not in failures]
     if hints and untried:
         hint = f"{hints[0]}, or set `exporter: auto`, which also tries {untried[0]}"

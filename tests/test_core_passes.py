@@ -63,7 +63,7 @@ def test_export_failure_is_one_sentence_with_a_hint(tiny_recipe, tmp_path):
         ExportPass(ExportParams(exporter="dynamo")).run(None, _context(recipe, tmp_path))
     message = str(info.value)
     assert message.startswith("torch.onnx.export (dynamo):")
-    assert "forward() branches on tensor values" in message and "`exporter: auto`, which also tries torchscript" in message
+    assert "forward() branches on tensor values or shapes" in message and "`exporter: auto`, which also tries torchscript" in message
     assert "\n" not in message
 
 

@@ -245,3 +245,23 @@ def test_input_insensitive_model_is_flagged_and_the_report_says_so():
     stage = StageResult(name="export", pass_name="export", status="ok", accuracy=acc, warnings=acc.warnings)
     text = render_markdown(build_report(recipe, [stage]))
     assert "meaningless" in text and "## Warnings" in text and "mean nothing" in text
+
+
+def test_the_pass_guard_judges_by_the_task_metric(tmp_path):
+    """The guard of an fp16/int8 pass holds the stage to the recipe's task, not to cosine alone."""
+    from helpers_passes import context
+    from optpipe.passes import registry
+
+    recipe = parse_recipe({
+        "model": {"onnx": "unused.onnx"}, "inputs": [{"name": "features", "shape": ["batch", ANCHORS, FEATURES]}],
+        "dims": {"batch": {"min": 1, "opt": 1, "max": 8}}, "stages": {"export": {"pass": "export"}},
+        "evaluate": {"tolerance": {"cosine_min": 0.9}, "threads": 1, "accuracy_batch": 8,
+                     "task": {"kind": "detection", "agreement_min": 1.0, "map50_min": 1.0, "score_threshold": 0.3}},
+    })
+    features = {"features": np.random.default_rng(1).normal(size=(8, ANCHORS, FEATURES)).astype(np.float32)}
+    passes = registry()
+    int8 = passes["int8"](passes["int8"].Params(mode="dynamic", max_excluded=0))
+    out = int8.run(artifact_of(detector_head(), tmp_path / "in"), context(recipe, tmp_path / "q", features))
+    guard = out.info["guard"]
+    # int8 keeps the row cosine far above 0.9, but a perfect class agreement on 64 x 8 anchors it does not.
+    assert guard["cosine"] > 0.99 and guard["held"] is False

@@ -177,6 +177,10 @@ _register_inspect(cli)
 
 cli.add_command(cache_group)
 
+from optpipe.cli.init_command import init_command  # noqa: E402  (a command in its own module)
+
+cli.add_command(init_command)
+
 
 if __name__ == "__main__":
     main()

@@ -82,3 +82,12 @@ def _weights_digest(artifact: ModelArtifact) -> list[str]:
     from onnx import numpy_helper
 
     return sorted(hashlib.sha256(numpy_helper.to_array(init).tobytes()).hexdigest() for init in artifact.load().graph.initializer)
+
+
+def left_in_float(stages: list) -> list[str]:
+    """One line per quantization stage that left compute in float: which ops, how much, and why."""
+    lines = []
+    for s in stages:
+        if s.pass_name in QUANTIZATION_PASSES and s.coverage and s.coverage.float_compute:
+            lines.append(f"`{s.name}` ({s.coverage.share('int8'):.0%} of MACs in int8): {s.coverage.float_ops_text(limit=6)}")
+    return lines
