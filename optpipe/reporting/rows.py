@@ -140,6 +140,19 @@ def _peak_mb(stage: StageResult) -> Optional[float]:
     return stage.memory.host_rss_bytes / 1e6 if stage.memory and stage.memory.host_rss_bytes is not None else None
 
 
+RUNTIME_LABELS = {"CPUExecutionProvider": "ort-cpu", "CUDAExecutionProvider": "ort-cuda", "TensorrtExecutionProvider": "ort-tensorrt",
+                  "pytorch-cpu": "pytorch"}
+
+
+def runtime_label(stage: StageResult) -> str:
+    """What measured the row: ONNX Runtime's provider, OpenVINO (with the precision it ran float ops at), PyTorch."""
+    provider = stage.headline.provider if stage.headline else None
+    if provider is None:
+        return ""
+    hint = stage.info.get("inference_precision") if provider.startswith("openvino") else None
+    return RUNTIME_LABELS.get(provider, provider) + (f" {hint}" if hint else "")
+
+
 def _precision(c: RowContext) -> Cell:
     """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning."""
     if not c.stage.coverage:
@@ -164,6 +177,7 @@ COLUMNS: list[Column] = [
     Column("pass", lambda c: Cell(c.stage.pass_name)),
     Column("after", lambda c: Cell(c.stage.parent or "")),
     Column("status", _status),
+    Column("runtime", lambda c: Cell(runtime_label(c.stage))),
     Column("p50 ms", lambda c: Cell(_f(_p50(c.stage), ".2f"))),
     Column("p90 ms", lambda c: Cell(_f(_p90(c.stage), ".2f"))),
     Column("vs eager", lambda c: Cell(_ratio(_p50(c.eager), _p50(c.stage)))),
