@@ -17,7 +17,16 @@ from optpipe.recipe import DataSource, InputSpec, Recipe
 def synthetic_batch(recipe: Recipe, seed: int = 0, **dim_overrides: int) -> dict[str, np.ndarray]:
     """One batch of synthetic inputs at the `opt` shape (dims overridable), seeded."""
     rng = np.random.default_rng(seed)
-    return {spec.name: _synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng) for spec in recipe.inputs}
+    batch = {}
+    for i, spec in enumerate(recipe.inputs):
+        try:
+            batch[spec.name] = _synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng)
+        except (ValueError, OverflowError) as exc:  # e.g. an integer range holding no integer, a fill the dtype cannot hold
+            raise DataError(
+                f"data: cannot draw synthetic values for input '{spec.name}' ({first_line(exc)}); fix inputs.{i}.range "
+                f"or inputs.{i}.fill for dtype {spec.dtype}"
+            ) from None
+    return batch
 
 
 def _synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -37,8 +46,11 @@ def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     loaders = {"synthetic": _synthetic, "text": _text, "npy": _npy, "npz": _npz, "images": _images}
     try:
         samples = attach_labels(loaders[source.source](source, recipe), source, recipe)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, MemoryError) as exc:  # MemoryError: a header declaring a huge shape
         # numpy refuses pickled object arrays (allow_pickle=False) and raises these on broken files
+        if source.source == "synthetic":  # no file to blame: the sizes are
+            raise DataError(f"data: cannot build {source.samples} synthetic samples ({first_line(exc)[:160]}); lower `samples` "
+                            "or the dims' `opt`") from None
         raise DataError(
             f"data: '{source.path}' is not a readable {source.source} file ({first_line(exc)[:160]}); "
             f"give a {source.source} file of plain numeric arrays"
@@ -54,6 +66,8 @@ def source_path(source: DataSource, recipe: Recipe) -> Path | None:
     path = package_path(source.path) if (source.path or "").startswith(PACKAGE_PREFIX) else recipe.resolve(source.path)
     if path is not None and not path.exists():
         raise DataError(f"data: file '{path}' does not exist; fix `path` in the recipe's data section")
+    if path is not None and not (path.is_file() or path.is_dir()):  # a FIFO or a device would block or never end
+        raise DataError(f"data: '{path}' is not a regular file or folder (a device or a pipe); give a data file")
     return path
 
 
@@ -110,16 +124,17 @@ def _synthetic(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
 
 def _text(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     """Lines of a text file through the model's own tokenizer, padded to the `opt` sequence length."""
-    from transformers import AutoTokenizer
-
     from optpipe.model_source import hf_folder
+
+    tokenizer_folder = hf_folder(recipe)  # before importing transformers: a model without a tokenizer fails fast
+    from transformers import AutoTokenizer
 
     path = source_path(source, recipe)
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
         raise DataError(f"data: text file '{path}' has no non-empty lines")
     lines = (lines * (source.samples // len(lines) + 1))[: source.samples]
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_folder(recipe)), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder), local_files_only=True)
     seq_len = _sequence_length(recipe)
     encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np")
     out = {}

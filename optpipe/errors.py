@@ -4,11 +4,15 @@ from __future__ import annotations
 import re
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A C++ source location and function signature (ONNX Runtime puts one before its reason):
+# "/onnxruntime_src/.../model_load_utils.h:46 void onnxruntime::...::ValidateOpsetForDomain(...) "
+_CPP_LOCATION = re.compile(r"[\w./-]+\.(?:h|hpp|cc|cpp|cu):\d+\s+(?:[^()\n]*\([^()\n]*\)\s*(?:const\s*)?)?")
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """The first non-empty line of an exception's message, without terminal colours."""
-    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    text = _CPP_LOCATION.sub("", _ANSI.sub("", str(exc)))  # so the limit keeps the reason, not the location
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0][:limit] if lines else type(exc).__name__
 
 

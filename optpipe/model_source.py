@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from optpipe.artifact import sha256_file
-from optpipe.errors import ModelSourceError, first_line
+from optpipe.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe import FactoryModel, HFConfigModel, HFModel, OnnxModel, Recipe, TorchvisionModel
 
 
@@ -37,7 +37,12 @@ def hf_folder(recipe: Recipe) -> Path:
         if spec.tokenizer is None:
             raise ModelSourceError("model.tokenizer: text data needs a tokenizer; add `tokenizer: {package: ..., subdir: ...}`")
         spec = spec.tokenizer
-    assert isinstance(spec, HFModel)
+    if not isinstance(spec, HFModel):
+        kind = "an ONNX file" if isinstance(spec, OnnxModel) else f"a {type(spec).__name__}"
+        raise DataError(
+            f"data: text needs the model's tokenizer, and the model is {kind}, which has none; use an `hf` model, "
+            "or give the data as npz/npy arrays of token ids"
+        )
     if spec.hf is not None:
         folder = recipe.resolve(spec.hf)
     else:
@@ -83,6 +88,10 @@ def onnx_source_path(recipe: Recipe) -> Path:
     spec = recipe.model
     assert isinstance(spec, OnnxModel)
     path = recipe.resolve(spec.onnx)
+    if path.is_dir():
+        raise ModelSourceError(f"model.onnx: '{path}' is a folder; give the path of the .onnx file in it")
+    if path.exists() and not path.is_file():
+        raise ModelSourceError(f"model.onnx: '{path}' is not a regular file (a device or a pipe); give the path of an .onnx file")
     if not path.is_file():
         raise ModelSourceError(f"model.onnx: file '{path}' does not exist; give the path of an .onnx model")
     return path

@@ -21,6 +21,7 @@ from filelock import FileLock
 from optpipe.artifact import ModelArtifact
 from optpipe.cache.store import StageCache, default_cache_dir
 from optpipe.dag import ancestors_and_self, execution_order
+from optpipe.cache.folder import check_apart
 from optpipe.errors import OptpipeError
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
@@ -32,6 +33,7 @@ from optpipe.pass_base import Pass
 from optpipe.recipe import Recipe
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
+from optpipe.safety.os_errors import folder_errors
 from optpipe.targets import run_targets
 from optpipe.validate import validate_recipe
 
@@ -60,8 +62,12 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
 
     graph, passes = validate_recipe(recipe)
     run_dir = options.output or recipe.resolve(recipe.output)
-    cache = StageCache(options.cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir()))
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    cache_root = options.cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+    check_apart(run_dir, cache_root)  # `cache gc` must never remove a run, nor a run folder the cache
+    with folder_errors("cache folder", cache_root):
+        cache = StageCache(cache_root)
+    with folder_errors("output folder", run_dir):
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     services = RunServices(recipe, cache)
     preflight(recipe, services.eval_set, services.calibration_set)
     order = _stages_to_run(graph, options.only)

@@ -6,6 +6,7 @@ Every user mistake becomes a RecipeError whose one line names the YAML path
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
@@ -16,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from optpipe.errors import RecipeError
 from optpipe.search.spec import Choices, SearchSettings, normalize_settings
 
+# Beyond these a run does not finish in any useful time (memory is bounded in safety/resource_bounds.py).
+MAX_SAMPLES = 100_000
+MAX_ITERATIONS = 100_000
 DTYPES = ("float32", "float16", "int64", "int32", "int8", "uint8", "bool")
 
 
@@ -167,7 +171,22 @@ class InputSpec(Strict):
     dtype: Literal[DTYPES] = "float32"  # type: ignore[valid-type]
     shape: list[Union[int, str]] = Field(description="ints are fixed, strings name a dynamic dim from `dims`")
     range: Optional[tuple[float, float]] = Field(None, description="[low, high) for synthetic values")
-    fill: Optional[float] = Field(None, description="constant value for synthetic data (e.g. 1 for masks)")
+    fill: Optional[float] = Field(None, description="constant value for synthetic data (e.g. 1 for masks)", allow_inf_nan=False)
+
+    @field_validator("shape")
+    @classmethod
+    def _axes_not_empty(cls, shape: list) -> list:
+        bad = [d for d in shape if isinstance(d, int) and d < 1]
+        if bad:
+            raise ValueError(f"an axis of size {bad[0]} holds no values; give sizes >= 1, or a dim name from `dims`")
+        return shape
+
+    @field_validator("range")
+    @classmethod
+    def _low_below_high(cls, value):
+        if value is not None and not (math.isfinite(value[0]) and math.isfinite(value[1]) and value[0] < value[1]):
+            raise ValueError(f"expected [low, high] with finite low < high, got {list(value)}")
+        return value
 
 
 class DataSource(Strict):
@@ -175,7 +194,7 @@ class DataSource(Strict):
 
     source: Literal["synthetic", "text", "npy", "npz", "images"] = "synthetic"
     path: Optional[str] = None
-    samples: int = Field(16, ge=1)
+    samples: int = Field(16, ge=1, le=MAX_SAMPLES)
     seed: int = 0
     preprocess: dict[str, Any] = Field(default_factory=dict, description="images: resize, crop, mean, std, layout")
     labels: Optional[str] = Field(
@@ -201,17 +220,18 @@ class DataSets(Strict):
 class OutputTolerance(Strict):
     """One output's tolerance; a key left out inherits the stage's (set it to null to switch a check off)."""
 
-    cosine_min: Optional[float] = None
-    max_abs: Optional[float] = Field(None, description="absolute tolerance (atol)")
-    rtol: Optional[float] = Field(None, ge=0, description="relative tolerance: |candidate - reference| <= max_abs + rtol * |reference|")
-    top1_min: Optional[float] = None
+    cosine_min: Optional[float] = Field(None, ge=-1, le=1, allow_inf_nan=False)
+    max_abs: Optional[float] = Field(None, ge=0, allow_inf_nan=False, description="absolute tolerance (atol)")
+    rtol: Optional[float] = Field(None, ge=0, allow_inf_nan=False, description="relative tolerance: |candidate - reference| <= max_abs + rtol * |reference|")
+    top1_min: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False)
 
 
 class Tolerance(Strict):
-    cosine_min: Optional[float] = Field(0.99, description="per row (per token) cosine to the reference, mean")
-    max_abs: Optional[float] = Field(None, description="absolute tolerance (atol), elementwise")
-    rtol: Optional[float] = Field(None, ge=0, description="relative tolerance beside max_abs: |candidate - reference| <= max_abs + rtol * |reference|")
-    top1_min: Optional[float] = Field(None, description="top-1 agreement, for logits")
+    # Bounded and finite: a NaN or negative bound would make every comparison pass (the check switched off).
+    cosine_min: Optional[float] = Field(0.99, ge=-1, le=1, allow_inf_nan=False, description="per row (per token) cosine to the reference, mean")
+    max_abs: Optional[float] = Field(None, ge=0, allow_inf_nan=False, description="absolute tolerance (atol), elementwise")
+    rtol: Optional[float] = Field(None, ge=0, allow_inf_nan=False, description="relative tolerance beside max_abs: |candidate - reference| <= max_abs + rtol * |reference|")
+    top1_min: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False, description="top-1 agreement, for logits")
     outputs: dict[str, OutputTolerance] = Field(default_factory=dict, description="per output name: tolerances that replace the ones above")
 
     def for_output(self, name: str) -> "Tolerance":
@@ -240,7 +260,7 @@ class TaskSpec(Strict):
     )
     perplexity_ratio_max: float = Field(1.05, ge=1, description="language-model: most the perplexity may grow, as a ratio to the reference's")
     tokens: str = Field("input_ids", description="language-model: the input holding the token ids")
-    cosine_min: float = Field(0.99, description="embeddings: mean token cosine")
+    cosine_min: float = Field(0.99, ge=-1, le=1, allow_inf_nan=False, description="embeddings: mean token cosine")
 
 
 class StageSpec(Strict):
@@ -264,9 +284,9 @@ class StageSpec(Strict):
 class EvaluateSpec(Strict):
     reference: Optional[str] = Field(None, description="stage whose outputs are the reference; default: the root")
     tolerance: Tolerance = Field(default_factory=Tolerance)
-    batch_sizes: list[int] = Field(default_factory=lambda: [1])
-    warmup: int = Field(5, ge=0)
-    iterations: int = Field(30, ge=1)
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1], min_length=1)
+    warmup: int = Field(5, ge=0, le=MAX_ITERATIONS)
+    iterations: int = Field(30, ge=1, le=MAX_ITERATIONS)
     threads: int = Field(2, ge=1)
     accuracy_batch: int = Field(8, ge=1)
     eager_baseline: bool = True
@@ -281,7 +301,7 @@ class EvaluateSpec(Strict):
         description="latency per value of a named dim, e.g. {batch: pow2, sequence: [16, 64, 256]}; "
         "pow2 = powers of two from the dim's min to its max; other dims stay at `opt`, the batch at batch_sizes[0]",
     )
-    sweep_iterations: Optional[int] = Field(None, ge=1, description="timed iterations per sweep point; default: iterations")
+    sweep_iterations: Optional[int] = Field(None, ge=1, le=MAX_ITERATIONS, description="timed iterations per sweep point; default: iterations")
     search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
 
     @field_validator("search", mode="before")
@@ -378,19 +398,25 @@ class Recipe(Strict):
 # --- loading and error formatting ---------------------------------------------------------
 
 
-def load_recipe(path: str | Path, allow_paths: tuple[Path, ...] = ()) -> Recipe:
+def load_recipe(path: str | Path, allow_paths: tuple[Path, ...] = (), allow_factories: tuple[str, ...] = ()) -> Recipe:
     """A recipe file, parsed safely; the paths it names must stay inside its folder, the working
-    directory or `allow_paths` (see optpipe.safety.recipe_guard)."""
-    from optpipe.safety.recipe_guard import MAX_RECIPE_BYTES, check_paths, check_yaml_budget
+    directory or `allow_paths`, and a model factory inside `model.path` or `allow_factories`
+    (see optpipe.safety.recipe_guard)."""
+    from optpipe.safety.recipe_guard import MAX_RECIPE_BYTES, check_factory, check_paths, check_yaml_budget
+    from optpipe.safety.yaml_loader import load_yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"recipe '{path}' is a folder; pass the path of a YAML recipe file inside it")
+    if path.exists() and not path.is_file():  # a device, a FIFO: reading it could block or never end
+        raise RecipeError(f"recipe '{path}' is not a regular file; pass the path of a YAML recipe file")
     if not path.is_file():
         raise RecipeError(f"recipe file '{path}' does not exist; pass the path of a YAML recipe")
     if path.stat().st_size > MAX_RECIPE_BYTES:
         raise RecipeError(f"{path}: {path.stat().st_size} bytes is too large for a recipe (limit {MAX_RECIPE_BYTES}); pass a recipe file")
     try:
-        # safe_load: a recipe can never construct Python objects.
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        # A safe loader: a recipe can never construct Python objects; duplicate keys and deep nesting are errors.
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.constructor.ConstructorError as exc:
         tag = getattr(exc, "problem", "") or ""
         raise RecipeError(f"{path}: a YAML tag tries to build an object ({tag}); a recipe holds plain values only, remove the tag") from None
@@ -404,6 +430,7 @@ def load_recipe(path: str | Path, allow_paths: tuple[Path, ...] = ()) -> Recipe:
     check_yaml_budget(data, str(path))
     recipe = parse_recipe(data, base_dir=path.resolve().parent, origin=str(path))
     check_paths(recipe, str(path), allow_paths)
+    check_factory(recipe, str(path), allow_factories)
     return recipe
 
 
@@ -417,8 +444,10 @@ def parse_recipe(data: Any, base_dir: Path = Path("."), origin: str = "recipe") 
     if "base_dir" in data:
         raise RecipeError(f"{origin}: base_dir: unknown key; remove it")
     from optpipe.safety.recipe_guard import check_names
+    from optpipe.safety.resource_bounds import check_resources
 
     check_names(recipe, origin)
+    check_resources(recipe, origin)
     return recipe
 
 

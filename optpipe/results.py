@@ -56,7 +56,9 @@ class Accuracy(BaseModel):
     outputs: list[OutputAccuracy]
     within_tolerance: bool
     violations: list[str] = Field(default_factory=list)
-    polygraphy_match: Optional[bool] = Field(None, description="Polygraphy's elementwise comparison at the recipe's max_abs")
+    polygraphy_match: Optional[bool] = Field(
+        None, description="Polygraphy's elementwise comparison (atol/rtol per output); False is a violation"
+    )
     guard: Optional[GuardCheck] = Field(None, description="the pass's own guard figure; the stricter of the two is the verdict")
     task: Optional[TaskAccuracy] = Field(None, description="the task metric; when present it is the verdict")
     warnings: list[str] = Field(default_factory=list, description="why these figures may mean less than they seem (e.g. input-insensitive outputs)")

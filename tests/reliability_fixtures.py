@@ -121,6 +121,31 @@ def plugin_env(gate_dir: Path | None = None) -> dict[str, str]:
     return env
 
 
+def run_main(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run the console script in-process (optpipe.cli:main, the wrapper that turns errors into
+    lines and exit codes); returns (exit code, stdout, stderr)."""
+    import logging
+    import sys
+
+    from optpipe.cli import main
+
+    previous, previous_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    old_argv, raise_logging = sys.argv, logging.raiseExceptions
+    sys.argv = ["optpipe", *args]
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = old_argv
+        logging.raiseExceptions = raise_logging
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 # --- test-only passes ---------------------------------------------------------------------------
 
 

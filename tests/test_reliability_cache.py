@@ -152,31 +152,34 @@ def test_a_tampered_sample_set_is_rebuilt(tmp_path, caplog):
 
 def test_gc_prunes_by_age_and_size_and_keeps_entries_in_use(tmp_path):
     cache = StageCache(tmp_path)
-    old, recent, leased = (_entry(cache, key, payload=b"z" * 10_000) for key in ("old", "recent", "leased"))
+    # Entries are named by their sha256 key; gc touches nothing else.
+    k = {name: StageCache.key(name=name) for name in ("old", "recent", "leased")}
+    old, recent, leased = (_entry(cache, k[name], payload=b"z" * 10_000) for name in ("old", "recent", "leased"))
     week = time.time() - 8 * 86400
     for folder in (old, leased):
         os.utime(folder, (week, week))
     # Another process's lease: a shared flock on the entry's .use file.
     _drop_own_leases(tmp_path)
-    fd = hold_shared(tmp_path / "locks" / "leased.use")  # as another running compile holds it
+    fd = hold_shared(tmp_path / "locks" / f"{k['leased']}.use")  # as another running compile holds it
     try:
         result = cache_admin.collect_garbage(tmp_path, older_than_s=7 * 86400, max_bytes=None)
-        assert [e.key for e in result.removed] == ["old"]
-        assert [e.key for e in result.busy] == ["leased"]
+        assert [e.key for e in result.removed] == [k["old"]]
+        assert [e.key for e in result.busy] == [k["leased"]]
         assert recent.exists() and leased.exists() and not old.exists()
     finally:
         release(fd)
     result = cache_admin.collect_garbage(tmp_path, older_than_s=None, max_bytes=15_000)
-    assert [e.key for e in result.removed] == ["leased"], "least recently used first, until it fits"
+    assert [e.key for e in result.removed] == [k["leased"]], "least recently used first, until it fits"
     assert recent.exists()
 
 
 def test_gc_waits_for_nobody_and_skips_an_entry_being_computed(tmp_path):
     cache = StageCache(tmp_path)
-    _entry(cache, "busy")
+    busy = StageCache.key(name="busy")
+    _entry(cache, busy)
     _drop_own_leases(tmp_path)
-    with cache.lock("busy"):
-        entry = next(e for e in cache_admin.list_entries(tmp_path) if e.key == "busy")
+    with cache.lock(busy):
+        entry = next(e for e in cache_admin.list_entries(tmp_path) if e.key == busy)
         assert not cache_admin.remove(tmp_path, entry)
     assert cache_admin.remove(tmp_path, entry)
 

@@ -6,43 +6,28 @@ lines and exit codes), with the working directory in a fresh folder per case.
 """
 from __future__ import annotations
 
+import io
 import os
-import signal
-import sys
+import shutil
+import zipfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
 import pytest
+from onnx import helper, numpy_helper
 from reliability_fixtures import (
     HERE,
     PLUGIN,
     onnx_recipe,
+    run_main,
     write_custom_op_onnx,
     write_linear_onnx,
     write_recipe,
 )
 
-from optpipe.cli import main
-
 USER, STAGE = 2, 1
-
-
-def run_main(args: list[str], capsys) -> tuple[int, str, str]:
-    """Run the console script in-process; returns (exit code, stdout, stderr)."""
-    previous = signal.getsignal(signal.SIGTERM)
-    old_argv = sys.argv
-    sys.argv = ["optpipe", *args]
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = old_argv
-        signal.signal(signal.SIGTERM, previous)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
@@ -191,7 +176,7 @@ CASES = {
     "nan outputs": (lambda d: _with_model(d, lambda f: write_linear_onnx(f, op="log"), {"export": {"pass": "export"}}), STAGE, "stage 'export' failed: it outputs NaN or Inf in 'y'"),
     "pickled checkpoint": (_pickled_checkpoint, STAGE, "set `model.allow_pickle: true` if you trust the file"),
     "checkpoint does not fit": (_mismatched_checkpoint, STAGE, "does not fit the factory's module"),
-    "factory module missing": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "no_such_module_xyz:build"})), STAGE, "cannot import 'no_such_module_xyz'"),
+    "factory module missing": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "no_such_module_xyz:build", "path": "."})), USER, "module 'no_such_module_xyz' is not in model.path"),
     # data
     "eval data wrong dtype": (lambda d: _with_eval_data(d, x=np.zeros((4, 16), np.float64)), USER, "data.eval: input 'x' is float64"),
     "eval data wrong rank": (lambda d: _with_eval_data(d, x=np.zeros((4, 16, 1), np.float32)), USER, "has rank 3"),
@@ -211,12 +196,288 @@ CASES = {
 }
 
 
+# --- issue 10 (round two): the issue's examples, then what an attacker or a careless user tries ---
+
+
+def _set(path: str, value):
+    """A change to the recipe at a dotted path (`evaluate.tolerance.max_abs`), creating mappings."""
+
+    def change(recipe: dict) -> None:
+        *parents, last = path.split(".")
+        node = recipe
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+
+    return change
+
+
+def _value(path: str, value) -> Callable[[Path], list[str]]:
+    """`validate` a recipe with one value changed: what the check lets through, or not."""
+    def build(folder: Path) -> list[str]:
+        write_linear_onnx(folder / "model")
+        recipe = onnx_recipe(folder)
+        _set(path, value)(recipe)
+        return ["validate", str(write_recipe(folder, recipe))]
+
+    return build
+
+
+def _yaml_text(folder: Path, text: str) -> list[str]:
+    write_linear_onnx(folder / "model")
+    return _raw_recipe(folder, text)
+
+
+BASE_YAML = """name: tiny
+model: {onnx: model/model.onnx}
+inputs: [{name: x, dtype: float32, shape: [batch, 16]}]
+dims: {batch: {min: 1, opt: 2, max: 8}}
+"""
+STAGES_YAML = "stages:\n  export: {pass: export}\n  simplify: {pass: simplify, after: export}\n"
+DEEP_YAML = "a: " + "[" * 3000 + "]" * 3000 + "\n"
+LAUGHS_MAPPINGS = "a: &a {k0: x, k1: x, k2: x, k3: x, k4: x, k5: x, k6: x, k7: x, k8: x, k9: x}\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} {{{', '.join(f'k{j}: *{chr(97 + i)}' for j in range(10))}}}\n" for i in range(6)
+)
+
+
+def _int_input_onnx(folder: Path) -> Path:
+    """y = float(ids) @ W: a model with an int64 input, for synthetic integer ranges."""
+    folder.mkdir(parents=True, exist_ok=True)
+    weight = numpy_helper.from_array(np.ones((16, 4), np.float32), "W")
+    nodes = [helper.make_node("Cast", ["ids"], ["f"], to=onnx.TensorProto.FLOAT), helper.make_node("MatMul", ["f", "W"], ["y"])]
+    graph = helper.make_graph(nodes, "ints", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["batch", 16])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 4])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    onnx.save_model(model, str(folder / "model.onnx"))
+    return folder / "model.onnx"
+
+
+def _int_input_recipe(folder: Path, **spec) -> list[str]:
+    _int_input_onnx(folder / "model")
+    recipe = onnx_recipe(folder)
+    recipe["inputs"] = [{"name": "ids", "dtype": "int64", "shape": ["batch", 16], **spec}]
+    return ["compile", str(write_recipe(folder, recipe))]
+
+
+def _opset_99(folder: Path) -> None:
+    path = write_linear_onnx(folder)
+    model = onnx.load(str(path), load_external_data=False)
+    model.opset_import[0].version = 99
+    onnx.save_model(model, str(path))
+
+
+def _lying_initializer(folder: Path) -> None:
+    """An initializer that declares 100x the rows its data holds."""
+    path = write_linear_onnx(folder)
+    model = onnx.load(str(path))
+    model.graph.initializer[0].dims[0] = 1600
+    onnx.save_model(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+
+
+def _absolute_external_data(folder: Path) -> None:
+    path = write_linear_onnx(folder)
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "/etc/passwd"
+    onnx.save_model(model, str(path))
+
+
+def _npz_lying_header(folder: Path) -> list[str]:
+    """An npz whose member declares 2^40 rows (64 TiB) and holds 64 bytes."""
+    from numpy.lib import format as npy_format
+
+    folder.mkdir(parents=True, exist_ok=True)
+    member = io.BytesIO()
+    npy_format.write_array_header_1_0(member, {"descr": "<f4", "fortran_order": False, "shape": (2**40, 16)})
+    member.write(b"\0" * 64)
+    with zipfile.ZipFile(folder / "data.npz", "w") as archive:
+        archive.writestr("x.npy", member.getvalue())
+    recipe = onnx_recipe(folder)
+    recipe["data"]["eval"] = {"source": "npz", "path": "data.npz", "samples": 4}
+    return _recipe_file(folder, recipe)
+
+
+def _special_file_as(folder: Path, make, where: str) -> list[str]:
+    """The recipe names, inside its own folder, a FIFO or a link to a device (reading it blocks or never ends)."""
+    write_linear_onnx(folder / "model")
+    make(folder / "special")
+    recipe = onnx_recipe(folder)
+    if where == "model":
+        recipe["model"] = {"onnx": "special"}
+    else:
+        recipe["data"]["eval"] = {"source": "npy", "path": "special"}
+    return ["compile", str(write_recipe(folder, recipe))]
+
+
+def _finished_run(folder: Path) -> None:
+    """A compiled run (in-process, quietly) for the commands that read one."""
+    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.recipe import load_recipe
+
+    write_linear_onnx(folder / "model")
+    recipe = onnx_recipe(folder, stages={"export": {"pass": "export"}})
+    compile_recipe(load_recipe(write_recipe(folder, recipe)), RunOptions())
+
+
+def _export_to_a_file(folder: Path) -> list[str]:
+    _finished_run(folder)
+    (folder / "run" / "bundle").write_text("not a folder")
+    return ["export", str(folder / "run"), "--stage", "export", "--format", "ort", "--to", str(folder / "run" / "bundle")]
+
+
+def _folder_with_sources(folder: Path) -> Path:
+    """A project folder: what an empty OPTPIPE_CACHE used to turn into the cache."""
+    project = folder / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "main.py").write_text("print('precious')\n")
+    (project / "stages" / "notes").mkdir(parents=True)
+    (project / "stages" / "notes" / "todo.txt").write_text("precious\n")
+    return project
+
+
+def _cache_subfolder_is_a_file(folder: Path, sub: str = "stages") -> list[str]:
+    args = _recipe_file(folder)
+    from optpipe.cache.store import StageCache
+
+    StageCache(folder / "cache")
+    shutil.rmtree(folder / "cache" / sub, ignore_errors=True)
+    (folder / "cache" / sub).write_text("a file where a folder was")
+    return args
+
+
+def _recipe_with_cache(folder: Path, cache, output="run") -> list[str]:
+    return _mutated(folder, lambda r: r.update(cache=cache, output=output))
+
+
+def _symlink_loop(folder: Path, name: str) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    os.symlink(name, folder / name)
+    return name
+
+
+ROUND_TWO = {
+    # 1-3: cache commands on folders that are not caches, runs and caches nested, factories running code
+    "cache gc on a project folder": (lambda d: ["cache", "--cache-dir", str(_folder_with_sources(d)), "gc", "--older-than", "0s"], USER, "is not an optpipe cache"),
+    "cache verify --delete on a project folder": (lambda d: ["cache", "--cache-dir", str(_folder_with_sources(d)), "verify", "--delete"], USER, "is not an optpipe cache"),
+    "cache ls on a file": (lambda d: (d.mkdir(exist_ok=True), (d / "f").write_text("x"), ["cache", "--cache-dir", str(d / "f"), "ls"])[2], USER, "is not an optpipe cache"),
+    "compile with a project folder as cache": (lambda d: (_folder_with_sources(d), _recipe_with_cache(d, "project"))[1], USER, "is not an optpipe cache (it holds"),
+    "output inside the cache": (lambda d: _recipe_with_cache(d, "cache", "cache/run"), USER, "is inside the cache"),
+    "cache inside the output": (lambda d: _recipe_with_cache(d, "run/cache"), USER, "is inside the run folder"),
+    "output is the cache": (lambda d: _recipe_with_cache(d, "cache", "cache"), USER, "is inside the cache"),
+    "output inside the cache by --output": (lambda d: _recipe_file(d) + ["--output", str(d / "cache" / "stages" / "x")], USER, "is inside the cache"),
+    "factory numpy savetxt": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "numpy:savetxt", "kwargs": {"fname": "pwned.txt", "X": [1]}})), USER, "module 'numpy' is not in a `model.path` folder"),
+    "factory of an installed module beside model.path": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "numpy:savetxt", "path": ".", "kwargs": {"fname": "pwned.txt", "X": [1]}})), USER, "--allow-factory numpy"),
+    "factory of optpipe internals": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "optpipe.cli.main:main"})), USER, "module 'optpipe.cli.main' is not in"),
+    "factory relative module": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "..tiny:build", "path": "."})), USER, "is not in model.path"),
+    "factory stdlib even if allowed": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "os:system", "kwargs": {"command": "touch pwned"}})) + ["--allow-factory", "os"], USER, "standard library"),
+    "factory path is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "tiny.py").write_text("def build():\n    open('pwned', 'w')\n"),
+                                          _mutated(d, lambda r: r.update(model={"factory": "tiny:build", "path": "tiny.py"})))[2], USER, "is not in model.path"),
+    # 5: values that hang or exhaust the machine
+    "dims near 2^40 with a pow2 sweep": (lambda d: _mutated(d, lambda r: (r["dims"].update(batch={"min": 1, "opt": 2, "max": 2**40}), r["evaluate"].update(sweep={"batch": "pow2"}))), USER, "lower dims.batch.max"),
+    "dims near 2^40 without a sweep": (_value("dims.batch.max", 2**40), USER, "lower dims.batch.max"),
+    "three dims whose product exhausts memory": (lambda d: _mutated(d, lambda r: (r["dims"].update(seq={"min": 1, "opt": 8, "max": 10**6}, batch={"min": 1, "opt": 2, "max": 10**4}),
+                                                                                   r["inputs"][0].update(shape=["batch", "seq", 16]))), USER, "lower dims.batch.max or dims.seq.max"),
+    "samples absurd": (_value("data.eval.samples", 10**9), USER, "data.eval.samples"),
+    "samples beyond memory": (lambda d: _mutated(d, lambda r: (r["inputs"][0].update(shape=["batch", 16, 1024, 1024]), r["data"]["eval"].update(samples=90_000))), USER, "lower data.eval.samples"),
+    "accuracy batch beyond memory": (_value("evaluate.accuracy_batch", 10**12), USER, "lower evaluate.accuracy_batch"),
+    "iterations absurd": (_value("evaluate.iterations", 10**9), USER, "evaluate.iterations"),
+    "warmup absurd": (_value("evaluate.warmup", 10**12), USER, "evaluate.warmup"),
+    "sweep iterations absurd": (_value("evaluate.sweep_iterations", 10**10), USER, "evaluate.sweep_iterations"),
+    # recipe values the check let through
+    "batch size zero": (_value("evaluate.batch_sizes", [0]), USER, "evaluate.batch_sizes.0"),
+    "batch size negative": (_value("evaluate.batch_sizes", [1, -4]), USER, "evaluate.batch_sizes.1"),
+    "batch sizes empty": (_value("evaluate.batch_sizes", []), USER, "evaluate.batch_sizes"),
+    "batch size beyond dims max": (_value("evaluate.batch_sizes", [1, 64]), USER, "64 is outside dims.batch [1, 8]"),
+    "batch size below dims min": (lambda d: _mutated(d, lambda r: (r["dims"].update(batch={"min": 2, "opt": 2, "max": 8}), r["evaluate"].update(batch_sizes=[1]))), USER, "1 is outside dims.batch [2, 8]"),
+    "axis of size zero": (_value("inputs.0.shape", ["batch", 0]), USER, "an axis of size 0"),
+    "axis of negative size": (_value("inputs.0.shape", ["batch", -16]), USER, "inputs.0.shape"),
+    "dim min zero": (_value("dims.batch", {"min": 0, "opt": 2, "max": 8}), USER, "dims.batch.min"),
+    "samples zero": (_value("data.eval.samples", 0), USER, "data.eval.samples"),
+    "range high low": (_value("inputs.0.range", [1.0, -1.0]), USER, "inputs.0.range"),
+    "range empty": (_value("inputs.0.range", [0.5, 0.5]), USER, "finite low < high"),
+    "range with nan": (_value("inputs.0.range", [float("nan"), 1.0]), USER, "inputs.0.range"),
+    "fill infinite": (_value("inputs.0.fill", float("inf")), USER, "inputs.0.fill"),
+    "max_abs negative": (_value("evaluate.tolerance.max_abs", -1.0), USER, "evaluate.tolerance.max_abs"),
+    "max_abs infinite": (_value("evaluate.tolerance.max_abs", float("inf")), USER, "evaluate.tolerance.max_abs"),
+    "cosine_min above one": (_value("evaluate.tolerance.cosine_min", 1.5), USER, "evaluate.tolerance.cosine_min"),
+    "cosine_min below minus one": (_value("evaluate.tolerance.cosine_min", -2.0), USER, "evaluate.tolerance.cosine_min"),
+    "cosine_min nan": (_value("evaluate.tolerance.cosine_min", float("nan")), USER, "evaluate.tolerance.cosine_min"),
+    "top1_min negative": (_value("evaluate.tolerance.top1_min", -0.1), USER, "evaluate.tolerance.top1_min"),
+    "top1_min above one": (_value("evaluate.tolerance.top1_min", 1.01), USER, "evaluate.tolerance.top1_min"),
+    "stage tolerance nan": (_value("stages.simplify.tolerance", {"max_abs": float("nan")}), USER, "stages.simplify.tolerance.max_abs"),
+    "timeout nan": (_value("stages.simplify.timeout_s", float("nan")), USER, "stages.simplify.timeout_s"),
+    "inputs empty": (_value("inputs", []), USER, "inputs"),
+    # YAML
+    "duplicate stages key": (lambda d: _yaml_text(d, BASE_YAML + STAGES_YAML + "stages:\n  export: {pass: export}\n"), USER, "key 'stages' appears twice"),
+    "duplicate stage name": (lambda d: _yaml_text(d, BASE_YAML + STAGES_YAML + "  export: {pass: simplify}\n"), USER, "line 8"),
+    "duplicate nested param": (lambda d: _yaml_text(d, BASE_YAML + "stages:\n  export: {pass: export, params: {opset: 18, opset: 20}}\n"), USER, "key 'opset' appears twice"),
+    "deep yaml nesting": (lambda d: _raw_recipe(d, DEEP_YAML), USER, "nests deeper than"),
+    "deep yaml mappings": (lambda d: _raw_recipe(d, "a:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 200)) + "  " * 200 + "v\n"), USER, "nests deeper than"),
+    "billion laughs of mappings": (lambda d: _raw_recipe(d, LAUGHS_MAPPINGS), USER, "expands to more than"),
+    "empty recipe file": (lambda d: _raw_recipe(d, ""), USER, "expected a mapping"),
+    "recipe is a folder": (lambda d: (d.mkdir(exist_ok=True), ["validate", str(d)])[1], USER, "is a folder"),
+    "recipe is /dev/zero": (lambda d: ["validate", "/dev/zero"], USER, "not a regular file"),
+    "recipe is a fifo": (lambda d: (d.mkdir(exist_ok=True), os.mkfifo(d / "r.yaml"), ["validate", str(d / "r.yaml")])[2], USER, "not a regular file"),
+    # names and paths
+    "stage name unicode": (_value("stages", {"éxport": {"pass": "export"}}), USER, "not a plain name"),
+    "stage name with a newline": (_value("stages", {"export\nerror: forged": {"pass": "export"}}), USER, "export\\nerror: forged"),
+    "recipe name with a slash": (_value("name", "../../etc/x"), USER, "name: '../../etc/x' is not a plain name"),
+    "model is a folder": (lambda d: _mutated(d, lambda r: r["model"].update(onnx="model")), USER, "is a folder"),
+    "model is a fifo": (lambda d: _special_file_as(d, os.mkfifo, "model"), USER, "not a regular file"),
+    "model links to /dev/zero": (lambda d: _special_file_as(d, lambda p: os.symlink("/dev/zero", p), "model"), USER, "resolves to /dev/zero"),
+    "data is a fifo": (lambda d: _special_file_as(d, os.mkfifo, "data"), USER, "not a regular file or folder"),
+    "data links to /dev/urandom": (lambda d: _special_file_as(d, lambda p: os.symlink("/dev/urandom", p), "data"), USER, "data.eval.path"),
+    "output is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "run").write_text("x"), _recipe_file(d))[2], USER, "output folder"),
+    "output name too long": (lambda d: _recipe_file(d) + ["--output", str(d / ("r" * 300))], USER, "too long"),
+    "cache is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "cache").write_text("x"), _recipe_file(d))[2], USER, "cache folder"),
+    "cache is a symlink loop": (lambda d: _recipe_with_cache(d, _symlink_loop(d, "loop")), USER, "cache: 'loop' is a symlink loop"),
+    "--cache-dir is a symlink loop": (lambda d: _recipe_file(d) + ["--cache-dir", str(d / _symlink_loop(d, "loop"))], USER, "cache folder"),
+    "cache sub-folder is a file": (_cache_subfolder_is_a_file, USER, "'stages' is a file"),
+    "cache datasets folder is a file": (lambda d: _cache_subfolder_is_a_file(d, "datasets"), USER, "cache/datasets': a file stands where a folder is needed; remove that file"),
+    "OPTPIPE_CACHE is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "cfile").write_text("x"), _recipe_with_cache(d, None))[2], USER, "is a file", {"OPTPIPE_CACHE": lambda d: str(d / "cfile")}),
+    "OPTPIPE_CACHE is the project": (lambda d: (_folder_with_sources(d), _recipe_with_cache(d, None))[1], USER, "is not an optpipe cache", {"OPTPIPE_CACHE": lambda d: str(d / "project")}),
+    "OPTPIPE_PLUGINS names a missing module": (lambda d: _recipe_file(d), USER, "cannot import pass module", {"OPTPIPE_PLUGINS": "no_such_plugin_xyz"}),
+    # models and data that lie
+    "onnx opset 99": (lambda d: _with_model(d, _opset_99), STAGE, "Opset 99 is under development"),
+    "onnx initializer larger than its data": (lambda d: _with_model(d, _lying_initializer), STAGE, "too small for the declared shape"),
+    "onnx external data at an absolute path": (lambda d: _with_model(d, _absolute_external_data), USER, "outside the model's folder"),
+    "npz header declares 64 TiB": (_npz_lying_header, USER, "Unable to allocate"),
+    "text data with an onnx model": (lambda d: (d.mkdir(exist_ok=True), (d / "t.txt").write_text("hello\n"),
+                                                _mutated(d, lambda r: r["data"].update(eval={"source": "text", "path": "t.txt"})))[2], USER, "text needs the model's tokenizer"),
+    "synthetic integer range holding no integer": (lambda d: _int_input_recipe(d, range=[0.2, 0.7]), USER, "fix inputs.0.range"),
+    "synthetic fill out of dtype": (lambda d: _int_input_recipe(d, dtype="uint8", fill=300), USER, "inputs.0"),
+    # command line
+    "export --to an existing file": (_export_to_a_file, USER, "--to: "),
+    "gc with a negative age": (lambda d: ["cache", "--cache-dir", str(d / "c"), "gc", "--older-than", "-1d"], USER, "not an age"),
+}
+
+
+CASES.update(ROUND_TWO)
+
+
+def _files(folder: Path) -> set[Path]:
+    return {p for p in folder.rglob("*") if not p.is_dir()} if folder.exists() else set()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_gets_one_line(case, tmp_path, monkeypatch, capsys, plugin_passes):
-    build, expected_code, words = CASES[case]
+    build, expected_code, words, *env = CASES[case]
+    for name, value in (env[0] if env else {}).items():
+        monkeypatch.setenv(name, value(tmp_path) if callable(value) else value)
+    monkeypatch.delenv("OPTPIPE_DEBUG", raising=False)
     monkeypatch.chdir(tmp_path)
     args = build(tmp_path)
+    before = _files(tmp_path)
     code, out, err = run_main(args, capsys)
+    # Nothing written outside the run folder and the cache.
+    written = {p for p in _files(tmp_path) - before if not {"run", "cache"} & set(p.relative_to(tmp_path).parts[:1])}
+    assert not written, written
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert "Traceback" not in out + err, err
     assert len(errors) == 1, err
@@ -227,3 +488,4 @@ def test_bad_input_gets_one_line(case, tmp_path, monkeypatch, capsys, plugin_pas
 
 def test_the_catalogue_is_large_enough():
     assert len(CASES) >= 25
+    assert len(ROUND_TWO) >= 60  # issue 10: its examples plus 30 and more found by attacking the CLI

@@ -1,6 +1,7 @@
 """Looking after a cache: list its entries, prune them by age and size, verify their hashes.
 
-An entry is a child of a top-level cache folder (`stages/<key>/`, `datasets/<key>/`,
+The cache must carry optpipe's marker (optpipe.cache.folder); an entry is a child,
+named by its key, of a top-level cache folder (`stages/<key>/`, `datasets/<key>/`,
 `results/<key>.json`, or what another component stores the same way). Folder
 entries carry a manifest of file hashes; results carry the hash of their value.
 Pruning skips entries that a running compile holds (its lease) or computes (its lock).
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optpipe.artifact import MANIFEST_FILE
+from optpipe.cache.folder import is_entry_name
 from optpipe.cache.store import SERVICE_DIRS, discard, read_result, sweep_leftovers, verify_entry
 from optpipe.errors import OptpipeError
 from optpipe.cache.locking import exclusive_nowait, release
@@ -43,8 +45,8 @@ def list_entries(root: Path) -> list[CacheEntry]:
     entries = []
     for kind in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in SERVICE_DIRS) if root.exists() else []:
         for path in kind.iterdir():
-            if path.name.startswith("."):
-                continue  # a writer's temp file
+            if not is_entry_name(path.name):
+                continue  # a writer's temp file, or nothing optpipe published: never touched
             entries.append(CacheEntry(kind.name, path.name.removesuffix(".json"), path, _size(path), _mtime(path), _label(path)))
     return sorted(entries, key=lambda e: e.last_used, reverse=True)
 
@@ -89,7 +91,7 @@ class GcResult:
 
 def collect_garbage(root: Path, older_than_s: float | None, max_bytes: int | None, dry_run: bool = False) -> GcResult:
     """Remove entries unused for `older_than_s`, then the least recently used until the cache fits `max_bytes`."""
-    leftovers = 0 if dry_run else len(sweep_leftovers(root))
+    leftovers = 0 if dry_run or not root.exists() else len(sweep_leftovers(root))
     entries = list_entries(root)
     doomed = [e for e in entries if older_than_s is not None and e.age_s > older_than_s]
     total = sum(e.size for e in entries) - sum(e.size for e in doomed)

@@ -32,13 +32,12 @@ from typing import Any
 from filelock import FileLock
 
 from optpipe.artifact import INFO_FILE, MANIFEST_FILE, ModelArtifact, content_hash, sha256_file, sha256_json, write_text_atomic
+from optpipe.cache.folder import SERVICE_DIRS, CacheFolderError, prepare_cache_folder
 from optpipe.cache.locking import exclusive_nowait, hold_exclusive, hold_shared, release
 
 MANIFEST = MANIFEST_FILE
 STAGES = "stages"
 RESULTS = "results"
-# Cache subfolders that hold bookkeeping, not entries.
-SERVICE_DIRS = ("tmp", "locks")
 # Temp files of a killed writer (atomic JSON and npz writes) older than this are swept.
 STALE_TEMP_S = 3600.0
 WORKDIR_NAME_LEN = len("work-") + 32  # work-<uuid4 hex>; files beside a workdir share the prefix
@@ -48,7 +47,8 @@ _LEASES: dict[Path, int] = {}
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("OPTPIPE_CACHE", Path.home() / ".cache" / "optpipe")).expanduser()
+    # An empty OPTPIPE_CACHE means the default (it used to mean the working directory).
+    return Path(os.environ.get("OPTPIPE_CACHE") or Path.home() / ".cache" / "optpipe").expanduser()
 
 
 def library_versions(names: tuple[str, ...]) -> dict[str, str]:
@@ -64,7 +64,10 @@ def library_versions(names: tuple[str, ...]) -> dict[str, str]:
 class StageCache:
     def __init__(self, root: Path):
         self.root = root
+        prepare_cache_folder(root)
         for sub in (STAGES, RESULTS, *SERVICE_DIRS):
+            if (root / sub).exists() and not (root / sub).is_dir():
+                raise CacheFolderError(f"cache folder '{root}': '{sub}' is a file, not a folder; remove it (the cache rebuilds it)")
             (root / sub).mkdir(parents=True, exist_ok=True)
         self._workdir_locks: dict[Path, int] = {}
         sweep_leftovers(self.root)

@@ -14,9 +14,11 @@ CACHE_DIR_HELP = "cache folder (default: $OPTPIPE_CACHE or ~/.cache/optpipe)"
 @click.pass_context
 def cache_group(ctx: click.Context, cache_dir: Path | None) -> None:
     """List, prune and verify the cache."""
+    from optpipe.cache.folder import require_marked
     from optpipe.cache.store import default_cache_dir
 
     ctx.obj = cache_dir or default_cache_dir()
+    require_marked(ctx.obj)  # a folder that is not an optpipe cache is refused before anything is removed
 
 
 @cache_group.command("ls")

@@ -20,15 +20,17 @@ def register(cli: click.Group) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the data as JSON")
 def inspect_command(run: Path, stage: str | None, layers: bool, samples: int, as_json: bool) -> None:
     """Show a run's stages, or one STAGE: inputs/outputs, ops, bytes by dtype, fused ops, metrics."""
-    from optpipe.reporting import inspection
+    from optpipe.reporting import inspection, inspection_text
 
     if stage is None:
         rows = inspection.inspect_run(run)
-        click.echo(json.dumps(rows, indent=2) if as_json else inspection.render_run(rows))
+        click.echo(json.dumps(rows, indent=2) if as_json else inspection_text.render_run(rows))
         if not as_json:
             from optpipe.search.report import render_trials_text  # a search run: its trials too
 
-            click.echo(render_trials_text(inspection.open_run(run)))
+            trials = render_trials_text(inspection.open_run(run))
+            if trials:  # nothing, not an empty line, for a run that was no search
+                click.echo(trials)
         return
     handle = inspection.stage_handle(run, stage)
     data = inspection.inspect_stage(handle)
@@ -40,7 +42,7 @@ def inspect_command(run: Path, stage: str | None, layers: bool, samples: int, as
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    click.echo(inspection.render_inspection(data))
+    click.echo(inspection_text.render_inspection(data))
     if comparison is not None:
         click.echo("\n" + comparison.render())
 
@@ -60,7 +62,7 @@ def diff_command(first: str, second: str, third: str | None, layers: bool, sampl
     optpipe diff RUN STAGE_A STAGE_B
     optpipe diff RUN_A:STAGE RUN_B:STAGE
     """
-    from optpipe.reporting import inspection
+    from optpipe.reporting import inspection, inspection_text
     from optpipe.recipe import Tolerance
 
     if third is not None:
@@ -73,7 +75,7 @@ def diff_command(first: str, second: str, third: str | None, layers: bool, sampl
     if cosine_min is not None:
         tolerance = Tolerance(cosine_min=cosine_min)
     diff = inspection.diff_stages(a, b, layers=layers, samples=samples, tolerance=tolerance)
-    click.echo(json.dumps(diff.to_dict(), indent=2, default=list) if as_json else inspection.render_diff(diff))
+    click.echo(json.dumps(diff.to_dict(), indent=2, default=list) if as_json else inspection_text.render_diff(diff))
 
 
 @click.command("report")

@@ -5,7 +5,10 @@ error (a bug: one line, the traceback with OPTPIPE_DEBUG=1), 130 interrupted (Ct
 """
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import click
@@ -22,6 +25,10 @@ class OptpipeGroup(click.Group):
         try:
             return super().invoke(ctx)
         except OptpipeError as exc:
+            from optpipe.execution.interrupt import interrupt_in
+
+            if interrupt_in(exc) is not None:
+                raise KeyboardInterrupt() from exc
             click.echo(f"error: {exc}", err=True)
             ctx.exit(exc.exit_code)
 
@@ -31,6 +38,8 @@ def main() -> None:
 
     terminate_as_interrupt()
     one_line_warnings()
+    # A log file that cannot be written (a full disk) must not print logging's own tracebacks.
+    logging.raiseExceptions = False
     try:
         # Not standalone: click then returns the code of a ctx.exit() instead of exiting itself.
         code = cli(standalone_mode=False)
@@ -45,16 +54,26 @@ def main() -> None:
         sys.exit(2 if exc.exit_code == 1 else exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except OptpipeError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except Exception as exc:  # a bug: one line, the traceback only on request
+    except Exception as exc:
+        from optpipe.execution.interrupt import interrupt_in
         from optpipe.execution.signals import internal_error_exit
+        from optpipe.safety.os_errors import describe
 
-        internal_error_exit(exc)
+        if interrupt_in(exc) is not None:  # a Ctrl-C a library turned into another exception
+            interrupted_exit(interrupt_in(exc))
+        if isinstance(exc, OptpipeError):
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        if isinstance(exc, OSError) and describe(exc):  # the environment's fault: a full disk, a file for a folder
+            if os.environ.get("OPTPIPE_DEBUG"):
+                traceback.print_exception(exc)
+            click.echo(f"error: {describe(exc)}", err=True)
+            sys.exit(2)
+        internal_error_exit(exc)  # a bug: one line, the traceback only on request
 
 
 ALLOW_HELP = "a folder outside the recipe's folder and the working directory that the recipe may name (repeatable)"
+FACTORY_HELP = "an installed module whose functions the recipe's model.factory may call (repeatable); a factory runs code"
 
 
 @click.group(cls=OptpipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -70,13 +89,15 @@ def cli() -> None:
 @click.option("--only", metavar="STAGE", help="run only this stage and its ancestors")
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: $OPTPIPE_CACHE or ~/.cache/optpipe)")
 @click.option("--allow-path", "allow_paths", multiple=True, type=click.Path(path_type=Path), help=ALLOW_HELP)
+@click.option("--allow-factory", "allow_factories", multiple=True, metavar="MODULE", help=FACTORY_HELP)
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="where stages run: this process, or Ray tasks (pip install 'optpipe[ray]')")
 @click.option("--address", metavar="auto|ray://HOST:PORT|HOST:PORT", help="--executor ray: the cluster (default: a local Ray instance)")
 @click.option("--yes", is_flag=True, help="run a grid search however many trials it has")
 @click.option("--group-by-node", is_flag=True, help="one Pareto frontier per kind of machine, when several measured")
 def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool, only: str | None, cache_dir: Path | None,
-                    allow_paths: tuple[Path, ...], executor: str, address: str | None, yes: bool, group_by_node: bool) -> None:
+                    allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...], executor: str, address: str | None, yes: bool,
+                    group_by_node: bool) -> None:
     """Run RECIPE: every stage, its evaluation, the report (several recipes: all of them, together)."""
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
@@ -84,7 +105,7 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
     from optpipe.reporting.run_report import stage_table
     from optpipe.search.space import SearchSpace
 
-    loaded = [load_recipe(path, allow_paths) for path in recipes]
+    loaded = [load_recipe(path, allow_paths, allow_factories) for path in recipes]
     if address is not None and executor != "ray":
         raise click.UsageError("--address needs --executor ray")
     if len(loaded) > 1 or executor == "ray" or SearchSpace.declared(loaded[0]):
@@ -115,13 +136,14 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
 @cli.command("validate")
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--allow-path", "allow_paths", multiple=True, type=click.Path(path_type=Path), help=ALLOW_HELP)
-def validate_command(recipe: Path, allow_paths: tuple[Path, ...]) -> None:
+@click.option("--allow-factory", "allow_factories", multiple=True, metavar="MODULE", help=FACTORY_HELP)
+def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...]) -> None:
     """Check RECIPE without running it."""
     from optpipe.dag import execution_order
     from optpipe.recipe import load_recipe
     from optpipe.validate import validate_recipe
 
-    parsed = load_recipe(recipe, allow_paths)
+    parsed = load_recipe(recipe, allow_paths, allow_factories)
     graph, _ = validate_recipe(parsed)
     order = execution_order(graph)
     click.echo(f"{recipe}: valid; {len(order)} stages: " + ", ".join(

@@ -1,8 +1,10 @@
 """Accuracy of a stage against the reference: per output max/mean abs error, cosine, top-1.
 
-Polygraphy runs the ONNX models (`Comparator.run` over an `OnnxrtRunner`) and
-does the elementwise tolerance check; the cosine and top-1 statistics it does
-not offer are computed here. Cosine is per row of the last axis (per token for
+Polygraphy runs the ONNX models (`Comparator.run` over an `OnnxrtRunner`) and its
+compare function (`Comparator.compare_accuracy`, atol/rtol per output) is part of the
+verdict: `Accuracy.polygraphy_match`, a violation when it fails. The figures the
+report shows (max/mean abs error, cosine, top-1) and the task metrics, which
+Polygraphy does not offer, are computed here. Cosine is per row of the last axis (per token for
 transformers) over real tokens only when the inputs have an attention mask.
 """
 from __future__ import annotations
@@ -72,13 +74,18 @@ def compare(
         violations += task_result.violations + _violations(outputs, tolerance, only_explicit=True)
     else:
         violations = _violations(outputs, tolerance)
+    # Polygraphy's compare function gives the elementwise (atol/rtol) verdict; ours computes the
+    # same rule for the figures it reports. Where they disagree, the stricter one stands.
+    polygraphy_match = _polygraphy_match(pairs, tolerance)
+    if polygraphy_match is False and not violations:
+        violations.append("Polygraphy's elementwise comparison (atol/rtol per output) fails")
     return Accuracy(
         reference=reference_name,
         samples=len(next(iter(inputs.values()))) if inputs else 0,
         outputs=outputs,
         within_tolerance=not violations,
         violations=violations,
-        polygraphy_match=_polygraphy_match(pairs, tolerance),
+        polygraphy_match=polygraphy_match,
         task=task_result,
         warnings=_sensitivity_warnings(outputs, task_result, min_input_sensitivity),
     )

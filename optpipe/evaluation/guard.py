@@ -158,14 +158,16 @@ class AccuracyGuard:
         self.inputs = samples.arrays
         self.batches = list(samples.batches(accuracy_batch(ctx.recipe)))
         self.rank_feeds = {name: array[: params.rank_samples] for name, array in self.inputs.items()}
-        self.scratch = Path(tempfile.mkdtemp(prefix="guard-", dir=ctx.workdir))
+        self.scratch: Path | None = None  # made on first use, removed by run()
         self.reference = run_onnx(source.path, self.batches, self.threads)
 
     def run(self, excluded: list[str]) -> GuardResult:
         try:
             return self._run(list(excluded))
         finally:
-            shutil.rmtree(self.scratch, ignore_errors=True)  # the cache entry holds only the model
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)  # the cache entry holds only the model
+                self.scratch = None
 
     def _run(self, excluded: list[str]) -> GuardResult:
         started = time.perf_counter()
@@ -265,6 +267,8 @@ class AccuracyGuard:
     def _path(self, model: Model) -> Path:
         if isinstance(model, Path):
             return model
+        if self.scratch is None:
+            self.scratch = Path(tempfile.mkdtemp(prefix="guard-", dir=self.ctx.workdir))
         path = self.scratch / "measured.onnx"
         copy = onnx.ModelProto()
         copy.CopyFrom(model)  # saving with external data rewrites the proto's initializers in place

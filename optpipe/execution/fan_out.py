@@ -129,9 +129,10 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, c
             publish_stage_folders(run_dir, results, memo.outcomes)
             if any(r.status == "ok" for r in results):
                 save_sample_inputs(run_dir, RunServices(recipe, cache).eval_set().arrays)
-            write_report(report, run_dir)
-            run_targets(recipe, report, run_dir, cache, providers, lambda *args: None)
-            write_report(report, run_dir)
+            try:
+                run_targets(recipe, report, run_dir, cache, providers, lambda *args: None)
+            finally:
+                write_report(report, run_dir)  # once, with the targets' rows
     finally:
         cache.release_leases()
     return report

@@ -6,6 +6,7 @@ Every stage and evaluation that finished is already published in the cache
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Iterator
 
 from optpipe.errors import RunInterrupted
@@ -55,6 +56,48 @@ def explain_interruption(tracker: KeptTracker) -> Iterator[None]:
         raise
     except KeyboardInterrupt:
         raise RunInterrupted(tracker.summary()) from None
+
+
+def interrupt_in(exc: BaseException) -> KeyboardInterrupt | None:
+    """A Ctrl-C anywhere in an exception's cause/context chain: libraries (torch importing its
+    exporter, for one) catch KeyboardInterrupt and raise something else while handling it."""
+    from optpipe.safety.os_errors import chain
+
+    return next((link for link in chain(exc) if isinstance(link, KeyboardInterrupt)), None)
+
+
+class InterruptWatch:
+    """Notices a Ctrl-C during a stage even when a library swallowed it entirely (caught it and
+    went on, e.g. an exporter falling back to the next one): the signal was counted
+    (optpipe.execution.signals), so the stage's result, made under an interrupt, is not kept."""
+
+    def __init__(self) -> None:
+        from optpipe.execution.signals import interrupts_received
+
+        self._count = interrupts_received
+        self._mark = interrupts_received()
+
+    def check(self) -> None:
+        if self._count() > self._mark:
+            raise KeyboardInterrupt()
+
+
+def escalate(exc: BaseException, cache_root: Path | None = None, watch: InterruptWatch | None = None) -> None:
+    """Raise what must stop the whole run instead of failing one stage: a Ctrl-C hidden in the
+    chain or counted by `watch` (exit 130), or a full or read-only disk (exit 2, one line naming
+    `cache_root`, where stages and evaluations write)."""
+    from optpipe.safety.os_errors import FolderError, describe, disk_error_in
+
+    if watch is not None:
+        watch.check()
+    interrupt = interrupt_in(exc)
+    if isinstance(interrupt, RunInterrupted):
+        raise interrupt
+    if interrupt is not None:
+        raise KeyboardInterrupt() from None
+    disk = disk_error_in(exc)
+    if disk is not None:
+        raise FolderError(describe(disk, "cache folder" if cache_root else "", cache_root)) from None
 
 
 def _count(items: list[str], noun: str) -> str:

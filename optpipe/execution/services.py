@@ -91,7 +91,8 @@ def stage_logger(name: str, path: Path, truncate: bool = True):
         logging.captureWarnings(False)
         warnings_log.removeHandler(handler)
         log.removeHandler(handler)
-        handler.close()
+        with contextlib.suppress(OSError):  # a full disk: the error that stopped the stage matters more than the log's tail
+            handler.close()
 
 
 class LogWriter:

@@ -23,11 +23,20 @@ _received: list[int] = []
 
 
 def terminate_as_interrupt() -> None:
+    """SIGTERM raises KeyboardInterrupt like SIGINT; both are counted, so a Ctrl-C that a library
+    catches and swallows (an exporter falling back to another) is still seen (interrupts_received)."""
     def handler(signum, frame):
         _received.append(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, handler)
+
+
+def interrupts_received() -> int:
+    """How many SIGINT/SIGTERM this process received since terminate_as_interrupt()."""
+    return len(_received)
 
 
 def interrupted_exit(exc: BaseException | None) -> None:

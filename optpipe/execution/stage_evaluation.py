@@ -7,6 +7,7 @@ import logging
 from typing import Callable
 
 from optpipe.cache.store import StageCache
+from optpipe.execution.interrupt import escalate
 from optpipe.errors import OptpipeError, first_line
 from optpipe.evaluation.evaluator import Evaluator
 from optpipe.evaluation.guard import fold_guard_verdict
@@ -71,8 +72,10 @@ def _evaluate_stage(name: str, recipe: Recipe, outcome: StageOutcome, evaluator:
     try:
         accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(name))
     except OptpipeError as exc:
+        escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
         return _evaluation_failed(result, str(exc), notify)
     except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
+        escalate(exc, evaluator.cache.root)
         logging.getLogger("optpipe").debug("evaluation of %s failed", name, exc_info=True)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", notify)
     result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
@@ -89,8 +92,10 @@ def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices,
         digest = StageCache.key(source=source_fingerprint(recipe), inputs=[s.model_dump() for s in recipe.inputs])
         accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, recipe.evaluate.tolerance)
     except OptpipeError as exc:
+        escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
         return _evaluation_failed(result, str(exc), notify)
     except Exception as exc:  # the baseline is informative; its failure must not stop the run
+        escalate(exc, evaluator.cache.root)
         return _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", notify)
     result.accuracy, result.latency, result.memory, result.cached = accuracy, latency, memory, cached
     result.warnings += accuracy.warnings if accuracy else []

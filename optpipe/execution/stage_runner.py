@@ -17,6 +17,7 @@ from optpipe.artifact import ModelArtifact
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, first_line
 from optpipe.execution.contract import run_pass
+from optpipe.execution.interrupt import InterruptWatch, escalate
 from optpipe.execution.isolation import memory_message, run_pass_isolated
 from optpipe.execution.services import RunServices, make_pass_context, stage_logger
 from optpipe.pass_base import Pass, PassContext
@@ -56,23 +57,27 @@ class StageRunner:
 
         with stage_logger(name, log_path) as log:
             workdir = self.cache.new_workdir()
+            watch = InterruptWatch()
             try:
                 ctx = make_pass_context(self.recipe, self.services, name, workdir, log, self.progress)
-                artifact, key, cached = self._cached_run(pass_, model, ctx, log_path)
+                artifact, key, cached = self._cached_run(pass_, model, ctx, log_path, watch)
                 return StageOutcome("ok", artifact, cached=cached, key=key, duration_s=time.perf_counter() - started)
             except (PassError, OptpipeError) as exc:
+                escalate(exc, self.cache.root, watch)  # a Ctrl-C or a full disk behind it stops the run, not only this stage
                 log.error("%s", exc)
                 return failed(str(exc))
             except MemoryError as exc:
                 log.error("out of memory:\n%s", traceback.format_exc())
                 return failed(str(StageOutOfMemory(memory_message(exc))))
             except Exception as exc:  # a bug in a pass must not take the other branches down
+                escalate(exc, self.cache.root, watch)
                 log.error("unexpected error:\n%s", traceback.format_exc())
                 return failed(f"internal error in pass '{pass_.name}' ({type(exc).__name__}: {first_line(exc)})")
             finally:
                 self.cache.release_workdir(workdir)
 
-    def _cached_run(self, pass_: Pass, model: ModelArtifact | None, ctx: PassContext, log_path: Path) -> tuple[ModelArtifact, str, bool]:
+    def _cached_run(self, pass_: Pass, model: ModelArtifact | None, ctx: PassContext, log_path: Path,
+                    watch: InterruptWatch) -> tuple[ModelArtifact, str, bool]:
         """(artifact, key, cached): the cache entry when there is one, else the pass's fresh output, published."""
         base = stage_key(pass_, model, ctx)
         with self.cache.lock(base):
@@ -84,6 +89,7 @@ class StageRunner:
                 return hit, key, True
             ctx.log.info("running pass %s v%s with %s", pass_.name, pass_.version, pass_.params.model_dump())
             self._execute(pass_, model, ctx, log_path)
+            watch.check()  # a Ctrl-C the pass swallowed: its result is not published
             key = self._key_with_data(base, ctx.data_used)
             if set(ctx.data_used) != set(read_before):  # most passes read no data set: no record at all
                 self.cache.put_result(_data_record_key(base), {"sets": sorted(ctx.data_used)})

@@ -34,6 +34,10 @@ _ORT_UNKNOWN_OP = re.compile(r"(?:[\w.]+:(?P<op>\w+)\(-?\d+\) is not a registere
 
 def load_graph(path: Path, where: str) -> onnx.ModelProto:
     """The model without its weights, after checking it is ONNX and its external data is safe."""
+    if path.is_dir():
+        raise ModelSourceError(f"{where}: '{path}' is a folder; give the path of the .onnx file in it")
+    if path.exists() and not path.is_file():
+        raise ModelSourceError(f"{where}: '{path}' is not a regular file (a device or a pipe); give the path of an .onnx file")
     if not path.is_file():
         raise ModelSourceError(f"{where}: file '{path}' does not exist; give the path of an .onnx model")
     if path.stat().st_size == 0:
@@ -131,7 +135,7 @@ def check_runnable(path: Path, where: str) -> None:
                 f"{where}: ONNX Runtime cannot run op '{op.group('op') or op.group('op2')}' in '{path.name}' (no kernel is registered for it); "
                 "replace the op or export with ops ONNX Runtime implements"
             ) from None
-        detail = message.split("failed:", 1)[-1][:200]
+        detail = message.split("failed:", 1)[-1].strip()[:300]
         raise ModelSourceError(f"{where}: ONNX Runtime cannot load '{path.name}' ({detail}); export the model again") from None
 
 

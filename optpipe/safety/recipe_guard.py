@@ -1,13 +1,19 @@
 """What a recipe file from elsewhere may not do: reach outside its folders, name files with
 its stage names, or blow up the YAML loader.
 
-A recipe is parsed with `yaml.safe_load` (no Python objects). Then:
+A recipe is parsed with a safe loader (no Python objects, no duplicate keys, bounded
+nesting: optpipe.safety.yaml_loader). Then:
 - every path it names (model, checkpoint, data, output, cache) must resolve,
   symlinks followed, inside the recipe's folder or the working directory, or a
   folder the user allows explicitly (`--allow-path`); a recipe cannot make
   optpipe read `~/.ssh/id_rsa` as "data" or write its run folder over `~/`;
 - names that become file names (the recipe's name, stage names) are plain
   names, so `stages: {../../x: ...}` cannot write outside the run folder;
+- a model factory is code the recipe runs with its own arguments: it must be a
+  module inside the recipe's `model.path` folder (code that travels with the
+  recipe), one of optpipe's own model builders, or a module the user names with
+  `--allow-factory`; `numpy:savetxt` with a `fname` kwarg would otherwise write
+  wherever the recipe says;
 - the loaded YAML is walked with a budget, so a few nested aliases (the
   "billion laughs") cannot expand into billions of values downstream.
 
@@ -16,8 +22,10 @@ These checks apply to recipe files (`load_recipe`); a recipe built in Python
 """
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -27,6 +35,8 @@ from optpipe.recipe import FactoryModel, HFModel, OnnxModel, Recipe
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 MAX_RECIPE_BYTES = 1 << 20
 MAX_YAML_VALUES = 100_000
+# Factories every recipe may name: optpipe's own model builders.
+BUILTIN_FACTORIES = ("optpipe.models",)
 
 
 def check_yaml_budget(data: Any, origin: str) -> None:
@@ -87,7 +97,10 @@ def check_paths(recipe: Recipe, origin: str, allow: Iterable[Path] = ()) -> None
     for where, value in recipe_paths(recipe):
         if "\0" in value:
             raise RecipeError(f"{origin}: {where}: the path contains a NUL character; give a plain path")
-        resolved = Path(os.path.realpath(recipe.resolve(value)))
+        try:
+            resolved = Path(os.path.realpath(recipe.resolve(value)))
+        except (RuntimeError, OSError):  # pathlib's "Symlink loop"
+            raise RecipeError(f"{origin}: {where}: '{value}' is a symlink loop; give a real path") from None
         if not any(resolved.is_relative_to(root) for root in roots):
             raise RecipeError(
                 f"{origin}: {where}: '{value}' resolves to {resolved}, outside the recipe's folder and the working "
@@ -98,3 +111,35 @@ def check_paths(recipe: Recipe, origin: str, allow: Iterable[Path] = ()) -> None
 def check_recipe_file(recipe: Recipe, origin: str, allow: Iterable[Path] = ()) -> None:
     check_names(recipe, origin)
     check_paths(recipe, origin, allow)
+
+
+def check_factory(recipe: Recipe, origin: str, allow: Iterable[str] = ()) -> None:
+    """A factory module lives in the recipe's `model.path`, or is allowed by name (with its submodules)."""
+    model = recipe.model
+    if not isinstance(model, FactoryModel):
+        return
+    module = model.factory.partition(":")[0]
+    if any(module == name or module.startswith(name + ".") for name in (*BUILTIN_FACTORIES, *allow)):
+        return
+    folder = recipe.resolve(model.path) if model.path else None
+    if folder is not None and _module_in(module, folder):
+        return
+    where = f"in model.path ({folder})" if folder else "in a `model.path` folder (none is set)"
+    raise RecipeError(
+        f"{origin}: model.factory: module '{module}' is not {where}; a factory runs code with the recipe's arguments, "
+        f"so it must live in the recipe's model.path, or be allowed with --allow-factory {module.split('.')[0]}"
+    )
+
+
+def _module_in(module: str, folder: Path) -> bool:
+    """The module's top-level package is found in `folder`, and no module of that name from
+    elsewhere is already imported (an import would then return that one)."""
+    top = module.split(".")[0]
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(top, [str(folder)])
+    except (ImportError, ValueError):
+        return False
+    if spec is None or spec.origin is None:
+        return False
+    loaded = getattr(sys.modules.get(top), "__file__", None)
+    return loaded is None or Path(os.path.realpath(loaded)).is_relative_to(os.path.realpath(folder))

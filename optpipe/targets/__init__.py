@@ -1,6 +1,6 @@
 """Deployable artifacts from finished stages: ORT bundles, TensorRT engines, Triton repositories.
 
-`run_targets` runs after the report is built (from `compile_recipe`): each recipe target
+`run_targets` runs after the report is built and before it is written (from `compile_recipe`): each recipe target
 writes its artifact for each of its stages (default: the Pareto frontier) under
 `<run>/targets/<kind>/`, records a TargetResult (status ok / skipped / failed, reason apart) in the
 report, and the run folder gets a manifest of every artifact. `export_stage` does the same

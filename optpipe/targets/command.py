@@ -19,8 +19,11 @@ from optpipe.targets import KINDS
 @click.option("--allow-out-of-tolerance", is_flag=True, help="export a stage that broke its accuracy tolerance (warns)")
 def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Path | None, allow_out_of_tolerance: bool) -> None:
     """Write STAGE of the finished run RUN_DIR as an ORT bundle, TensorRT engine, Triton repository or OpenVINO IR."""
+    from optpipe.errors import TargetError
     from optpipe.targets import export_stage
 
+    if to.exists() and not to.is_dir():
+        raise TargetError(f"--to: '{to}' is a file; give a folder to write the {kind} artifact into (new or existing)")
     check_verdict(run_dir, stage, allow_out_of_tolerance)
     result = export_stage(run_dir, stage, kind, to, cache_dir=cache_dir)
     where = to / result.path if result.path else to
@@ -34,7 +37,7 @@ def check_verdict(run_dir: Path, stage: str, allow_out_of_tolerance: bool) -> No
     """Refuse an out-of-tolerance stage unless allowed; print the warnings its report carries."""
     from optpipe.errors import TargetError
     from optpipe.evaluation.verdict import export_refusal
-    from optpipe.reporting.run_report import RunReport
+    from optpipe.results import RunReport
 
     if not (run_dir / "report.json").is_file():
         return  # export_stage says what is wrong with the folder

@@ -1,0 +1,81 @@
+"""File-system failures that are the environment's fault, as one line naming the folder and the fix.
+
+An output or cache folder that is a file, read-only, on a full disk or with a name too
+long used to end in a traceback or "internal error". These are the user's to fix
+(exit code 2). A full or read-only disk met while a stage runs stops the whole run:
+every later stage would fail the same way, and the cache stays consistent because
+entries are published atomically (optpipe.cache.store).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+from pathlib import Path
+from typing import Iterator
+
+from optpipe.errors import OptpipeError
+
+# Errors no stage can work around: the run stops with exit 2.
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+# errno -> (what is wrong, what to do)
+_PROBLEMS = {
+    errno.ENOSPC: ("the disk is full", "free space there"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space there"),
+    errno.EROFS: ("it is on a read-only file system", "make it writable"),
+    errno.EACCES: ("permission is denied", "grant write permission"),
+    errno.EPERM: ("permission is denied", "grant write permission"),
+    errno.ENAMETOOLONG: ("a name in its path is too long for the file system", "use a shorter name"),
+    errno.ENOTDIR: ("a file stands where a folder is needed", "remove that file"),
+    errno.EEXIST: ("a file stands where a folder is needed", "remove that file"),
+    errno.EISDIR: ("a folder stands where a file is needed", "remove that folder"),
+    errno.ELOOP: ("its path has a symlink loop", "fix the link"),
+}
+
+
+class FolderError(OptpipeError):
+    """An output or cache folder cannot be written (exit code 2)."""
+
+
+def describe(exc: OSError, role: str = "", folder: Path | None = None) -> str | None:
+    """One line for an environment OSError, or None when it is not one of those."""
+    if (exc.errno or 0) not in _PROBLEMS:
+        return None
+    problem, fix = _PROBLEMS[exc.errno]
+    if role and folder is not None:
+        where = f"{role} '{folder}'" + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(folder) else "")
+    else:
+        where = f"'{exc.filename}'" if exc.filename else "to disk"  # a flush on close carries no file name
+    return f"cannot write {where}: {problem}; {fix} or choose another folder (--output, --cache-dir)"
+
+
+def disk_error_in(exc: BaseException) -> OSError | None:
+    """A full or read-only disk anywhere in an exception's cause/context chain."""
+    for link in chain(exc):
+        if isinstance(link, OSError) and link.errno in DISK_ERRNOS:
+            return link
+    return None
+
+
+def chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then its causes and contexts (each once; chains can loop)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        link = todo.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        yield link
+        todo.extend((link.__context__, link.__cause__))
+
+
+@contextlib.contextmanager
+def folder_errors(role: str, folder: Path) -> Iterator[None]:
+    """OSErrors while preparing `folder` (the run folder, the cache) become one FolderError line."""
+    try:
+        yield
+    except OSError as exc:
+        message = describe(exc, role, folder)
+        if message is None:
+            raise
+        raise FolderError(message) from None

@@ -1,0 +1,115 @@
+"""Recipe values that turn into threads or memory, bounded before anything runs.
+
+A recipe that asks for 10,000 threads, or for an input with 2^40 rows, used to
+start them or allocate until the kernel killed the process. Each bound here names
+the key to change:
+
+- `evaluate.threads` above the cores this process may use is capped to them (a
+  `warning:` line says so): recipes travel between machines, and more threads than
+  cores only makes the latency figures worse;
+- `evaluate.batch_sizes` stay inside the batch dim's [min, max]: latency measured at
+  a batch the model does not declare is not a figure for that model;
+- the inputs at their largest shape (every dim at `max`), the data sets (`samples`
+  at the `opt` shape) and one accuracy batch must each fit in half of this
+  machine's memory. Inputs are a lower bound of what running the model needs (its
+  activations come on top), so a recipe refused here could never have run.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import numpy as np
+
+from optpipe.errors import RecipeError
+from optpipe.recipe import InputSpec, Recipe
+
+log = logging.getLogger("optpipe.recipe")
+
+
+def available_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def memory_budget() -> int:
+    """Half the machine's physical memory, in bytes: what inputs alone may take at most."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30  # unknown: assume a small machine
+    return total // 2
+
+
+def check_resources(recipe: Recipe, origin: str) -> None:
+    _cap_threads(recipe)
+    _check_batch_sizes(recipe, origin)
+    budget = memory_budget()
+    _check_largest_inputs(recipe, origin, budget)
+    _check_data_sets(recipe, origin, budget)
+
+
+def _cap_threads(recipe: Recipe) -> None:
+    cores = available_cores()
+    if recipe.evaluate.threads > cores:
+        log.warning("evaluate.threads: %d is more than the %d cores available; using %d", recipe.evaluate.threads, cores, cores)
+        recipe.evaluate.threads = cores
+
+
+def _check_batch_sizes(recipe: Recipe, origin: str) -> None:
+    batch = recipe.batch_dim()
+    if batch is None:
+        return  # a fixed batch: batch_sizes are not used
+    rng = recipe.dims[batch]
+    for size in recipe.evaluate.batch_sizes:
+        if not rng.min <= size <= rng.max:
+            raise RecipeError(
+                f"{origin}: evaluate.batch_sizes: {size} is outside dims.{batch} [{rng.min}, {rng.max}]; "
+                f"use sizes in that range or widen dims.{batch}"
+            )
+
+
+def _bytes(spec: InputSpec, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * np.dtype(spec.dtype).itemsize
+
+
+def _check_largest_inputs(recipe: Recipe, origin: str, budget: int) -> None:
+    for spec in recipe.inputs:
+        shape = recipe.shape_at(spec, "max")
+        size = _bytes(spec, shape)
+        if size > budget:
+            dims = [f"dims.{d}.max" for d in dict.fromkeys(d for d in spec.shape if isinstance(d, str))]
+            fix = f"lower {' or '.join(dims)}" if dims else f"shrink inputs.{recipe.inputs.index(spec)}.shape"
+            raise RecipeError(
+                f"{origin}: input '{spec.name}' at its largest shape {list(shape)} {spec.dtype} takes {_human(size)}, "
+                f"more than half this machine's memory ({_human(budget)}); {fix}"
+            )
+
+
+def _check_data_sets(recipe: Recipe, origin: str, budget: int) -> None:
+    batch = recipe.batch_dim()
+    one = sum(_bytes(spec, recipe.shape_at(spec, **({batch: 1} if batch else {}))) for spec in recipe.inputs)
+    for which in ("eval", "calibration"):
+        source = getattr(recipe.data, which)
+        if source is not None and source.samples * one > budget:
+            raise RecipeError(
+                f"{origin}: data.{which}.samples: {source.samples} samples of {_human(one)} take {_human(source.samples * one)}, "
+                f"more than half this machine's memory ({_human(budget)}); lower data.{which}.samples"
+            )
+    if batch and recipe.evaluate.accuracy_batch * one > budget:
+        raise RecipeError(
+            f"{origin}: evaluate.accuracy_batch: {recipe.evaluate.accuracy_batch} samples of {_human(one)} do not fit in "
+            f"half this machine's memory ({_human(budget)}); lower evaluate.accuracy_batch"
+        )
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"

@@ -1,0 +1,26 @@
+"""The built engine's accuracy against the reference and its latency, through Polygraphy's TrtRunner."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from optpipe.evaluation.accuracy import quiet_polygraphy
+from optpipe.targets.base import TargetJob
+
+
+def evaluate_engine(plan_path: Path, job: TargetJob, provider: str):
+    """Accuracy against the reference through Polygraphy's TrtRunner, and latency percentiles."""
+    from polygraphy.backend.trt import EngineFromPath, TrtRunner
+    from polygraphy.comparator import Comparator
+
+    quiet_polygraphy()
+    measurer = job.measurer
+    engine = EngineFromPath(str(plan_path))
+    results = Comparator.run([TrtRunner(engine, name="tensorrt")], data_loader=measurer.batches)
+    iterations = results[0][1]
+    outputs = {name: np.concatenate([np.asarray(it[name]) for it in iterations]) for name in iterations[0].keys()}
+    accuracy = measurer.accuracy(outputs, job.recipe.tolerance_for(job.stage.name))
+    with TrtRunner(engine, name="tensorrt-latency") as runner:
+        latency = measurer.latency(lambda feeds: runner.infer(feeds), provider)
+    return accuracy, latency
