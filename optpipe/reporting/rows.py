@@ -177,7 +177,6 @@ COLUMNS: list[Column] = [
     Column("pass", lambda c: Cell(c.stage.pass_name)),
     Column("after", lambda c: Cell(c.stage.parent or "")),
     Column("status", _status),
-    Column("runtime", lambda c: Cell(runtime_label(c.stage))),
     Column("p50 ms", lambda c: Cell(_f(_p50(c.stage), ".2f"))),
     Column("p90 ms", lambda c: Cell(_f(_p90(c.stage), ".2f"))),
     Column("vs eager", lambda c: Cell(_ratio(_p50(c.eager), _p50(c.stage)))),
@@ -190,5 +189,6 @@ COLUMNS: list[Column] = [
     Column("peak mem MB", lambda c: Cell(_f(_peak_mb(c.stage), ".0f"))),
     Column("task metric", _task),
     Column("precision (MACs)", _precision),
+    Column("runtime", lambda c: Cell(runtime_label(c.stage))),
     Column("frontier", lambda c: Cell("★" if c.stage.pareto else "")),
 ]
