@@ -88,7 +88,7 @@ def build_stages(recipe, run_dir: str):
         print(f"stage {name} not measured: {reason}", file=sys.stderr)
     print(f"stages ready in {time.perf_counter() - started:.0f}s "
           f"({sum(o.cached for o in outcomes.values())} from cache)", file=sys.stderr)
-    return {name: o.artifact for name, o in outcomes.items() if o.status == "ok"}, services
+    return {name: o.model for name, o in outcomes.items() if o.status == "ok"}, services
 
 
 def eager_runner(torch_model, threads: int):

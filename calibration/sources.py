@@ -11,34 +11,8 @@ import numpy as np
 
 from optpipe.calibration.labels import attach_labels, class_folders, load_class_folders
 from optpipe.errors import DataError, first_line
-from optpipe.recipe import DataSource, InputSpec, Recipe
-
-
-def synthetic_batch(recipe: Recipe, seed: int = 0, **dim_overrides: int) -> dict[str, np.ndarray]:
-    """One batch of synthetic inputs at the `opt` shape (dims overridable), seeded."""
-    rng = np.random.default_rng(seed)
-    batch = {}
-    for i, spec in enumerate(recipe.inputs):
-        try:
-            batch[spec.name] = _synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng)
-        except (ValueError, OverflowError) as exc:  # e.g. an integer range holding no integer, a fill the dtype cannot hold
-            raise DataError(
-                f"data: cannot draw synthetic values for input '{spec.name}' ({first_line(exc)}); fix inputs.{i}.range "
-                f"or inputs.{i}.fill for dtype {spec.dtype}"
-            ) from None
-    return batch
-
-
-def _synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    if spec.fill is not None:
-        return np.full(shape, spec.fill, dtype=spec.dtype)
-    if spec.dtype in ("int64", "int32", "int8", "uint8"):
-        low, high = spec.range or (0, 100)
-        return rng.integers(int(low), int(high), size=shape).astype(spec.dtype)
-    if spec.dtype == "bool":
-        return rng.integers(0, 2, size=shape).astype(bool)
-    low, high = spec.range or (-1.0, 1.0)
-    return rng.uniform(low, high, size=shape).astype(spec.dtype)
+from optpipe.example_inputs import synthetic_inputs
+from optpipe.recipe import DataSource, Recipe
 
 
 def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
@@ -117,9 +91,9 @@ def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> 
 def _synthetic(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     batch_dim = recipe.batch_dim()
     if batch_dim is None:
-        batches = [synthetic_batch(recipe, seed=source.seed + i) for i in range(source.samples)]
+        batches = [synthetic_inputs(recipe, seed=source.seed + i) for i in range(source.samples)]
         return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-    return synthetic_batch(recipe, seed=source.seed, **{batch_dim: source.samples})
+    return synthetic_inputs(recipe, seed=source.seed, **{batch_dim: source.samples})
 
 
 def _text(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:

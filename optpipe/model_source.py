@@ -17,6 +17,7 @@ import numpy as np
 
 from optpipe.artifact import sha256_file
 from optpipe.errors import DataError, ModelSourceError, first_line
+from optpipe.example_inputs import example_inputs
 from optpipe.recipe import FactoryModel, HFConfigModel, HFModel, OnnxModel, Recipe, TorchvisionModel
 
 
@@ -109,15 +110,6 @@ def load_torch_model(recipe: Recipe) -> TorchModel:
     if isinstance(spec, FactoryModel):
         return _load_factory(recipe, spec)
     raise ModelSourceError("model: an ONNX model has no PyTorch module; stages that need one (export checks, prune) cannot run")
-
-
-def example_inputs(recipe: Recipe, batch: int | None = None) -> dict[str, np.ndarray]:
-    """Synthetic inputs at the `opt` shape, used to trace and to check the export."""
-    from optpipe.calibration.sources import synthetic_batch
-
-    batch_dim = recipe.batch_dim()
-    overrides = {batch_dim: batch} if batch_dim and batch else {}
-    return synthetic_batch(recipe, seed=0, **overrides)
 
 
 # Optimum's task names (and short aliases) -> transformers Auto classes, as optimum.exporters.tasks maps them.

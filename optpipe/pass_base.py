@@ -141,6 +141,8 @@ class Pass(ABC, Generic[P]):
     libraries: ClassVar[tuple[str, ...]] = ("onnx",)
     #: The format of the artifact it writes (execution.contract.FORMAT_FILES); a non-ONNX one ends its branch.
     produces: ClassVar[str] = "onnx"
+    #: What to try when the numeric self-check fails (passes whose params inherit SelfCheckParams).
+    check_hint: ClassVar[str] = ""
 
     def __init__(self, params: P):
         self.params: P = params

@@ -18,7 +18,6 @@ from pathlib import Path
 import networkx as nx
 from filelock import FileLock
 
-from optpipe.artifact import ModelArtifact
 from optpipe.cache.store import StageCache, default_cache_dir
 from optpipe.dag import ancestors_and_self, execution_order
 from optpipe.cache.folder import check_apart
@@ -27,10 +26,11 @@ from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
 from optpipe.execution.stage_evaluation import EAGER_STAGE, evaluate_stages  # noqa: F401  (EAGER_STAGE: public name)
-from optpipe.execution.stage_runner import StageOutcome, StageRunner
-from optpipe.instruments import Instrument
+from optpipe.execution.stage_runner import StageRunner
+from optpipe.instruments import Instrument, Instruments
 from optpipe.pass_base import Pass
 from optpipe.recipe import Recipe
+from optpipe.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
 from optpipe.safety.os_errors import folder_errors
@@ -73,18 +73,18 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     order = _stages_to_run(graph, options.only)
 
     manager = PassManager(recipe, cache, services, run_dir, options)
-    notify = manager._notify
+    instruments = manager.instruments
     try:
-        outcomes = manager.run(order, graph, passes)
-        results = evaluate_stages(recipe, order, outcomes, services, cache, options.providers, notify, options.force)
+        stages = manager.run(order, graph, passes)
+        results = evaluate_stages(recipe, order, stages, services, cache, options.providers, instruments, options.force)
         report = build_report(recipe, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
         with FileLock(str(run_dir / ".optpipe.lock")):
-            publish_stage_folders(run_dir, results, outcomes)
+            publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
                 save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
             try:
-                run_targets(recipe, report, run_dir, cache, options.providers, notify)
+                run_targets(recipe, report, run_dir, cache, options.providers, instruments)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows
     finally:
@@ -108,31 +108,21 @@ class PassManager:
 
     def __init__(self, recipe: Recipe, cache: StageCache, services: RunServices, run_dir: Path, options: RunOptions):
         self.recipe = recipe
-        self.options = options
-        self.runner = StageRunner(
-            recipe, cache, services, run_dir / "logs", force=options.force,
-            progress=lambda task, done, total: self._notify("step", task, done, total),
-        )
+        self.instruments = Instruments(options.instruments)
+        self.runner = StageRunner(recipe, cache, services, run_dir / "logs", self.instruments, force=options.force)
 
-    def run(self, order: list[str], graph: nx.DiGraph, passes: dict[str, Pass]) -> dict[str, StageOutcome]:
-        outcomes: dict[str, StageOutcome] = {}
-        self._notify("run_start", order)
+    def run(self, order: list[str], graph: nx.DiGraph, passes: dict[str, Pass]) -> dict[str, StageResult]:
+        """Every stage's result, in order; a finished one carries its model (`result.model`)."""
+        results: dict[str, StageResult] = {}
+        self.instruments.run_start(order)
         for name in order:
-            parent = self.recipe.stages[name].after
-            if parent is not None and outcomes[parent].status != "ok":
-                outcomes[name] = StageOutcome("skipped", reason=f"parent stage '{parent}' {outcomes[parent].status}")
-                self._notify("stage_end", name, "skipped", outcomes[name].reason)
-                continue
-            self._notify("stage_start", name, passes[name].name)
-            outcome = self.runner.run(name, passes[name], _artifact(outcomes, parent))
-            outcomes[name] = outcome
-            self._notify("stage_end", name, "cached" if outcome.cached else outcome.status, outcome.reason or "")
-        return outcomes
-
-    def _notify(self, hook: str, *args) -> None:
-        for instrument in self.options.instruments:
-            getattr(instrument, hook)(*args)
-
-
-def _artifact(outcomes: dict[str, StageOutcome], parent: str | None) -> ModelArtifact | None:
-    return outcomes[parent].artifact if parent else None
+            spec = self.recipe.stages[name]
+            parent = results.get(spec.after) if spec.after else None
+            if parent is not None and parent.status != "ok":
+                result = StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
+                                     reason=f"parent stage '{parent.name}' {parent.status}", duration_s=0.0)
+            else:
+                result = self.runner.run(name, passes[name], parent.model if parent else None)
+            results[name] = result
+            self.instruments.stage_done(result)
+        return results

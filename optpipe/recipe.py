@@ -268,9 +268,12 @@ class StageSpec(Strict):
     params: dict[str, Any] = Field(default_factory=dict)
     after: Optional[str] = None
     tolerance: Optional[Tolerance] = None
-    timeout_s: Optional[float] = Field(None, gt=0)
+    timeout_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     search: dict[str, Choices] = Field(default_factory=dict, description="params to search: a list of choices, or {min, max, step}")
     optional: bool = Field(False, description="search: try the search with and without this stage")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="--executor ray: what the pass's task needs: CPU, GPU, or a custom resource such as a GPU type"
+    )
 
     @field_validator("search")
     @classmethod
@@ -302,7 +305,11 @@ class EvaluateSpec(Strict):
         "pow2 = powers of two from the dim's min to its max; other dims stay at `opt`, the batch at batch_sizes[0]",
     )
     sweep_iterations: Optional[int] = Field(None, ge=1, le=MAX_ITERATIONS, description="timed iterations per sweep point; default: iterations")
+    adaptive: bool = Field(True, description="stop timing once the median's 95% interval is within 3%; iterations is the cap")
     search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="--executor ray: what an evaluation task needs besides the node's `benchmark` slot (GPU, a GPU type)"
+    )
 
     @field_validator("search", mode="before")
     @classmethod

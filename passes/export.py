@@ -9,11 +9,12 @@ import numpy as np
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.evaluation.checks import onnx_outputs, require_agreement
+from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check, onnx_outputs
 from optpipe.errors import ModelSourceError, PassError
+from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.model_source import TorchModel, onnx_source_path, source_fingerprint
-from optpipe.pass_base import Pass, PassContext, PassParams
+from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.runtime import eager_runner
 
@@ -21,12 +22,11 @@ from optpipe.runtime import eager_runner
 EXPORTERS = ("dynamo", "torchscript")
 
 
-class ExportParams(PassParams):
+class ExportParams(SelfCheckParams):
     exporter: Literal["auto", "dynamo", "torchscript"] = Field(
         "auto", description="torch.onnx exporter; auto = dynamo, and TorchScript when dynamo fails (the stage info says why)"
     )
     opset: int = Field(20, ge=17, le=23, description="ONNX opset (dynamo needs >= 18)")
-    check_atol: float = Field(1e-3, gt=0, description="max abs error allowed against PyTorch eager")
 
 
 class ExportPass(Pass[ExportParams]):
@@ -51,14 +51,14 @@ class ExportPass(Pass[ExportParams]):
             return import_onnx(ctx)
         torch_model = ctx.torch_model()
         feeds = trace_inputs(ctx.recipe)
-        expected = eager_outputs(torch_model, feeds)
+        expected = eager_outputs(torch_model, feeds, ctx.recipe.evaluate.threads)
         params = self.params
         exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
         failures: dict[str, str] = {}
         for exporter in exporters:
             raw = ctx.workdir / f"raw-{exporter}"
             try:
-                check = _export_checked(exporter, torch_model, feeds, expected, ctx.recipe, params, raw)
+                _export_checked(exporter, torch_model, feeds, expected, ctx.recipe, params, raw)
             except _ExportFailed as exc:
                 ctx.log.warning("%s export failed: %s", exporter, exc)
                 failures[exporter] = str(exc)
@@ -72,7 +72,7 @@ class ExportPass(Pass[ExportParams]):
         artifact = save_model(onnx.load(str(raw / "model.onnx")), ctx.workdir)
         _remove_tree(raw)
         info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": params.opset,
-                "check_vs_eager": check, "source": torch_model.description, "outputs": torch_model.output_names}
+                "source": torch_model.description, "outputs": torch_model.output_names}
         if failures:
             info["fallback"] = {"from": list(failures), "reasons": failures}
             ctx.log.warning("exported with %s after %s", exporter, "; ".join(f"{k} failed: {v}" for k, v in failures.items()))
@@ -84,8 +84,9 @@ class _ExportFailed(Exception):
     """One exporter could not produce a model that matches eager; the message says why."""
 
 
-def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, recipe: Recipe, params: ExportParams, raw: Path) -> dict:
-    """Export with one exporter into `raw`, then check the result against eager."""
+def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, recipe: Recipe, params: ExportParams, raw: Path) -> None:
+    """Export with one exporter into `raw`, then check the result against eager (the self-check's
+    own rule, so `auto` moves on to the next exporter exactly when the stage would fail)."""
     raw.mkdir()
     path = raw / "model.onnx"
     try:
@@ -96,26 +97,24 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
             if branches and params.exporter == "auto":
                 # A trace records one branch of data-dependent control flow: it matches eager on the
                 # trace inputs and is wrong on others, so `auto` must not hand it on as a success.
-                raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch ({branches[0]})")
+                raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch, taken on a tensor's values or shape ({branches[0]})")
     except (PassError, _ExportFailed):
         raise
     except Exception as exc:  # exporters raise anything; the stage log has the traceback
         logging.getLogger("optpipe.export").debug("%s export traceback", exporter, exc_info=True)
         raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
     try:
-        return require_agreement(
-            onnx_outputs(path, feeds), expected, params.check_atol, "the exported model does not match PyTorch eager", "raise check_atol"
-        )
+        numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
     except PassError as exc:
-        raise _ExportFailed(str(exc).removesuffix("; raise check_atol")) from None
+        raise _ExportFailed(f"the exported model does not match PyTorch eager ({exc})") from None
 
 
 # Known failures -> the fix that is true for them. Matched on the root cause's message.
 _HINTS = (
     ("Inference tensors cannot be saved", "the model keeps tensors made under torch.inference_mode(); "
      "build them under torch.no_grad() (or lazily in forward) instead"),
-    ("data-dependent", "forward() branches on tensor values; make the branch static (or torch.cond) in the model's code"),
-    ("does not match PyTorch eager", "raise check_atol if the error is rounding on large outputs, else set a fixed shape in `inputs`"),
+    ("data-dependent", "forward() branches on tensor values or shapes; make the branch static (or torch.cond) in the model's code"),
+    ("does not match PyTorch eager", "raise check_atol/check_rtol if the error is rounding on large outputs, else set a fixed shape in `inputs`"),
     ("not supported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
     ("Unsupported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
     ("Constraints violated", "the model's code fixes a dim that `dims` declares dynamic; make that dim fixed in `inputs`"),
@@ -126,7 +125,8 @@ _HINTS = (
 def _failure_message(failures: dict[str, str], requested: str) -> str:
     """Every exporter's reason, and a hint true for those reasons (never 'try the other one' once both were tried)."""
     text = "; ".join(failures.values())
-    hints = [hint for marker, hint in _HINTS if marker in text]
+    # The first exporter's failure picks the hint: it is the one the user asked for (or auto's first choice).
+    hints = [hint for reason in failures.values() for marker, hint in _HINTS if marker in reason]
     untried = [e for e in EXPORTERS if e not in failures]
     if hints and untried:
         hint = f"{hints[0]}, or set `exporter: auto`, which also tries {untried[0]}"
@@ -139,20 +139,11 @@ def _failure_message(failures: dict[str, str], requested: str) -> str:
     return f"{text}; {hint}"
 
 
-def trace_inputs(recipe: Recipe) -> dict[str, np.ndarray]:
-    """Synthetic inputs for tracing: dynamic dims at `opt`, but never 1 where the dim may grow
-    (an exporter specializes a dim it sees as 1)."""
-    from optpipe.calibration.sources import synthetic_batch
-
-    overrides = {name: (2 if dim.opt == 1 and dim.max > 1 else dim.opt) for name, dim in recipe.dims.items()}
-    return synthetic_batch(recipe, seed=0, **overrides)
-
-
-def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads: int) -> dict[str, np.ndarray]:
     """PyTorch eager on the trace inputs: the export's yardstick, and the first check that the
     recipe's input specs fit the model."""
     try:
-        return eager_runner(torch_model, threads=2)(feeds)
+        return eager_runner(torch_model, threads)(feeds)
     except Exception as exc:  # whatever forward() raises on inputs it does not accept (at the trace batch)
         shapes = ", ".join(f"{name} {list(v.shape)} {v.dtype}" for name, v in feeds.items())
         raise PassError(

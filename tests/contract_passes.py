@@ -5,6 +5,7 @@ import numpy as np
 from onnx import numpy_helper
 
 from optpipe.artifact import ModelArtifact, save_model
+from optpipe.evaluation.self_check import SelfCheckParams
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 
@@ -58,3 +59,24 @@ class ScaleByDataPass(Pass):
         init = proto.graph.initializer[0]
         init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(factor), init.name))
         return save_model(proto, ctx.workdir, {"factor": factor})
+
+
+class NoisyParams(SelfCheckParams):
+    scale: float = 0.5
+
+
+class NoisyPass(Pass[NoisyParams]):
+    """Adds noise to every float weight: a pass that breaks numerics, for the self-check."""
+
+    name = "contract-noisy"
+    Params = NoisyParams
+
+    def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+        proto = model.load()
+        rng = np.random.default_rng(0)
+        for init in proto.graph.initializer:
+            array = numpy_helper.to_array(init)
+            if array.dtype == np.float32 and array.size > 1:
+                noisy = array + rng.normal(0, self.params.scale, array.shape).astype(np.float32)
+                init.CopyFrom(numpy_helper.from_array(noisy, init.name))
+        return save_model(proto, ctx.workdir, {"scale": self.params.scale})

@@ -94,3 +94,13 @@ class StridedConcat(nn.Module):
 
 def strided_concat():
     return StridedConcat().eval()
+
+
+def wide_cnn():
+    """Conv-BN-ReLU blocks 64 channels wide: room for structured pruning at any SIMD width."""
+    torch.manual_seed(0)
+    layers, channels = [], 3
+    for _ in range(3):
+        layers += [nn.Conv2d(channels, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU()]
+        channels = 64
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).eval()

@@ -131,7 +131,7 @@ def test_ranges_are_reused_until_the_data_content_changes(tmp_path):
     static = {"mode": "static", "method": "minmax"}
 
     first = run_stages(recipe_with_calibration(tmp_path, model_path, static), cache, runs)
-    calib = first.artifact.info["calibration"]
+    calib = first.model.info["calibration"]
     assert not first.cached and not calib["cached"] and not calib["set_cached"]
 
     # The same recipe: the whole stage is a cache hit.
@@ -140,16 +140,16 @@ def test_ranges_are_reused_until_the_data_content_changes(tmp_path):
     # Another exclusion re-runs the stage, but neither rebuilds the set nor recalibrates.
     other = run_stages(recipe_with_calibration(tmp_path, model_path, {**static, "exclude": ["n2"]}), cache, runs)
     assert not other.cached
-    assert other.artifact.info["calibration"]["cached"] and other.artifact.info["calibration"]["set_cached"]
-    assert other.artifact.info["calibration"]["key"] == calib["key"]
+    assert other.model.info["calibration"]["cached"] and other.model.info["calibration"]["set_cached"]
+    assert other.model.info["calibration"]["key"] == calib["key"]
 
     # New content under the same file name: the set is rebuilt and the model recalibrated.
     write_calibration(tmp_path, seed=2)
     changed = run_stages(recipe_with_calibration(tmp_path, model_path, static), cache, runs)
-    new = changed.artifact.info["calibration"]
+    new = changed.model.info["calibration"]
     assert not changed.cached and not new["cached"] and not new["set_cached"]
     assert new["key"] != calib["key"] and new["set_key"] != calib["set_key"]
 
     # Another method is another entry.
     entropy = run_stages(recipe_with_calibration(tmp_path, model_path, {**static, "method": "entropy"}), cache, runs)
-    assert not entropy.artifact.info["calibration"]["cached"]
+    assert not entropy.model.info["calibration"]["cached"]

@@ -8,8 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from optpipe.evaluation.checks import onnx_outputs
+from optpipe.evaluation.self_check import onnx_outputs
 from optpipe.errors import ModelSourceError, PassError
+from optpipe.execution.stage_runner import run_checked
 from optpipe.pass_base import PassContext
 from optpipe.passes.export import ExportParams, ExportPass
 from optpipe.passes.simplify import SimplifyParams, SimplifyPass
@@ -42,7 +43,7 @@ def _dims(model: onnx.ModelProto) -> dict[str, list]:
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 def test_export_keeps_dynamic_dims_and_matches_eager(tiny_recipe, tmp_path, exporter):
     recipe = load_recipe(tiny_recipe({"model": {"factory": "tiny:build_cnn"}, "inputs": CNN["inputs"]}))
-    artifact = ExportPass(ExportParams(exporter=exporter)).run(None, _context(recipe, tmp_path))
+    artifact = run_checked(ExportPass(ExportParams(exporter=exporter)), None, _context(recipe, tmp_path))
     proto = artifact.load(with_weights=False)
     assert _dims(proto) == {"image": ["batch", 3, 32, 32]}
     assert (artifact.folder / "model.onnx.data").stat().st_size > 10_000, "weights live in external data"
@@ -51,7 +52,8 @@ def test_export_keeps_dynamic_dims_and_matches_eager(tiny_recipe, tmp_path, expo
     got = onnx_outputs(artifact.path, feeds)
     want = eager_runner(load_torch_model(recipe), threads=1)(feeds)
     np.testing.assert_allclose(list(got.values())[0], want["logits"], atol=1e-4)
-    assert artifact.info["check_vs_eager"]["max_abs"] < 1e-4
+    check = artifact.info["self_check"]
+    assert check["against"] == "pytorch-eager" and check["passed"] and check["max_abs"] < 1e-4 and check["cosine"] > 0.9999
     assert artifact.info["exporter"] == exporter
 
 
@@ -61,7 +63,7 @@ def test_export_failure_is_one_sentence_with_a_hint(tiny_recipe, tmp_path):
         ExportPass(ExportParams(exporter="dynamo")).run(None, _context(recipe, tmp_path))
     message = str(info.value)
     assert message.startswith("torch.onnx.export (dynamo):")
-    assert "forward() branches on tensor values" in message and "`exporter: auto`, which also tries torchscript" in message
+    assert "forward() branches on tensor values or shapes" in message and "`exporter: auto`, which also tries torchscript" in message
     assert "\n" not in message
 
 
@@ -110,10 +112,10 @@ def test_not_an_onnx_file_is_refused(tiny_recipe, tmp_path):
 def test_simplify_removes_nodes_and_keeps_numerics(tiny_recipe, tmp_path, backend):
     recipe = load_recipe(tiny_recipe({"model": {"factory": "tiny:build_cnn"}, "inputs": CNN["inputs"]}))
     exported = ExportPass(ExportParams(exporter="torchscript")).run(None, _context(recipe, tmp_path, "export"))
-    simplified = SimplifyPass(SimplifyParams(backend=backend)).run(exported, _context(recipe, tmp_path, "simplify"))
+    simplified = run_checked(SimplifyPass(SimplifyParams(backend=backend)), exported, _context(recipe, tmp_path, "simplify"))
     info = simplified.info
     assert info["nodes_after"] < info["nodes_before"], info
-    assert info["check_vs_input"]["max_abs"] < 1e-4
+    assert info["self_check"]["against"] == "input" and info["self_check"]["max_abs"] < 1e-4
     assert _dims(simplified.load(with_weights=False)) == {"image": ["batch", 3, 32, 32]}
     assert exported.folder != simplified.folder and (exported.folder / "model.onnx").exists(), "input untouched"
 

@@ -7,6 +7,7 @@ from onnx import numpy_helper, parser
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
 from optpipe.artifact import ModelArtifact
+from optpipe.execution.stage_runner import run_checked
 from optpipe.graph.stats import op_histogram
 from optpipe.passes.fuse import FuseParams, FusePass
 
@@ -39,8 +40,7 @@ def add_weights(model: onnx.ModelProto, **arrays: np.ndarray) -> onnx.ModelProto
 
 
 def run_fuse(source, recipe, arrays, workdir, **params) -> ModelArtifact:
-    FusePass(FuseParams(**params)).run(source, context(recipe, workdir, arrays))
-    return ModelArtifact.open(workdir)
+    return run_checked(FusePass(FuseParams(**params)), source, context(recipe, workdir, arrays))
 
 
 def transformer_case(tmp_path):
@@ -61,7 +61,7 @@ def test_transformer_fusion_tries_both_fusers_and_records_what_it_fused(tmp_path
     assert set(transformer["candidates"]) == {"onnxscript", "ort"}
     assert all(c["fused_ops"] == {"SkipLayerNormalization": 1} for c in transformer["candidates"].values())
     np.testing.assert_allclose(run_model(out.path, arrays)[0], run_model(source.path, arrays)[0], atol=1e-5)
-    assert out.info["check_vs_input"]["max_abs"] < 1e-4
+    assert out.info["self_check"]["max_abs"] < 1e-4
 
 
 def test_each_fuser_can_be_chosen(tmp_path):

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from optpipe.errors import ModelSourceError
-from optpipe.evaluation.checks import onnx_outputs
+from optpipe.evaluation.self_check import onnx_outputs
 from optpipe.model_source import load_torch_model
+from optpipe.execution.stage_runner import run_checked
 from optpipe.pass_base import PassContext
 from optpipe.passes.export import ExportParams, ExportPass
 from optpipe.recipe import parse_recipe
@@ -32,7 +33,7 @@ def _export(recipe, tmp_path, **params):
     ctx = PassContext(recipe=recipe, stage="export", workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
                       torch_model=lambda: load_torch_model(recipe), eval_set=None, calibration_set=None,
                       tolerance=recipe.evaluate.tolerance)
-    return ExportPass(ExportParams(**params)).run(None, ctx)
+    return run_checked(ExportPass(ExportParams(**params)), None, ctx)
 
 
 def _factory(name: str, **kwargs) -> dict:
@@ -49,7 +50,7 @@ def test_a_head_that_caches_tensors_in_forward_exports(tmp_path, exporter):
     recipe = _recipe(_factory("grid_head"), IMAGE)
     artifact = _export(recipe, tmp_path, exporter=exporter)
     assert artifact.info["exporter"] == exporter
-    assert artifact.info["check_vs_eager"]["max_abs"] < 1e-4
+    assert artifact.info["self_check"]["max_abs"] < 1e-4
     feeds = {"image": np.random.default_rng(3).normal(size=(3, 3, 16, 16)).astype(np.float32)}
     got = list(onnx_outputs(artifact.path, feeds).values())[0]
     want = eager_runner(load_torch_model(recipe), threads=1)(feeds)["output"]
@@ -92,7 +93,7 @@ def test_a_decoder_lm_returning_a_model_output_exports_its_logits(tmp_path):
     model = load_torch_model(recipe)
     assert "GPT2LMHeadModel" in model.description and model.output_names == ["logits"]
     artifact = _export(recipe, tmp_path)
-    assert artifact.info["exporter"] in ("dynamo", "torchscript") and artifact.info["check_vs_eager"]["max_abs"] < 1e-4
+    assert artifact.info["exporter"] in ("dynamo", "torchscript") and artifact.info["self_check"]["max_abs"] < 1e-4
     feeds = {"input_ids": np.random.default_rng(0).integers(0, 128, (3, 20)).astype(np.int64)}
     got = onnx_outputs(artifact.path, feeds)["logits"]
     assert got.shape == (3, 20, 128)
@@ -136,8 +137,8 @@ def test_a_gpt2_decoder_fuses_attention_and_keeps_its_size(tmp_path):
     workdir.mkdir()
     ctx = PassContext(recipe=recipe, stage="fuse", workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
                       torch_model=lambda: None, eval_set=lambda: samples, calibration_set=None, tolerance=recipe.evaluate.tolerance)
-    fused = FusePass(FuseParams(transformer="onnxscript")).run(exported, ctx)
+    fused = run_checked(FusePass(FuseParams(transformer="onnxscript")), exported, ctx)
     assert fused.info["fused_ops"].get("MultiHeadAttention") == 1, fused.info["fused_ops"]
-    assert fused.info["check_vs_input"]["max_abs"] < 1e-4
+    assert fused.info["self_check"]["max_abs"] < 1e-4
     weights = lambda a: sum(t.ByteSize() for t in a.load().graph.initializer)  # noqa: E731
     assert weights(fused) <= weights(exported) * 1.01

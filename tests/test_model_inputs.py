@@ -97,7 +97,7 @@ def test_data_off_the_multiple_is_a_readable_data_error():
 
 
 def test_dynamo_export_knows_the_multiple_and_keeps_the_dim_name(tmp_path):
-    from optpipe.evaluation.checks import onnx_outputs
+    from optpipe.evaluation.self_check import onnx_outputs
     from optpipe.model_source import load_torch_model
     from optpipe.pass_base import PassContext
     from optpipe.passes.export import ExportParams, ExportPass
@@ -129,3 +129,36 @@ def test_unquoted_off_reaches_a_string_mode_as_off():
     recipe = _recipe([{"name": "image", "shape": ["batch", 1, 32, 32]}],
                      stages={"export": {"pass": "export"}, "fuse": {**stages["fuse"], "after": "export"}})
     validate_recipe(recipe)
+
+
+# --- structured pruning's rounding per target ----------------------------------------------------
+
+
+def test_round_to_auto_is_the_targets_vector_width(monkeypatch):
+    from optpipe import simd
+
+    monkeypatch.setattr(simd, "_cpu_flags", lambda: {"sse4_2", "avx", "avx2", "avx512f"})
+    assert simd.channel_multiple([]) == 16
+    monkeypatch.setattr(simd, "_cpu_flags", lambda: {"sse4_2", "avx", "avx2"})
+    assert simd.channel_multiple(["ort"]) == 8 and simd.channel_multiple(["tensorrt"]) == 16
+    monkeypatch.setattr(simd, "_cpu_flags", lambda: {"asimd"})
+    assert simd.channel_multiple([]) == 4
+
+
+def test_a_pruned_stage_slower_than_its_parent_is_flagged():
+    from optpipe.evaluation.speed_verdict import slower_than_parent
+    from optpipe.results import Latency, StageResult
+
+    def stage(name, p50, parent=None, **info):
+        latency = Latency(batch_size=1, shape={}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1 / p50,
+                          iterations=5, provider="cpu")
+        return StageResult(name=name, pass_name="prune" if parent else "simplify", parent=parent, status="ok",
+                           latency=[latency], info=info)
+
+    stages = [stage("simplify", 10.0), stage("prune8", 16.6, "simplify", method="structured", round_to=8),
+              stage("prune16", 8.7, "simplify", method="structured", round_to=16),
+              stage("noise", 10.3, "simplify", method="structured", round_to=16)]
+    slower_than_parent(stages)
+    assert len(stages[1].warnings) == 1 and "slower than its parent 'simplify' (16.60 vs 10.00 ms p50)" in stages[1].warnings[0]
+    assert "multiples of 8" in stages[1].warnings[0]
+    assert stages[2].warnings == [] and stages[3].warnings == [], "faster, or within noise"

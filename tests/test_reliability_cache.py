@@ -186,20 +186,18 @@ def test_gc_waits_for_nobody_and_skips_an_entry_being_computed(tmp_path):
 
 def test_run_folder_copies_carry_their_manifest_and_are_restored(tmp_path, caplog):
     from optpipe.results import StageResult
-    from optpipe.pipeline import StageOutcome
 
     cache = StageCache(tmp_path / "cache")
     _entry(cache, "k1", payload=b"w" * 2048)
     artifact = cache.lookup("k1")
     run = tmp_path / "run"
-    results = [StageResult(name="export", pass_name="export", status="ok")]
-    outcomes = {"export": StageOutcome("ok", artifact)}
-    publish_stage_folders(run, results, outcomes)
+    results = [StageResult(name="export", pass_name="export", status="ok").with_model(artifact)]
+    publish_stage_folders(run, results)
     assert verify_run_folder(run) == {"export": None}
     (run / "stages" / "export" / "model.onnx.data").write_bytes(b"edited")
     assert "does not match" in verify_run_folder(run)["export"]
     with caplog.at_level(logging.WARNING, logger="optpipe.run"):
-        publish_stage_folders(run, results, outcomes)
+        publish_stage_folders(run, results)
     assert "was modified" in caplog.text and verify_run_folder(run) == {"export": None}
 
 

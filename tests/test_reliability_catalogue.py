@@ -370,6 +370,7 @@ ROUND_TWO = {
     "output inside the cache": (lambda d: _recipe_with_cache(d, "cache", "cache/run"), USER, "is inside the cache"),
     "cache inside the output": (lambda d: _recipe_with_cache(d, "run/cache"), USER, "is inside the run folder"),
     "output is the cache": (lambda d: _recipe_with_cache(d, "cache", "cache"), USER, "is inside the cache"),
+    "two recipes, the second run inside the cache": (lambda d: _recipe_file(d) + [str(write_recipe(d, onnx_recipe(d, output="cache/run2"), "second.yaml"))], USER, "is inside the cache"),
     "output inside the cache by --output": (lambda d: _recipe_file(d) + ["--output", str(d / "cache" / "stages" / "x")], USER, "is inside the cache"),
     "factory numpy savetxt": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "numpy:savetxt", "kwargs": {"fname": "pwned.txt", "X": [1]}})), USER, "module 'numpy' is not in a `model.path` folder"),
     "factory of an installed module beside model.path": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "numpy:savetxt", "path": ".", "kwargs": {"fname": "pwned.txt", "X": [1]}})), USER, "--allow-factory numpy"),
@@ -388,6 +389,10 @@ ROUND_TWO = {
     "accuracy batch beyond memory": (_value("evaluate.accuracy_batch", 10**12), USER, "lower evaluate.accuracy_batch"),
     "iterations absurd": (_value("evaluate.iterations", 10**9), USER, "evaluate.iterations"),
     "warmup absurd": (_value("evaluate.warmup", 10**12), USER, "evaluate.warmup"),
+    "sweep of ten thousand points": (lambda d: _mutated(d, lambda r: (r["dims"].update(batch={"min": 1, "opt": 2, "max": 10_000}),
+                                                                       r["evaluate"].update(sweep={"batch": list(range(1, 10_001))}))), USER, "evaluate.sweep.batch: 10000 values"),
+    "batch sizes by the hundred": (lambda d: _mutated(d, lambda r: (r["dims"].update(batch={"min": 1, "opt": 2, "max": 1000}), r["evaluate"].update(batch_sizes=list(range(1, 201))))), USER, "evaluate.batch_sizes: 200 values"),
+    "timeout infinite": (_value("stages.simplify.timeout_s", float("inf")), USER, "stages.simplify.timeout_s"),
     "sweep iterations absurd": (_value("evaluate.sweep_iterations", 10**10), USER, "evaluate.sweep_iterations"),
     # recipe values the check let through
     "batch size zero": (_value("evaluate.batch_sizes", [0]), USER, "evaluate.batch_sizes.0"),

@@ -415,3 +415,16 @@ def test_an_internal_error_is_one_line_and_its_traceback_only_on_request(tmp_pat
     monkeypatch.setenv("OPTPIPE_DEBUG", "1")
     code, out, err = run_main(["validate", str(tmp_path / "r.yaml")], capsys)
     assert code == 3 and "Traceback" in err
+
+
+def test_odd_but_legal_paths_still_compile(tmp_path, monkeypatch, capsys):
+    """The guards refuse what is dangerous, not what is unusual: unicode, spaces, a leading dash."""
+    folder = tmp_path / "dossier é 空 -x"
+    model = write_linear_onnx(folder / "mödel dir", name="mödel 1.onnx")
+    recipe = onnx_recipe(folder, model=str(model.relative_to(folder)), stages={"export": {"pass": "export"}},
+                         output="run ✓", cache="cache ✓")
+    path = write_recipe(folder, recipe, name="récipe.yaml")
+    monkeypatch.chdir(folder)
+    code, out, err = run_main(["compile", str(path)], capsys)
+    assert code == 0, err
+    assert (folder / "run ✓" / "report.json").is_file() and is_marked(folder / "cache ✓")

@@ -58,7 +58,7 @@ def test_stage_table_shows_deltas_against_the_parent(run_dir):
     row = re.search(r"<tr><td><b>simplify</b></td>(.*?)</tr>", html).group(1)
     cells = re.findall(r"<td>(.*?)</td>", row)
     assert cells[0] == "simplify" and cells[1] == "export"  # pass, after
-    assert re.fullmatch(r"\d+\.\d\dx", cells[6])  # speed-up vs parent
+    assert re.fullmatch(r"\d+\.\d\dx( ⚠busy)?", cells[6])  # speed-up vs parent (flagged when timed on a busy machine)
     assert cells[8] == "+0.00000"  # cosine delta vs parent: simplify is exact
 
 

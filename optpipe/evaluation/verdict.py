@@ -49,3 +49,45 @@ def export_refusal(stage, allow_out_of_tolerance: bool) -> tuple[str | None, lis
                     "or pass --allow-out-of-tolerance"), warnings
         warnings.insert(0, f"'{stage.name}' is out of tolerance: {why}")
     return None, warnings
+
+
+def flag_unchanged_stages(results: list, stages: dict) -> None:
+    """Warn on each of `results` whose model is its parent's: same file, or same ops with the same weights.
+
+    `stages`: stage name -> its StageResult (with `.model`), where the parents are found.
+    """
+    for result in results:
+        parent = stages.get(result.parent or "")
+        if result.status != "ok" or result.model is None or parent is None or parent.model is None:
+            continue
+        if same_model(result.model, parent.model):
+            result.warnings.insert(0, f"this stage changed nothing: its model computes exactly what "
+                                      f"'{result.parent}' does (same ops, same weights)")
+
+
+def same_model(a: ModelArtifact, b: ModelArtifact) -> bool:
+    """The same file, or (written anew) the same op histogram and byte-identical weights."""
+    from optpipe.graph.stats import op_histogram
+
+    if a.content_hash() == b.content_hash():
+        return True
+    if op_histogram(a.load(with_weights=False)) != op_histogram(b.load(with_weights=False)):
+        return False
+    return _weights_digest(a) == _weights_digest(b)
+
+
+def _weights_digest(artifact: ModelArtifact) -> list[str]:
+    import hashlib
+
+    from onnx import numpy_helper
+
+    return sorted(hashlib.sha256(numpy_helper.to_array(init).tobytes()).hexdigest() for init in artifact.load().graph.initializer)
+
+
+def left_in_float(stages: list) -> list[str]:
+    """One line per quantization stage that left compute in float: which ops, how much, and why."""
+    lines = []
+    for s in stages:
+        if s.pass_name in QUANTIZATION_PASSES and s.coverage and s.coverage.float_compute:
+            lines.append(f"`{s.name}` ({s.coverage.share('int8'):.0%} of MACs in int8): {s.coverage.float_ops_text(limit=6)}")
+    return lines

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Iterator
 
 from optpipe.errors import RunInterrupted
-from optpipe.instruments import Instrument
-
-EVALUATE = "evaluate "
+from optpipe.instruments import Instrument, StageInfo
+from optpipe.results import StageResult
 
 
 class KeptTracker(Instrument):
@@ -23,23 +22,25 @@ class KeptTracker(Instrument):
         self.evaluations: list[str] = []
         self.running: str | None = None
 
-    def stage_start(self, stage: str, what: str) -> None:
-        self.running = stage
+    def before_stage(self, info: StageInfo) -> None:
+        self.running = f" during stage '{info.name}'"
 
-    def stage_end(self, stage: str, status: str, detail: str = "") -> None:
+    def stage_done(self, result: StageResult) -> None:
         self.running = None
-        if status not in ("ok", "cached"):
-            return
-        if stage.startswith(EVALUATE):
-            self.evaluations.append(stage[len(EVALUATE):])
-        else:
-            self.stages.append(stage)
+        if result.status == "ok":
+            self.stages.append(result.name)
+
+    def before_evaluation(self, stage: str) -> None:
+        self.running = f" during evaluate {stage}"
+
+    def after_evaluation(self, result: StageResult) -> None:
+        self.running = None
+        if result.status == "ok":
+            self.evaluations.append(result.name)
 
     def summary(self) -> str:
-        if self.running and self.running.startswith(EVALUATE):
-            where = f" during {self.running}"
-        elif self.running:
-            where = f" during stage '{self.running}'"
+        if self.running:
+            where = self.running
         else:  # between two hooks: say which phase
             where = " during evaluation" if self.evaluations else (" between stages" if self.stages else "")
         stages = f"{_count(self.stages, 'finished stage')} ({', '.join(self.stages)})" if self.stages else "no finished stage"

@@ -16,22 +16,22 @@ from optpipe.results import StageResult
 log = logging.getLogger("optpipe.run")
 
 
-def publish_stage_folders(run_dir: Path, results: list[StageResult], outcomes: dict) -> None:
+def publish_stage_folders(run_dir: Path, results: list[StageResult]) -> None:
     """Each finished stage's model appears under <run>/stages/<name>/ (copied from the cache)."""
     for result in results:
-        outcome = outcomes.get(result.name)
-        if outcome is None or outcome.artifact is None:
+        model = result.model
+        if model is None:
             continue
         target = run_dir / "stages" / result.name
         result.artifact = str(target / "model.onnx")
-        if _is_intact_copy(target, outcome.artifact.folder, result.name):
+        if _is_intact_copy(target, model.folder, result.name):
             continue  # same manifest, every file verified against it: nothing to copy or hash again
-        wanted = {file.name for file in outcome.artifact.files()}
+        wanted = {file.name for file in model.files()}
         for stale in target.glob("*") if target.exists() else []:
             if stale.name not in wanted and stale.is_file():
                 stale.unlink()
         # The manifest last: a copy interrupted half way has an old or no manifest, and fails verification.
-        files = sorted(outcome.artifact.files(), key=lambda f: f.name == MANIFEST_FILE)
+        files = sorted(model.files(), key=lambda f: f.name == MANIFEST_FILE)
         for file in files:
             copy_file(file, target / file.name)
 

@@ -9,59 +9,58 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from optpipe.artifact import ModelArtifact
+from optpipe.artifact import ModelArtifact, write_info
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, first_line
+from optpipe.evaluation.self_check import NumericSelfCheck
 from optpipe.execution.contract import run_pass
 from optpipe.execution.interrupt import InterruptWatch, escalate
 from optpipe.execution.isolation import memory_message, run_pass_isolated
 from optpipe.execution.services import RunServices, make_pass_context, stage_logger
+from optpipe.instruments import Instrument, Instruments, StageInfo
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import Recipe
+from optpipe.results import StageResult
 
 KEY_FORMAT = 2
 
 
-@dataclass
-class StageOutcome:
-    status: str  # ok | failed | skipped
-    artifact: ModelArtifact | None = None
-    cached: bool = False
-    reason: str | None = None
-    duration_s: float = 0.0
-    key: str | None = None
-
-
 class StageRunner:
-    """Runs one stage at a time; a stage's failure is returned as an outcome, never raised."""
+    """Runs one stage at a time; a stage's failure is returned as its result, never raised."""
 
-    def __init__(self, recipe: Recipe, cache: StageCache, services: RunServices, logs_dir: Path, force: bool = False,
-                 progress: Callable[[str, int, int], None] | None = None):
+    def __init__(self, recipe: Recipe, cache: StageCache, services: RunServices, logs_dir: Path, instruments: Instrument,
+                 force: bool = False):
         self.recipe = recipe
         self.cache = cache
         self.services = services
         self.logs_dir = logs_dir
+        # The numeric self-check always runs first after a pass: a stage it fails is never published.
+        self.instruments = Instruments([NumericSelfCheck(), instruments])
         self.force = force
-        self.progress = progress
 
-    def run(self, name: str, pass_: Pass, model: ModelArtifact | None) -> StageOutcome:
+    def run(self, name: str, pass_: Pass, model: ModelArtifact | None) -> StageResult:
         log_path = self.logs_dir / f"{name}.log"
         started = time.perf_counter()
+        spec = self.recipe.stages[name]
 
-        def failed(reason: str) -> StageOutcome:
-            return StageOutcome("failed", reason=f"{reason} (log: {log_path})", duration_s=time.perf_counter() - started)
+        def result(status: str, reason: str | None = None, cached: bool = False) -> StageResult:
+            return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status=status, cached=cached,
+                               reason=reason, duration_s=round(time.perf_counter() - started, 3))
+
+        def failed(reason: str) -> StageResult:
+            return result("failed", f"{reason} (log: {log_path})")
 
         with stage_logger(name, log_path) as log:
             workdir = self.cache.new_workdir()
             watch = InterruptWatch()
             try:
-                ctx = make_pass_context(self.recipe, self.services, name, workdir, log, self.progress)
-                artifact, key, cached = self._cached_run(pass_, model, ctx, log_path, watch)
-                return StageOutcome("ok", artifact, cached=cached, key=key, duration_s=time.perf_counter() - started)
+                ctx = make_pass_context(self.recipe, self.services, name, workdir, log, self.instruments.step)
+                info = StageInfo(name, pass_, ctx)
+                self.instruments.before_stage(info)
+                artifact, cached = self._cached_run(info, model, log_path, watch)
+                return result("ok", cached=cached).with_model(artifact)
             except (PassError, OptpipeError) as exc:
                 escalate(exc, self.cache.root, watch)  # a Ctrl-C or a full disk behind it stops the run, not only this stage
                 log.error("%s", exc)
@@ -76,9 +75,10 @@ class StageRunner:
             finally:
                 self.cache.release_workdir(workdir)
 
-    def _cached_run(self, pass_: Pass, model: ModelArtifact | None, ctx: PassContext, log_path: Path,
-                    watch: InterruptWatch) -> tuple[ModelArtifact, str, bool]:
-        """(artifact, key, cached): the cache entry when there is one, else the pass's fresh output, published."""
+    def _cached_run(self, info: StageInfo, model: ModelArtifact | None, log_path: Path,
+                    watch: InterruptWatch) -> tuple[ModelArtifact, bool]:
+        """(artifact, cached): the cache entry when there is one, else the pass's fresh output, published."""
+        pass_, ctx = info.pass_, info.ctx
         base = stage_key(pass_, model, ctx)
         with self.cache.lock(base):
             read_before = self._data_read_last_time(base)
@@ -86,17 +86,19 @@ class StageRunner:
             hit = None if self.force else self.cache.lookup(key)
             if hit is not None:
                 ctx.log.info("cache hit %s", key)
-                return hit, key, True
+                return hit, True
             ctx.log.info("running pass %s v%s with %s", pass_.name, pass_.version, pass_.params.model_dump())
-            self._execute(pass_, model, ctx, log_path)
+            output = self._execute(pass_, model, ctx, log_path)
             watch.check()  # a Ctrl-C the pass swallowed: its result is not published
+            self.instruments.after_stage(info, model, output)  # the self-check; may fail the stage
+            write_info(ctx.workdir, output.info)  # with what the instruments added
             key = self._key_with_data(base, ctx.data_used)
             if set(ctx.data_used) != set(read_before):  # most passes read no data set: no record at all
                 self.cache.put_result(_data_record_key(base), {"sets": sorted(ctx.data_used)})
             if self.force:
                 self.cache.discard(self.cache.entry_dir(key))
             meta = {"stage": ctx.stage, "pass": pass_.name, "recipe": self.recipe.name}
-            return self.cache.publish(key, ctx.workdir, meta), key, False
+            return self.cache.publish(key, ctx.workdir, meta), False
 
     def _execute(self, pass_: Pass, model: ModelArtifact | None, ctx: PassContext, log_path: Path) -> ModelArtifact:
         """In this process, or in a worker process when the stage has a time limit."""
@@ -112,6 +114,14 @@ class StageRunner:
     @staticmethod
     def _key_with_data(base: str, data: dict[str, str]) -> str:
         return StageCache.key(stage=base, data=data) if data else base
+
+
+def run_checked(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+    """One pass as a stage runs it, without the cache: the contract, then the numeric self-check
+    (its record in the returned info). For tests and notebooks."""
+    output = run_pass(pass_, model, ctx)
+    NumericSelfCheck().after_stage(StageInfo(ctx.stage, pass_, ctx), model, output)
+    return write_info(ctx.workdir, output.info)
 
 
 def stage_key(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> str:

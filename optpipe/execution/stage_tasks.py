@@ -1,7 +1,7 @@
 """One stage, one evaluation: the units an executor schedules (in this process or as Ray tasks).
 
 Each function rebuilds what it needs from the recipe and the cache folder, so it can run in
-any process that sees the cache; it returns plain data (a StageOutcome, StageResults). The
+any process that sees the cache; it returns plain data (StageResults). The
 pass itself, the cache protocol (key lock, atomic publish) and the evaluation are the
 pipeline's own: nothing here re-implements them.
 """
@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from optpipe.cache.store import StageCache
+from optpipe.cache.backends import open_cache
 from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 
@@ -26,22 +27,30 @@ class TaskSettings:
     run_dir: Path
     force: bool = False
     providers: str = "auto"
+    remote_cache: str | None = None  # an object store behind the cache folder (s3://, gs://)
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def open_cache(self):
+        return open_cache(self.cache_dir, self.remote_cache, **self.storage_options)
 
 
-def run_stage(recipe: Recipe, name: str, parent, settings: TaskSettings):
-    """The stage's model: a cache hit, or its pass run and published; `parent` is its parent's outcome."""
-    from optpipe.pipeline import PassManager, RunOptions, RunServices, StageOutcome
+def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: TaskSettings) -> StageResult:
+    """The stage's result, its model a cache hit or its pass run and published; `parent` is its parent's result."""
+    from optpipe.execution.services import RunServices
+    from optpipe.execution.stage_runner import StageRunner
+    from optpipe.instruments import Instruments
     from optpipe.validate import validate_recipe
 
+    spec = recipe.stages[name]
     if parent is not None and parent.status != "ok":
-        return StageOutcome("skipped", reason=f"parent stage '{recipe.stages[name].after}' {parent.status}")
+        return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
+                           reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0)
     _, passes = validate_recipe(recipe)
-    cache = StageCache(settings.cache_dir)
+    cache = settings.open_cache()
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    options = RunOptions(output=settings.run_dir, force=settings.force, cache_dir=settings.cache_dir, providers=settings.providers)
-    manager = PassManager(recipe, cache, RunServices(recipe, cache), settings.run_dir, options)
+    runner = StageRunner(recipe, cache, RunServices(recipe, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
     try:
-        return manager.run_stage(name, passes[name], parent.artifact if parent else None)
+        return runner.run(name, passes[name], parent.model if parent else None)
     finally:
         cache.release_leases()
 
@@ -50,14 +59,16 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
              settings: TaskSettings) -> list[StageResult]:
     """Accuracy against `reference` and latency of each stage in `names` (and the eager baseline
     first when `eager`), each result stamped with the node that measured it."""
-    from optpipe.pipeline import RunOptions, RunServices, evaluate_stages
+    from optpipe.execution.services import RunServices
+    from optpipe.execution.stage_evaluation import evaluate_stages
+    from optpipe.instruments import Instruments
 
-    cache = StageCache(settings.cache_dir)
+    cache = settings.open_cache()
     evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
     scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
-    options = RunOptions(output=settings.run_dir, force=settings.force, cache_dir=settings.cache_dir, providers=settings.providers)
     try:
-        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, options)
+        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, settings.providers, Instruments(),
+                                  settings.force)
     finally:
         cache.release_leases()
     node = node_description()

@@ -44,6 +44,7 @@ class FloatCompute(BaseModel):
     """Compute nodes of one op type left in float, and why."""
 
     op: str
+    precision: str = "fp32"
     nodes: int
     mac_share: float = Field(description="share of the graph's MACs these nodes compute")
     reason: str
@@ -66,7 +67,7 @@ class Coverage(BaseModel):
         return " · ".join(f"{p} {v:.0%}" for p, v in mix.items() if v >= 0.005) or "-"
 
     def float_ops_text(self, limit: int = 4) -> str:
-        return ", ".join(f"{f.op} ({f.mac_share:.0%}: {f.reason})" for f in self.float_compute[:limit])
+        return ", ".join(f"{f.op} in {f.precision} ({f.mac_share:.0%}: {f.reason})" for f in self.float_compute[:limit])
 
 
 def precision_coverage(model: onnx.ModelProto, dims: dict[str, int] | None = None,
@@ -96,7 +97,7 @@ def precision_coverage(model: onnx.ModelProto, dims: dict[str, int] | None = Non
         precision = node_precision(node, types, producers)
         macs[precision] += count
         if precision != "int8":
-            entry = floats[_op_name(node)]
+            entry = floats[(_op_name(node), precision)]
             entry[0] += 1
             entry[1] += count
             entry[2] = entry[2] or float_reason(node, initializers, constants, producers, excluded)
@@ -108,7 +109,8 @@ def precision_coverage(model: onnx.ModelProto, dims: dict[str, int] | None = Non
         total_macs=int(total),
         weight_elements=int(sum(weights.values())),
         float_compute=sorted(
-            (FloatCompute(op=op, nodes=n, mac_share=round(m / total, 4) if total else 0.0, reason=r) for op, (n, m, r) in floats.items()),
+            (FloatCompute(op=op, precision=p, nodes=n, mac_share=round(m / total, 4) if total else 0.0, reason=r)
+             for (op, p), (n, m, r) in floats.items()),
             key=lambda f: -f.mac_share,
         ),
         unknown_shapes=unknown,
@@ -273,17 +275,18 @@ def _dequantized(name: str, producers: dict[str, onnx.NodeProto]) -> bool:
 
 def float_reason(node, initializers, constants, producers, excluded) -> str:
     """Why a compute node is not int8, as far as the graph tells."""
-    name = _op_name(node)
     if node.name and node.name in excluded:
         return "kept in float (excluded by the recipe or the accuracy guard)"
+    if node.op_type in ("MultiHeadAttention", "GroupQueryAttention"):
+        return "attention scores and context: both operands are activations"
     if node.domain not in ("", "ai.onnx") and node.op_type not in QUANTIZABLE_OPS:
-        return f"{name} is a fused op ORT's quantizer does not handle"
+        return "a fused op ORT's quantizer does not handle"
     if node.op_type not in QUANTIZABLE_OPS:
-        return f"ORT's quantizer does not handle {name}"
+        return "an op ORT's quantizer does not handle"
     weight = node.input[1] if len(node.input) > 1 else ""
     if node.op_type == "MatMul" and weight not in initializers and weight not in constants and not _dequantized(weight, producers):
         return "both operands are activations (MatMulConstBOnly)"
-    return "not quantized by this graph's passes"
+    return "not quantized"
 
 
 # --- weights -----------------------------------------------------------------------------------

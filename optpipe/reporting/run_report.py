@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.artifact import write_text_atomic
+from optpipe.evaluation.speed_verdict import slower_than_parent
 from optpipe.recipe import Recipe
+from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
 from optpipe.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
 
@@ -32,6 +34,7 @@ def build_report(recipe: Recipe, stages: list[StageResult]) -> RunReport:
         baseline=EAGER if any(s.name == EAGER for s in stages) else None,
         stages=stages,
     )
+    slower_than_parent(stages)
     report.pareto = pareto_frontier(stages)
     for stage in stages:
         stage.pareto = stage.name in report.pareto
@@ -93,6 +96,9 @@ def render_markdown(report: RunReport) -> str:
     warned = grouped_warnings(report.stages)
     if warned:
         lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
+    floats = left_in_float(report.stages)
+    if floats:
+        lines += ["## Left in float by the quantization stages", ""] + [f"- {line}" for line in floats] + [""]
     problems = [s for s in report.stages if s.status != "ok" or (s.accuracy and not s.accuracy.within_tolerance)]
     if problems:
         lines += ["## Problems", ""]

@@ -8,7 +8,8 @@ the key to change:
   `warning:` line says so): recipes travel between machines, and more threads than
   cores only makes the latency figures worse;
 - `evaluate.batch_sizes` stay inside the batch dim's [min, max]: latency measured at
-  a batch the model does not declare is not a figure for that model;
+  a batch the model does not declare is not a figure for that model; it and each sweep
+  measure at most MAX_POINTS values (each one is a full latency measurement);
 - the inputs at their largest shape (every dim at `max`), the data sets (`samples`
   at the `opt` shape) and one accuracy batch must each fit in half of this
   machine's memory. Inputs are a lower bound of what running the model needs (its
@@ -44,9 +45,14 @@ def memory_budget() -> int:
     return total // 2
 
 
+# Latency points one evaluation measures per list: each costs warmup + iterations runs of the model.
+MAX_POINTS = 64
+
+
 def check_resources(recipe: Recipe, origin: str) -> None:
     _cap_threads(recipe)
     _check_batch_sizes(recipe, origin)
+    _check_point_counts(recipe, origin)
     budget = memory_budget()
     _check_largest_inputs(recipe, origin, budget)
     _check_data_sets(recipe, origin, budget)
@@ -69,6 +75,17 @@ def _check_batch_sizes(recipe: Recipe, origin: str) -> None:
             raise RecipeError(
                 f"{origin}: evaluate.batch_sizes: {size} is outside dims.{batch} [{rng.min}, {rng.max}]; "
                 f"use sizes in that range or widen dims.{batch}"
+            )
+
+
+def _check_point_counts(recipe: Recipe, origin: str) -> None:
+    lists = {"evaluate.batch_sizes": recipe.evaluate.batch_sizes}
+    lists.update({f"evaluate.sweep.{dim}": recipe.sweep_values(dim) for dim in recipe.evaluate.sweep})
+    for key, values in lists.items():
+        if len(set(values)) > MAX_POINTS:
+            raise RecipeError(
+                f"{origin}: {key}: {len(set(values))} values to measure, more than {MAX_POINTS}; each is a full latency "
+                "measurement, pick fewer (e.g. powers of two)"
             )
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 from pydantic import ValidationError
 
 from optpipe.errors import OptpipeError, RecipeError, TargetError, first_line
+from optpipe.instruments import Instrument
 from optpipe.recipe import Recipe, TargetSpec, describe_validation_error, parse_recipe
 from optpipe.results import RunReport
 from optpipe.targets.base import PARAMS, StageView, TargetJob, TargetParams, TargetResult
@@ -59,7 +60,7 @@ def run_targets(
     run_dir: Path,
     cache,
     providers: str = "auto",
-    notify: Callable[..., None] = lambda *args: None,
+    instruments: Instrument = Instrument(),
 ) -> list[TargetResult]:
     """Write every target of the recipe for its stages; record the results in `report.targets`."""
     write_recipe_snapshot(recipe, run_dir)
@@ -85,7 +86,7 @@ def run_targets(
                 f"no stage is on the Pareto frontier (none finished within tolerance); name stages in targets.{index}.stages")))
             continue
         for stage in stages:
-            notify("stage_start", f"target {spec.kind} {stage}", "writing")
+            instruments.before_target(spec.kind, stage)
             view = views(stage)
             if view is None:
                 result = TargetResult(kind=spec.kind, stage=stage, status="skipped", reason=_why_missing(report, stage))
@@ -97,7 +98,7 @@ def run_targets(
                 )
                 result = run_one(job)
             results.append(result)
-            notify("stage_end", f"target {spec.kind} {stage}", result.status, _detail(result))
+            instruments.target_done(result)
     report.targets = results
     write_manifest(run_dir, recipe.name, results)
     return results
@@ -215,9 +216,3 @@ def _why_missing(report, stage: str) -> str:
 def _out_dir(targets_dir: Path, kind: str, stage: str) -> Path:
     # A Triton repository holds every stage's model; the other targets get a folder per stage.
     return targets_dir / kind if kind == "triton" else targets_dir / kind / stage
-
-
-def _detail(result: TargetResult) -> str:
-    if result.ok:
-        return f"{result.path} ({result.precision}" + (f", {result.provider})" if result.provider else ")")
-    return result.reason or ""

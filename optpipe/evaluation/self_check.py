@@ -1,0 +1,143 @@
+"""The numeric self-check after a pass: its output against its input on the same inputs.
+
+It runs as an instrument (`NumericSelfCheck`, TVM's sense: after the pass, outside it)
+for every pass whose params inherit `SelfCheckParams`: the stage runner calls it after
+the pass and the contract checks, before the output is published, and records the
+result as info.json's `self_check`. A pass that starts from the PyTorch model (export)
+is checked against PyTorch eager instead of an input artifact.
+
+The inputs: `example_inputs.trace_inputs` (synthetic, from the recipe's input specs,
+dynamic dims at `opt`), the same for every pass. Threads: the recipe's `evaluate.threads`.
+
+The metric is the report's own (`evaluation.accuracy.compare`), so `self_check` in
+info.json and `accuracy` in report.json mean the same:
+- `max_abs`: the largest elementwise |output - reference|, over all outputs;
+- `cosine`: per output, the cosine similarity of each row of the last axis (per token for
+  transformers; real tokens only when an `attention_mask` is an input), averaged over
+  rows; the figure recorded is the worst output's.
+The check passes when every element satisfies |output - reference| <= check_atol +
+check_rtol * |reference| (numpy.isclose's rule). The relative term keeps outputs in the
+hundreds (detector boxes in pixels, logits of random weights) from failing on float
+rounding; `check_atol` alone covers outputs near zero. With both None the figures are
+recorded and the stage never fails on them (prune: its outputs move by design; the stage
+evaluation reports by how much).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+from pydantic import Field
+
+from optpipe.errors import DataError, PassError, first_line
+from optpipe.evaluation.accuracy import compare
+from optpipe.example_inputs import trace_inputs
+from optpipe.instruments import Instrument, StageInfo
+from optpipe.pass_base import PassParams
+from optpipe.recipe import OnnxModel, Tolerance
+from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session
+
+if TYPE_CHECKING:
+    from optpipe.artifact import ModelArtifact
+
+EAGER = "pytorch-eager"
+INPUT = "input"
+
+
+class SelfCheckParams(PassParams):
+    """Params of a pass that must keep its input's numerics: the pass is then self-checked."""
+
+    check_atol: Optional[float] = Field(
+        1e-3, ge=0, description="self-check: absolute tolerance against the pass's input (export: PyTorch eager)"
+    )
+    check_rtol: Optional[float] = Field(
+        1e-3, ge=0, description="self-check: relative tolerance; an element passes when |out - ref| <= atol + rtol x |ref|"
+    )
+
+    @property
+    def check_enforced(self) -> bool:
+        return self.check_atol is not None or self.check_rtol is not None
+
+
+class NumericSelfCheck(Instrument):
+    """After a self-checked pass ran: measure its output against its input, record it, fail when out of tolerance."""
+
+    def after_stage(self, info: StageInfo, input: "ModelArtifact | None", output: "ModelArtifact") -> None:
+        params = info.pass_.params
+        ctx = info.ctx
+        if not isinstance(params, SelfCheckParams):
+            return
+        if input is None and isinstance(ctx.recipe.model, OnnxModel):
+            return  # an imported ONNX file is its own reference
+        feeds = trace_inputs(ctx.recipe)
+        threads = ctx.recipe.evaluate.threads
+        if input is None:
+            against, reference = EAGER, eager_outputs(ctx.torch_model(), feeds, threads)
+        else:
+            against, reference = INPUT, onnx_outputs(input.path, feeds, threads)
+        record = numeric_check(onnx_outputs(output.path, feeds, threads), reference, feeds, params, against, info.pass_.check_hint)
+        output.info["self_check"] = record
+        ctx.log.info("self-check against %s: %s", against, record)
+
+
+def numeric_check(candidate: Outputs, reference: Outputs, feeds: Feeds, params: SelfCheckParams, against: str,
+                  hint: str = "") -> dict[str, Any]:
+    """The self-check's record (info.json's `self_check`); PassError when enforced and out of tolerance."""
+    require_finite(reference, f"the {against} outputs" if against != INPUT else "the model it starts from outputs", PassError)
+    enforced = params.check_enforced
+    tolerance = Tolerance(
+        cosine_min=None,
+        max_abs=(params.check_atol or 0.0) if enforced else None,
+        rtol=params.check_rtol if enforced else None,
+    )
+    try:
+        accuracy = compare(candidate, reference, feeds, tolerance, against, top1=False)
+    except ValueError as exc:  # an output changed shape or count
+        raise PassError(f"self-check against {against}: {first_line(exc)}") from None
+    record = {
+        "against": against,
+        "inputs": "synthetic (example_inputs.trace_inputs)",
+        "samples": accuracy.samples,
+        "max_abs": max((o.max_abs for o in accuracy.outputs), default=0.0),
+        "cosine": accuracy.worst_cosine if accuracy.outputs else 1.0,
+        "check_atol": params.check_atol,
+        "check_rtol": params.check_rtol,
+        "enforced": enforced,
+        "passed": accuracy.within_tolerance if enforced else None,  # None: recorded, not judged
+    }
+    if enforced and not accuracy.within_tolerance:
+        advice = f"; {hint}" if hint else ""
+        raise PassError(
+            f"self-check against {against} failed: {accuracy.violations[0]} (check_atol {params.check_atol}, "
+            f"check_rtol {params.check_rtol}){advice}; raise check_atol/check_rtol only if this is rounding on large outputs"
+        )
+    return record
+
+
+def onnx_outputs(path: Path, feeds: Feeds, threads: int = 2) -> Outputs:
+    try:
+        session = ort_session(path, threads)
+    except Exception as exc:  # ORT raises its own exception types for invalid graphs
+        raise PassError(f"ONNX Runtime cannot load the result: {first_line(exc)}") from None
+    return ort_runner(session)(feeds)
+
+
+def eager_outputs(torch_model, feeds: Feeds, threads: int) -> Outputs:
+    try:
+        return eager_runner(torch_model, threads)(feeds)
+    except Exception as exc:  # whatever forward() raises on inputs it does not accept
+        raise PassError(f"PyTorch eager fails on the recipe's inputs: {first_line(exc)}") from None
+
+
+def require_finite(outputs: Outputs, whose: str, error: type[Exception] = DataError) -> Outputs:
+    """`outputs` unchanged when every value is finite; else one sentence naming the output."""
+    for name, value in outputs.items():
+        value = np.asarray(value)
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            bad = int(value.size - np.isfinite(value).sum())
+            raise error(
+                f"{whose} NaN or Inf in '{name}' ({bad} of {value.size} values); check that the inputs' "
+                "`range`/data fit the model, or keep the ops that overflow in higher precision"
+            )
+    return outputs

@@ -1,0 +1,314 @@
+"""`optpipe init PATH`: a commented starting recipe from a model.
+
+PATH is an ONNX file, a Hugging Face model folder (config.json) or a `module:factory` returning a
+torch module. What the model tells is filled in (inputs, dtypes, dynamic dims, the head); what it
+cannot tell (the data) is a marked placeholder. The stages are the standard DAG for the kind of
+model, in the order that works: for a CNN int8 hangs off `simplify`, not off `fuse` (fused
+Conv+activation is what the quantizer has to split again); for a transformer int8 follows `fuse`,
+so dynamic int8 quantizes the fused attention's MatMuls.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from optpipe.errors import ModelSourceError, first_line
+
+FILL_IN = "FILL-IN"
+
+
+@dataclass
+class ModelFacts:
+    """What `init` learned about a model."""
+
+    name: str
+    model: dict[str, Any]  # the recipe's `model` section
+    inputs: list[dict[str, Any]]
+    dims: dict[str, dict[str, int]]
+    kind: str  # cnn | transformer | dense
+    notes: list[str] = field(default_factory=list)
+
+
+def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
+    """Facts about the model at `path` (a file, a folder or module:factory)."""
+    local = Path(path)
+    if local.suffix == ".onnx":
+        if not local.is_file():
+            raise ModelSourceError(f"init: '{path}' does not exist; give an .onnx file, a Hugging Face folder or module:factory")
+        return _onnx_facts(local, recipe_dir)
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelSourceError(f"init: folder '{path}' has no config.json; give a Hugging Face model folder")
+        return _hf_facts(local, recipe_dir)
+    if ":" in path and not local.exists():
+        return _factory_facts(path, recipe_dir)
+    raise ModelSourceError(f"init: '{path}' is not an .onnx file, a Hugging Face folder or module:factory")
+
+
+# --- ONNX ------------------------------------------------------------------------------------
+
+
+def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
+    import onnx
+
+    from optpipe.safety.onnx_guard import load_graph
+
+    graph = load_graph(path, "model.onnx")
+    initializers = {t.name for t in graph.graph.initializer}
+    inputs, dims = [], {}
+    for value in graph.graph.input:
+        if value.name in initializers:
+            continue
+        tensor = value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+        shape = []
+        for axis, dim in enumerate(tensor.shape.dim):
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                shape.append(dim.dim_value)
+                continue
+            name = _dim_name(dim.dim_param, value.name, axis)
+            dims.setdefault(name, _dim_range(name, axis, dtype))
+            shape.append(name)
+        inputs.append(_input_entry(value.name, dtype, shape))
+    ops = {node.op_type for node in graph.graph.node}
+    kind = "cnn" if "Conv" in ops else "transformer" if ops & {"Attention", "MultiHeadAttention", "Softmax"} else "dense"
+    return ModelFacts(path.stem, {"onnx": _relative(path, recipe_dir)}, inputs, _rename_batch(inputs, dims), kind)
+
+
+def _dim_name(param: str, input_name: str, axis: int) -> str:
+    cleaned = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in param).strip("_")
+    return cleaned or f"{input_name}_{axis}"
+
+
+def _dim_range(name: str, axis: int, dtype: str) -> dict[str, int]:
+    if axis == 0:
+        return {"min": 1, "opt": 1, "max": 16}
+    if dtype.startswith("int"):
+        return {"min": 1, "opt": 128, "max": 512}  # a token sequence
+    return {"min": 32, "opt": 224, "max": 1024}
+
+
+def _rename_batch(inputs: list[dict], dims: dict) -> dict:
+    """The dim that leads every input is the batch: call it so."""
+    firsts = {spec["shape"][0] for spec in inputs if spec["shape"]}
+    if len(firsts) == 1 and isinstance(first := firsts.pop(), str) and first != "batch" and "batch" not in dims:
+        dims["batch"] = dims.pop(first)
+        for spec in inputs:
+            spec["shape"] = ["batch" if d == first else d for d in spec["shape"]]
+    return dims
+
+
+def _input_entry(name: str, dtype: str, shape: list, **extra) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": name, "dtype": dtype, "shape": shape}
+    if name == "attention_mask":
+        entry["fill"] = 1
+    elif name == "token_type_ids":
+        entry["fill"] = 0
+    entry.update(extra)
+    return entry
+
+
+# --- Hugging Face folder ---------------------------------------------------------------------
+
+# Architecture name endings -> Optimum task names (as optimum.exporters.tasks infers them).
+ARCHITECTURE_TASKS = (
+    ("ForSequenceClassification", "sequence-classification"),
+    ("ForTokenClassification", "token-classification"),
+    ("ForQuestionAnswering", "question-answering"),
+    ("ForMaskedLM", "fill-mask"),
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForImageClassification", "image-classification"),
+    ("ForObjectDetection", "object-detection"),
+    ("ForSemanticSegmentation", "semantic-segmentation"),
+    ("ForAudioClassification", "audio-classification"),
+)
+
+
+def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    architecture = (config.get("architectures") or [""])[0]
+    task = next((t for suffix, t in ARCHITECTURE_TASKS if architecture.endswith(suffix)), "feature-extraction")
+    model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
+    if task == "causal-lm":
+        model["outputs"] = ["logits"]
+    if "image_size" in config or "num_channels" in config:
+        size = config.get("image_size", 224)
+        size = size if isinstance(size, int) else size[0]
+        inputs = [_input_entry("pixel_values", "float32", ["batch", config.get("num_channels", 3), size, size])]
+        dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
+        kind = "transformer" if config.get("model_type", "") not in ("resnet", "convnext", "regnet", "mobilenet_v2") else "cnn"
+        return ModelFacts(folder.name, model, inputs, dims, kind)
+    names = _tokenizer_inputs(folder)
+    vocab = int(config.get("vocab_size", 30000))
+    longest = int(config.get("max_position_embeddings", config.get("n_positions", 512)))
+    inputs = [_input_entry(n, "int64", ["batch", "sequence"], **({"range": [0, vocab]} if n == "input_ids" else {})) for n in names]
+    dims = {"batch": {"min": 1, "opt": 1, "max": 16}, "sequence": {"min": 1, "opt": min(128, longest), "max": min(512, longest)}}
+    return ModelFacts(folder.name, model, inputs, dims, "transformer")
+
+
+def _tokenizer_inputs(folder: Path) -> list[str]:
+    """The inputs the model's own tokenizer produces (token_type_ids only where it makes them)."""
+    try:
+        from transformers import AutoTokenizer
+
+        names = list(AutoTokenizer.from_pretrained(str(folder), local_files_only=True).model_input_names)
+    except Exception:  # no tokenizer in the folder: the usual pair
+        names = ["input_ids", "attention_mask"]
+    return [n for n in names if n in ("input_ids", "attention_mask", "token_type_ids")] or ["input_ids"]
+
+
+# --- module:factory --------------------------------------------------------------------------
+
+
+def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
+    """A factory's module, called without arguments; its first weighted layer tells the input."""
+    import importlib
+
+    import torch
+
+    import sys
+
+    module_name, _, func_name = spec.partition(":")
+    here = str(Path.cwd())
+    if here not in sys.path:
+        sys.path.insert(0, here)  # a module beside the user, as `python -c` would find it
+    try:
+        module = importlib.import_module(module_name)
+        net = getattr(module, func_name)()
+    except Exception as exc:  # the user's code: report it as theirs
+        raise ModelSourceError(f"init: cannot build '{spec}': {type(exc).__name__}: {first_line(exc)}; check the module and function names") from None
+    net = net[0] if isinstance(net, tuple) else net
+    if not isinstance(net, torch.nn.Module):
+        raise ModelSourceError(f"init: '{spec}' returned {type(net).__name__}, not a torch.nn.Module")
+    first = next((m for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Embedding, torch.nn.Linear, torch.nn.Conv1d))), None)
+    dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
+    notes = []
+    if isinstance(first, torch.nn.Conv2d):
+        inputs = [_input_entry("images", "float32", ["batch", first.in_channels, 224, 224])]
+    elif isinstance(first, torch.nn.Embedding):
+        inputs = [_input_entry("input_ids", "int64", ["batch", "sequence"], range=[0, first.num_embeddings])]
+        dims["sequence"] = {"min": 1, "opt": 128, "max": 512}
+    elif isinstance(first, torch.nn.Conv1d):
+        inputs = [_input_entry("signal", "float32", ["batch", first.in_channels, 16000])]
+    elif isinstance(first, torch.nn.Linear):
+        inputs = [_input_entry("x", "float32", ["batch", first.in_features])]
+    else:
+        inputs = [_input_entry("x", "float32", ["batch", 3, 224, 224])]
+        notes.append("no Conv/Linear/Embedding layer found: the input below is a guess, check it")
+    names = {type(m).__name__ for m in net.modules()}
+    attention = any("Attention" in n or "Transformer" in n for n in names)
+    kind = "transformer" if attention else "cnn" if any(isinstance(m, torch.nn.Conv2d) for m in net.modules()) else "dense"
+    notes += _probe(net, inputs, dims)
+    model: dict[str, Any] = {"factory": spec}
+    origin = getattr(module, "__file__", None)
+    if origin and Path(origin).resolve().is_relative_to(Path.cwd().resolve()):
+        model["path"] = _relative(Path.cwd(), recipe_dir)  # compile finds the module from the recipe's folder
+    return ModelFacts(func_name, model, inputs, dims, kind, notes)
+
+
+def _probe(net, inputs: list[dict], dims: dict) -> list[str]:
+    """Run forward once on the guessed inputs: a note when it does not take them."""
+    import numpy as np
+    import torch
+
+    args = []
+    for spec in inputs:
+        shape = [d if isinstance(d, int) else dims[d]["opt"] for d in spec["shape"]]
+        args.append(torch.zeros(shape, dtype=getattr(torch, spec["dtype"])) if spec["dtype"] != "float32"
+                     else torch.from_numpy(np.random.default_rng(0).normal(size=shape).astype(np.float32)))
+    try:
+        with torch.no_grad():
+            net.eval()(*args)
+    except Exception as exc:  # a guessed shape the model does not take: the user fixes `inputs`
+        return [f"forward() did not take the guessed input ({first_line(exc)[:120]}); fix `inputs`"]
+    return []
+
+
+# --- the recipe text -------------------------------------------------------------------------
+
+STAGES = {
+    "cnn": [
+        ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
+        ("simplify", "simplify", "export", {}, "constant folding, dead code"),
+        ("fp16", "fp16", "simplify", {}, "half precision, for GPUs"),
+        ("int8", "int8", "simplify", {"mode": "static", "target": "ort-cpu"},
+         "calibrated int8 on the calibration images; before fuse: FusedConv is not what ORT's quantizer quantizes"),
+        ("fuse", "fuse", "simplify", {"transformer": "off"}, "Conv+BN+activation fusion for ONNX Runtime"),
+        ("prune", "prune", "simplify", {"method": "structured", "amount": 0.25},
+         "removes 25% of the channels, no fine-tuning: the report shows what it costs"),
+    ],
+    "transformer": [
+        ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
+        ("simplify", "simplify", "export", {}, "constant folding, dead code"),
+        ("fuse", "fuse", "simplify", {}, "attention, layer norm and GELU fusion"),
+        ("int8", "int8", "fuse", {"mode": "dynamic"}, "after fuse: dynamic int8 quantizes the fused attention's MatMuls"),
+        ("fp16", "fp16", "fuse", {}, "half precision, for GPUs"),
+    ],
+    "dense": [
+        ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
+        ("simplify", "simplify", "export", {}, "constant folding, dead code"),
+        ("fp16", "fp16", "simplify", {}, "half precision, for GPUs"),
+        ("int8", "int8", "simplify", {"mode": "dynamic"}, "int8 weights, activations quantized at run time"),
+    ],
+}
+
+
+def render_recipe(facts: ModelFacts, source: str) -> str:
+    """The recipe as commented YAML."""
+    flow = _flow
+    lines = [f"# Recipe written by `optpipe init {source}`: a {facts.kind} model.",
+             "# Filled in from the model: inputs, dtypes, dynamic dims, the stages. Check the dims' ranges,",
+             f"# then replace every {FILL_IN} in `data` with your own samples and run `optpipe compile` on this file."]
+    lines += [f"# NOTE: {note}" for note in facts.notes]
+    lines += [f"name: {flow(facts.name)}", f"model: {flow(facts.model)}", "inputs:"]
+    lines += [f"  - {flow(spec)}" for spec in facts.inputs]
+    lines.append("dims:  # dynamic dims: the range the exported model accepts; `opt` is what latency is measured at")
+    lines += [f"  {name}: {flow(rng)}" for name, rng in facts.dims.items()] or ["  {}"]
+    lines += _data_section(facts)
+    lines.append("stages:")
+    for name, pass_name, after, params, why in STAGES[facts.kind]:
+        entry = {"pass": pass_name, **({"after": after} if after else {}), **({"params": params} if params else {})}
+        lines.append(f"  {name}: {flow(entry)}  # {why}")
+    lines += ["evaluate:",
+              "  tolerance: {cosine_min: 0.99}  # per-output agreement with the export",
+              "  batch_sizes: [1]",
+              "  threads: 2",
+              f"output: runs/{facts.name}", ""]
+    return "\n".join(lines)
+
+
+def _flow(value: Any) -> str:
+    """One value as inline YAML (quoted where YAML needs it)."""
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1000).strip().removesuffix("...").strip()
+
+
+def _data_section(facts: ModelFacts) -> list[str]:
+    image = next((s for s in facts.inputs if len(s["shape"]) == 4 and s["dtype"].startswith("float")), None)
+    text = all(s["dtype"] == "int64" for s in facts.inputs) and "hf" in facts.model
+    lines = ["data:  # `source: synthetic` (no path) runs at once, but its accuracy figures mean little"]
+    if image is not None:
+        fixed = all(isinstance(d, int) for d in image["shape"][2:])
+        crop = "" if fixed else ", crop: 224"
+        for which, samples in (("eval", 16), ("calibration", 32)):
+            lines.append(f"  {which}: {{source: images, path: {FILL_IN}/a-folder-of-images, samples: {samples}, "
+                         f"preprocess: {{resize: 256{crop}}}}}  # {FILL_IN}: your images (mean/std default to ImageNet's)")
+    elif text:
+        for which, samples in (("eval", 32), ("calibration", 64)):
+            lines.append(f"  {which}: {{source: text, path: {FILL_IN}/sentences.txt, samples: {samples}}}  # {FILL_IN}: one text per line")
+    else:
+        for which, samples in (("eval", 32), ("calibration", 64)):
+            lines.append(f"  {which}: {{source: npz, path: {FILL_IN}/samples.npz, samples: {samples}}}  "
+                         f"# {FILL_IN}: arrays named after the inputs, samples along axis 0")
+    return lines
+
+
+def _relative(path: Path, base: Path) -> str:
+    """`path` relative to the recipe's folder where it can be (recipes resolve paths from there)."""
+    import os
+
+    return Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()

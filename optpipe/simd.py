@@ -1,0 +1,41 @@
+"""The vector width that channel counts should be a multiple of, per target.
+
+A pruned Conv whose channel count is not a multiple of the CPU's fp32 SIMD lanes leaves a
+remainder loop in every kernel: on YOLOv5s (AVX-512, 16 lanes) round_to 8 made the pruned model
+1.66x slower than unpruned and round_to 16 made it 1.15x faster (issue 12). Read from the CPU's
+flags rather than timed, because timing at compile time on a shared machine is noisier than the
+effect; docs/prune.md has the measurement.
+"""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+# TensorRT's tensor cores want channel counts that are multiples of 8 (FP16) and 16/32 (INT8).
+TENSORRT_ALIGNMENT = 16
+
+
+def cpu_fp32_lanes() -> int:
+    """fp32 lanes of the widest vector unit: 16 (AVX-512), 8 (AVX/AVX2), 4 (SSE, NEON, unknown)."""
+    flags = _cpu_flags()
+    if "avx512f" in flags:
+        return 16
+    if "avx2" in flags or "avx" in flags:
+        return 8
+    return 4
+
+
+def channel_multiple(target_kinds: list[str]) -> int:
+    """What pruned channel counts are rounded to for the recipe's targets (CPU unless TensorRT is one)."""
+    lanes = cpu_fp32_lanes()
+    return max(lanes, TENSORRT_ALIGNMENT) if "tensorrt" in target_kinds else lanes
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"asimd"} if platform.machine() in ("arm64", "aarch64") else set()

@@ -1,0 +1,94 @@
+"""`optpipe init PATH`: a commented recipe from an ONNX file, a Hugging Face folder or module:factory,
+valid at once and compiling once its data is filled in (issue 12 point 5)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _fill(path: Path, data: dict, **changes) -> dict:
+    """What a user does after init: real data instead of FILL-IN, and a look at the shapes."""
+    text = path.read_text()
+    assert "FILL-IN" in text and "# " in text, "placeholders and comments"
+    recipe = yaml.safe_load(text)
+    recipe["data"] = data
+    recipe.update(changes)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return recipe
+
+
+def test_init_from_a_factory_writes_a_cnn_recipe_that_compiles_once_filled(tmp_path, cli_run, monkeypatch):
+    # A module name of its own: tests/family_models.py may already be imported from elsewhere.
+    shutil.copy(TESTS / "family_models.py", tmp_path / "user_models.py")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "user_models:wide_cnn", "-o", "cnn.yaml")
+    assert result.exit_code == 0, result.output
+    assert "wrote cnn.yaml: a cnn recipe, valid" in result.output
+    recipe = yaml.safe_load(Path("cnn.yaml").read_text())
+    assert recipe["model"] == {"factory": "user_models:wide_cnn", "path": "."}
+    assert recipe["inputs"] == [{"name": "images", "dtype": "float32", "shape": ["batch", 3, 224, 224]}]
+    assert recipe["stages"]["int8"]["after"] == "simplify" and recipe["stages"]["fuse"]["after"] == "simplify"
+    photos = {"source": "images", "path": "package:skimage/data", "preprocess": {"resize": 40}}
+    recipe = _fill(Path("cnn.yaml"), {"eval": {**photos, "samples": 4}, "calibration": {**photos, "samples": 4}},
+                   evaluate={"batch_sizes": [1], "warmup": 1, "iterations": 2, "eager_baseline": False},
+                   inputs=[{"name": "images", "dtype": "float32", "shape": ["batch", 3, 32, 32]}])
+    compiled = cli_run("compile", "cnn.yaml")
+    assert compiled.exit_code == 0, compiled.output
+    for stage in recipe["stages"]:
+        assert f"| {stage} |" in compiled.output
+
+
+def test_init_from_an_onnx_file_detects_dims_and_dtypes(tmp_path, cli_run, monkeypatch):
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["h"]), helper.make_node("Softmax", ["h"], ["probs"], axis=-1)],
+        "g", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N", "seq"])],
+        [helper.make_tensor_value_info("probs", onnx.TensorProto.FLOAT, ["N", "seq", 8])],
+        [helper.make_tensor("table", onnx.TensorProto.FLOAT, [50, 8], np.random.default_rng(0).normal(size=400).astype(np.float32))],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "encoder.onnx")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "encoder.onnx", "-o", "recipe.yaml")
+    assert result.exit_code == 0, result.output
+    assert "a transformer recipe, valid" in result.output
+    recipe = yaml.safe_load(Path("recipe.yaml").read_text())
+    assert recipe["model"] == {"onnx": "encoder.onnx"}
+    assert recipe["inputs"] == [{"name": "ids", "dtype": "int64", "shape": ["batch", "seq"]}]
+    assert set(recipe["dims"]) == {"batch", "seq"}
+    np.savez(tmp_path / "samples.npz", ids=np.random.default_rng(0).integers(0, 50, (8, 16)))
+    _fill(Path("recipe.yaml"), {"eval": {"source": "npz", "path": "samples.npz", "samples": 8}},
+          evaluate={"batch_sizes": [1], "warmup": 1, "iterations": 2}, stages={"export": {"pass": "export"}})
+    compiled = cli_run("compile", "recipe.yaml")
+    assert compiled.exit_code == 0, compiled.output
+
+
+def test_init_from_a_hugging_face_folder_picks_the_head_and_tokenizer_inputs(tmp_path, cli_run, monkeypatch):
+    import transformers
+
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=100, architectures=["BertForSequenceClassification"])
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "classifier")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "classifier")
+    assert result.exit_code == 0, result.output
+    recipe = yaml.safe_load(Path("classifier.yaml").read_text())
+    assert recipe["model"] == {"hf": "classifier", "task": "sequence-classification"}
+    names = [i["name"] for i in recipe["inputs"]]
+    assert names[0] == "input_ids" and "attention_mask" in names and all(i["dtype"] == "int64" for i in recipe["inputs"])
+    assert recipe["inputs"][0]["range"] == [0, 100]
+    assert recipe["stages"]["int8"]["after"] == "fuse"
+    assert cli_run("init", "classifier").exit_code == 2, "an existing recipe is not overwritten without --force"
+
+
+def test_init_on_something_that_is_no_model_is_one_line(tmp_path, cli_run, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("hello")
+    result = cli_run("init", "notes.txt")
+    assert result.exit_code == 2 and "is not an .onnx file, a Hugging Face folder or module:factory" in result.output

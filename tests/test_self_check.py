@@ -1,0 +1,80 @@
+"""The one numeric self-check: the same rule and metric for every self-checked pass, run by the
+stage runner after the pass (an instrument), recorded in info.json, failing the stage when enforced."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from optpipe.errors import PassError
+from optpipe.evaluation.accuracy import compare
+from optpipe.evaluation.self_check import SelfCheckParams, numeric_check
+from optpipe.passes import registry
+from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.recipe import Tolerance, load_recipe
+
+TESTS = Path(__file__).resolve().parent
+RNG = np.random.default_rng(0)
+
+
+def test_pixel_scale_outputs_pass_on_rounding_and_fail_on_a_real_error():
+    """Boxes in the hundreds of pixels: float32 rounding exceeds 1e-3 absolute, never 1e-3 relative."""
+    reference = {"boxes": RNG.uniform(0, 640, size=(2, 100, 4)).astype(np.float32)}
+    rounding = {"boxes": reference["boxes"] * np.float32(1 + 4e-6)}
+    assert np.abs(rounding["boxes"] - reference["boxes"]).max() > 1e-3
+    feeds = {"image": np.zeros((2, 3, 8, 8), np.float32)}
+    record = numeric_check(rounding, reference, feeds, SelfCheckParams(), "input")
+    assert record["passed"] and record["enforced"] and record["max_abs"] > 1e-3
+
+    shifted = {"boxes": reference["boxes"] + np.float32(2.0)}  # two pixels off: a broken model
+    with pytest.raises(PassError, match="self-check against input failed: output 'boxes'"):
+        numeric_check(shifted, reference, feeds, SelfCheckParams(), "input")
+    atol_only = SelfCheckParams(check_atol=1e-3, check_rtol=None)
+    with pytest.raises(PassError, match="max abs error"):
+        numeric_check(rounding, reference, feeds, atol_only, "input")
+
+
+def test_cosine_is_the_reports_cosine_per_token_over_real_tokens():
+    """A transformer output with padding: the self-check's cosine is compare()'s, masked, per token."""
+    hidden = RNG.normal(size=(2, 6, 16)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], np.int64)
+    candidate = hidden.copy()
+    candidate[0, 4:] = RNG.normal(size=(2, 16))  # garbage only on padded positions
+    candidate[1, 0] *= -1  # one real token flipped
+    feeds = {"input_ids": np.zeros((2, 6), np.int64), "attention_mask": mask}
+    record = numeric_check({"h": candidate}, {"h": hidden}, feeds, SelfCheckParams(check_atol=None, check_rtol=None), "input")
+    report = compare({"h": candidate}, {"h": hidden}, feeds, Tolerance(), "input", top1=False)
+    assert record["cosine"] == pytest.approx(report.worst_cosine)
+    assert record["cosine"] == pytest.approx((9 - 1) / 10), "10 real tokens, one at cosine -1, padding ignored"
+    assert not record["enforced"] and record["passed"] is None, "recorded, never judged with both tolerances None"
+
+
+@pytest.fixture
+def plugin(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("OPTPIPE_PLUGINS", "contract_passes")
+    registry.cache_clear()
+    yield
+    monkeypatch.delenv("OPTPIPE_PLUGINS")
+    registry.cache_clear()
+    sys.modules.pop("contract_passes", None)
+
+
+def test_self_check_runs_after_a_pass_and_fails_or_records(plugin, tiny_recipe, cache_dir, tmp_path):
+    stages = {
+        "simplify": None,
+        "broken": {"pass": "contract-noisy", "after": "export", "params": {"scale": 0.5}},
+        "recorded": {"pass": "contract-noisy", "after": "export", "params": {"scale": 0.5, "check_atol": None, "check_rtol": None}},
+    }
+    recipe = load_recipe(tiny_recipe({"stages": stages, "evaluate": {"eager_baseline": False}}))
+    report = compile_recipe(recipe, RunOptions(cache_dir=cache_dir))
+    assert report.stage("broken").status == "failed"
+    assert "self-check against input failed" in report.stage("broken").reason
+    assert not (tmp_path / "run" / "stages" / "broken").exists(), "a stage failing its self-check is never published"
+    recorded = report.stage("recorded")
+    assert recorded.status == "ok" and recorded.info["self_check"]["against"] == "input"
+    assert recorded.info["self_check"]["passed"] is None and recorded.info["self_check"]["cosine"] < 0.99
+    export = report.stage("export").info["self_check"]
+    assert export["against"] == "pytorch-eager" and export["passed"] and export["check_rtol"] == 1e-3
