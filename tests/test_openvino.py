@@ -153,7 +153,7 @@ def test_bf16_is_a_hint_on_the_same_ir_and_recorded(tmp_path):
 
 
 def test_no_onnx_pass_may_follow_an_openvino_stage():
-    from optpipe.recipe import parse_recipe
+    from optpipe.safety.recipe_loading import parse_recipe
     from optpipe.validate import validate_recipe
 
     data = {

@@ -14,7 +14,7 @@ from google.protobuf import text_format
 import optpipe
 from optpipe.cli import cli
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.runtime import ort_runner, ort_session
 
 from conftest import TINY_RECIPE
