@@ -87,6 +87,16 @@ class Latency(BaseModel):
     provider: str
     sweep: Optional[str] = Field(None, description="the dim this point of a sweep varies; None for the batch_sizes measurements")
     sweep_value: Optional[int] = Field(None, description="the swept dim's value at this point")
+    spread: Optional[float] = Field(None, description="run-to-run spread: (max - min) / p50 of the per-block medians")
+    load_average: Optional[float] = Field(None, description="the machine's 1-minute load average while timed")
+    unreliable: Optional[str] = Field(None, description="why the machine looked busy while this was timed (tail, spread); None if steady")
+    eager_p50_ms: Optional[float] = Field(None, description="PyTorch eager p50 timed interleaved with this figure, same inputs")
+    eager_p90_ms: Optional[float] = Field(None, description="PyTorch eager p90 timed interleaved with this figure")
+
+    @property
+    def speedup_vs_eager(self) -> Optional[float]:
+        """Against the eager figure timed beside this one (None where eager was not timed beside it)."""
+        return self.eager_p50_ms / self.p50_ms if self.eager_p50_ms and self.p50_ms else None
 
 
 class Memory(BaseModel):
@@ -122,6 +132,7 @@ class StageResult(BaseModel):
     coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
     warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
     measured_on: Optional[dict[str, Any]] = Field(None, description="the node that measured the figures (multi-node runs)")
+    evaluation_s: Optional[float] = Field(None, description="seconds its evaluation took (searches and fan-out runs)")
     #: The stage's model in the cache while the run lasts (not part of report.json).
     _model: Optional[ModelArtifact] = PrivateAttr(None)
 

@@ -13,7 +13,8 @@ from optpipe.calibration.dataset import build_sample_set
 from optpipe.errors import DataError
 from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.task_metrics import box_iou, mean_average_precision, nms
-from optpipe.recipe import TaskSpec, Tolerance, parse_recipe
+from optpipe.recipe import TaskSpec, Tolerance
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.reporting.run_report import build_report, render_markdown
 from optpipe.results import StageResult
 
@@ -229,18 +230,49 @@ def test_rtol_per_output_on_pixel_scale_outputs():
     assert any("boxes" in v and "rtol" in v for v in acc.violations)
 
 
-def test_input_insensitive_model_is_flagged_and_the_report_says_so():
+def insensitive_model() -> onnx.ModelProto:
+    """Outputs of hundreds of pixels that move ~3e-4 between samples: a random-init detector's symptom."""
     rng = np.random.default_rng(0)
-    offsets = rng.uniform(0, 600, (1, 100))
-    reference = {"out": offsets + rng.normal(0, 3e-4, (16, 100))}  # outputs move 3e-4 px between samples
+    inits = [numpy_helper.from_array(rng.normal(0, 1e-4, (8, 100)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.uniform(0, 600, 100).astype(np.float32), "offsets")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["small"]), helper.make_node("Add", ["small", "offsets"], ["out"])]
+    graph = helper.make_graph(nodes, "flat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 100])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_input_insensitive_model_is_flagged_and_the_report_says_so(tmp_path):
+    x = {"x": np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32)}
+    reference = {"out": run_model(artifact_of(insensitive_model(), tmp_path / "m").path, x)[0]}
     candidate = {"out": reference["out"] * (1 + 1e-6)}
-    acc = compare(candidate, reference, {}, TOL, "export")
+    acc = compare(candidate, reference, x, TOL, "export")
     assert acc.within_tolerance and acc.worst_cosine > 0.99999
+    assert acc.outputs[0].input_sensitivity < 1e-5
     assert len(acc.warnings) == 1 and "mean nothing" in acc.warnings[0]
-    sensitive = {"out": rng.normal(0, 1, (16, 100))}
+    sensitive = {"out": np.random.default_rng(0).normal(0, 1, (16, 100))}
     assert compare(sensitive, sensitive, {}, TOL, "export").warnings == []
 
     recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}], "stages": {"export": {"pass": "export"}}})
     stage = StageResult(name="export", pass_name="export", status="ok", accuracy=acc, warnings=acc.warnings)
     text = render_markdown(build_report(recipe, [stage]))
     assert "meaningless" in text and "## Warnings" in text and "mean nothing" in text
+
+
+def test_the_pass_guard_judges_by_the_task_metric(tmp_path):
+    """The guard of an fp16/int8 pass holds the stage to the recipe's task, not to cosine alone."""
+    from helpers_passes import context
+    from optpipe.passes import registry
+
+    recipe = parse_recipe({
+        "model": {"onnx": "unused.onnx"}, "inputs": [{"name": "features", "shape": ["batch", ANCHORS, FEATURES]}],
+        "dims": {"batch": {"min": 1, "opt": 1, "max": 8}}, "stages": {"export": {"pass": "export"}},
+        "evaluate": {"tolerance": {"cosine_min": 0.9}, "threads": 1, "accuracy_batch": 8,
+                     "task": {"kind": "detection", "agreement_min": 1.0, "map50_min": 1.0, "score_threshold": 0.3}},
+    })
+    features = {"features": np.random.default_rng(1).normal(size=(8, ANCHORS, FEATURES)).astype(np.float32)}
+    passes = registry()
+    int8 = passes["int8"](passes["int8"].Params(mode="dynamic", max_excluded=0))
+    out = int8.run(artifact_of(detector_head(), tmp_path / "in"), context(recipe, tmp_path / "q", features))
+    guard = out.info["guard"]
+    # int8 keeps the row cosine far above 0.9, but a perfect class agreement on 64 x 8 anchors it does not.
+    assert guard["cosine"] > 0.99 and guard["held"] is False

@@ -95,15 +95,16 @@ def cli() -> None:
 @click.option("--address", metavar="auto|ray://HOST:PORT|HOST:PORT", help="--executor ray: the cluster (default: a local Ray instance)")
 @click.option("--yes", is_flag=True, help="run a grid search however many trials it has")
 @click.option("--group-by-node", is_flag=True, help="one Pareto frontier per kind of machine, when several measured")
+@click.option("--remote-cache", metavar="URL", help="an object store behind the cache folder (s3://bucket/prefix; pip install 'optpipe[s3]')")
 def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool, only: str | None, cache_dir: Path | None,
                     allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...], executor: str, address: str | None, yes: bool,
-                    group_by_node: bool) -> None:
+                    group_by_node: bool, remote_cache: str | None) -> None:
     """Run RECIPE: every stage, its evaluation, the report (several recipes: all of them, together)."""
     from optpipe.cache.folder import check_apart
     from optpipe.cache.store import default_cache_dir
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
     from optpipe.reporting.run_report import stage_table
     from optpipe.search.space import SearchSpace
 
@@ -112,10 +113,10 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
         check_apart(output or each.resolve(each.output), cache_dir or (each.resolve(each.cache) if each.cache else default_cache_dir()))
     if address is not None and executor != "ray":
         raise click.UsageError("--address needs --executor ray")
-    if len(loaded) > 1 or executor == "ray" or SearchSpace.declared(loaded[0]):
+    if len(loaded) > 1 or executor == "ray" or remote_cache or SearchSpace.declared(loaded[0]):
         from optpipe.execution.fan_out_cli import compile_fanned_out
 
-        sys.exit(compile_fanned_out(loaded, executor, address, output, force, only, cache_dir, yes, group_by_node))
+        sys.exit(compile_fanned_out(loaded, executor, address, output, force, only, cache_dir, yes, group_by_node, remote_cache))
     recipe, parsed = recipes[0], loaded[0]
     options = RunOptions(output=output, force=force, only=only, cache_dir=cache_dir, instruments=[ConsoleProgress()])
     report = compile_recipe(parsed, options)
@@ -146,11 +147,18 @@ def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factorie
     from optpipe.cache.folder import check_apart
     from optpipe.cache.store import default_cache_dir
     from optpipe.dag import execution_order
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
     from optpipe.validate import validate_recipe
 
     parsed = load_recipe(recipe, allow_paths, allow_factories)
     check_apart(parsed.resolve(parsed.output), parsed.resolve(parsed.cache) if parsed.cache else default_cache_dir())
+    from optpipe.search.space import SearchSpace
+
+    if SearchSpace.declared(parsed):  # checked trial by trial: a searched param is in no stage's params
+        from optpipe.search.driver import describe_search
+
+        click.echo(f"{recipe}: valid; {describe_search(parsed)}")
+        return
     graph, _ = validate_recipe(parsed)
     order = execution_order(graph)
     click.echo(f"{recipe}: valid; {len(order)} stages: " + ", ".join(

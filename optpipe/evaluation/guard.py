@@ -156,8 +156,10 @@ class AccuracyGuard:
         settings = ctx.recipe.evaluate
         self.threads = settings.threads
         self.top1 = settings.top1
+        self.task = settings.task  # the recipe's task metric is the guard's verdict too
         samples = ctx.eval_set()
         self.inputs = samples.arrays
+        self.labels = samples.labels
         self.batches = list(samples.batches(accuracy_batch(ctx.recipe)))
         self.rank_feeds = {name: array[: params.rank_samples] for name, array in self.inputs.items()}
         self.scratch: Path | None = None  # made on first use, removed by run()
@@ -241,7 +243,8 @@ class AccuracyGuard:
     def measure(self, model: Model) -> Accuracy:
         """The model's outputs under the guard's numerics, against the pass's input."""
         outputs = run_onnx(self._path(self._numerics(model)), self.batches, self.threads)
-        return compare(outputs, self.reference, self.inputs, self.ctx.tolerance, "pass input", self.top1)
+        return compare(outputs, self.reference, self.inputs, self.ctx.tolerance, "pass input", self.top1,
+                       task=self.task, labels=self.labels)
 
     def blame(self, model: Model, skip: set[str]) -> list["NodeBlame"]:
         """Candidate nodes (not in `skip`) ranked by the error each adds, on a few samples."""

@@ -1,41 +1,155 @@
-"""Latency: percentiles over timed iterations after warm-up, threads pinned.
+"""Latency: percentiles over timed iterations after warm-up, threads pinned, with a verdict on the noise.
 
 Polygraphy logs only the mean of its timings; percentiles are computed here.
+
+Timing runs in blocks. With a `baseline` (PyTorch eager), the blocks alternate
+candidate / baseline, so both are timed over the same minutes on the same inputs:
+the speed-up is the ratio of two figures taken side by side, not of two taken
+minutes apart on a shared machine (a small CNN once showed "812x faster than
+eager" because eager alone was timed while the machine was busy).
+
+Each figure says whether the machine was busy while it was timed: a long tail
+(p90/p50) or per-block medians that disagree (run-to-run spread) mark it
+`unreliable`, with the reason, and the report marks the speed-up computed from it.
+
+Timing stops early once the median is known well enough (its 95% confidence
+interval, from order statistics, within CI_TARGET of it for every timed runnable):
+on a quiet machine a stage needs far fewer than `iterations` runs.
 """
 from __future__ import annotations
 
+import math
+import os
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 from optpipe.results import Latency
 from optpipe.runtime import Feeds, Outputs, pinned_threads
 
+Run = Callable[[Feeds], Outputs]
+Clock = Callable[[], float]
+
+BLOCK = 5  # timed runs per block; candidate and baseline alternate block by block
+MIN_ITERATIONS = 15  # at least three blocks: the run-to-run spread needs several
+CI_TARGET = 0.03  # stop when the median's 95% interval is within ±3% of it
+# Busy-machine thresholds. On this project's 2-core machine, quiet, ORT and eager figures showed
+# p90/p50 of 1.02-1.3 and block spreads under 0.25; with another process hogging a core they went
+# past 1.6 and 0.5. A figure beyond either is flagged, not dropped.
+BUSY_TAIL = 1.5  # p90 / p50
+BUSY_SPREAD = 0.5  # (max - min) / median of the per-block medians
+# Warm-up runs until a block is no faster than the one before (caches, lazy initialisation, JIT kernels).
+WARM_SETTLED = 0.9  # a block at least 10% faster than the previous means still warming up
+WARM_CAP_S = 3.0  # give up waiting for it to settle after this long (the busy flags then tell)
+
 
 def measure(
-    run: Callable[[Feeds], Outputs],
+    run: Run,
     feeds: Feeds,
     warmup: int,
     iterations: int,
     threads: int,
     provider: str,
     progress: Callable[[int, int], None] | None = None,
+    baseline: Run | None = None,
+    adaptive: bool = True,
+    clock: Clock = time.perf_counter,
 ) -> Latency:
-    """`progress(done, total)` is told after warm-up and every timed iteration (outside the timed span)."""
+    """Time `run` (and `baseline`, interleaved) on `feeds`: at most `iterations` timed runs each.
+
+    `progress(done, total)` is told after warm-up and every block (outside the timed span).
+    `clock` is injectable so tests can make the machine look steady or busy.
+    """
+    runners = {"candidate": run} | ({"baseline": baseline} if baseline is not None else {})
+    blocks: dict[str, list[np.ndarray]] = {name: [] for name in runners}
+    load = _load_average()
     with pinned_threads(threads):
-        for _ in range(warmup):
-            run(feeds)
-        times = np.empty(iterations)
-        for i in range(iterations):
+        for fn in runners.values():
+            warm_up(fn, feeds, warmup, clock)
+        done = 0
+        while done < iterations:
             if progress is not None:
-                progress(i, iterations)
-            start = time.perf_counter()
-            run(feeds)
-            times[i] = time.perf_counter() - start
+                progress(done, iterations)
+            n = min(BLOCK, iterations - done)
+            order = list(runners) if len(blocks["candidate"]) % 2 == 0 else list(reversed(runners))
+            for name in order:
+                blocks[name].append(_time_block(runners[name], feeds, n, clock))
+            done += n
+            if adaptive and done >= MIN_ITERATIONS and all(median_is_tight(np.concatenate(b)) for b in blocks.values()):
+                break
         if progress is not None:
             progress(iterations, iterations)
-    ms = times * 1e3
+    load = max(load, _load_average()) if load is not None else None
+    latency = _summarise(blocks["candidate"], feeds, provider, load)
+    if baseline is not None:
+        eager = _summarise(blocks["baseline"], feeds, "baseline", load)
+        reasons = [r for r in (latency.unreliable, eager.unreliable and f"eager beside it: {eager.unreliable}") if r]
+        latency = latency.model_copy(update={
+            "eager_p50_ms": eager.p50_ms, "eager_p90_ms": eager.p90_ms, "unreliable": "; ".join(reasons) or None})
+    return latency
+
+
+def warm_up(run: Run, feeds: Feeds, warmup: int, clock: Clock = time.perf_counter) -> None:
+    """`warmup` untimed runs, then blocks until one is no faster than the block before it (or WARM_CAP_S)."""
+    for _ in range(warmup):
+        run(feeds)
+    start, previous = clock(), None
+    while clock() - start < WARM_CAP_S:
+        current = float(np.median(_time_block(run, feeds, BLOCK, clock)))
+        if previous is not None and current >= WARM_SETTLED * previous:
+            return
+        previous = current
+
+
+def warm_for(run: Run, feeds: Feeds, seconds: float, clock: Clock = time.perf_counter) -> None:
+    """Run untimed for `seconds` (at least once): for runtimes whose first seconds are slow, not their first calls."""
+    start = clock()
+    run(feeds)
+    while clock() - start < seconds:
+        run(feeds)
+
+
+def median_is_tight(times: np.ndarray, target: float = CI_TARGET) -> bool:
+    """The distribution-free 95% interval of the median (order statistics) lies within ±target of it."""
+    n = len(times)
+    half = 1.96 * math.sqrt(n) / 2
+    lo, hi = int(math.floor(n / 2 - half)), int(math.ceil(n / 2 + half))
+    if lo < 0 or hi >= n:
+        return False
+    ordered = np.sort(times)
+    median = float(np.median(ordered))
+    return median > 0 and (ordered[hi] - ordered[lo]) / 2 <= target * median
+
+
+def busy_reason(times_ms: np.ndarray, block_medians: list[float]) -> str | None:
+    """Why these timings say the machine was busy, or None when they look steady."""
+    p50 = float(np.percentile(times_ms, 50))
+    if p50 <= 0:
+        return None
+    reasons = []
+    tail = float(np.percentile(times_ms, 90)) / p50
+    if tail > BUSY_TAIL:
+        reasons.append(f"p90/p50 {tail:.2f} > {BUSY_TAIL}")
+    if len(block_medians) >= 2:
+        spread = (max(block_medians) - min(block_medians)) / p50
+        if spread > BUSY_SPREAD:
+            reasons.append(f"run-to-run spread {spread:.0%} > {BUSY_SPREAD:.0%}")
+    return "machine busy: " + ", ".join(reasons) if reasons else None
+
+
+def _time_block(run: Run, feeds: Feeds, n: int, clock: Clock) -> np.ndarray:
+    times = np.empty(n)
+    for i in range(n):
+        start = clock()
+        run(feeds)
+        times[i] = clock() - start
+    return times * 1e3
+
+
+def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Optional[float]) -> Latency:
+    ms = np.concatenate(blocks)
+    medians = [float(np.median(b)) for b in blocks]
     batch = len(next(iter(feeds.values())))
     p50 = float(np.percentile(ms, 50))
     return Latency(
@@ -46,6 +160,16 @@ def measure(
         p99_ms=float(np.percentile(ms, 99)),
         mean_ms=float(ms.mean()),
         throughput=batch / (p50 / 1e3) if p50 > 0 else 0.0,
-        iterations=iterations,
+        iterations=len(ms),
         provider=provider,
+        spread=(max(medians) - min(medians)) / p50 if len(medians) >= 2 and p50 > 0 else None,
+        load_average=load,
+        unreliable=busy_reason(ms, medians),
     )
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None

@@ -13,11 +13,12 @@ from typing import Callable
 
 from filelock import FileLock
 
-from optpipe.cache.store import StageCache, default_cache_dir
+from optpipe.cache.folder import check_apart
+from optpipe.cache.store import default_cache_dir
 from optpipe.dag import build_dag, execution_order
 from optpipe.errors import OptpipeError
 from optpipe.execution.executors import Executor, Plan, Progress, RunMemo, settings_for
-from optpipe.execution.stage_tasks import hardware_class
+from optpipe.execution.stage_tasks import TaskSettings, hardware_class
 from optpipe.results import RunReport, StageResult
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.reporting.run_report import build_report, pareto_frontier, write_report
@@ -27,11 +28,11 @@ from optpipe.validate import validate_recipe
 class PlainDriver:
     """A recipe without a search: one plan with every stage."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path, cache_dir: Path, force: bool, providers: str):
+    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings):
         validate_recipe(recipe)
         self.recipe = recipe
         self.run_dir = run_dir
-        self.settings = settings_for(recipe, cache_dir, run_dir, force, providers)
+        self.settings = settings
         self.memo = RunMemo()
         self.order = execution_order(build_dag(recipe))
         self._planned = False
@@ -46,21 +47,22 @@ class PlainDriver:
         pass
 
     def finish(self, group_by_node: bool, providers: str, progress: Progress) -> RunReport:
-        return finish_run(self.recipe, self.order, self.memo, self.run_dir, self.settings.cache_dir, providers, group_by_node)
+        return finish_run(self.recipe, self.order, self.memo, self.run_dir, self.settings, group_by_node)
 
     def failed(self, report: RunReport) -> list[StageResult]:
         return report.failed
 
 
-def _preflight(recipe: Recipe, cache_dir: Path) -> None:
+def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
     """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
     from optpipe.execution.services import RunServices
+    from optpipe.model_source import onnx_path
     from optpipe.safety.preflight import preflight
 
-    cache = StageCache(cache_dir)  # also creates the folder layout once, before any task uses it
+    cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
     try:
         services = RunServices(recipe, cache)
-        preflight(recipe, services.eval_set, services.calibration_set)
+        preflight(recipe, onnx_path(recipe), services.eval_set, services.calibration_set)
     finally:
         cache.release_leases()
 
@@ -75,7 +77,8 @@ def wants_eager(recipe: Recipe) -> bool:
 
 def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Path | None = None, output: Path | None = None,
                     force: bool = False, providers: str = "auto", yes: bool = False, group_by_node: bool = False,
-                    progress: Progress | None = None) -> list[tuple[RunReport, list[StageResult]]]:
+                    progress: Progress | None = None, remote_cache: str | None = None,
+                    storage_options: dict | None = None) -> list[tuple[RunReport, list[StageResult]]]:
     """Run every recipe (searches included) on `executor`; one report per recipe and the stages that failed."""
     from optpipe.search.driver import SearchDriver
     from optpipe.search.space import SearchSpace
@@ -87,10 +90,13 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     for recipe in recipes:
         run_dir = output or recipe.resolve(recipe.output)
         cache = cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-        _preflight(recipe, cache)
-        cls = SearchDriver if SearchSpace.declared(recipe) else PlainDriver
-        drivers.append(cls(recipe, run_dir, cache, force, providers) if cls is PlainDriver
-                       else SearchDriver(recipe, run_dir, cache, force, providers, yes))
+        check_apart(run_dir, cache)  # as a local compile: `cache gc` must never remove a run, nor a run the cache
+        settings = settings_for(recipe, cache, run_dir, force, providers, remote_cache, storage_options)
+        _preflight(recipe, settings)
+        if SearchSpace.declared(recipe):
+            drivers.append(SearchDriver(recipe, run_dir, settings, yes))
+        else:
+            drivers.append(PlainDriver(recipe, run_dir, settings))
     started = time.perf_counter()
     active = list(drivers)
     while active:
@@ -111,7 +117,7 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     return reports
 
 
-def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, cache_dir: Path, providers: str,
+def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, settings: TaskSettings,
                group_by_node: bool, search: Callable[[RunReport], dict] | None = None) -> RunReport:
     """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
     from optpipe.execution.run_folder import publish_stage_folders
@@ -123,7 +129,8 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, c
     report = build_report(recipe, results)
     report.hardware = frontier_by_hardware(report, group_by_node)
     report.search = search(report) if search else None
-    cache = StageCache(cache_dir)
+    cache = settings.open_cache()
+    providers = settings.providers
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(str(run_dir / ".optpipe.lock")):

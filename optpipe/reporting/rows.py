@@ -8,8 +8,10 @@ view shows its own way (a ⚠ in Markdown, a colour in HTML).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import median
 from typing import Callable, Literal, Optional
 
+from optpipe.evaluation.latency import BUSY_SPREAD
 from optpipe.results import Accuracy, RunReport, StageResult
 
 Tone = Optional[Literal["ok", "out", "failed"]]
@@ -26,6 +28,7 @@ class RowContext:
     stage: StageResult
     parent: Optional[StageResult]
     eager: Optional[StageResult]
+    eager_typical_ms: Optional[float] = None  # median of the eager p50s timed beside the stages
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,11 @@ class StageRow:
 
 def stage_rows(report: RunReport) -> list[StageRow]:
     eager = report.stage(report.baseline) if report.baseline else None
+    beside = _eager_beside(report)
+    typical = float(median(beside)) if beside else None
     rows = []
     for stage in report.stages:
-        context = RowContext(stage, report.stage(stage.parent) if stage.parent else None, eager)
+        context = RowContext(stage, report.stage(stage.parent) if stage.parent else None, eager, typical)
         rows.append(StageRow(stage, [column.cell(context) for column in COLUMNS]))
     return rows
 
@@ -54,7 +59,28 @@ def headers() -> list[str]:
 
 
 def table_note(report: RunReport) -> str:
-    return f"Latency at batch {report.headline_batch}; 'vs' columns are speed-ups (>1x is faster); Δ columns are against the stage's parent."
+    return (f"Latency at batch {report.headline_batch}; 'vs' columns are speed-ups (>1x is faster); Δ columns are against "
+            "the stage's parent; 'vs eager' is against PyTorch eager timed interleaved with that stage; "
+            "⚠busy: the machine was busy while it was timed, don't trust that ratio." + "".join(" " + n for n in timing_notes(report)))
+
+
+def timing_notes(report: RunReport) -> list[str]:
+    """How far PyTorch eager moved between stages, and which figures were timed on a busy machine."""
+    notes = []
+    beside = _eager_beside(report)
+    if beside:
+        lo, hi = min(beside), max(beside)
+        notes.append(f"PyTorch eager, re-timed beside each of {len(beside)} stages: p50 {lo:.2f} to {hi:.2f} ms (spread {(hi - lo) / lo:.0%}).")
+        if (hi - lo) / median(beside) > BUSY_SPREAD:
+            notes.append("⚠ PyTorch eager's own speed moved that much between stages: the machine was busy, so speed-ups "
+                         "against eager are not comparable across stages; rerun with --force on a quieter machine.")
+    for s in report.stages:
+        busy = [lat for lat in s.latency if lat.unreliable]
+        if busy:
+            loads = [lat.load_average for lat in busy if lat.load_average is not None]
+            load = f", load average {max(loads):.1f}" if loads else ""
+            notes.append(f"⚠ {s.name}: {len(busy)} of {len(s.latency)} latency figures unreliable ({busy[0].unreliable}{load}).")
+    return notes
 
 
 # --- cells -----------------------------------------------------------------------------------
@@ -140,11 +166,49 @@ def _peak_mb(stage: StageResult) -> Optional[float]:
     return stage.memory.host_rss_bytes / 1e6 if stage.memory and stage.memory.host_rss_bytes is not None else None
 
 
+RUNTIME_LABELS = {"CPUExecutionProvider": "ort-cpu", "CUDAExecutionProvider": "ort-cuda", "TensorrtExecutionProvider": "ort-tensorrt",
+                  "pytorch-cpu": "pytorch"}
+
+
+def runtime_label(stage: StageResult) -> str:
+    """What measured the row: ONNX Runtime's provider, OpenVINO (with the precision it ran float ops at), PyTorch."""
+    provider = stage.headline.provider if stage.headline else None
+    if provider is None:
+        return ""
+    hint = stage.info.get("inference_precision") if provider.startswith("openvino") else None
+    return RUNTIME_LABELS.get(provider, provider) + (f" {hint}" if hint else "")
+
+
 def _precision(c: RowContext) -> Cell:
     """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning."""
     if not c.stage.coverage:
         return Cell()
     return Cell(c.stage.coverage.summary(), "out" if c.stage.warnings else None)
+
+
+def _eager_beside(report: RunReport) -> list[float]:
+    return [s.headline.eager_p50_ms for s in report.stages if s.headline and s.headline.eager_p50_ms]
+
+
+def _vs_eager(c: RowContext) -> Cell:
+    """Against the eager figure timed beside this stage; else (results from before that) the eager row's own.
+
+    Marked busy also when that eager figure is far from eager's typical one across the stages."""
+    headline = c.stage.headline
+    if headline is not None and headline.eager_p50_ms:
+        ratio = _ratio(headline.eager_p50_ms, headline.p50_ms)
+        if c.eager_typical_ms and abs(headline.eager_p50_ms - c.eager_typical_ms) > BUSY_SPREAD * c.eager_typical_ms:
+            return Cell(ratio + " ⚠busy")
+        return _busy_marked(ratio, c.stage)
+    if c.stage is c.eager and headline is not None and c.eager_typical_ms and \
+            abs(headline.p50_ms - c.eager_typical_ms) > BUSY_SPREAD * c.eager_typical_ms:
+        return Cell("1.00x ⚠busy")  # eager's own figure disagrees with eager timed beside the stages
+    return _busy_marked(_ratio(_p50(c.eager), _p50(c.stage)), c.stage, c.eager)
+
+
+def _busy_marked(text: str, *stages: Optional[StageResult]) -> Cell:
+    busy = text and any(s is not None and s.headline is not None and s.headline.unreliable for s in stages)
+    return Cell(text + " ⚠busy" if busy else text)
 
 
 def _ratio(base: Optional[float], value: Optional[float]) -> str:
@@ -166,8 +230,8 @@ COLUMNS: list[Column] = [
     Column("status", _status),
     Column("p50 ms", lambda c: Cell(_f(_p50(c.stage), ".2f"))),
     Column("p90 ms", lambda c: Cell(_f(_p90(c.stage), ".2f"))),
-    Column("vs eager", lambda c: Cell(_ratio(_p50(c.eager), _p50(c.stage)))),
-    Column("vs parent", lambda c: Cell(_ratio(_p50(c.parent), _p50(c.stage)))),
+    Column("vs eager", _vs_eager),
+    Column("vs parent", lambda c: _busy_marked(_ratio(_p50(c.parent), _p50(c.stage)), c.stage, c.parent)),
     Column("cosine", _cosine),
     Column("Δ cosine", _cosine_delta),
     Column("max abs", _max_abs),
@@ -176,5 +240,6 @@ COLUMNS: list[Column] = [
     Column("peak mem MB", lambda c: Cell(_f(_peak_mb(c.stage), ".0f"))),
     Column("task metric", _task),
     Column("precision (MACs)", _precision),
+    Column("runtime", lambda c: Cell(runtime_label(c.stage))),
     Column("frontier", lambda c: Cell("★" if c.stage.pareto else "")),
 ]

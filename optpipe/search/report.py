@@ -41,9 +41,10 @@ def search_section(driver, report, wall_s: float) -> dict[str, Any]:
     }
 
 
-# Differences within these are noise, not a trade-off (as the report's own frontier):
-# p50 within 5%, accuracy error within 1e-6; size is exact.
-NOISE = {"latency": ("relative", 0.05), "accuracy": ("absolute", 1e-6), "size": ("absolute", 0.0)}
+# Differences within these are noise, not a trade-off: p50 within 5% (as the report's own
+# frontier), accuracy error within 1e-6, size within 1%: the same model exported in another
+# process differs by tens of bytes of metadata (measured: 1745 vs 1818 bytes of model.onnx).
+NOISE = {"latency": ("relative", 0.05), "accuracy": ("absolute", 1e-6), "size": ("relative", 0.01)}
 
 
 def trial_frontier(trials: list[dict], objectives: list[str]) -> list[str]:

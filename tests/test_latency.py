@@ -1,0 +1,170 @@
+"""Latency protocol: eager timed interleaved, busy-machine flags, adaptive stopping (fake clocks and a real hog)."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+
+from optpipe.evaluation.latency import BLOCK, MIN_ITERATIONS, busy_reason, measure, median_is_tight
+from optpipe.results import Latency
+
+FEEDS = {"x": np.zeros((2, 3), dtype=np.float32)}
+
+
+class FakeClock:
+    """A clock that only moves when a fake model runs: each run takes the next scripted duration."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.log: list[str] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def model(self, name: str, durations_ms):
+        durations = iter(durations_ms)
+
+        def run(feeds):
+            self.log.append(name)
+            self.now += next(durations) / 1e3
+            return {}
+
+        return run
+
+
+def steady(ms: float, jitter: float = 0.005, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    while True:
+        yield ms * (1 + rng.uniform(-jitter, jitter))
+
+
+def with_spikes(ms: float, every: int, factor: float):
+    i = 0
+    while True:
+        i += 1
+        yield ms * factor if i % every == 0 else ms
+
+
+def test_steady_machine_is_not_flagged_and_eager_is_timed_beside_the_stage():
+    clock = FakeClock()
+    lat = measure(clock.model("stage", steady(4.0)), FEEDS, warmup=2, iterations=60, threads=1, provider="cpu",
+                  baseline=clock.model("eager", steady(10.0, seed=1)), adaptive=False, clock=clock)
+    assert lat.unreliable is None
+    assert lat.p50_ms == pytest_approx(4.0, 0.01) and lat.eager_p50_ms == pytest_approx(10.0, 0.01)
+    assert lat.speedup_vs_eager == pytest_approx(2.5, 0.02)
+    assert lat.spread is not None and lat.spread < 0.05 and lat.iterations == 60
+    timed = clock.log[2 * (2 + 2 * BLOCK):]  # after both warm-ups: 2 runs, then two blocks that agree
+    # Interleaved block by block (alternating which goes first), not one after the other.
+    runs = [name for i, name in enumerate(timed) if i % BLOCK == 0]
+    assert runs[:4] == ["stage", "eager", "eager", "stage"]
+
+
+def test_spiky_timings_are_flagged_with_the_reason():
+    clock = FakeClock()
+    lat = measure(clock.model("stage", with_spikes(4.0, every=3, factor=6)), FEEDS, 0, 60, 1, "cpu",
+                  adaptive=False, clock=clock)
+    assert lat.unreliable and "p90/p50" in lat.unreliable
+
+
+def test_a_busy_baseline_marks_the_stage_figure_unreliable():
+    clock = FakeClock()
+    # Eager's blocks drift: the machine got busy halfway through.
+    eager = iter([10.0] * 40 + [40.0] * 30)  # 10 warm-up runs, then 30 at 10 ms and 30 at 40 ms
+    lat = measure(clock.model("stage", steady(4.0)), FEEDS, 0, 60, 1, "cpu",
+                  baseline=clock.model("eager", eager), adaptive=False, clock=clock)
+    assert lat.unreliable and "eager beside it" in lat.unreliable and "spread" in lat.unreliable
+
+
+def test_adaptive_timing_stops_early_on_a_steady_machine_but_not_on_a_noisy_one():
+    clock = FakeClock()
+    quiet = measure(clock.model("stage", steady(4.0)), FEEDS, 0, 200, 1, "cpu", clock=clock)
+    assert quiet.iterations == MIN_ITERATIONS
+    rng = np.random.default_rng(3)
+    noisy_times = iter(rng.lognormal(np.log(4.0), 0.6, size=400))
+    noisy = measure(clock.model("stage", noisy_times), FEEDS, 0, 200, 1, "cpu", clock=clock)
+    assert noisy.iterations > 3 * MIN_ITERATIONS
+
+
+def test_warm_up_runs_until_the_runs_stop_getting_faster():
+    clock = FakeClock()
+    # Caches and thread pools warming: each block of calls faster than the one before, for five blocks.
+    warming = [ms for ms in (60.0, 30.0, 10.0, 3.0, 1.0) for _ in range(BLOCK)]
+    lat = measure(clock.model("eager", iter([60.0] * 2 + warming + [0.05] * 500)), FEEDS, 2, 30, 1, "cpu", adaptive=False, clock=clock)
+    assert lat.p50_ms == pytest_approx(0.05, 0.01) and lat.unreliable is None
+
+
+def test_median_interval_and_busy_reason_directly():
+    assert median_is_tight(np.full(20, 5.0))
+    assert not median_is_tight(np.linspace(1, 10, 20))
+    assert not median_is_tight(np.full(3, 5.0))  # too few runs to bound the median
+    assert busy_reason(np.full(30, 5.0), [5.0, 5.0, 5.0]) is None
+    assert "spread" in busy_reason(np.full(30, 5.0), [5.0, 5.0, 9.0])
+
+
+def test_a_cpu_hog_thread_makes_the_flag_fire():
+    """A real hog: a pure-Python busy thread takes the GIL for whole switch intervals while a ~1 ms run waits."""
+    stop = threading.Event()
+
+    def hog():
+        while not stop.is_set():
+            pass
+
+    def run(feeds):
+        end = time.perf_counter() + 0.001
+        while time.perf_counter() < end:
+            pass
+        return {}
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    thread = threading.Thread(target=hog, daemon=True)
+    thread.start()
+    try:
+        lat = measure(run, FEEDS, 2, 30, 1, "cpu", adaptive=False)
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert lat.unreliable, lat
+
+
+def test_old_results_without_the_new_fields_still_load():
+    lat = Latency.model_validate({"batch_size": 1, "shape": {}, "p50_ms": 1, "p90_ms": 1, "p99_ms": 1, "mean_ms": 1,
+                                  "throughput": 1, "iterations": 1, "provider": "cpu"})
+    assert lat.unreliable is None and lat.speedup_vs_eager is None
+
+
+def pytest_approx(value, rel):
+    import pytest
+
+    return pytest.approx(value, rel=rel)
+
+
+def test_report_speedup_uses_the_eager_figure_timed_beside_the_stage_and_marks_busy_ones():
+    from optpipe.reporting.run_report import stage_table
+    from optpipe.results import RunReport, StageResult
+
+    def lat(p50, eager=None, busy=None):
+        return [Latency(batch_size=1, shape={"x": [1]}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1 / p50,
+                        iterations=15, provider="cpu", eager_p50_ms=eager, unreliable=busy, load_average=7.5)]
+
+    stages = [
+        # Eager alone, timed while the machine was busy: 84 ms. Beside each stage it took 10-12 ms.
+        StageResult(name="pytorch-eager", pass_name="eager", status="ok", latency=lat(84.0, busy="machine busy: p90/p50 3.0 > 1.5")),
+        StageResult(name="export", pass_name="export", status="ok", latency=lat(5.0, eager=10.0)),
+        StageResult(name="int8", pass_name="int8", parent="export", status="ok",
+                    latency=lat(2.0, eager=12.0, busy="machine busy: run-to-run spread 80% > 50%")),
+    ]
+    report = RunReport(optpipe_version="dev", recipe="t", created="now", machine={}, evaluation={"batch_sizes": [1]},
+                       reference="export", baseline="pytorch-eager", stages=stages)
+    table = stage_table(report)
+    head = next(line for line in table.splitlines() if line.startswith("| stage"))
+    column = [c.strip() for c in head.split("|")].index
+    rows = {cells[1]: cells for cells in ([c.strip() for c in line.split("|")] for line in table.splitlines() if line.startswith("| "))}
+    assert rows["export"][column("vs eager")] == "2.00x"  # 10 / 5, not 84 / 5
+    assert rows["int8"][column("vs eager")] == "6.00x ⚠busy" and rows["int8"][column("vs parent")] == "2.50x ⚠busy"
+    assert "p50 10.00 to 12.00 ms" in table and "int8: 1 of 1 latency figures unreliable" in table and "load average 7.5" in table
+
+
