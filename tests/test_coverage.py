@@ -14,7 +14,7 @@ from optpipe.evaluation.verdict import stage_coverage
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.unfuse import unfuse
 from optpipe.passes import registry
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.validate import validate_recipe
 
 SIZE = 16
