@@ -13,7 +13,8 @@ from optpipe.calibration.dataset import build_sample_set
 from optpipe.errors import DataError
 from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.task_metrics import box_iou, mean_average_precision, nms
-from optpipe.recipe import TaskSpec, Tolerance, parse_recipe
+from optpipe.recipe import TaskSpec, Tolerance
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.reporting.run_report import build_report, render_markdown
 from optpipe.results import StageResult
 
