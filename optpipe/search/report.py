@@ -16,6 +16,7 @@ def search_section(driver, report, wall_s: float) -> dict[str, Any]:
     refused = bool(report.hardware and report.hardware.get("frontier") == "refused")
     objectives = driver.settings.objectives
     frontier = [] if refused else trial_frontier(trials, objectives)
+    feasible = [] if refused else trial_frontier(trials, objectives, within_tolerance_only=True)
     if report.hardware and report.hardware.get("frontier") == "per node type":
         frontier = [name for name in frontier if name in report.pareto]
     best = _best(trials)
@@ -35,6 +36,7 @@ def search_section(driver, report, wall_s: float) -> dict[str, Any]:
         "counts": ", ".join(f"{n} {status}" for status, n in sorted(counts.items())),
         "trials": trials,
         "frontier": frontier,
+        "frontier_within_tolerance": feasible,
         "frontier_note": report.hardware.get("reason") if refused else None,
         "best": best,
         "effects": _effects(driver.space, trials),
@@ -47,11 +49,15 @@ def search_section(driver, report, wall_s: float) -> dict[str, Any]:
 NOISE = {"latency": ("relative", 0.05), "accuracy": ("absolute", 1e-6), "size": ("relative", 0.01)}
 
 
-def trial_frontier(trials: list[dict], objectives: list[str]) -> list[str]:
-    """The trials within tolerance that no other beats on the search's objectives (all minimised here)."""
+def trial_frontier(trials: list[dict], objectives: list[str], within_tolerance_only: bool = False) -> list[str]:
+    """The measured trials that no other beats on the search's objectives (all minimised here).
+
+    Over all of them, the trade-off curve (out-of-tolerance points flagged where shown); within
+    tolerance only, the candidates a user may pick."""
     points = {}
     for t in trials:
-        if t["status"] != "ok" or t["repeat_of"] is not None or "p50_ms" not in t:
+        measured = t["status"] in ("ok", "out of tolerance")
+        if not measured or within_tolerance_only and t["status"] != "ok" or t["repeat_of"] is not None or "p50_ms" not in t:
             continue
         values = {"latency": t["p50_ms"], "accuracy": 1.0 - t.get("cosine", 1.0), "size": float(t.get("size_bytes") or 0)}
         points[t["stage"]] = {o: values[o] for o in objectives}
@@ -159,8 +165,10 @@ def render_search_markdown(search: dict | None, hardware: dict | None = None) ->
     if search.get("frontier_note"):
         lines += [f"Frontier refused: {search['frontier_note']}", ""]
     else:
-        lines += [f"Frontier over the trials ({', '.join(search['objectives'])}; within tolerance): "
-                  + (", ".join(f"`{n}`" for n in search["frontier"]) or "none"), ""]
+        status = {t["stage"]: t["status"] for t in search["trials"]}
+        lines += [f"Frontier over all trials ({', '.join(search['objectives'])}; ★ in the table, ⚠ out of tolerance): "
+                  + (", ".join(f"`{n}`" + (" ⚠" if status.get(n) != "ok" else "") for n in search["frontier"]) or "none"), "",
+                  "Frontier within tolerance: " + (", ".join(f"`{n}`" for n in search.get("frontier_within_tolerance", [])) or "none"), ""]
     best = search.get("best")
     lines += [f"Best within tolerance ({best['rule']}): trial {best['number']}, `{best['stage']}`" if best
               else "Best within tolerance: none of the trials held the tolerance", ""]
