@@ -226,3 +226,14 @@ def test_one_frontier_across_kinds_of_machine_is_refused_unless_grouped():
     same = RunReport(optpipe_version="t", recipe="r", created="now", machine={}, evaluation={}, reference=None,
                      stages=[_measured("a", 1.0, 100, "Xeon"), _measured("b", 2.0, 100, "Xeon")], pareto=["a"])
     assert frontier_by_hardware(same, group_by_node=False) == {"classes": ["Xeon x8 / no GPU"]} and same.pareto == ["a"]
+
+
+def test_a_new_budget_or_strategy_reuses_every_measured_trial(tmp_path, cache_dir):
+    data = _recipe_data()
+    data["evaluate"]["search"] = {"strategy": "grid", "trials": 3, "seed": 1, "objectives": ["accuracy", "size"]}
+    first, _, _ = _run(_write(tmp_path, data), cache_dir)
+    data["evaluate"]["search"]["trials"] = 5  # the same seeded sample and two more... or others: either way,
+    second, _, progress = _run(_write(tmp_path, data), cache_dir)  # what was measured is not measured again
+    measured_again = set(re.findall(r"^\s+ok evaluate (\S+)", progress, re.M))
+    assert not measured_again & {t["stage"] for t in first.search["trials"]}
+    assert len(second.search["trials"]) == 5
