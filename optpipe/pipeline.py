@@ -25,6 +25,7 @@ from optpipe.errors import OptpipeError
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
+from optpipe.model_source import onnx_path
 from optpipe.execution.stage_evaluation import EAGER_STAGE, evaluate_stages  # noqa: F401  (EAGER_STAGE: public name)
 from optpipe.execution.stage_runner import StageRunner
 from optpipe.instruments import Instrument, Instruments
@@ -69,7 +70,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     with folder_errors("output folder", run_dir):
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     services = RunServices(recipe, cache)
-    preflight(recipe, services.eval_set, services.calibration_set)
+    preflight(recipe, onnx_path(recipe), services.eval_set, services.calibration_set)
     order = _stages_to_run(graph, options.only)
 
     manager = PassManager(recipe, cache, services, run_dir, options)

@@ -14,7 +14,7 @@ from optpipe.evaluation.verdict import stage_coverage
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.unfuse import unfuse
 from optpipe.passes import registry
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.validate import validate_recipe
 
 SIZE = 16
@@ -163,3 +163,13 @@ def test_dynamic_int8_of_a_graph_with_initializer_value_info(tmp_path):
     assert out.info["coverage"]["macs"] == {"int8": 1.0}
     ref, got = run_model(tmp_path / "in" / "model.onnx", x)[0], run_model(out.path, x)[0]
     assert np.corrcoef(ref.ravel(), got.ravel())[0, 1] > 0.99
+
+
+def test_validate_rejects_a_language_model_task_without_its_token_input():
+    stages = {"export": {"pass": "export"}}
+    recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "ids", "dtype": "int64", "shape": [1, 8]}],
+                           "stages": stages, "evaluate": {"task": {"kind": "language-model"}}})
+    with pytest.raises(RecipeError, match="evaluate.task.tokens: no input 'input_ids'"):
+        validate_recipe(recipe)
+    validate_recipe(recipe.model_copy(update={"evaluate": recipe.evaluate.model_copy(
+        update={"task": recipe.evaluate.task.model_copy(update={"tokens": "ids"})})}))

@@ -17,7 +17,7 @@ import yaml
 
 from optpipe.execution.executors import LocalExecutor, Progress
 from optpipe.execution.fan_out import compile_recipes
-from optpipe.recipe import load_recipe
+from optpipe.safety.recipe_loading import load_recipe
 from optpipe.results import RunReport
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from optpipe.cache.folder import MARKER, is_marked
 from optpipe.cache.store import StageCache, default_cache_dir, verify_entry
 from optpipe.errors import RecipeError
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import load_recipe, parse_recipe
+from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 from optpipe.safety.resource_bounds import available_cores
 
 REPO = HERE.parent
@@ -402,12 +402,12 @@ def test_the_exit_code_table_and_the_catalogue_size_are_documented():
 
 
 def test_an_internal_error_is_one_line_and_its_traceback_only_on_request(tmp_path, monkeypatch, capsys):
-    import optpipe.recipe
+    import optpipe.safety.recipe_loading
 
     def bug(*args, **kwargs):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(optpipe.recipe, "load_recipe", bug)
+    monkeypatch.setattr(optpipe.safety.recipe_loading, "load_recipe", bug)
     monkeypatch.delenv("OPTPIPE_DEBUG", raising=False)
     code, out, err = run_main(["validate", str(tmp_path / "r.yaml")], capsys)
     assert code == 3 and "Traceback" not in err

@@ -14,7 +14,7 @@ import yaml
 from optpipe.errors import RecipeError
 from optpipe.execution.executors import LocalExecutor, Progress
 from optpipe.execution.fan_out import compile_recipes
-from optpipe.recipe import load_recipe, parse_recipe
+from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 from optpipe.search.space import SearchSpace
 from optpipe.search.spec import StepRange
 from optpipe.search.strategies import resolve_strategy

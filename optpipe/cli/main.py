@@ -104,7 +104,7 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
     from optpipe.cache.store import default_cache_dir
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
     from optpipe.reporting.run_report import stage_table
     from optpipe.search.space import SearchSpace
 
@@ -145,7 +145,7 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
 def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...]) -> None:
     """Check RECIPE without running it."""
     from optpipe.dag import execution_order
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
     from optpipe.validate import validate_recipe
 
     parsed = load_recipe(recipe, allow_paths, allow_factories)

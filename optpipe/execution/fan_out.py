@@ -56,12 +56,13 @@ class PlainDriver:
 def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
     """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
     from optpipe.execution.services import RunServices
+    from optpipe.model_source import onnx_path
     from optpipe.safety.preflight import preflight
 
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
     try:
         services = RunServices(recipe, cache)
-        preflight(recipe, services.eval_set, services.calibration_set)
+        preflight(recipe, onnx_path(recipe), services.eval_set, services.calibration_set)
     finally:
         cache.release_leases()
 

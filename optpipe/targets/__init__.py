@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from optpipe.errors import OptpipeError, RecipeError, TargetError, first_line
 from optpipe.instruments import Instrument
-from optpipe.recipe import Recipe, TargetSpec, describe_validation_error, parse_recipe
+from optpipe.recipe import Recipe, TargetSpec, describe_validation_error
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.results import RunReport
 from optpipe.targets.base import PARAMS, StageView, TargetJob, TargetParams, TargetResult
 from optpipe.targets.manifest import write_manifest
