@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from optpipe.execution.executors import LocalExecutor, Progress
-from optpipe.execution.fan_out import compile_recipes
+from optpipe.search.runner import compile_recipes
 from optpipe.safety.recipe_loading import load_recipe
 from optpipe.results import RunReport
 

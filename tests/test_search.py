@@ -13,7 +13,7 @@ import yaml
 
 from optpipe.errors import RecipeError
 from optpipe.execution.executors import LocalExecutor, Progress
-from optpipe.execution.fan_out import compile_recipes
+from optpipe.search.runner import compile_recipes
 from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 from optpipe.search.space import SearchSpace
 from optpipe.search.spec import StepRange
@@ -216,7 +216,7 @@ def test_one_frontier_across_kinds_of_machine_is_refused_unless_grouped():
     hardware = frontier_by_hardware(refused, group_by_node=False)
     assert hardware["frontier"] == "refused" and "2 kinds of machine" in hardware["reason"]
     assert refused.pareto == [] and not any(s.pareto for s in refused.stages)
-    assert "rerun with --group-by-node" in "\n".join(__import__("optpipe.search.report", fromlist=["x"]).render_search_markdown(None, hardware))
+    assert "rerun with --group-by-node" in "\n".join(__import__("optpipe.reporting.search_views", fromlist=["x"]).render_search_markdown(None, hardware))
 
     grouped = report()
     hardware = frontier_by_hardware(grouped, group_by_node=True)

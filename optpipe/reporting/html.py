@@ -30,7 +30,7 @@ def render_html(report: RunReport) -> str:
     for title, curves in _latency_curves(report):
         sections.append(_section(title, _curves_svg(curves, title)))
     sections.append(_problems(report))
-    from optpipe.search.report import render_search_html  # a search's trials, frontier and param effects
+    from optpipe.reporting.search_views import render_search_html  # a search's trials, frontier and param effects
 
     sections.append(render_search_html(report.search, report.hardware))
     body = "\n".join(s for s in sections if s)
