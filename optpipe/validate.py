@@ -17,7 +17,7 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
     from optpipe.passes import registry
 
     passes = {name: _configure(name, spec, registry()) for name, spec in recipe.stages.items()}
-    graph = build_dag(recipe)
+    graph = build_dag(recipe.stages)
     for name, spec in recipe.stages.items():
         needs_input = passes[name].needs_input
         if needs_input and spec.after is None:

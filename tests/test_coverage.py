@@ -108,6 +108,14 @@ def test_quantization_left_in_float_warns_naming_the_op(cnn_setup):
     # The same graph from a non-quantizing pass is not a warning: fp32 is what it is meant to be.
     assert stage_coverage(exported, {"batch": 1}, "simplify")[1] == []
     assert quantization_warning(precision_coverage(exported.load(), {"batch": 1})) is not None
+    # The report shows the column, the warning and what was left in float, and why.
+    from optpipe.reporting.run_report import build_report, render_markdown
+    from optpipe.results import StageResult
+
+    stage = StageResult(name="int8", pass_name="int8", status="ok", coverage=coverage, warnings=warnings)
+    text = render_markdown(build_report(recipe, [stage]))
+    assert "| precision (MACs) |" in text and "fp32 100% ⚠" in text
+    assert "## Left in float by the quantization stages" in text and "Conv in fp32 (100%: not quantized)" in text
 
 
 def _recipe(stages: dict, data: dict | None = None):

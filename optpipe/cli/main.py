@@ -144,11 +144,14 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
 @click.option("--allow-factory", "allow_factories", multiple=True, metavar="MODULE", help=FACTORY_HELP)
 def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...]) -> None:
     """Check RECIPE without running it."""
+    from optpipe.cache.folder import check_apart
+    from optpipe.cache.store import default_cache_dir
     from optpipe.dag import execution_order
     from optpipe.safety.recipe_loading import load_recipe
     from optpipe.validate import validate_recipe
 
     parsed = load_recipe(recipe, allow_paths, allow_factories)
+    check_apart(parsed.resolve(parsed.output), parsed.resolve(parsed.cache) if parsed.cache else default_cache_dir())
     from optpipe.search.space import SearchSpace
 
     if SearchSpace.declared(parsed):  # checked trial by trial: a searched param is in no stage's params

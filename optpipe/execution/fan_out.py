@@ -27,7 +27,7 @@ class PlainDriver:
         self.run_dir = run_dir
         self.settings = settings
         self.memo = RunMemo()
-        self.order = execution_order(build_dag(recipe))
+        self.order = execution_order(build_dag(recipe.stages))
         self._planned = False
 
     def next_plan(self, slots: int) -> Plan | None:

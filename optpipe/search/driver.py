@@ -56,7 +56,7 @@ class SearchDriver:
         self.pending = self.proposer.ask(count)
         trials = [r.trial for r in self.records] + [t for _, t in self.pending]
         self.expanded, self.leaves = self.space.expand(list(dict.fromkeys(trials)))
-        order = execution_order(build_dag(self.expanded))
+        order = execution_order(build_dag(self.expanded.stages))
         new = [name for name in order if name not in self.memo.results]
         eager = wants_eager(self.recipe) and self.memo.eager is None
         return Plan(self.recipe.name, self.expanded, new, reference_of(self.expanded), eager, self.task_settings, self.memo)
@@ -82,7 +82,7 @@ class SearchDriver:
 
     def finish(self, group_by_node: bool, providers: str, progress: Progress) -> RunReport:
         wall = time.perf_counter() - (self.started or time.perf_counter())
-        order = execution_order(build_dag(self.expanded))
+        order = execution_order(build_dag(self.expanded.stages))
 
         def section(report: RunReport) -> dict:
             return search_section(self, report, wall)
