@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 from optpipe.cache.folder import check_apart
-from optpipe.cache.store import default_cache_dir
 from optpipe.errors import OptpipeError
 from optpipe.execution.executors import Executor, Progress, settings_for
 from optpipe.execution.fan_out import PlainDriver
 from optpipe.execution.stage_tasks import TaskSettings
 from optpipe.recipe import Recipe
 from optpipe.results import RunReport, StageResult
+from optpipe.run_paths import RunPaths
 from optpipe.search.driver import SearchDriver
 from optpipe.search.space import SearchSpace
 
@@ -32,8 +32,8 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     progress = progress or Progress(show_recipe=len(recipes) > 1)
     drivers = []
     for recipe in recipes:
-        run_dir = output or recipe.resolve(recipe.output)
-        cache = cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+        paths = RunPaths.resolve(recipe, output, cache_dir)
+        run_dir, cache = paths.run_dir, paths.cache_dir
         check_apart(run_dir, cache)  # as a local compile: `cache gc` must never remove a run, nor a run the cache
         settings = settings_for(recipe, cache, run_dir, force, providers, remote_cache, storage_options)
         _preflight(recipe, settings)
