@@ -300,7 +300,10 @@ def render_document(results: list[dict], command: str) -> str:
         "slow their neighbours); p50/p90 over all timed runs. Speed-ups are p50 ratios against "
         "PyTorch eager from this one run: absolute times drift on a shared machine, the ratios are the result. "
         "Accuracy is what `optpipe compile` measured for each stage against the reference stage on the recipe's "
-        "evaluation data (for models with random weights it says little about a trained model). ★ marks the Pareto frontier.", "",
+        "evaluation data (for models with random weights it says little about a trained model). ★ marks the Pareto frontier. "
+        "Peers (Hugging Face models only): `optimum:*` and `olive:*` rows are the files those tools wrote with their own "
+        "documented commands (bench/peers.py), timed here beside the stages; their accuracy is optpipe's comparison "
+        "against the same reference. GPU rows: docs/benchmarks-gpu.md (scripts/gpu_checks.sh).", "",
     ]
     parts += [render_model(r) + "\n" for r in results]
     return "\n".join(parts)
