@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def gpu_plan(path: Path):
     """The recipe cut down to its GPU candidates, evaluated at batch 1 only, without sweeps."""
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
     from optpipe.validate import validate_recipe
 
     recipe = load_recipe(path)

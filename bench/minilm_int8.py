@@ -33,7 +33,8 @@ EXTRA_STAGES = [
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from optpipe.recipe import StageSpec, load_recipe
+    from optpipe.recipe import StageSpec
+    from optpipe.safety.recipe_loading import load_recipe
 
     recipe = load_recipe(args.recipe)
     for name, pass_name, parent, params in EXTRA_STAGES if not args.recipe_only else []:

@@ -40,7 +40,8 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     from optpipe.evaluation import openvino_runtime as ovr
-    from optpipe.recipe import StageSpec, load_recipe
+    from optpipe.recipe import StageSpec
+    from optpipe.safety.recipe_loading import load_recipe
 
     recipe = load_recipe(args.recipe)
     recipe.stages = {name: spec for name, spec in recipe.stages.items() if name in ("export", "simplify")}

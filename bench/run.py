@@ -70,7 +70,7 @@ def run_in_own_process(recipe: Path, args) -> dict:
 
 def bench_recipe(recipe_path: Path, args) -> dict:
     from optpipe.pipeline import RunOptions, compile_recipe
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
 
     recipe = load_recipe(recipe_path)
     started = time.perf_counter()

@@ -13,7 +13,7 @@ __all__ = ["compile_recipe", "load_recipe", "load", "RunOptions", "RunReport"]
 
 if TYPE_CHECKING:
     from optpipe.pipeline import RunOptions, compile_recipe
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
     from optpipe.reporting.run_report import RunReport
     from optpipe.targets.loading import load
 
@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(pipeline, name)
     if name == "load_recipe":
-        from optpipe.recipe import load_recipe
+        from optpipe.safety.recipe_loading import load_recipe
 
         return load_recipe
     if name == "RunReport":

@@ -4,20 +4,21 @@ from __future__ import annotations
 import networkx as nx
 
 from optpipe.errors import RecipeError
-from optpipe.recipe import Recipe, suggest
+from optpipe.recipe import StageSpec, suggest
 
 
-def build_dag(recipe: Recipe) -> nx.DiGraph:
+def build_dag(stages: dict[str, StageSpec]) -> nx.DiGraph:
+    """The DAG of a recipe's `stages`, or a RecipeError naming the unknown parent or the cycle."""
     graph = nx.DiGraph()
-    for name, stage in recipe.stages.items():
+    for name, stage in stages.items():
         graph.add_node(name, spec=stage)
-    for name, stage in recipe.stages.items():
+    for name, stage in stages.items():
         if stage.after is None:
             continue
-        if stage.after not in recipe.stages:
+        if stage.after not in stages:
             raise RecipeError(
-                f"stages.{name}.after: unknown stage '{stage.after}'{suggest(stage.after, recipe.stages)}; "
-                f"stages are: {', '.join(recipe.stages)}"
+                f"stages.{name}.after: unknown stage '{stage.after}'{suggest(stage.after, stages)}; "
+                f"stages are: {', '.join(stages)}"
             )
         graph.add_edge(stage.after, name)
     try:

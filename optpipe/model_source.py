@@ -85,6 +85,11 @@ def source_fingerprint(recipe: Recipe) -> dict[str, Any]:
     raise ModelSourceError("model: unsupported model kind")
 
 
+def onnx_path(recipe: Recipe) -> Path | None:
+    """The model file of an ONNX recipe, checked to exist; None for a PyTorch model."""
+    return onnx_source_path(recipe) if isinstance(recipe.model, OnnxModel) else None
+
+
 def onnx_source_path(recipe: Recipe) -> Path:
     spec = recipe.model
     assert isinstance(spec, OnnxModel)

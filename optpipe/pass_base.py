@@ -139,6 +139,8 @@ class Pass(ABC, Generic[P]):
     needs_input: ClassVar[bool] = True
     #: Distributions whose versions shape this pass's output (part of the cache key).
     libraries: ClassVar[tuple[str, ...]] = ("onnx",)
+    #: The format of the artifact it writes (execution.contract.FORMAT_FILES); a non-ONNX one ends its branch.
+    produces: ClassVar[str] = "onnx"
     #: What to try when the numeric self-check fails (passes whose params inherit SelfCheckParams).
     check_hint: ClassVar[str] = ""
 

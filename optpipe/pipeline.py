@@ -18,18 +18,20 @@ from pathlib import Path
 import networkx as nx
 from filelock import FileLock
 
-from optpipe.cache.store import StageCache, default_cache_dir
+from optpipe.cache.store import StageCache
 from optpipe.dag import ancestors_and_self, execution_order
 from optpipe.cache.folder import check_apart
 from optpipe.errors import OptpipeError
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
+from optpipe.model_source import onnx_path
 from optpipe.execution.stage_evaluation import EAGER_STAGE, evaluate_stages  # noqa: F401  (EAGER_STAGE: public name)
 from optpipe.execution.stage_runner import StageRunner
 from optpipe.instruments import Instrument, Instruments
 from optpipe.pass_base import Pass
 from optpipe.recipe import Recipe
+from optpipe.run_paths import RunPaths
 from optpipe.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
@@ -61,15 +63,15 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     from optpipe.safety.preflight import preflight
 
     graph, passes = validate_recipe(recipe)
-    run_dir = options.output or recipe.resolve(recipe.output)
-    cache_root = options.cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+    paths = RunPaths.resolve(recipe, options.output, options.cache_dir)
+    run_dir, cache_root = paths.run_dir, paths.cache_dir
     check_apart(run_dir, cache_root)  # `cache gc` must never remove a run, nor a run folder the cache
     with folder_errors("cache folder", cache_root):
         cache = StageCache(cache_root)
     with folder_errors("output folder", run_dir):
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     services = RunServices(recipe, cache)
-    preflight(recipe, services.eval_set, services.calibration_set)
+    preflight(recipe, onnx_path(recipe), services.eval_set, services.calibration_set)
     order = _stages_to_run(graph, options.only)
 
     manager = PassManager(recipe, cache, services, run_dir, options)

@@ -132,6 +132,7 @@ class StageResult(BaseModel):
     coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
     warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
     measured_on: Optional[dict[str, Any]] = Field(None, description="the node that measured the figures (multi-node runs)")
+    evaluation_s: Optional[float] = Field(None, description="seconds its evaluation took (searches and fan-out runs)")
     #: The stage's model in the cache while the run lasts (not part of report.json).
     _model: Optional[ModelArtifact] = PrivateAttr(None)
 

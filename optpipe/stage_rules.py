@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from optpipe.errors import RecipeError
 from optpipe.pass_base import Pass
-from optpipe.recipe import Recipe
+from optpipe.recipe import Recipe, suggest
 
 #: pass -> passes that must not run before it on its path from the root, and why.
 MUST_PRECEDE = {
@@ -22,6 +22,16 @@ MUST_PRECEDE = {
 def check_stage_rules(recipe: Recipe, passes: dict[str, Pass]) -> None:
     check_order(recipe)
     check_data_needs(recipe, passes)
+    check_task(recipe)
+
+
+def check_task(recipe: Recipe) -> None:
+    """A language-model task reads its token ids from an input the recipe must have."""
+    task = recipe.evaluate.task
+    names = [spec.name for spec in recipe.inputs]
+    if task is not None and task.kind == "language-model" and task.tokens not in names:
+        raise RecipeError(f"evaluate.task.tokens: no input '{task.tokens}'{suggest(task.tokens, names)}; "
+                          f"name the input holding the token ids (inputs: {', '.join(names)})")
 
 
 def check_order(recipe: Recipe) -> None:

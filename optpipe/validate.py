@@ -17,7 +17,7 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
     from optpipe.passes import registry
 
     passes = {name: _configure(name, spec, registry()) for name, spec in recipe.stages.items()}
-    graph = build_dag(recipe)
+    graph = build_dag(recipe.stages)
     for name, spec in recipe.stages.items():
         needs_input = passes[name].needs_input
         if needs_input and spec.after is None:
@@ -25,7 +25,7 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
         if not needs_input and spec.after is not None:
             raise RecipeError(f"stages.{name}: pass '{spec.pass_name}' starts from the recipe's model; remove `after:`")
         # A pass that writes another format than ONNX (openvino: IR) ends its branch.
-        if spec.after is not None and getattr(passes[spec.after], "produces", "onnx") != "onnx":
+        if spec.after is not None and passes[spec.after].produces != "onnx":
             raise RecipeError(f"stages.{name}: stage '{spec.after}' produces {passes[spec.after].produces}, which pass "
                               f"'{spec.pass_name}' cannot read; hang it after an ONNX stage")
     reference = recipe.evaluate.reference

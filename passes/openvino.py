@@ -55,7 +55,7 @@ class OpenVinoPass(Pass):
     version = "1"
     Params = OpenVinoParams
     libraries = ("onnx", "openvino", "nncf")
-    produces = "openvino-ir"  # optpipe.validate: no ONNX pass may follow this stage
+    produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.validate)
 
     def fingerprint(self, ctx: PassContext) -> dict:
         params: OpenVinoParams = self.params  # type: ignore[assignment]

@@ -10,7 +10,8 @@ import onnx
 from optpipe.artifact import ModelArtifact, save_model
 from optpipe.calibration.dataset import SampleSet
 from optpipe.pass_base import PassContext
-from optpipe.recipe import Tolerance, parse_recipe
+from optpipe.recipe import Tolerance
+from optpipe.safety.recipe_loading import parse_recipe
 
 
 def graph_recipe(inputs: list[dict], dims: dict | None = None, tolerance: dict | None = None):

@@ -10,7 +10,7 @@ from onnx import helper, numpy_helper
 from optpipe.artifact import save_model
 from optpipe.cache.store import StageCache, verify_entry
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import load_recipe
+from optpipe.safety.recipe_loading import load_recipe
 
 
 def _tiny_model() -> onnx.ModelProto:

@@ -90,7 +90,7 @@ def test_tensorrt_calibrator_without_tensorrt_says_so(tmp_path):
 
 
 def recipe_with_calibration(tmp_path, model_path, int8_params):
-    from optpipe.recipe import parse_recipe
+    from optpipe.safety.recipe_loading import parse_recipe
 
     return parse_recipe(
         {

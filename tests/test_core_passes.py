@@ -15,7 +15,7 @@ from optpipe.pass_base import PassContext
 from optpipe.passes.export import ExportParams, ExportPass
 from optpipe.passes.simplify import SimplifyParams, SimplifyPass
 from optpipe.model_source import load_torch_model
-from optpipe.recipe import load_recipe
+from optpipe.safety.recipe_loading import load_recipe
 from optpipe.runtime import eager_runner
 
 TESTS = Path(__file__).resolve().parent

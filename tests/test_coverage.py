@@ -14,7 +14,7 @@ from optpipe.evaluation.verdict import stage_coverage
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.unfuse import unfuse
 from optpipe.passes import registry
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.validate import validate_recipe
 
 SIZE = 16
@@ -108,6 +108,14 @@ def test_quantization_left_in_float_warns_naming_the_op(cnn_setup):
     # The same graph from a non-quantizing pass is not a warning: fp32 is what it is meant to be.
     assert stage_coverage(exported, {"batch": 1}, "simplify")[1] == []
     assert quantization_warning(precision_coverage(exported.load(), {"batch": 1})) is not None
+    # The report shows the column, the warning and what was left in float, and why.
+    from optpipe.reporting.run_report import build_report, render_markdown
+    from optpipe.results import StageResult
+
+    stage = StageResult(name="int8", pass_name="int8", status="ok", coverage=coverage, warnings=warnings)
+    text = render_markdown(build_report(recipe, [stage]))
+    assert "| precision (MACs) |" in text and "fp32 100% ⚠" in text
+    assert "## Left in float by the quantization stages" in text and "Conv in fp32 (100%: not quantized)" in text
 
 
 def _recipe(stages: dict, data: dict | None = None):
@@ -163,3 +171,13 @@ def test_dynamic_int8_of_a_graph_with_initializer_value_info(tmp_path):
     assert out.info["coverage"]["macs"] == {"int8": 1.0}
     ref, got = run_model(tmp_path / "in" / "model.onnx", x)[0], run_model(out.path, x)[0]
     assert np.corrcoef(ref.ravel(), got.ravel())[0, 1] > 0.99
+
+
+def test_validate_rejects_a_language_model_task_without_its_token_input():
+    stages = {"export": {"pass": "export"}}
+    recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "ids", "dtype": "int64", "shape": [1, 8]}],
+                           "stages": stages, "evaluate": {"task": {"kind": "language-model"}}})
+    with pytest.raises(RecipeError, match="evaluate.task.tokens: no input 'input_ids'"):
+        validate_recipe(recipe)
+    validate_recipe(recipe.model_copy(update={"evaluate": recipe.evaluate.model_copy(
+        update={"task": recipe.evaluate.task.model_copy(update={"tokens": "ids"})})}))

@@ -154,7 +154,7 @@ def tiny_logits_recipe(tmp_path, fp16_params: dict) -> tuple:
 @pytest.mark.parametrize("params", [{"guard": False}, {"max_excluded": 0}], ids=["guard-off", "guard-gives-up"])
 def test_tiny_logits_fp16_is_out_of_tolerance_in_the_report_with_both_figures(tmp_path, cache_dir, params):
     from optpipe.pipeline import RunOptions, compile_recipe
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
 
     report = compile_recipe(load_recipe(tiny_logits_recipe(tmp_path, params)), RunOptions(cache_dir=cache_dir))
     stage = report.stage("fp16")
@@ -171,7 +171,7 @@ def test_tiny_logits_fp16_is_out_of_tolerance_in_the_report_with_both_figures(tm
 
 def test_tiny_logits_fp16_guard_on_keeps_the_tiny_matmul_in_fp32(tmp_path, cache_dir):
     from optpipe.pipeline import RunOptions, compile_recipe
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
 
     report = compile_recipe(load_recipe(tiny_logits_recipe(tmp_path, {})), RunOptions(cache_dir=cache_dir))
     stage = report.stage("fp16")

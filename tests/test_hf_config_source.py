@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from optpipe.errors import ModelSourceError, RecipeError
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 
 TINY_BERT = {"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
              "intermediate_size": 64, "vocab_size": 100}

@@ -7,7 +7,7 @@ import pytest
 from optpipe.calibration.dataset import build_sample_set
 from optpipe.calibration.sources import load_samples
 from optpipe.errors import DataError
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"]
 

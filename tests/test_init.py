@@ -23,13 +23,14 @@ def _fill(path: Path, data: dict, **changes) -> dict:
 
 
 def test_init_from_a_factory_writes_a_cnn_recipe_that_compiles_once_filled(tmp_path, cli_run, monkeypatch):
-    shutil.copy(TESTS / "family_models.py", tmp_path / "family_models.py")
+    # A module name of its own: tests/family_models.py may already be imported from elsewhere.
+    shutil.copy(TESTS / "family_models.py", tmp_path / "user_models.py")
     monkeypatch.chdir(tmp_path)
-    result = cli_run("init", "family_models:wide_cnn", "-o", "cnn.yaml")
+    result = cli_run("init", "user_models:wide_cnn", "-o", "cnn.yaml")
     assert result.exit_code == 0, result.output
     assert "wrote cnn.yaml: a cnn recipe, valid" in result.output
     recipe = yaml.safe_load(Path("cnn.yaml").read_text())
-    assert recipe["model"] == {"factory": "family_models:wide_cnn", "path": "."}
+    assert recipe["model"] == {"factory": "user_models:wide_cnn", "path": "."}
     assert recipe["inputs"] == [{"name": "images", "dtype": "float32", "shape": ["batch", 3, 224, 224]}]
     assert recipe["stages"]["int8"]["after"] == "simplify" and recipe["stages"]["fuse"]["after"] == "simplify"
     photos = {"source": "images", "path": "package:skimage/data", "preprocess": {"resize": 40}}

@@ -17,7 +17,8 @@ from optpipe.instruments import StepRecorder
 from optpipe.evaluation.layerwise import compare_layers
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import Tolerance, parse_recipe
+from optpipe.recipe import Tolerance
+from optpipe.safety.recipe_loading import parse_recipe
 
 
 @pytest.fixture(scope="module")

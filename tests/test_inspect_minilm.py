@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from optpipe.cli import cli
 from optpipe.reporting.inspection import diff_stages, stage_handle
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 
 pytestmark = pytest.mark.slow
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "minilm.yaml"

@@ -179,7 +179,7 @@ def test_user_exclusions_are_kept_in_float(tmp_path):
 
 def test_unknown_method_is_a_recipe_error():
     from optpipe.errors import RecipeError
-    from optpipe.recipe import parse_recipe
+    from optpipe.safety.recipe_loading import parse_recipe
     from optpipe.validate import validate_recipe
 
     recipe = parse_recipe(

@@ -15,7 +15,7 @@ from optpipe.model_source import load_torch_model
 from optpipe.execution.stage_runner import run_checked
 from optpipe.pass_base import PassContext
 from optpipe.passes.export import ExportParams, ExportPass
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.runtime import eager_runner
 
 TESTS = Path(__file__).resolve().parent

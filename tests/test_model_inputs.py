@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from optpipe.errors import DataError, RecipeError
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 
 TESTS = Path(__file__).resolve().parent
 PHOTOS = "package:skimage/data"

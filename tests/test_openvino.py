@@ -98,7 +98,7 @@ def test_int8_runs_int8_kernels_and_stays_close(tmp_path):
     ir = ovr.read_model(out.folder / "model.xml")
     assert sum(op.get_type_name() == "FakeQuantize" for op in ir.get_ops()) >= 2  # both MatMuls' inputs
     compiled = ovr.compile_model(out.folder / "model.xml", 1)
-    layers = ovr.runtime_precisions(compiled)
+    layers = ovr.runtime_precisions(compiled, ovr.COMPUTE_LAYERS)
     assert layers.get("i8", 0) + layers.get("u8", 0) >= 2, layers  # the MatMuls run as int8 kernels
     assert out.info["int8_layers"] >= 2 and out.info["inference_precision"] == "f32"
     assert out.info["int8"]["guard"]["held"]
@@ -153,7 +153,7 @@ def test_bf16_is_a_hint_on_the_same_ir_and_recorded(tmp_path):
 
 
 def test_no_onnx_pass_may_follow_an_openvino_stage():
-    from optpipe.recipe import parse_recipe
+    from optpipe.safety.recipe_loading import parse_recipe
     from optpipe.validate import validate_recipe
 
     data = {

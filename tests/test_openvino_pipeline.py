@@ -14,7 +14,7 @@ from google.protobuf import text_format
 import optpipe
 from optpipe.cli import cli
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.runtime import ort_runner, ort_session
 
 from conftest import TINY_RECIPE
@@ -63,7 +63,14 @@ def test_ir_stages_are_rows_of_the_same_report_labelled_with_their_runtime(run):
     assert fp32.info["inference_precision"] == int8.info["inference_precision"] == "f32"
     assert int8.info["int8_layers"] > 0 and fp32.info["int8_layers"] == 0
     assert (run_dir / "stages" / "ov-int8" / "model.xml").is_file()
-    assert "ov-int8" in (run_dir / "report.md").read_text()
+    table = (run_dir / "report.md").read_text()
+    assert "| runtime |" in table
+    from optpipe.reporting.rows import headers
+
+    column = headers().index("runtime")
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    cells = {row[0].strip("| "): row[column] for row in rows if len(row) == len(headers())}
+    assert cells["ov-int8"] == "openvino-cpu f32" and cells["simplify"] == "ort-cpu" and cells["pytorch-eager"] == "pytorch"
 
 
 def test_openvino_target_copies_an_ir_stage_and_measures_a_converted_onnx_stage(run):

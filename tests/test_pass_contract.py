@@ -11,7 +11,7 @@ import pytest
 
 from optpipe.passes import registry
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import load_recipe
+from optpipe.safety.recipe_loading import load_recipe
 
 TESTS = Path(__file__).resolve().parent
 

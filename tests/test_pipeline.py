@@ -13,7 +13,7 @@ from optpipe.errors import PassError
 from optpipe.pass_base import Pass, PassParams
 from optpipe.passes import register_pass, unregister_pass
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import load_recipe
+from optpipe.safety.recipe_loading import load_recipe
 
 
 class ExplodeParams(PassParams):

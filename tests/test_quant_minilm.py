@@ -21,7 +21,7 @@ def stages(tmp_path_factory):
     from optpipe.dag import execution_order
     from optpipe.execution.services import RunServices
     from optpipe.pipeline import PassManager, RunOptions
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
     from optpipe.validate import validate_recipe
 
     recipe = load_recipe(RECIPE)

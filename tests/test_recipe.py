@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from optpipe.errors import RecipeError
-from optpipe.recipe import load_recipe
+from optpipe.safety.recipe_loading import load_recipe
 from optpipe.validate import validate_recipe
 
 

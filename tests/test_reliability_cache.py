@@ -16,7 +16,8 @@ from optpipe.cache import admin as cache_admin
 from optpipe.cache.store import StageCache, sweep_leftovers, verify_entry
 from optpipe.calibration.dataset import DATASETS, SAMPLES_FILE, build_sample_set
 from optpipe.cache.locking import hold_exclusive, hold_shared, release
-from optpipe.recipe import DataSource, parse_recipe
+from optpipe.recipe import DataSource
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.execution.run_folder import publish_stage_folders, verify_run_folder
 
 

@@ -318,7 +318,7 @@ def _special_file_as(folder: Path, make, where: str) -> list[str]:
 def _finished_run(folder: Path) -> None:
     """A compiled run (in-process, quietly) for the commands that read one."""
     from optpipe.pipeline import RunOptions, compile_recipe
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
 
     write_linear_onnx(folder / "model")
     recipe = onnx_recipe(folder, stages={"export": {"pass": "export"}})
@@ -369,6 +369,7 @@ ROUND_TWO = {
     "compile with a project folder as cache": (lambda d: (_folder_with_sources(d), _recipe_with_cache(d, "project"))[1], USER, "is not an optpipe cache (it holds"),
     "output inside the cache": (lambda d: _recipe_with_cache(d, "cache", "cache/run"), USER, "is inside the cache"),
     "cache inside the output": (lambda d: _recipe_with_cache(d, "run/cache"), USER, "is inside the run folder"),
+    "validate: output inside the cache": (_value("output", "cache/run"), USER, "is inside the cache"),
     "output is the cache": (lambda d: _recipe_with_cache(d, "cache", "cache"), USER, "is inside the cache"),
     "two recipes, the second run inside the cache": (lambda d: _recipe_file(d) + [str(write_recipe(d, onnx_recipe(d, output="cache/run2"), "second.yaml"))], USER, "is inside the cache"),
     "output inside the cache by --output": (lambda d: _recipe_file(d) + ["--output", str(d / "cache" / "stages" / "x")], USER, "is inside the cache"),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from reliability_fixtures import onnx_recipe
 
 from optpipe.errors import OptpipeError
-from optpipe.recipe import load_recipe
+from optpipe.safety.recipe_loading import load_recipe
 from optpipe.validate import validate_recipe
 
 SCALARS = (

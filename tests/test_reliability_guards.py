@@ -13,7 +13,7 @@ from optpipe.safety import onnx_guard
 from optpipe.safety.checkpoints import load_checkpoint
 from optpipe.errors import ModelSourceError, RecipeError
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import load_recipe, parse_recipe
+from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 
 
 class TrustedExtra:

@@ -13,7 +13,7 @@ from inspect_models import mlp_model, mlp_recipe, save
 from optpipe.cli import cli
 from optpipe.results import Accuracy, Latency, OutputAccuracy, StageResult
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import parse_recipe
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.reporting.run_report import RunReport
 from optpipe.reporting.html import render_html
 

@@ -7,7 +7,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "resnet50.yaml"
 
 
 def test_resnet50_recipe_validates_with_its_stages():
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
     from optpipe.validate import validate_recipe
 
     recipe = load_recipe(RECIPE)

@@ -13,7 +13,8 @@ from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.self_check import SelfCheckParams, numeric_check
 from optpipe.passes import registry
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import Tolerance, load_recipe
+from optpipe.recipe import Tolerance
+from optpipe.safety.recipe_loading import load_recipe
 
 TESTS = Path(__file__).resolve().parent
 RNG = np.random.default_rng(0)

@@ -15,7 +15,7 @@ import optpipe
 from optpipe.artifact import sha256_file
 from optpipe.cli import cli
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import load_recipe
+from optpipe.safety.recipe_loading import load_recipe
 from optpipe.runtime import ort_runner, ort_session
 from optpipe.targets.model_facts import io_specs
 from optpipe.targets.tensorrt import tensorrt_missing

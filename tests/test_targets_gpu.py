@@ -11,7 +11,7 @@ from google.protobuf import text_format
 
 from optpipe.artifact import save_model
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import load_recipe, parse_recipe
+from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 from tensorrt_gpu import requires_tensorrt_gpu
 
 pytestmark = [pytest.mark.gpu, requires_tensorrt_gpu]

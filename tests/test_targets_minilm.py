@@ -14,7 +14,7 @@ from google.protobuf import text_format
 
 import optpipe
 from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import load_recipe
+from optpipe.safety.recipe_loading import load_recipe
 from optpipe.runtime import ort_runner, ort_session
 from optpipe.targets.tensorrt import tensorrt_missing
 

@@ -13,7 +13,8 @@ from onnx import helper, numpy_helper
 
 from optpipe.artifact import save_model
 from optpipe.errors import RecipeError, TargetError
-from optpipe.recipe import TargetSpec, parse_recipe
+from optpipe.recipe import TargetSpec
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.targets import validate_targets
 from optpipe.targets.base import StageView, TargetJob, TensorRTParams, TritonParams
 from optpipe.targets.model_facts import io_specs, microsoft_ops, precision_of, sparse_2to4_layers

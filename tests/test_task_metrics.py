@@ -13,7 +13,8 @@ from optpipe.calibration.dataset import build_sample_set
 from optpipe.errors import DataError
 from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.task_metrics import box_iou, mean_average_precision, nms
-from optpipe.recipe import TaskSpec, Tolerance, parse_recipe
+from optpipe.recipe import TaskSpec, Tolerance
+from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.reporting.run_report import build_report, render_markdown
 from optpipe.results import StageResult
 
@@ -229,15 +230,26 @@ def test_rtol_per_output_on_pixel_scale_outputs():
     assert any("boxes" in v and "rtol" in v for v in acc.violations)
 
 
-def test_input_insensitive_model_is_flagged_and_the_report_says_so():
+def insensitive_model() -> onnx.ModelProto:
+    """Outputs of hundreds of pixels that move ~3e-4 between samples: a random-init detector's symptom."""
     rng = np.random.default_rng(0)
-    offsets = rng.uniform(0, 600, (1, 100))
-    reference = {"out": offsets + rng.normal(0, 3e-4, (16, 100))}  # outputs move 3e-4 px between samples
+    inits = [numpy_helper.from_array(rng.normal(0, 1e-4, (8, 100)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.uniform(0, 600, 100).astype(np.float32), "offsets")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["small"]), helper.make_node("Add", ["small", "offsets"], ["out"])]
+    graph = helper.make_graph(nodes, "flat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 100])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_input_insensitive_model_is_flagged_and_the_report_says_so(tmp_path):
+    x = {"x": np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32)}
+    reference = {"out": run_model(artifact_of(insensitive_model(), tmp_path / "m").path, x)[0]}
     candidate = {"out": reference["out"] * (1 + 1e-6)}
-    acc = compare(candidate, reference, {}, TOL, "export")
+    acc = compare(candidate, reference, x, TOL, "export")
     assert acc.within_tolerance and acc.worst_cosine > 0.99999
+    assert acc.outputs[0].input_sensitivity < 1e-5
     assert len(acc.warnings) == 1 and "mean nothing" in acc.warnings[0]
-    sensitive = {"out": rng.normal(0, 1, (16, 100))}
+    sensitive = {"out": np.random.default_rng(0).normal(0, 1, (16, 100))}
     assert compare(sensitive, sensitive, {}, TOL, "export").warnings == []
 
     recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}], "stages": {"export": {"pass": "export"}}})

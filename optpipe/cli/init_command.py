@@ -16,7 +16,7 @@ def init_command(model: str, output: Path | None, force: bool) -> None:
     """Write a recipe for MODEL: an .onnx file, a Hugging Face model folder, or module:factory."""
     from optpipe.dag import execution_order
     from optpipe.init_recipe import FILL_IN, inspect_path, render_recipe
-    from optpipe.recipe import load_recipe
+    from optpipe.safety.recipe_loading import load_recipe
     from optpipe.validate import validate_recipe
 
     recipe_dir = (output.parent if output else Path.cwd())

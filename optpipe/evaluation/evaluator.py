@@ -23,7 +23,7 @@ from optpipe.results import Accuracy, Latency, Memory
 from optpipe.recipe import Recipe, Tolerance
 from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers
 
-EVAL_FORMAT = 3  # 3: adaptive iteration counts, eager timed beside each stage, busy flags
+EVAL_FORMAT = 4  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol
 
 # Measured here on a loaded 2-core machine (load 17): a fresh PyTorch eager model's calls took 50-250 ms
 # for its first 2-4 s (its new intra-op threads waiting for the scheduler), then 0.05 ms; timed in that
@@ -207,7 +207,9 @@ class Evaluator:
             model=model_digest,
             reference=reference,
             data=self.eval_set.key,
-            settings=self.settings.model_dump(mode="json"),
+            # What shapes a measurement only: the reference is keyed above, and a search's strategy or
+            # budget, the Ray resources, the eager baseline on or off change no stage's figures.
+            settings=self.settings.model_dump(mode="json", exclude={"search", "resources", "eager_baseline", "reference"}),
             tolerance=tolerance.model_dump(mode="json"),
             providers=self.providers,
             machine=machine_id(),

@@ -123,13 +123,20 @@ def inference_precision(compiled) -> str:
     return hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
 
 
-def runtime_precisions(compiled) -> dict[str, int]:
-    """How many executed layers run at each precision, from the compiled model's runtime graph
-    (rt_info `runtimePrecision`): the evidence that an INT8 model really runs int8 kernels."""
+#: Layer types (the CPU plugin's names) that do the arithmetic INT8 is for.
+COMPUTE_LAYERS = ("FullyConnected", "MatMul", "Convolution", "Deconvolution")
+
+
+def runtime_precisions(compiled, layer_types: tuple[str, ...] | None = None) -> dict[str, int]:
+    """How many executed layers (of `layer_types`, default all) run at each precision, from the
+    compiled model's runtime graph (rt_info `runtimePrecision`)."""
     counts: Counter[str] = Counter()
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
-        if "runtimePrecision" not in info or _text(info["layerType"]) in ("Input", "Output", "Const"):
+        if "runtimePrecision" not in info:
+            continue
+        kind = _text(info["layerType"])
+        if kind in ("Input", "Output", "Const") or (layer_types is not None and kind not in layer_types):
             continue
         counts[_text(info["runtimePrecision"])] += 1
     return dict(sorted(counts.items()))
@@ -141,12 +148,15 @@ def _text(value) -> str:
 
 
 def precision_facts(compiled) -> dict[str, Any]:
-    """What the stage info and report record about a compiled model's precision."""
-    layers = runtime_precisions(compiled)
+    """What the stage info and report record about a compiled model's precision: the hint the
+    plugin runs float ops at, and the compute layers (MatMul, Conv, ...) per runtime precision:
+    the evidence that an INT8 model really runs int8 kernels (an FP32 model runs a few mask
+    and index layers in u8: those are not counted)."""
+    compute = runtime_precisions(compiled, COMPUTE_LAYERS)
     return {
         "inference_precision": inference_precision(compiled),
-        "layer_precisions": layers,
-        "int8_layers": sum(n for p, n in layers.items() if p in ("i8", "u8")),
+        "compute_layer_precisions": compute,
+        "int8_layers": sum(n for p, n in compute.items() if p in ("i8", "u8")),
     }
 
 

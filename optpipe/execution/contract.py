@@ -21,6 +21,8 @@ from optpipe.pass_base import Pass, PassContext
 
 #: What a published stage folder may hold (the cache adds its manifest when publishing).
 ARTIFACT_FILES = frozenset({MODEL_FILE, DATA_FILE, INFO_FILE})
+#: The model files per format a pass declares (`Pass.produces`): all required, nothing else allowed.
+FORMAT_FILES = {"onnx": (MODEL_FILE, DATA_FILE), "openvino-ir": ("model.xml", "model.bin", "openvino.json")}
 
 InputState = Optional[dict[str, tuple[int, int]]]
 
@@ -31,10 +33,10 @@ def run_pass(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> Mode
     with contextlib.redirect_stdout(LogWriter(ctx.log)):
         returned = pass_.run(model, ctx)
     check_input_unchanged(pass_.name, model, before)
-    return accept_output(pass_.name, returned, ctx.workdir)
+    return accept_output(pass_.name, returned, ctx.workdir, pass_.produces)
 
 
-def accept_output(pass_name: str, returned: object, workdir: Path) -> ModelArtifact:
+def accept_output(pass_name: str, returned: object, workdir: Path, produces: str = "onnx") -> ModelArtifact:
     """The artifact `run` returned, once it is known to be the workdir and to hold only an artifact's files.
 
     Its info is what goes to info.json: the returned object is the result, not whatever lies on disk.
@@ -43,13 +45,14 @@ def accept_output(pass_name: str, returned: object, workdir: Path) -> ModelArtif
         raise PassError(f"pass '{pass_name}' returned {type(returned).__name__}, not a ModelArtifact; return the artifact it wrote")
     if returned.folder.resolve() != workdir.resolve():
         raise PassError(f"pass '{pass_name}' returned an artifact in {returned.folder}, not its workdir; write the result into ctx.workdir")
+    allowed = {*FORMAT_FILES[produces], INFO_FILE}
     for entry in sorted(workdir.iterdir()):
-        if entry.name not in ARTIFACT_FILES or not entry.is_file():
+        if entry.name not in allowed or not entry.is_file():
             raise PassError(
-                f"pass '{pass_name}' left '{entry.name}' in its workdir, which may hold only {', '.join(sorted(ARTIFACT_FILES))}; "
+                f"pass '{pass_name}' left '{entry.name}' in its workdir, which may hold only {', '.join(sorted(allowed))}; "
                 "remove scratch files before returning"
             )
-    for required in (MODEL_FILE, DATA_FILE):
+    for required in FORMAT_FILES[produces]:
         if not (workdir / required).is_file():
             raise PassError(f"pass '{pass_name}' wrote no {required}; save the result with optpipe.artifact.save_model")
     return write_info(workdir, returned.info)

@@ -86,8 +86,12 @@ class LocalExecutor:
                                time.perf_counter() - started, node, result_detail(plan.memo.eager))
             for name in plan.stages:
                 started = time.perf_counter()
-                outcomes = {name: plan.memo.outcomes[name], **_with_reference(plan, reference)}
+                parent = plan.recipe.stages[name].after
+                outcomes = {**_with_reference(plan, reference), name: plan.memo.outcomes[name]}
+                if parent in plan.memo.outcomes:  # to tell a stage that changed nothing
+                    outcomes[parent] = plan.memo.outcomes[parent]
                 result = evaluate(plan.recipe, [name], outcomes, plan.reference, False, plan.settings)[0]
+                result.evaluation_s = round(time.perf_counter() - started, 3)
                 plan.memo.results[name] = result
                 progress.stage(plan, name, "evaluate", result_label(result), time.perf_counter() - started, node, result_detail(result))
 
@@ -125,5 +129,7 @@ def _node_text(node: dict) -> str:
     return f"{node.get('host')}{ray_node}"
 
 
-def settings_for(recipe: Recipe, cache_dir: Path, run_dir: Path, force: bool, providers: str) -> TaskSettings:
-    return TaskSettings(cache_dir=cache_dir.resolve(), run_dir=run_dir.resolve(), force=force, providers=providers)
+def settings_for(recipe: Recipe, cache_dir: Path, run_dir: Path, force: bool, providers: str,
+                 remote_cache: str | None = None, storage_options: dict | None = None) -> TaskSettings:
+    return TaskSettings(cache_dir=cache_dir.resolve(), run_dir=run_dir.resolve(), force=force, providers=providers,
+                        remote_cache=remote_cache, storage_options=storage_options or {})

@@ -1,23 +1,17 @@
-"""Several recipes (and searches) on one executor: rounds of plans, then one report per recipe.
-
-Each round asks every recipe's driver for its next plan (a plain recipe: all its stages at
-once; a search: its next trials), runs them together on the executor, and feeds the results
-back. A driver killed half-way loses nothing: every stage and evaluation is in the cache,
-and a rerun finds them there.
+"""Fan-out runs' parts below the search: the driver of a plain recipe (one plan with all its
+stages), the run folder and report written from an executor's results, and the rule for a
+Pareto frontier over figures from several kinds of machine. optpipe.search.runner drives them.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Callable
 
 from filelock import FileLock
 
-from optpipe.cache.store import StageCache, default_cache_dir
 from optpipe.dag import build_dag, execution_order
-from optpipe.errors import OptpipeError
-from optpipe.execution.executors import Executor, Plan, Progress, RunMemo, settings_for
-from optpipe.execution.stage_tasks import hardware_class
+from optpipe.execution.executors import Plan, Progress, RunMemo
+from optpipe.execution.stage_tasks import TaskSettings, hardware_class
 from optpipe.results import RunReport, StageResult
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.reporting.run_report import build_report, pareto_frontier, write_report
@@ -27,13 +21,13 @@ from optpipe.validate import validate_recipe
 class PlainDriver:
     """A recipe without a search: one plan with every stage."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path, cache_dir: Path, force: bool, providers: str):
+    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings):
         validate_recipe(recipe)
         self.recipe = recipe
         self.run_dir = run_dir
-        self.settings = settings_for(recipe, cache_dir, run_dir, force, providers)
+        self.settings = settings
         self.memo = RunMemo()
-        self.order = execution_order(build_dag(recipe))
+        self.order = execution_order(build_dag(recipe.stages))
         self._planned = False
 
     def next_plan(self, slots: int) -> Plan | None:
@@ -46,23 +40,10 @@ class PlainDriver:
         pass
 
     def finish(self, group_by_node: bool, providers: str, progress: Progress) -> RunReport:
-        return finish_run(self.recipe, self.order, self.memo, self.run_dir, self.settings.cache_dir, providers, group_by_node)
+        return finish_run(self.recipe, self.order, self.memo, self.run_dir, self.settings, group_by_node)
 
     def failed(self, report: RunReport) -> list[StageResult]:
         return report.failed
-
-
-def _preflight(recipe: Recipe, cache_dir: Path) -> None:
-    """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
-    from optpipe.execution.services import RunServices
-    from optpipe.safety.preflight import preflight
-
-    cache = StageCache(cache_dir)  # also creates the folder layout once, before any task uses it
-    try:
-        services = RunServices(recipe, cache)
-        preflight(recipe, services.eval_set, services.calibration_set)
-    finally:
-        cache.release_leases()
 
 
 def reference_of(recipe: Recipe) -> str:
@@ -73,45 +54,7 @@ def wants_eager(recipe: Recipe) -> bool:
     return recipe.evaluate.eager_baseline and not isinstance(recipe.model, OnnxModel)
 
 
-def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Path | None = None, output: Path | None = None,
-                    force: bool = False, providers: str = "auto", yes: bool = False, group_by_node: bool = False,
-                    progress: Progress | None = None) -> list[tuple[RunReport, list[StageResult]]]:
-    """Run every recipe (searches included) on `executor`; one report per recipe and the stages that failed."""
-    from optpipe.search.driver import SearchDriver
-    from optpipe.search.space import SearchSpace
-
-    if output is not None and len(recipes) > 1:
-        raise OptpipeError("--output names one run folder; with several recipes each writes to its own `output`")
-    progress = progress or Progress(show_recipe=len(recipes) > 1)
-    drivers = []
-    for recipe in recipes:
-        run_dir = output or recipe.resolve(recipe.output)
-        cache = cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-        _preflight(recipe, cache)
-        cls = SearchDriver if SearchSpace.declared(recipe) else PlainDriver
-        drivers.append(cls(recipe, run_dir, cache, force, providers) if cls is PlainDriver
-                       else SearchDriver(recipe, run_dir, cache, force, providers, yes))
-    started = time.perf_counter()
-    active = list(drivers)
-    while active:
-        plans = {id(d): d.next_plan(executor.slots) for d in active}
-        active = [d for d in active if plans[id(d)] is not None]
-        if not active:
-            break
-        executor.run([plans[id(d)] for d in active], progress)
-        for driver in active:
-            driver.absorb(progress)
-    reports = []
-    for driver in drivers:
-        report = driver.finish(group_by_node, providers, progress)
-        reports.append((report, driver.failed(report)))
-    stages = sum(len(r.stages) for r, _ in reports)
-    progress.line(f"done: {len(reports)} recipe{'s' if len(reports) != 1 else ''}, {stages} stages, "
-                  f"wall {time.perf_counter() - started:.1f}s")
-    return reports
-
-
-def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, cache_dir: Path, providers: str,
+def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, settings: TaskSettings,
                group_by_node: bool, search: Callable[[RunReport], dict] | None = None) -> RunReport:
     """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
     from optpipe.execution.run_folder import publish_stage_folders
@@ -123,7 +66,8 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, c
     report = build_report(recipe, results)
     report.hardware = frontier_by_hardware(report, group_by_node)
     report.search = search(report) if search else None
-    cache = StageCache(cache_dir)
+    cache = settings.open_cache()
+    providers = settings.providers
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(str(run_dir / ".optpipe.lock")):

@@ -154,7 +154,7 @@ def _run_request(request: dict[str, Any]) -> dict[str, Any]:
     from optpipe.execution.contract import run_pass
     from optpipe.execution.services import RunServices, make_pass_context, stage_logger
     from optpipe.passes import get_pass
-    from optpipe.recipe import parse_recipe
+    from optpipe.safety.recipe_loading import parse_recipe
 
     stage = request["stage"]
     with stage_logger(stage, Path(request["log"]), truncate=False) as log:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from optpipe.cache.store import StageCache
+from optpipe.cache.backends import open_cache
 from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 
@@ -26,6 +27,11 @@ class TaskSettings:
     run_dir: Path
     force: bool = False
     providers: str = "auto"
+    remote_cache: str | None = None  # an object store behind the cache folder (s3://, gs://)
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def open_cache(self):
+        return open_cache(self.cache_dir, self.remote_cache, **self.storage_options)
 
 
 def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: TaskSettings) -> StageResult:
@@ -40,7 +46,7 @@ def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: T
         return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
                            reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0)
     _, passes = validate_recipe(recipe)
-    cache = StageCache(settings.cache_dir)
+    cache = settings.open_cache()
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     runner = StageRunner(recipe, cache, RunServices(recipe, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
     try:
@@ -57,7 +63,7 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     from optpipe.execution.stage_evaluation import evaluate_stages
     from optpipe.instruments import Instruments
 
-    cache = StageCache(settings.cache_dir)
+    cache = settings.open_cache()
     evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
     scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
     try:

@@ -12,6 +12,7 @@ import html
 import io
 import re
 
+from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, out_of_tolerance, stage_rows, table_note
 from optpipe.results import EAGER, Latency, RunReport, StageResult
 
@@ -30,7 +31,11 @@ def render_html(report: RunReport) -> str:
     for title, curves in _latency_curves(report):
         sections.append(_section(title, _curves_svg(curves, title)))
     sections.append(_problems(report))
-    from optpipe.search.report import render_search_html  # a search's trials, frontier and param effects
+    floats = left_in_float(report.stages)
+    if floats:
+        sections.append(_section("Left in float by the quantization stages",
+                                 "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in floats) + "</ul>"))
+    from optpipe.reporting.search_views import render_search_html  # a search's trials, frontier and param effects
 
     sections.append(render_search_html(report.search, report.hardware))
     body = "\n".join(s for s in sections if s)

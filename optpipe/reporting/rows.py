@@ -166,6 +166,19 @@ def _peak_mb(stage: StageResult) -> Optional[float]:
     return stage.memory.host_rss_bytes / 1e6 if stage.memory and stage.memory.host_rss_bytes is not None else None
 
 
+RUNTIME_LABELS = {"CPUExecutionProvider": "ort-cpu", "CUDAExecutionProvider": "ort-cuda", "TensorrtExecutionProvider": "ort-tensorrt",
+                  "pytorch-cpu": "pytorch"}
+
+
+def runtime_label(stage: StageResult) -> str:
+    """What measured the row: ONNX Runtime's provider, OpenVINO (with the precision it ran float ops at), PyTorch."""
+    provider = stage.headline.provider if stage.headline else None
+    if provider is None:
+        return ""
+    hint = stage.info.get("inference_precision") if provider.startswith("openvino") else None
+    return RUNTIME_LABELS.get(provider, provider) + (f" {hint}" if hint else "")
+
+
 def _precision(c: RowContext) -> Cell:
     """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning."""
     if not c.stage.coverage:
@@ -227,5 +240,6 @@ COLUMNS: list[Column] = [
     Column("peak mem MB", lambda c: Cell(_f(_peak_mb(c.stage), ".0f"))),
     Column("task metric", _task),
     Column("precision (MACs)", _precision),
+    Column("runtime", lambda c: Cell(runtime_label(c.stage))),
     Column("frontier", lambda c: Cell("★" if c.stage.pareto else "")),
 ]

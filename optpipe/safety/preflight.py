@@ -8,23 +8,23 @@ runs fail that stage and name it (exit code 1).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Callable
 
 from optpipe.errors import DataError
-from optpipe.recipe import OnnxModel, Recipe
+from optpipe.recipe import Recipe
 
 _DATA_PREFIX = re.compile(r"^(data(\.\w+)?( source '\w+')?:\s*)")
 
 
-def preflight(recipe: Recipe, eval_set: Callable[[], object], calibration_set: Callable[[], object]) -> None:
-    """Build (or load) the data sets through the run's builders, so the stages reuse them."""
-    if isinstance(recipe.model, OnnxModel):
+def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], object], calibration_set: Callable[[], object]) -> None:
+    """`onnx_path`: the model file of an ONNX recipe (resolved by the caller, from model_source).
+    The data sets are built (or loaded) through the run's builders, so the stages reuse them."""
+    if onnx_path is not None:
         from optpipe.safety import onnx_guard
-        from optpipe.model_source import onnx_source_path
 
-        path = onnx_source_path(recipe)
-        graph = onnx_guard.load_graph(path, "model.onnx")
-        onnx_guard.check_inputs_match(graph, recipe, path.name)
+        graph = onnx_guard.load_graph(onnx_path, "model.onnx")
+        onnx_guard.check_inputs_match(graph, recipe, onnx_path.name)
     _check_data(eval_set, "eval")
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")

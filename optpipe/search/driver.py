@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.dag import build_dag, execution_order
-from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail, settings_for
+from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail
+from optpipe.execution.stage_tasks import TaskSettings
 from optpipe.execution.fan_out import finish_run, reference_of, wants_eager
 from optpipe.results import StageResult
 from optpipe.recipe import Recipe
@@ -30,7 +31,7 @@ class TrialRecord:
 
 
 class SearchDriver:
-    def __init__(self, recipe: Recipe, run_dir: Path, cache_dir: Path, force: bool, providers: str, yes: bool):
+    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings, yes: bool):
         self.recipe = recipe
         self.run_dir = run_dir
         self.space = SearchSpace(recipe)
@@ -38,7 +39,7 @@ class SearchDriver:
         self.strategy, self.budget = resolve_strategy(self.space, self.settings, yes)
         _validate_every_value(self.space)
         self.proposer = make_proposer(self.space, self.settings, self.strategy, self.budget)
-        self.task_settings = settings_for(recipe, cache_dir, run_dir, force, providers)
+        self.task_settings = settings
         self.memo = RunMemo()
         self.records: list[TrialRecord] = []
         self.pending: list[tuple[Any, Trial]] = []
@@ -55,7 +56,7 @@ class SearchDriver:
         self.pending = self.proposer.ask(count)
         trials = [r.trial for r in self.records] + [t for _, t in self.pending]
         self.expanded, self.leaves = self.space.expand(list(dict.fromkeys(trials)))
-        order = execution_order(build_dag(self.expanded))
+        order = execution_order(build_dag(self.expanded.stages))
         new = [name for name in order if name not in self.memo.results]
         eager = wants_eager(self.recipe) and self.memo.eager is None
         return Plan(self.recipe.name, self.expanded, new, reference_of(self.expanded), eager, self.task_settings, self.memo)
@@ -72,6 +73,8 @@ class SearchDriver:
             self.records.append(record)
             detail = result_detail(result) if result else "nothing to measure: every searched stage is off"
             status = result.status if result else "failed"
+            if result is not None and result.accuracy is not None and status == "ok" and not result.accuracy.within_tolerance:
+                status = "out of tolerance"
             params = ", ".join(f"{k}={v}" for k, v in trial.values)
             again = f" (repeat of trial {record.repeat_of})" if record.repeat_of else ""
             progress.line(f"  trial {record.number}/{total} {status}{again}: {params} -> {stage} — {detail}")
@@ -79,13 +82,12 @@ class SearchDriver:
 
     def finish(self, group_by_node: bool, providers: str, progress: Progress) -> RunReport:
         wall = time.perf_counter() - (self.started or time.perf_counter())
-        order = execution_order(build_dag(self.expanded))
+        order = execution_order(build_dag(self.expanded.stages))
 
         def section(report: RunReport) -> dict:
             return search_section(self, report, wall)
 
-        report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings.cache_dir, providers,
-                            group_by_node, section)
+        report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings, group_by_node, section)
         s = report.search
         best = s["best"]["stage"] if s.get("best") else "none within tolerance"
         progress.line(f"search {self.recipe.name}: {len(s['trials'])} trials ({s['counts']}), stopped: {s['stopped']}, "
@@ -123,3 +125,15 @@ def _validate_every_value(space: SearchSpace) -> None:
     probes = [space.trial({**first, dim.key: value}) for dim in space.dimensions for value in dim.values]
     recipe, _ = space.expand(list(dict.fromkeys(probes)))
     validate_recipe(recipe)
+
+
+def describe_search(recipe: Recipe) -> str:
+    """`optpipe validate`'s line for a search: its space, strategy and how many trials it would run."""
+    space = SearchSpace(recipe)
+    _validate_every_value(space)
+    settings = recipe.evaluate.search or SearchSettings()
+    strategy, budget = resolve_strategy(space, settings, yes=True)
+    runs = min(budget, space.size) if budget else space.size
+    wall = f", at most {settings.wall_time_s:g}s" if settings.wall_time_s else ""
+    return (f"search: {strategy} over {space.size} points ({', '.join(f'{k}: {len(v)}' for k, v in space.describe().items())}); "
+            f"{'up to ' if strategy == 'optuna' or settings.wall_time_s else ''}{runs} trials{wall}")

@@ -105,7 +105,7 @@ class SearchSpace:
 
 
 def _searched_chain(recipe: Recipe) -> list[str]:
-    graph = build_dag(recipe)
+    graph = build_dag(recipe.stages)
     searched = [name for name, spec in recipe.stages.items() if spec.search or spec.optional]
     subtree: set[str] = set(searched)
     for name in searched:

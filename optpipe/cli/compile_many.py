@@ -8,17 +8,21 @@ import click
 
 from optpipe.errors import OptpipeError
 from optpipe.recipe import Recipe
+from optpipe.run_paths import RunPaths
 
 
 def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str | None, output: Path | None, force: bool,
-                       only: str | None, cache_dir: Path | None, yes: bool, group_by_node: bool) -> int:
+                       only: str | None, cache_dir: Path | None, yes: bool, group_by_node: bool,
+                       remote_cache: str | None = None) -> int:
     from optpipe.execution.executors import LocalExecutor
-    from optpipe.execution.fan_out import compile_recipes
+    from optpipe.search.runner import compile_recipes
     from optpipe.reporting.run_report import stage_table
 
     if only is not None:
         raise OptpipeError("--only runs one recipe's stage and its ancestors; it does not combine with searches, "
                            "several recipes or --executor ray")
+    if remote_cache:
+        _check_remote(remote_cache)
     if executor_name == "ray":
         from optpipe.execution.ray_executor import RayExecutor
 
@@ -27,12 +31,12 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
         executor = LocalExecutor()
     try:
         reports = compile_recipes(recipes, executor, cache_dir=cache_dir, output=output, force=force, yes=yes,
-                                  group_by_node=group_by_node)
+                                  group_by_node=group_by_node, remote_cache=remote_cache)
     finally:
         executor.close()
     code = 0
     for recipe, (report, failed) in zip(recipes, reports):
-        run_dir = output or recipe.resolve(recipe.output)
+        run_dir = RunPaths.resolve(recipe, output).run_dir
         if report.search is None:
             click.echo(stage_table(report))
         click.echo(f"report {recipe.name}: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)")
@@ -45,3 +49,16 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
             code = 1
     sys.stdout.flush()
     return code
+
+
+def _check_remote(url: str) -> None:
+    """A remote cache that cannot be opened is the user's to fix: one line, before any work."""
+    from optpipe.cache.backends import FsspecEntryStore
+
+    try:
+        store = FsspecEntryStore(url)
+        store.fs.ls(store.root)
+    except ImportError as exc:
+        raise OptpipeError(f"--remote-cache {url}: its filesystem is not installed ({exc}); pip install 'optpipe[s3]' for s3://") from None
+    except Exception as exc:  # noqa: BLE001 (fsspec backends raise their own types: say which and why)
+        raise OptpipeError(f"--remote-cache {url}: cannot list it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None

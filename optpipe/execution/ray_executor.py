@@ -1,0 +1,184 @@
+"""The Ray executor: each stage's pass and each evaluation is a Ray task (Ray's public API only).
+
+- Passes run where CPUs (and the stage's declared resources) are free; a stage's parent
+  reaches it as an ObjectRef, so Ray orders them and a stage never waits for a GPU node
+  unless it asks for a GPU.
+- An evaluation holds the node's `benchmark` resource (capacity 1 per node, declared by
+  `ray start --resources='{"benchmark": 1}'`) and every CPU of the smallest benchmark node:
+  no two candidates are ever timed at once on one machine, and no compile runs beside a timing.
+- Every task writes through the shared cache (key lock, atomic rename), so a task Ray retries
+  after its worker died finds either nothing or a whole entry: the run ends as a clean one would.
+"""
+from __future__ import annotations
+
+import re
+import socket
+import time
+from typing import Any
+
+from optpipe.errors import OptpipeError, first_line
+from optpipe.execution.executors import Plan, Progress, outcome_label, result_detail, result_label
+from optpipe.execution.stage_tasks import evaluate, node_description, run_stage
+
+BENCHMARK = "benchmark"
+# A task whose worker or node dies is retried on another node (Ray's own retry); an error the
+# pass raised is a result, never retried.
+MAX_RETRIES = 3
+
+
+def _pass_task(recipe, name, parent, settings):
+    started = time.perf_counter()
+    parent_outcome = parent[0] if parent is not None else None
+    outcome = run_stage(recipe, name, parent_outcome, settings)
+    return outcome, node_description(), time.perf_counter() - started
+
+
+def _eval_task(recipe, name, stage, parent_name, parent, reference_name, reference, eager, settings):
+    started = time.perf_counter()
+    outcomes = {}
+    if reference is not None:
+        outcomes[reference_name] = reference[0]
+    if parent is not None:  # to tell a stage that changed nothing
+        outcomes[parent_name] = parent[0]
+    if name is not None:
+        outcomes[name] = stage[0]
+    results = evaluate(recipe, [name] if name else [], outcomes, reference_name, eager, settings)
+    return results[0], node_description(), time.perf_counter() - started
+
+
+class RayExecutor:
+    def __init__(self, address: str | None):
+        try:
+            import ray
+        except ImportError:
+            raise OptpipeError("--executor ray: Ray is not installed; pip install 'optpipe[ray]' (or use the local executor)") from None
+        self.ray = ray
+        if address not in (None, "auto"):
+            _check_reachable(address)
+        try:
+            if address is None:
+                # No cluster named: a Ray instance on this machine, one benchmark slot.
+                ray.init(resources={BENCHMARK: 1}, include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(address=address, log_to_driver=False)
+        except ConnectionError as exc:
+            raise OptpipeError(f"--address {address}: no Ray cluster answers there ({first_line(exc)}); start one with `ray start --head` or fix the address") from None
+        except Exception as exc:  # ray.init's other refusals (bad address syntax, version mismatch)
+            raise OptpipeError(f"--address {address}: cannot join the Ray cluster ({type(exc).__name__}: {first_line(exc)})") from None
+        self.benchmark_nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get(BENCHMARK)]
+        if not self.benchmark_nodes:
+            self.close()
+            raise OptpipeError(
+                f"--executor ray: no node of the cluster declares the `{BENCHMARK}` resource, so latency could not be timed "
+                "alone on a node; start each node with --resources='{\"benchmark\": 1}'"
+            )
+        self.timing_cpus = min(n["Resources"].get("CPU", 1) for n in self.benchmark_nodes)
+        self.slots = max(2, 2 * len(self.benchmark_nodes))  # timing on one node while others compile
+        self._pass = ray.remote(_pass_task)
+        self._eval = ray.remote(_eval_task)
+
+    def run(self, plans: list[Plan], progress: Progress) -> None:
+        ray = self.ray
+        waiting: dict[Any, tuple[Plan, str, str]] = {}  # ref -> (plan, stage, pass | evaluate)
+        for plan in plans:
+            self._check_resources(plan)
+            recipe = ray.put(plan.recipe)
+            refs: dict[str, Any] = {}
+            for name in plan.stages:
+                parent = plan.recipe.stages[name].after
+                parent_ref = refs.get(parent) or (_done(plan.memo.outcomes[parent]) if parent else None)
+                refs[name] = self._pass.options(name=f"pass {name}", max_retries=MAX_RETRIES, **_ray_resources(plan.recipe.stages[name].resources)).remote(
+                    recipe, name, parent_ref, plan.settings)
+                waiting[refs[name]] = (plan, name, "pass")
+            ref = plan.reference
+            ref_arg = refs.get(ref) or (_done(plan.memo.outcomes[ref]) if ref in plan.memo.outcomes else None)
+            timing = self._timing_options(plan)
+            if plan.eager:
+                eager = self._eval.options(name="evaluate pytorch-eager", **timing).remote(
+                    recipe, None, None, None, None, ref, ref_arg, True, plan.settings)
+                waiting[eager] = (plan, "", "eager")
+            for name in plan.stages:
+                parent = plan.recipe.stages[name].after
+                parent_arg = refs.get(parent) or (_done(plan.memo.outcomes[parent]) if parent in plan.memo.outcomes else None)
+                evaluation = self._eval.options(name=f"evaluate {name}", **timing).remote(
+                    recipe, name, refs[name], parent, parent_arg, ref, ref_arg, False, plan.settings)
+                waiting[evaluation] = (plan, name, "evaluate")
+        self._collect(waiting, progress)
+
+    def _collect(self, waiting: dict, progress: Progress) -> None:
+        """Take results as they finish: one progress line each, with the node that ran it."""
+        from optpipe.results import StageResult
+
+        ray = self.ray
+        pending = list(waiting)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            plan, name, kind = waiting[done[0]]
+            try:
+                value, node, seconds = ray.get(done[0])
+            except Exception as exc:  # retries spent (or a task that could not run): the stage fails, the run goes on
+                reason = f"Ray task failed after {MAX_RETRIES} retries: {type(exc).__name__}: {first_line(exc)}"
+                spec = plan.recipe.stages.get(name)
+                value = StageResult(name=name or "pytorch-eager", pass_name=spec.pass_name if spec else "eager",
+                                    parent=spec.after if spec else None, status="failed", reason=reason)
+                node, seconds = None, 0.0
+            if kind == "pass":
+                plan.memo.outcomes[name] = value
+                progress.stage(plan, name, "pass", outcome_label(value), seconds, node, value.reason or "")
+            elif kind == "eager":
+                plan.memo.eager = value
+                progress.stage(plan, value.name, "evaluate", result_label(value), seconds, node, result_detail(value))
+            else:
+                value.evaluation_s = round(seconds, 3)
+                plan.memo.results[name] = value
+                progress.stage(plan, name, "evaluate", result_label(value), seconds, node, result_detail(value))
+
+    def _timing_options(self, plan: Plan) -> dict:
+        declared = dict(plan.recipe.evaluate.resources)
+        declared.setdefault("CPU", max(self.timing_cpus, plan.recipe.evaluate.threads))
+        options = _ray_resources(declared)
+        options.setdefault("resources", {})[BENCHMARK] = 1
+        return {"max_retries": MAX_RETRIES, **options}
+
+    def _check_resources(self, plan: Plan) -> None:
+        """A stage asking for what no node has would wait forever: say so before submitting."""
+        total = self.ray.cluster_resources()
+        wanted = [("evaluate.resources", plan.recipe.evaluate.resources)]
+        wanted += [(f"stages.{n}.resources", plan.recipe.stages[n].resources) for n in plan.stages]
+        for where, resources in wanted:
+            for key, amount in resources.items():
+                if total.get(key, 0) < amount:
+                    raise OptpipeError(f"{where}: {key}={amount:g} but the Ray cluster has {total.get(key, 0):g}; "
+                                       f"start a node with it (ray start --resources) or drop the request")
+
+    def close(self) -> None:
+        if self.ray.is_initialized():
+            self.ray.shutdown()
+
+
+def _done(outcome) -> tuple:
+    """A parent computed in an earlier round, in the shape a task's result has."""
+    return (outcome, None, 0.0)
+
+
+def _ray_resources(declared: dict[str, float]) -> dict:
+    """A recipe's `resources` (CPU, GPU, custom names such as a GPU type) as Ray task options."""
+    options: dict[str, Any] = {"num_cpus": declared.get("CPU", 1)}
+    if declared.get("GPU"):
+        options["num_gpus"] = declared["GPU"]
+    custom = {k: v for k, v in declared.items() if k not in ("CPU", "GPU")}
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+def _check_reachable(address: str) -> None:
+    """A wrong address fails in a second with one line, instead of Ray's long connection retries."""
+    match = re.fullmatch(r"(?:ray://)?\[?([^\]]+?)\]?:(\d+)", address)
+    if not match:
+        raise OptpipeError(f"--address {address}: expected auto, HOST:PORT or ray://HOST:PORT")
+    host, port = match.group(1), int(match.group(2))
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as exc:
+        raise OptpipeError(f"--address {address}: nothing answers at {host}:{port} ({exc.strerror or exc}); is the Ray cluster up?") from None

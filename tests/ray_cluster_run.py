@@ -1,0 +1,88 @@
+"""Run inside a loopback-only network and PID namespace (see tests/test_ray_executor.py):
+start a 2-node Ray cluster on 127.0.0.1, run `optpipe compile --executor ray` on it and kill
+that driver after a few stages; rerun it, kill the worker node once it has finished some work
+while the run goes on, and let the run finish.
+
+Ray's daemons advertise the machine's interface address even when told 127.0.0.1; in this
+namespace only loopback exists, so nothing leaves it. The namespace's PID 1 is this script:
+when it ends, the kernel kills every process left in the namespace (the cluster included).
+
+Prints one JSON line: the driver's exit code, its progress lines, when the worker was killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PORT = 6390
+# Ray's and optpipe's command lines through this interpreter: no PATH lookup.
+RAY = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
+OPTPIPE = [sys.executable, "-m", "optpipe.cli"]
+
+
+def sh(*cmd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120, **kw)
+
+
+def main(recipe: str, run_dir: str, cache: str, kill_driver_after: int, kill_worker_after: int, allow: str) -> dict:
+    sh("ip", "link", "set", "lo", "up")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"]
+    sh(*RAY, "start", "--head", f"--port={PORT}", "--resources={\"benchmark\": 1}", *common, env=env)
+    worker = subprocess.Popen(
+        [*RAY, "start", f"--address=127.0.0.1:{PORT}", "--resources={\"benchmark\": 1, \"worker_node\": 1}", "--block",
+         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    worker_id = _wait_for_worker()
+    compile_cmd = [*OPTPIPE, "compile", recipe, "--executor", "ray", "--address", f"127.0.0.1:{PORT}", "-o", run_dir, "--cache-dir", cache,
+                   "--allow-path", allow]
+
+    # 1. The driver killed after a few stages: what it finished is in the cache.
+    first = subprocess.Popen(compile_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first_lines = []
+    for line in first.stdout:
+        first_lines.append(line.rstrip())
+        if sum(" ok pass " in x for x in first_lines) >= kill_driver_after:
+            first.kill()
+            break
+    first.wait(timeout=60)
+
+    # 2. A rerun, with the worker node killed once it has finished some work.
+    driver = subprocess.Popen(compile_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, killed_at, worker_lines = [], None, 0
+    for line in driver.stdout:
+        lines.append(line.rstrip())
+        if worker_id[:12] in line:
+            worker_lines += 1
+        if killed_at is None and worker_lines >= kill_worker_after:
+            os.killpg(worker.pid, signal.SIGKILL)  # the node's raylet, its workers and their running tasks
+            killed_at = len(lines)
+    code = driver.wait(timeout=600)
+    return {"returncode": code, "lines": lines, "killed_at": killed_at, "worker": worker_id[:12],
+            "first_lines": first_lines, "first_returncode": first.returncode}
+
+
+def _wait_for_worker() -> str:
+    import ray
+
+    ray.init(address=f"127.0.0.1:{PORT}", log_to_driver=False)
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("worker_node")]
+            if nodes:
+                return nodes[0]["NodeID"]
+            time.sleep(0.5)
+        raise RuntimeError("the worker node did not join within 90 s")
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    result = main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    print(json.dumps(result))

@@ -1,0 +1,111 @@
+"""The Ray executor on a real 2-node cluster, kept on loopback inside a network namespace.
+
+Ray's daemons advertise the machine's interface address even with --node-ip-address=127.0.0.1;
+here the cluster and the driver run in `unshare --net` (loopback only) plus a PID namespace,
+whose end kills every process of the cluster, also when the test fails or times out.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from optpipe.execution.executors import LocalExecutor, Progress
+from optpipe.search.runner import compile_recipes
+from optpipe.safety.recipe_loading import load_recipe
+from optpipe.results import RunReport
+
+REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = ["unshare", "--net", "--pid", "--fork", "--mount-proc"]
+
+
+def _namespaces_allowed() -> str | None:
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    probe = subprocess.run([*NAMESPACE, "true"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"unshare --net is not permitted here: {probe.stderr.strip()[:100]}"
+
+
+def _tiny_search(tmp_path: Path) -> Path:
+    data = yaml.safe_load((REPO / "recipes" / "tiny-search.yaml").read_text())
+    data["model"]["path"] = str(REPO / "recipes" / "models")
+    data["output"] = "run"
+    path = tmp_path / "tiny-search.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.ray
+def test_search_on_a_two_node_cluster_survives_a_killed_driver_and_worker_and_matches_the_local_run(tmp_path):
+    pytest.importorskip("ray")
+    reason = _namespaces_allowed()
+    if reason:
+        pytest.skip(reason)
+    recipe = _tiny_search(tmp_path)
+    ray_run, ray_cache = tmp_path / "ray-run", tmp_path / "ray-cache"
+    proc = subprocess.run(
+        [*NAMESPACE, sys.executable, str(REPO / "tests" / "ray_cluster_run.py"), str(recipe), str(ray_run), str(ray_cache), "3", "2",
+         str(REPO / "recipes" / "models")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    log = "\n".join(out["lines"])
+    assert out["first_returncode"] != 0 and sum(" ok pass " in x for x in out["first_lines"]) == 3, out["first_lines"]
+    assert out["returncode"] == 0, log
+    # The rerun took what the killed driver had finished from the cache.
+    assert sum(" cached pass " in line for line in out["lines"]) >= 3, log
+    # The worker node ran stages, then died while the run still had work to do.
+    assert out["killed_at"] is not None and out["killed_at"] < len(out["lines"]) - 3, log
+    assert any(out["worker"] in line for line in out["lines"][: out["killed_at"]])
+    assert "done: 1 recipe" in log and "search tiny-search: 9 trials" in log
+
+    # The same search with the local executor, on its own cache: the same report.
+    local_run = tmp_path / "local-run"
+    [(local, _)] = compile_recipes([load_recipe(recipe)], LocalExecutor(), cache_dir=tmp_path / "local-cache",
+                                   output=local_run, progress=Progress(open("/dev/null", "w")))
+    remote = RunReport.model_validate_json((ray_run / "report.json").read_text())
+    assert [(t["stage"], t["params"], t["status"]) for t in remote.search["trials"]] == \
+           [(t["stage"], t["params"], t["status"]) for t in local.search["trials"]]
+    assert remote.search["frontier"] == local.search["frontier"] and remote.search["frontier"]
+    for a, b in zip(remote.stages, local.stages):
+        assert a.name == b.name and a.status == b.status
+        if a.accuracy:
+            assert a.accuracy.model_dump() == b.accuracy.model_dump(), a.name
+    nodes = {s.measured_on["ray_node"] for s in remote.stages if s.measured_on}
+    assert out["worker"] in nodes and len(nodes) == 2  # figures came from both nodes, and say so
+    assert remote.hardware["classes"] and "frontier" not in remote.hardware  # one kind of machine: one frontier
+
+
+def test_unreachable_address_is_one_line_exit_2(tiny_recipe, cli_run):
+    pytest.importorskip("ray")
+    result = cli_run("compile", str(tiny_recipe()), "--executor", "ray", "--address", "127.0.0.1:1")
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "nothing answers at 127.0.0.1:1" in result.output
+
+
+def test_ray_missing_is_one_line_exit_2(tiny_recipe, cli_run, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray then raises ImportError
+    result = cli_run("compile", str(tiny_recipe()), "--executor", "ray")
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "pip install 'optpipe[ray]'" in result.output
+
+
+def test_address_without_ray_executor_is_a_usage_error(tiny_recipe, cli_run):
+    result = cli_run("compile", str(tiny_recipe()), "--address", "auto")
+    assert result.exit_code == 2 and "--executor ray" in result.output
+
+
+def test_recipe_resources_become_ray_task_options(tiny_recipe):
+    from optpipe.execution.ray_executor import _ray_resources
+
+    recipe = load_recipe(tiny_recipe({"stages": {"simplify": {"resources": {"CPU": 2, "GPU": 1, "gpu-L4": 1}}},
+                                      "evaluate": {"resources": {"GPU": 1, "gpu-L4": 1}}}))
+    assert _ray_resources(recipe.stages["simplify"].resources) == {"num_cpus": 2, "num_gpus": 1, "resources": {"gpu-L4": 1}}
+    assert _ray_resources(recipe.stages["export"].resources) == {"num_cpus": 1}  # no GPU asked: never waits for one
+    assert _ray_resources(recipe.evaluate.resources) == {"num_cpus": 1, "num_gpus": 1, "resources": {"gpu-L4": 1}}
