@@ -18,7 +18,7 @@ from pathlib import Path
 import networkx as nx
 from filelock import FileLock
 
-from optpipe.cache.store import StageCache, default_cache_dir
+from optpipe.cache.store import StageCache
 from optpipe.dag import ancestors_and_self, execution_order
 from optpipe.cache.folder import check_apart
 from optpipe.errors import OptpipeError
@@ -31,6 +31,7 @@ from optpipe.execution.stage_runner import StageRunner
 from optpipe.instruments import Instrument, Instruments
 from optpipe.pass_base import Pass
 from optpipe.recipe import Recipe
+from optpipe.run_paths import RunPaths
 from optpipe.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
@@ -62,8 +63,8 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     from optpipe.safety.preflight import preflight
 
     graph, passes = validate_recipe(recipe)
-    run_dir = options.output or recipe.resolve(recipe.output)
-    cache_root = options.cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+    paths = RunPaths.resolve(recipe, options.output, options.cache_dir)
+    run_dir, cache_root = paths.run_dir, paths.cache_dir
     check_apart(run_dir, cache_root)  # `cache gc` must never remove a run, nor a run folder the cache
     with folder_errors("cache folder", cache_root):
         cache = StageCache(cache_root)

@@ -24,7 +24,7 @@ import torch
 from reliability_fixtures import HERE, onnx_recipe, run_main, write_linear_onnx, write_recipe
 
 from optpipe.cache.admin import list_entries
-from optpipe.cache.folder import MARKER, is_marked
+from optpipe.cache.folder import MARKER, CacheFolderError, is_marked
 from optpipe.cache.store import StageCache, default_cache_dir, verify_entry
 from optpipe.errors import RecipeError
 from optpipe.pipeline import RunOptions, compile_recipe
@@ -110,6 +110,36 @@ def test_gc_and_verify_touch_only_entries_optpipe_published(tmp_path, capsys):
     assert code == 0 and "removed 2 entries" in out, out
     assert all(path.read_text() == "keep me" for path in strangers)
     assert not (root / "stages" / key).exists()
+
+
+def test_a_cache_made_before_the_marker_is_adopted_and_a_project_is_not(tmp_path):
+    old = tmp_path / "old"
+    for sub in ("stages", "results", "tmp", "locks", "calibration"):
+        (old / sub).mkdir(parents=True)
+    StageCache(old)
+    assert is_marked(old)
+    project = _project(tmp_path / "project")
+    with pytest.raises(CacheFolderError, match="it holds 'src'"):
+        StageCache(project)
+    assert not is_marked(project)
+
+
+def test_verify_judges_only_what_carries_a_hash(tmp_path, capsys):
+    """ORT's calibration ranges (`calibration/<key>.json`, its own format) are entries without a
+    hash: verify must not call them corrupted, nor delete them; a damaged result still fails."""
+    root = tmp_path / "cache"
+    cache = StageCache(root)
+    ranges = root / "calibration" / f"{StageCache.key(name='ranges')}.json"
+    ranges.parent.mkdir()
+    ranges.write_text('{"x": [-1.0, 1.0]}')
+    result_key = StageCache.key(name="result")
+    cache.put_result(result_key, {"value": 1})
+    cache.release_leases()
+    code, out, err = run_main(["cache", "--cache-dir", str(root), "verify", "--delete"], capsys)
+    assert code == 0 and "2 ok, 0 corrupted" in out, out
+    cache.result_path(result_key).write_text('{"value": 2, "sha256": "0"}')
+    code, out, err = run_main(["cache", "--cache-dir", str(root), "verify", "--delete"], capsys)
+    assert code == 1 and "1 corrupted" in out and ranges.read_text() == '{"x": [-1.0, 1.0]}'
 
 
 # --- 2. a run folder and a cache never nest ---------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from optpipe.artifact import MANIFEST_FILE
 from optpipe.cache.folder import is_entry_name
-from optpipe.cache.store import SERVICE_DIRS, discard, read_result, sweep_leftovers, verify_entry
+from optpipe.cache.store import RESULTS, SERVICE_DIRS, discard, read_result, sweep_leftovers, verify_entry
 from optpipe.errors import OptpipeError
 from optpipe.cache.locking import exclusive_nowait, release
 
@@ -55,9 +55,11 @@ def verify(entry: CacheEntry) -> str | None:
     """None when the entry matches its hashes, else what is wrong."""
     if entry.path.is_dir():
         return verify_entry(entry.path)
-    if entry.path.suffix == ".json":
+    if entry.path.suffix == ".json" and entry.kind == RESULTS:
         return read_result(entry.path)[1]
-    return None  # a file another component stores without a hash: nothing to check against
+    # A file another component stores without a hash (ORT's calibration ranges, a TensorRT
+    # timing cache): nothing to check against, so never reported corrupted nor deleted.
+    return None
 
 
 def remove(root: Path, entry: CacheEntry) -> bool:

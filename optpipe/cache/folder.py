@@ -27,6 +27,8 @@ _OURS = "optpipe cache"
 KEY_NAME = re.compile(r"[0-9a-f]{32,128}(\.json)?")
 # Bookkeeping folders of a cache; everything else at the top level is a kind of entry.
 SERVICE_DIRS = ("tmp", "locks")
+# What every cache made by optpipe holds, from before the marker existed.
+OLD_LAYOUT = ("stages", "results", *SERVICE_DIRS)
 
 
 class CacheFolderError(OptpipeError):
@@ -41,8 +43,8 @@ def is_marked(root: Path) -> bool:
 
 
 def prepare_cache_folder(root: Path) -> None:
-    """Create and mark a new cache; accept a marked one, or an unmarked one that holds only cache
-    entries (made before the marker existed); refuse any other folder."""
+    """Create and mark a new cache; accept a marked one, or an unmarked one with a cache's layout
+    (made before the marker existed); refuse any other folder that is not empty."""
     if root.exists() and not root.is_dir():
         raise CacheFolderError(f"cache folder '{root}' is a file; point --cache-dir or OPTPIPE_CACHE at a folder")
     if not is_marked(root):
@@ -90,16 +92,12 @@ def is_entry_name(name: str) -> bool:
 
 
 def _first_stranger(root: Path) -> Path | None:
-    """The first thing in `root` that an optpipe cache does not hold: a top-level file, or
-    something inside a kind folder that is not named like an entry."""
-    for child in sorted(root.iterdir()):
-        if child.name == MARKER or child.name.startswith("."):
-            continue
-        if not child.is_dir():
-            return child
-        if child.name in SERVICE_DIRS:
-            continue
-        for entry in child.iterdir():
-            if not (is_entry_name(entry.name) or entry.name.startswith(".tmp-")):
-                return child
-    return None
+    """None when `root` may become a cache: empty, or laid out as every optpipe cache has been
+    (stages/, results/, tmp/, locks/ folders, no files beside them); else the first thing in it."""
+    children = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    if not children:
+        return None
+    files = [p for p in children if not p.is_dir()]
+    if not files and all((root / name).is_dir() for name in OLD_LAYOUT):
+        return None
+    return files[0] if files else next((p for p in children if p.name not in OLD_LAYOUT), children[0])

@@ -101,20 +101,21 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
                     group_by_node: bool, remote_cache: str | None) -> None:
     """Run RECIPE: every stage, its evaluation, the report (several recipes: all of them, together)."""
     from optpipe.cache.folder import check_apart
-    from optpipe.cache.store import default_cache_dir
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
     from optpipe.reporting.run_report import stage_table
+    from optpipe.run_paths import RunPaths
     from optpipe.search.space import SearchSpace
 
     loaded = [load_recipe(path, allow_paths, allow_factories) for path in recipes]
     for each in loaded:  # every executor: `cache gc` must never remove a run, nor a run folder the cache
-        check_apart(output or each.resolve(each.output), cache_dir or (each.resolve(each.cache) if each.cache else default_cache_dir()))
+        paths = RunPaths.resolve(each, output, cache_dir)
+        check_apart(paths.run_dir, paths.cache_dir)
     if address is not None and executor != "ray":
         raise click.UsageError("--address needs --executor ray")
     if len(loaded) > 1 or executor == "ray" or remote_cache or SearchSpace.declared(loaded[0]):
-        from optpipe.execution.fan_out_cli import compile_fanned_out
+        from optpipe.cli.compile_many import compile_fanned_out
 
         sys.exit(compile_fanned_out(loaded, executor, address, output, force, only, cache_dir, yes, group_by_node, remote_cache))
     recipe, parsed = recipes[0], loaded[0]
@@ -122,7 +123,7 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
     report = compile_recipe(parsed, options)
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     console.print(stage_table(report), markup=False)
-    run_dir = output or parsed.resolve(parsed.output)
+    run_dir = RunPaths.resolve(parsed, output).run_dir
     console.print(f"\nreport: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)", markup=False)
     failed_targets = report.failed_targets
     for target in failed_targets:
@@ -145,13 +146,14 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
 def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...]) -> None:
     """Check RECIPE without running it."""
     from optpipe.cache.folder import check_apart
-    from optpipe.cache.store import default_cache_dir
     from optpipe.dag import execution_order
+    from optpipe.run_paths import RunPaths
     from optpipe.safety.recipe_loading import load_recipe
     from optpipe.validate import validate_recipe
 
     parsed = load_recipe(recipe, allow_paths, allow_factories)
-    check_apart(parsed.resolve(parsed.output), parsed.resolve(parsed.cache) if parsed.cache else default_cache_dir())
+    paths = RunPaths.resolve(parsed)
+    check_apart(paths.run_dir, paths.cache_dir)
     from optpipe.search.space import SearchSpace
 
     if SearchSpace.declared(parsed):  # checked trial by trial: a searched param is in no stage's params

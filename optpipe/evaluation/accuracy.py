@@ -15,11 +15,11 @@ from typing import Callable
 import numpy as np
 
 from optpipe.results import Accuracy, OutputAccuracy
+from optpipe.evaluation.cosine import MASK_INPUT, cosine_of_rows, row_cosines, rows_of  # noqa: F401  (re-exported: layerwise, callers of compare)
 from optpipe.evaluation.task_metrics import task_accuracy
 from optpipe.recipe import TaskSpec, Tolerance
 from optpipe.runtime import Feeds, Outputs
 
-MASK_INPUT = "attention_mask"
 
 
 def quiet_polygraphy() -> None:
@@ -136,8 +136,8 @@ def _output_accuracy(name: str, cand: np.ndarray, ref: np.ndarray, mask, top1: b
         raise ValueError(f"output '{name}' has shape {cand.shape}, the reference {ref.shape}")
     finite = bool(np.isfinite(cand).all())
     diff = np.abs(np.nan_to_num(cand, nan=np.inf) - ref)
-    rows_c, rows_r = _rows(cand, mask), _rows(ref, mask)
-    cosines = _cosine_rows(np.nan_to_num(rows_c), rows_r)
+    rows_c, rows_r = rows_of(cand, mask), rows_of(ref, mask)
+    cosines = cosine_of_rows(np.nan_to_num(rows_c), rows_r)
     want_top1 = top1 if top1 is not None else "logit" in name.lower()
     agreement = float(np.mean(rows_c.argmax(-1) == rows_r.argmax(-1))) if want_top1 else None
     return OutputAccuracy(
@@ -158,30 +158,6 @@ def _beyond(diff: np.ndarray, ref: np.ndarray, tol: Tolerance) -> float | None:
     if tol.rtol is None or not diff.size:
         return None
     return float(np.mean(diff > (tol.max_abs or 0.0) + tol.rtol * np.abs(ref)))
-
-
-def row_cosines(candidate: np.ndarray, reference: np.ndarray, mask=None) -> np.ndarray:
-    """Cosine per row of the last axis (real tokens only where the mask fits), as the tolerance measures it."""
-    cand = np.asarray(candidate, dtype=np.float64)
-    ref = np.asarray(reference, dtype=np.float64)
-    return _cosine_rows(np.nan_to_num(_rows(cand, mask)), _rows(ref, mask))
-
-
-def _rows(array: np.ndarray, mask) -> np.ndarray:
-    """[rows, last axis]; with a [batch, seq] mask matching the leading axes, real tokens only."""
-    if array.ndim >= 3 and mask is not None and array.shape[:2] == mask.shape:
-        return array[mask.astype(bool)].reshape(-1, array.shape[-1])
-    if array.ndim == 1:
-        return array.reshape(1, -1)
-    return array.reshape(-1, array.shape[-1])
-
-
-def _cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-    dots = np.sum(a * b, axis=-1)
-    # Two all-zero rows are identical; one zero row against a non-zero one is not.
-    both_zero = norms == 0
-    return np.where(both_zero, np.where(np.abs(a - b).sum(-1) == 0, 1.0, 0.0), dots / np.where(both_zero, 1, norms))
 
 
 def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explicit: bool = False) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from optpipe.evaluation.accuracy import MASK_INPUT, row_cosines
+from optpipe.evaluation.cosine import MASK_INPUT, row_cosines
 from optpipe.errors import RunFolderError, first_line
 from optpipe.recipe import Tolerance
 from optpipe.runtime import Feeds, Outputs

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from optpipe.evaluation.cosine import MASK_INPUT, row_cosines
 from optpipe.recipe import TaskSpec
 from optpipe.results import TaskAccuracy
 
@@ -237,8 +238,6 @@ def _perplexity(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> fl
 
 
 def embeddings(spec: TaskSpec, cand, ref, inputs, labels) -> TaskAccuracy:
-    from optpipe.evaluation.accuracy import MASK_INPUT, row_cosines
-
     cosine = float(row_cosines(cand, ref, inputs.get(MASK_INPUT)).mean())
     result = TaskAccuracy(kind="embeddings", output="", metrics={"token_cosine": cosine})
     if cosine < spec.cosine_min:

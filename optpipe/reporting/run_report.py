@@ -109,7 +109,7 @@ def render_markdown(report: RunReport) -> str:
                 lines.append(f"- `{s.name}` is out of tolerance: {'; '.join(s.accuracy.violations)}")
         lines.append("")
     lines += targets_markdown(report.targets)
-    from optpipe.search.report import render_search_markdown  # the search's own section, when there was one
+    from optpipe.reporting.search_views import render_search_markdown  # the search's own section, when there was one
 
     lines += render_search_markdown(report.search, report.hardware)
     return "\n".join(lines)

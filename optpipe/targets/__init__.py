@@ -134,7 +134,8 @@ def export_stage(
     Reads report.json, recipe.json and the stage's folder; recomputes no stage. The recipe's
     params for that kind of target are used where the recipe has one.
     """
-    from optpipe.cache.store import StageCache, default_cache_dir
+    from optpipe.cache.store import StageCache
+    from optpipe.run_paths import RunPaths
     from optpipe.targets.measure import Measurer
 
     if kind not in BUILDERS:
@@ -150,7 +151,7 @@ def export_stage(
     spec = next((t for t in recipe.targets if t.kind == kind), None) or TargetSpec(kind=kind)
     index = recipe.targets.index(spec) if spec in recipe.targets else 0
     params = target_params(spec, f"targets.{index}.params")
-    cache = StageCache(cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir()))
+    cache = StageCache(RunPaths.resolve(recipe, cache_dir=cache_dir).cache_dir)
     reference = views(report.reference) if report.reference else None
     measurer = Measurer(recipe, cache, reference, providers)
     to.mkdir(parents=True, exist_ok=True)

@@ -8,13 +8,14 @@ import click
 
 from optpipe.errors import OptpipeError
 from optpipe.recipe import Recipe
+from optpipe.run_paths import RunPaths
 
 
 def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str | None, output: Path | None, force: bool,
                        only: str | None, cache_dir: Path | None, yes: bool, group_by_node: bool,
                        remote_cache: str | None = None) -> int:
     from optpipe.execution.executors import LocalExecutor
-    from optpipe.execution.fan_out import compile_recipes
+    from optpipe.search.runner import compile_recipes
     from optpipe.reporting.run_report import stage_table
 
     if only is not None:
@@ -35,7 +36,7 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
         executor.close()
     code = 0
     for recipe, (report, failed) in zip(recipes, reports):
-        run_dir = output or recipe.resolve(recipe.output)
+        run_dir = RunPaths.resolve(recipe, output).run_dir
         if report.search is None:
             click.echo(stage_table(report))
         click.echo(f"report {recipe.name}: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)")
