@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-EAGER, PLAIN_ORT = "pytorch-eager", "onnxruntime-fp32 (plain)"
+EAGER, PLAIN_ORT, PLAIN_OV = "pytorch-eager", "onnxruntime-fp32 (plain)", "openvino (plain)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs per candidate first")
     parser.add_argument("--batch", type=int, help="batch size (default: the recipe's first batch size)")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md", help="Markdown file to write")
+    parser.add_argument("--no-peers", action="store_true", help="skip Optimum/Olive rows (see bench/peers.py)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # internal: measure one recipe, print JSON
     args = parser.parse_args(argv)
     if args.one:
@@ -55,7 +56,7 @@ def run_in_own_process(recipe: Path, args) -> dict:
     if not recipe.is_file():
         return {"recipe": str(recipe), "error": f"recipe '{recipe}' does not exist"}
     command = [sys.executable, __file__, str(recipe), "--one", "--rounds", str(args.rounds), "--iterations", str(args.iterations),
-               "--warmup", str(args.warmup)] + (["--batch", str(args.batch)] if args.batch else [])
+               "--warmup", str(args.warmup)] + (["--batch", str(args.batch)] if args.batch else []) + (["--no-peers"] if args.no_peers else [])
     print(f"benchmarking {recipe} ...", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -80,6 +81,8 @@ def bench_recipe(recipe_path: Path, args) -> dict:
     threads = recipe.evaluate.threads
     candidates, rows = build_candidates(recipe, report, run_dir, threads)
     feeds = evaluation_feeds(recipe, batch)
+    if not getattr(args, "no_peers", False):
+        add_peers(recipe, report, run_dir, threads, candidates, rows)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     timings = interleaved_timings(candidates, feeds, threads, args.rounds, args.iterations, args.warmup)
     eager_p50 = float(np.median(timings[EAGER])) if EAGER in timings else None
@@ -90,6 +93,7 @@ def bench_recipe(recipe_path: Path, args) -> dict:
         row["p50_ms"] = float(np.median(times))
         row["p90_ms"] = float(np.percentile(times, 90))
         row["speedup_vs_eager"] = eager_p50 / row["p50_ms"] if eager_p50 else None
+        row["busy"] = busy_in_rounds(times, args.iterations, timings.get(EAGER))
     return {
         "recipe": str(recipe_path),
         "model": recipe.name,
@@ -101,8 +105,32 @@ def bench_recipe(recipe_path: Path, args) -> dict:
         "compile_s": round(compile_s, 1),
         # Other work on the machine distorts ratios (PyTorch eager's thread barriers most): keep the load beside them.
         "load_average": load_before,
+        "load_average_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "isa": isa_flags(),
         "rows": rows,
     }
+
+
+def busy_in_rounds(times: list[float], per_round: int, eager: list[float] | None) -> str | None:
+    """optpipe's busy-machine verdict (tail, round-to-round spread) on this candidate and on eager."""
+    from optpipe.evaluation.latency import busy_reason
+
+    def verdict(values):
+        rounds = [float(np.median(values[i:i + per_round])) for i in range(0, len(values), per_round)]
+        return busy_reason(np.asarray(values), rounds)
+
+    reasons = [verdict(times)] + ([f"eager: {verdict(eager)}"] if eager and verdict(eager) else [])
+    return "; ".join(r for r in reasons if r) or None
+
+
+def isa_flags() -> str:
+    """The CPU features INT8/BF16 speed depends on: AMX, AVX-512 VNNI, AVX-VNNI, AVX-512 BF16."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        return "unknown"
+    wanted = ["amx_tile", "amx_int8", "amx_bf16", "avx512_vnni", "avx_vnni", "avx512_bf16"]
+    return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
 
 
 def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[str, Callable], list[dict]]:
@@ -126,16 +154,79 @@ def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[
         options.intra_op_num_threads = threads
         candidates[PLAIN_ORT] = ort_runner(_session(run_dir / "stages" / root.name / "model.onnx", options))
         rows.append(_row(PLAIN_ORT, f"ORT defaults on the exported model ({root.name})", root))
+        if any(s.pass_name == "openvino" for s in report.stages):
+            candidates[PLAIN_OV] = _openvino_plain(run_dir / "stages" / root.name / "model.onnx", threads)
+            rows.append(_row(PLAIN_OV, f"OpenVINO reading the exported model ({root.name}), only the threads set", root))
     for stage in report.stages:
         if stage.name == EAGER:
             continue
         if stage.status != "ok":
             rows.append({"candidate": f"optpipe:{stage.name}", "what": f"{stage.pass_name} ({stage.status}: {stage.reason})"})
             continue
-        path = run_dir / "stages" / stage.name / "model.onnx"
-        candidates[f"optpipe:{stage.name}"] = ort_runner(_session(path, session_options(threads)))
-        rows.append(_row(f"optpipe:{stage.name}", stage.pass_name + (f" after {stage.parent}" if stage.parent else ""), stage))
+        folder = run_dir / "stages" / stage.name
+        what = stage.pass_name + (f" after {stage.parent}" if stage.parent else "")
+        if (folder / "model.xml").is_file():  # an `openvino` stage: OpenVINO's runtime, as the report measured it
+            candidates[f"optpipe:{stage.name}"] = _openvino_stage(folder, stage, threads)
+            what += f" (OpenVINO, {stage.info.get('precision')}, runs at {stage.info.get('inference_precision')})"
+        else:
+            candidates[f"optpipe:{stage.name}"] = ort_runner(_session(folder / "model.onnx", session_options(threads)))
+        rows.append(_row(f"optpipe:{stage.name}", what, stage))
     return candidates, rows
+
+
+def _openvino_stage(folder: Path, stage, threads: int) -> Callable:
+    """An IR stage compiled with the settings the report measured it with (one latency stream, its hint)."""
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    hint = ovr.read_settings(folder)["hint"]
+    return ovr.runner(ovr.compile_model(folder / ovr.IR_FILE, threads, hint), stage.info.get("output_names"))
+
+
+def _openvino_plain(path: Path, threads: int) -> Callable:
+    """OpenVINO as a user would run the exported ONNX: `compile_model(path, "CPU")` with only the thread count set."""
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    compiled = ovr.core().compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": threads})
+    return ovr.runner(compiled, ovr.output_names(path))
+
+
+def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, rows: list[dict]) -> None:
+    """Optimum's and Olive's own results (bench/peers.py), timed here beside optpipe's stages.
+
+    Accuracy: their outputs against the reference stage's, on the recipe's evaluation data, with
+    optpipe's own comparison (the same figure the report gives each stage).
+    """
+    sys.path.insert(0, str(Path(__file__).parent))
+    from peers import peer_models
+
+    from optpipe.evaluation.accuracy import compare, run_onnx
+    from optpipe.runtime import ort_runner, session_options
+
+    reference = run_dir / "stages" / (report.reference or "") / "model.onnx"
+    batches = None
+    for name, (what, result) in peer_models(recipe).items():
+        if not isinstance(result, Path):
+            print(f"  {name}: {result}", file=sys.stderr)
+            rows.append({"candidate": name, "what": f"{what} ({result})"})
+            continue
+        candidates[name] = ort_runner(_session(result, session_options(threads)))
+        row = {"candidate": name, "what": what, "size_mb": result.stat().st_size / 1e6}
+        if reference.is_file():
+            from optpipe.cache.store import StageCache, default_cache_dir
+            from optpipe.calibration.dataset import build_sample_set
+
+            if batches is None:
+                cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+                sample_set = build_sample_set(recipe.data.eval, recipe, cache.root)
+                batches = list(sample_set.batches(recipe.evaluate.accuracy_batch)), sample_set.arrays
+                expected = run_onnx(reference, batches[0], threads, ["CPUExecutionProvider"])
+            got = run_onnx(result, batches[0], threads, ["CPUExecutionProvider"])
+            # Peers name their outputs their own way: matched to the reference's by position.
+            got = dict(zip(expected, got.values()))
+            accuracy = compare(got, expected, batches[1], recipe.evaluate.tolerance, report.reference, recipe.evaluate.top1)
+            row |= {"cosine": accuracy.worst_cosine, "max_abs": max(o.max_abs for o in accuracy.outputs),
+                    "within_tolerance": accuracy.within_tolerance}
+        rows.append(row)
 
 
 def _session(path: Path, options):
@@ -205,13 +296,15 @@ def render_model(result: dict) -> str:
     shapes = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in result["shapes"].items())
     lines = [title, "", f"batch {result['batch']} ({shapes}), {result['threads']} threads, {result['samples_timed']} timed runs per "
              f"candidate; accuracy against `{result['reference']}` from the optpipe report; "
-             f"1-minute load average {_f(result.get('load_average'), '.1f')} when timing started.", "",
+             f"1-minute load average {_f(result.get('load_average'), '.1f')} when timing started, "
+             f"{_f(result.get('load_average_after'), '.1f')} when it ended; CPU features: {result.get('isa', 'unknown')}. "
+             "⚠busy: that candidate's (or eager's) p90/p50 or round-to-round spread says the machine was busy.", "",
              "| candidate | what | p50 ms | p90 ms | speed-up vs eager | cosine | max abs | top-1 | within tolerance | size MB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append("| " + " | ".join([
             r["candidate"] + (" ★" if r.get("frontier") else ""), r["what"], _f(r.get("p50_ms"), ".2f"), _f(r.get("p90_ms"), ".2f"),
-            _f(r.get("speedup_vs_eager"), ".2f", "x"), _f(r.get("cosine"), ".5f"), _f(r.get("max_abs"), ".2e"), _f(r.get("top1"), ".3f"),
+            _f(r.get("speedup_vs_eager"), ".2f", "x") + (" ⚠busy" if r.get("busy") else ""), _f(r.get("cosine"), ".5f"), _f(r.get("max_abs"), ".2e"), _f(r.get("top1"), ".3f"),
             {True: "yes", False: "**no**", None: ""}[r.get("within_tolerance")], _f(r.get("size_mb"), ".1f"),
         ]) + " |")
     return "\n".join(lines)
@@ -231,7 +324,10 @@ def render_document(results: list[dict], command: str) -> str:
         "slow their neighbours); p50/p90 over all timed runs. Speed-ups are p50 ratios against "
         "PyTorch eager from this one run: absolute times drift on a shared machine, the ratios are the result. "
         "Accuracy is what `optpipe compile` measured for each stage against the reference stage on the recipe's "
-        "evaluation data (for models with random weights it says little about a trained model). ★ marks the Pareto frontier.", "",
+        "evaluation data (for models with random weights it says little about a trained model). ★ marks the Pareto frontier. "
+        "Peers (Hugging Face models only): `optimum:*` and `olive:*` rows are the files those tools wrote with their own "
+        "documented commands (bench/peers.py), timed here beside the stages; their accuracy is optpipe's comparison "
+        "against the same reference. GPU rows: docs/benchmarks-gpu.md (scripts/gpu_checks.sh).", "",
     ]
     parts += [render_model(r) + "\n" for r in results]
     return "\n".join(parts)

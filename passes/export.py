@@ -107,12 +107,44 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
         numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
     except PassError as exc:
         raise _ExportFailed(f"the exported model does not match PyTorch eager ({exc})") from None
+    _check_other_sizes(torch_model, recipe, params, path)
+
+
+def _check_other_sizes(torch_model: TorchModel, recipe: Recipe, params: ExportParams, path: Path) -> None:
+    """The export against eager with every non-batch dynamic dim at its `min`: a model that caches a
+    shape-dependent tensor in forward (a detector's grid) can be exported with it frozen at the trace
+    size, right at that size and wrong at every other."""
+    from optpipe.example_inputs import synthetic_inputs
+
+    batch = recipe.batch_dim()
+    moved = {name: dim.min for name, dim in recipe.dims.items() if name != batch and dim.min != trace_size(dim)}
+    if not moved:
+        return
+    feeds = synthetic_inputs(recipe, seed=1, **moved, **({batch: 1} if batch else {}))
+    sizes = ", ".join(f"{k}={v}" for k, v in moved.items())
+    try:
+        expected = eager_runner(torch_model, threads=recipe.evaluate.threads)(feeds)
+    except Exception:  # eager itself refuses that size: nothing to compare against
+        return
+    try:
+        numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
+    except (PassError, Exception) as exc:  # ORT may refuse the shape outright
+        raise _ExportFailed(
+            f"the exported model is wrong at other sizes ({sizes}: {_first_line(exc)[:160]}): forward() likely caches a "
+            "shape-dependent tensor (a grid) that the export froze at the trace size"
+        ) from None
+
+
+def trace_size(dim) -> int:
+    """The size trace_inputs gives a dim (never 1 where it may grow)."""
+    return 2 if dim.opt == 1 and dim.max > 1 else dim.opt
 
 
 # Known failures -> the fix that is true for them. Matched on the root cause's message.
 _HINTS = (
     ("Inference tensors cannot be saved", "the model keeps tensors made under torch.inference_mode(); "
      "build them under torch.no_grad() (or lazily in forward) instead"),
+    ("wrong at other sizes", "rebuild such tensors in forward while exporting (e.g. when torch.compiler.is_compiling()), or make the dims fixed"),
     ("data-dependent", "forward() branches on tensor values or shapes; make the branch static (or torch.cond) in the model's code"),
     ("does not match PyTorch eager", "raise check_atol/check_rtol if the error is rounding on large outputs, else set a fixed shape in `inputs`"),
     ("not supported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),

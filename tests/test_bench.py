@@ -29,8 +29,12 @@ def test_bench_measures_every_stage_and_writes_markdown(tmp_path, monkeypatch):
     args = SimpleNamespace(rounds=2, iterations=3, warmup=1, batch=None)
     result = bench.bench_recipe(recipe_path, args)
     names = [row["candidate"] for row in result["rows"]]
-    assert names == [bench.PLAIN_ORT, "optpipe:export", "optpipe:simplify"]  # an ONNX source has no eager baseline
-    assert all(row["p50_ms"] > 0 and row["p90_ms"] >= row["p50_ms"] for row in result["rows"])
+    # An ONNX source has no eager baseline; the peers take Hugging Face folders: one row says so.
+    assert names == [bench.PLAIN_ORT, "optpipe:export", "optpipe:simplify", "peers"]
+    assert "not run: they take Hugging Face model folders" in result["rows"][-1]["what"]
+    timed = result["rows"][:3]
+    assert all(row["p50_ms"] > 0 and row["p90_ms"] >= row["p50_ms"] for row in timed)
+    assert all("busy" in row for row in timed) and "avx512_vnni" in result["isa"]
     assert result["samples_timed"] == 6 and result["shapes"] == {"x": [1, 4, 16]}
     text = bench.render_document([result, {"recipe": "recipes/absent.yaml", "error": "recipe 'recipes/absent.yaml' does not exist"}], "python bench/run.py x")
     assert "| optpipe:simplify" in text and "Machine:" in text and "`python bench/run.py x`" in text

@@ -78,7 +78,7 @@ def test_results_round_trip_and_a_tampered_one_is_refused(tmp_path, s3_url):
 
 def test_a_compile_on_a_fresh_machine_reuses_the_object_store(tmp_path, s3_url, tiny_recipe):
     from optpipe.execution.executors import LocalExecutor, Progress
-    from optpipe.execution.fan_out import compile_recipes
+    from optpipe.search.runner import compile_recipes
     from optpipe.safety.recipe_loading import load_recipe
 
     url, options = s3_url

@@ -142,3 +142,23 @@ def test_a_gpt2_decoder_fuses_attention_and_keeps_its_size(tmp_path):
     assert fused.info["self_check"]["max_abs"] < 1e-4
     weights = lambda a: sum(t.ByteSize() for t in a.load().graph.initializer)  # noqa: E731
     assert weights(fused) <= weights(exported) * 1.01
+
+
+def test_a_grid_frozen_at_the_trace_size_is_caught_at_another_size(tmp_path):
+    """The cached grid is a constant in the graph: right at the trace size, wrong at every other."""
+    from optpipe.errors import PassError
+
+    recipe = _recipe(_factory("grid_head"), [{"name": "image", "shape": [1, 3, "size", "size"]}],
+                     {"size": {"min": 8, "opt": 16, "max": 32}})
+    with pytest.raises(PassError, match=r"wrong at other sizes \(size=8"):
+        _export(recipe, tmp_path, exporter="dynamo")
+
+
+def test_the_report_says_which_exporter_succeeded_and_why_the_first_failed():
+    from optpipe.reporting.run_report import export_fallbacks
+    from optpipe.results import StageResult
+
+    info = {"exporter": "torchscript", "fallback": {"from": ["dynamo"], "reasons": {"dynamo": "Cannot view a tensor"}}}
+    stages = [StageResult(name="export", pass_name="export", status="ok", info=info),
+              StageResult(name="simplify", pass_name="simplify", status="ok", info={"exporter": "x"})]
+    assert export_fallbacks(stages) == ["`export` was exported with torchscript after dynamo: Cannot view a tensor"]

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from optpipe.execution.executors import LocalExecutor, Progress
-from optpipe.execution.fan_out import compile_recipes
+from optpipe.search.runner import compile_recipes
 from optpipe.safety.recipe_loading import load_recipe
 from optpipe.results import RunReport
 
@@ -99,3 +99,13 @@ def test_ray_missing_is_one_line_exit_2(tiny_recipe, cli_run, monkeypatch):
 def test_address_without_ray_executor_is_a_usage_error(tiny_recipe, cli_run):
     result = cli_run("compile", str(tiny_recipe()), "--address", "auto")
     assert result.exit_code == 2 and "--executor ray" in result.output
+
+
+def test_recipe_resources_become_ray_task_options(tiny_recipe):
+    from optpipe.execution.ray_executor import _ray_resources
+
+    recipe = load_recipe(tiny_recipe({"stages": {"simplify": {"resources": {"CPU": 2, "GPU": 1, "gpu-L4": 1}}},
+                                      "evaluate": {"resources": {"GPU": 1, "gpu-L4": 1}}}))
+    assert _ray_resources(recipe.stages["simplify"].resources) == {"num_cpus": 2, "num_gpus": 1, "resources": {"gpu-L4": 1}}
+    assert _ray_resources(recipe.stages["export"].resources) == {"num_cpus": 1}  # no GPU asked: never waits for one
+    assert _ray_resources(recipe.evaluate.resources) == {"num_cpus": 1, "num_gpus": 1, "resources": {"gpu-L4": 1}}

@@ -13,7 +13,7 @@ import yaml
 
 from optpipe.errors import RecipeError
 from optpipe.execution.executors import LocalExecutor, Progress
-from optpipe.execution.fan_out import compile_recipes
+from optpipe.search.runner import compile_recipes
 from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 from optpipe.search.space import SearchSpace
 from optpipe.search.spec import StepRange
@@ -189,3 +189,59 @@ def test_optuna_nsga2_within_a_trial_budget_is_repeatable(tmp_path, cache_dir):
     second, _, progress = _run(path, cache_dir)
     assert [t["params"] for t in second.search["trials"]] == [t["params"] for t in first.search["trials"]]
     assert _computed(progress) == set()
+
+
+# --- figures from several kinds of machine ----------------------------------------------------
+
+
+def _measured(name: str, p50: float, size: int, cpu: str):
+    from optpipe.results import Latency, StageResult
+
+    lat = Latency(batch_size=1, shape={}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1 / p50,
+                  iterations=3, provider="CPUExecutionProvider")
+    return StageResult(name=name, pass_name="int8", status="ok", latency=[lat], size_bytes=size,
+                       measured_on={"host": cpu, "cpu": cpu, "cores": 8, "gpu": []})
+
+
+def test_one_frontier_across_kinds_of_machine_is_refused_unless_grouped():
+    from optpipe.execution.fan_out import frontier_by_hardware
+    from optpipe.results import RunReport
+
+    def report():
+        stages = [_measured("a", 1.0, 100, "Xeon"), _measured("b", 2.0, 50, "Xeon"), _measured("c", 0.5, 100, "EPYC")]
+        return RunReport(optpipe_version="t", recipe="r", created="now", machine={}, evaluation={}, reference=None,
+                         stages=stages, pareto=["a", "b", "c"])
+
+    refused = report()
+    hardware = frontier_by_hardware(refused, group_by_node=False)
+    assert hardware["frontier"] == "refused" and "2 kinds of machine" in hardware["reason"]
+    assert refused.pareto == [] and not any(s.pareto for s in refused.stages)
+    assert "rerun with --group-by-node" in "\n".join(__import__("optpipe.reporting.search_views", fromlist=["x"]).render_search_markdown(None, hardware))
+
+    grouped = report()
+    hardware = frontier_by_hardware(grouped, group_by_node=True)
+    assert hardware["frontiers"] == {"Xeon x8 / no GPU": ["a", "b"], "EPYC x8 / no GPU": ["c"]}
+    assert sorted(grouped.pareto) == ["a", "b", "c"]
+
+    same = RunReport(optpipe_version="t", recipe="r", created="now", machine={}, evaluation={}, reference=None,
+                     stages=[_measured("a", 1.0, 100, "Xeon"), _measured("b", 2.0, 100, "Xeon")], pareto=["a"])
+    assert frontier_by_hardware(same, group_by_node=False) == {"classes": ["Xeon x8 / no GPU"]} and same.pareto == ["a"]
+
+
+def test_a_new_budget_or_strategy_reuses_every_measured_trial(tmp_path, cache_dir):
+    data = _recipe_data()
+    data["evaluate"]["search"] = {"strategy": "grid", "trials": 3, "seed": 1, "objectives": ["accuracy", "size"]}
+    first, _, _ = _run(_write(tmp_path, data), cache_dir)
+    data["evaluate"]["search"]["trials"] = 5  # the same seeded sample and two more... or others: either way,
+    second, _, progress = _run(_write(tmp_path, data), cache_dir)  # what was measured is not measured again
+    measured_again = set(re.findall(r"^\s+ok evaluate (\S+)", progress, re.M))
+    assert not measured_again & {t["stage"] for t in first.search["trials"]}
+    assert len(second.search["trials"]) == 5
+
+
+def test_a_spent_wall_time_budget_starts_no_new_trial(tmp_path, cache_dir):
+    data = _recipe_data()
+    data["evaluate"]["search"] = {"strategy": "grid", "wall_time_s": 0.001, "objectives": ["accuracy", "size"]}
+    report, _, _ = _run(_write(tmp_path, data), cache_dir)
+    # The first round (one trial on the local executor) always runs; then the budget is spent.
+    assert len(report.search["trials"]) == 1 and report.search["stopped"] == "wall-time budget of 0.001s spent"

@@ -26,7 +26,7 @@ def inspect_command(run: Path, stage: str | None, layers: bool, samples: int, as
         rows = inspection.inspect_run(run)
         click.echo(json.dumps(rows, indent=2) if as_json else inspection_text.render_run(rows))
         if not as_json:
-            from optpipe.search.report import render_trials_text  # a search run: its trials too
+            from optpipe.reporting.search_views import render_trials_text  # a search run: its trials too
 
             trials = render_trials_text(inspection.open_run(run))
             if trials:  # nothing, not an empty line, for a run that was no search

@@ -115,7 +115,7 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
     if address is not None and executor != "ray":
         raise click.UsageError("--address needs --executor ray")
     if len(loaded) > 1 or executor == "ray" or remote_cache or SearchSpace.declared(loaded[0]):
-        from optpipe.execution.fan_out_cli import compile_fanned_out
+        from optpipe.cli.compile_many import compile_fanned_out
 
         sys.exit(compile_fanned_out(loaded, executor, address, output, force, only, cache_dir, yes, group_by_node, remote_cache))
     recipe, parsed = recipes[0], loaded[0]

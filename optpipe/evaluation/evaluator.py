@@ -207,7 +207,9 @@ class Evaluator:
             model=model_digest,
             reference=reference,
             data=self.eval_set.key,
-            settings=self.settings.model_dump(mode="json"),
+            # What shapes a measurement only: the reference is keyed above, and a search's strategy or
+            # budget, the Ray resources, the eager baseline on or off change no stage's figures.
+            settings=self.settings.model_dump(mode="json", exclude={"search", "resources", "eager_baseline", "reference"}),
             tolerance=tolerance.model_dump(mode="json"),
             providers=self.providers,
             machine=machine_id(),

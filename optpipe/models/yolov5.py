@@ -101,7 +101,9 @@ class Detect(nn.Module):
             x = self.m[i](x)
             bs, _, ny, nx = x.shape
             x = x.view(bs, self.na, self.no, ny, nx).permute(0, 1, 3, 4, 2).contiguous()
-            if self.grid[i].shape[2:4] != x.shape[2:4]:
+            # Rebuilt while exporting, as ultralytics' Detect does with `dynamic`: a cached grid would be
+            # frozen into the graph at the trace size.
+            if self.grid[i].shape[2:4] != x.shape[2:4] or torch.compiler.is_compiling() or torch.jit.is_tracing():
                 self.grid[i], self.anchor_grid[i] = self._make_grid(nx, ny, i)
             xy, wh, conf = x.sigmoid().split((2, 2, self.no - 4), 4)
             xy = (xy * 2 + self.grid[i]) * STRIDES[i]

@@ -35,7 +35,7 @@ def render_html(report: RunReport) -> str:
     if floats:
         sections.append(_section("Left in float by the quantization stages",
                                  "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in floats) + "</ul>"))
-    from optpipe.search.report import render_search_html  # a search's trials, frontier and param effects
+    from optpipe.reporting.search_views import render_search_html  # a search's trials, frontier and param effects
 
     sections.append(render_search_html(report.search, report.hardware))
     body = "\n".join(s for s in sections if s)

@@ -96,6 +96,9 @@ def render_markdown(report: RunReport) -> str:
     warned = grouped_warnings(report.stages)
     if warned:
         lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
+    exporters = export_fallbacks(report.stages)
+    if exporters:
+        lines += ["## Exporter fallback", ""] + [f"- {line}" for line in exporters] + [""]
     floats = left_in_float(report.stages)
     if floats:
         lines += ["## Left in float by the quantization stages", ""] + [f"- {line}" for line in floats] + [""]
@@ -109,10 +112,21 @@ def render_markdown(report: RunReport) -> str:
                 lines.append(f"- `{s.name}` is out of tolerance: {'; '.join(s.accuracy.violations)}")
         lines.append("")
     lines += targets_markdown(report.targets)
-    from optpipe.search.report import render_search_markdown  # the search's own section, when there was one
+    from optpipe.reporting.search_views import render_search_markdown  # the search's own section, when there was one
 
     lines += render_search_markdown(report.search, report.hardware)
     return "\n".join(lines)
+
+
+def export_fallbacks(stages: list[StageResult]) -> list[str]:
+    """Export stages that `exporter: auto` finished with its second choice, and why the first failed."""
+    lines = []
+    for s in stages:
+        fallback = s.info.get("fallback") if s.pass_name == "export" else None
+        if fallback:
+            why = "; ".join(f"{name}: {reason}" for name, reason in fallback.get("reasons", {}).items())
+            lines.append(f"`{s.name}` was exported with {s.info.get('exporter')} after {why}")
+    return lines
 
 
 def stage_table(report: RunReport) -> str:

@@ -15,7 +15,7 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
                        only: str | None, cache_dir: Path | None, yes: bool, group_by_node: bool,
                        remote_cache: str | None = None) -> int:
     from optpipe.execution.executors import LocalExecutor
-    from optpipe.execution.fan_out import compile_recipes
+    from optpipe.search.runner import compile_recipes
     from optpipe.reporting.run_report import stage_table
 
     if only is not None:

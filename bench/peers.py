@@ -1,0 +1,103 @@
+"""The peers' own results for bench/run.py: Hugging Face Optimum and Microsoft Olive, run by their documented commands.
+
+They are not optimpipe dependencies: install them into a scratch virtual environment of their own
+(their pins differ from optpipe's) and point PEERS_BIN at its bin folder, e.g.
+
+    python -m venv --system-site-packages /tmp/peers
+    echo torch==2.13.0 >/tmp/peers/constraints.txt   # keep the CPU torch already here
+    /tmp/peers/bin/pip install -c /tmp/peers/constraints.txt "optimum[onnxruntime]" olive-ai
+    PEERS_BIN=/tmp/peers/bin python bench/run.py recipes/minilm.yaml
+
+Each peer writes into a scratch folder outside the repository (PEERS_DIR, default
+/tmp/optpipe-peers/<model>); bench/run.py then times the ONNX file it produced in its own
+process, beside optpipe's stages, on the same ONNX Runtime, inputs and threads. Only
+Hugging Face folder models (`model: {hf: ...}` or `{package: ...}`) have peer rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+PEER_TIMEOUT_S = 1200
+
+
+class PeerUnavailable(Exception):
+    """The peer's tool is not installed, or the model is not one it takes: one line in the benchmark."""
+
+
+def peer_models(recipe) -> dict[str, tuple[str, Path | str]]:
+    """name -> (what, ONNX path, or the reason there is none): each peer's documented recipe for this model."""
+    from optpipe.model_source import hf_folder
+    from optpipe.recipe import HFModel
+
+    if not isinstance(recipe.model, HFModel):
+        return {"peers": ("Optimum, Olive", "not run: they take Hugging Face model folders with weights")}
+    folder = hf_folder(recipe)
+    scratch = Path(os.environ.get("PEERS_DIR", "/tmp/optpipe-peers")) / recipe.name
+    results = {}
+    for name, what, build in (("optimum:int8-vnni-per-channel", "Optimum -O2, then quantize --avx512_vnni --per_channel", _optimum),
+                              ("olive:int8-dynamic", "Olive OnnxConversion + OnnxDynamicQuantization", _olive)):
+        try:
+            results[name] = (what, build(folder, scratch / name.split(":")[0]))
+        except PeerUnavailable as exc:
+            results[name] = (what, f"not run: {exc}")
+    return results
+
+
+def _tool(name: str) -> str:
+    bin_dir = os.environ.get("PEERS_BIN")
+    path = shutil.which(name, path=bin_dir) if bin_dir else shutil.which(name)
+    if path is None:
+        raise PeerUnavailable(f"`{name}` not found (install the peers into a scratch venv and set PEERS_BIN; see bench/peers.py)")
+    return path
+
+
+def _run(command: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=PEER_TIMEOUT_S)
+    if done.returncode != 0:
+        raise PeerUnavailable(f"`{' '.join(Path(c).name if i == 0 else c for i, c in enumerate(command))}` failed "
+                              f"(exit {done.returncode}, log {log})")
+
+
+def _optimum(model: Path, out: Path) -> Path:
+    """Optimum's documented CPU path: export, `optimum-cli onnxruntime optimize -O2`, then dynamic int8 for VNNI."""
+    final = out / "quantized" / "model_quantized.onnx"
+    if final.is_file():
+        return final
+    cli = _tool("optimum-cli")
+    _run([cli, "export", "onnx", "--model", str(model), "--task", "feature-extraction", str(out / "export")], out / "export.log")
+    _run([cli, "onnxruntime", "optimize", "--onnx_model", str(out / "export"), "-O2", "-o", str(out / "O2")], out / "optimize.log")
+    _run([cli, "onnxruntime", "quantize", "--onnx_model", str(out / "O2"), "--avx512_vnni", "--per_channel",
+          "-o", str(out / "quantized")], out / "quantize.log")
+    found = sorted((out / "quantized").glob("*.onnx"))
+    if not found:
+        raise PeerUnavailable(f"Optimum wrote no ONNX file into {out / 'quantized'}")
+    return found[0]
+
+
+def _olive(model: Path, out: Path) -> Path:
+    """Olive's documented workflow run (`olive run --config`): TorchScript ONNX conversion, then dynamic quantization."""
+    found = sorted((out / "output").rglob("*.onnx"))
+    if found:
+        return found[0]
+    cli = _tool("olive")
+    config = {
+        "input_model": {"type": "HfModel", "model_path": str(model), "task": "feature-extraction"},
+        "systems": {"local_system": {"type": "LocalSystem", "accelerators": [{"device": "cpu", "execution_providers": ["CPUExecutionProvider"]}]}},
+        "passes": {"conversion": {"type": "OnnxConversion", "target_opset": 17},
+                   "quantization": {"type": "OnnxDynamicQuantization"}},
+        "host": "local_system", "target": "local_system",
+        "cache_dir": str(out / "cache"), "output_dir": str(out / "output"),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "olive.json").write_text(json.dumps(config, indent=1))
+    _run([cli, "run", "--config", str(out / "olive.json")], out / "olive.log")
+    found = sorted((out / "output").rglob("*.onnx"))
+    if not found:
+        raise PeerUnavailable(f"Olive wrote no ONNX file under {out / 'output'}")
+    return found[0]

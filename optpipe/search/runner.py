@@ -1,0 +1,76 @@
+"""Several recipes (and searches) on one executor: rounds of plans, then one report per recipe.
+
+Each round asks every recipe's driver for its next plan (a plain recipe: all its stages at
+once; a search: its next trials), runs them together on the executor, and feeds the results
+back. A driver killed half-way loses nothing: every stage and evaluation is in the cache,
+and a rerun finds them there.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from optpipe.cache.folder import check_apart
+from optpipe.errors import OptpipeError
+from optpipe.execution.executors import Executor, Progress, settings_for
+from optpipe.execution.fan_out import PlainDriver
+from optpipe.execution.stage_tasks import TaskSettings
+from optpipe.recipe import Recipe
+from optpipe.results import RunReport, StageResult
+from optpipe.run_paths import RunPaths
+from optpipe.search.driver import SearchDriver
+from optpipe.search.space import SearchSpace
+
+
+def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Path | None = None, output: Path | None = None,
+                    force: bool = False, providers: str = "auto", yes: bool = False, group_by_node: bool = False,
+                    progress: Progress | None = None, remote_cache: str | None = None,
+                    storage_options: dict | None = None) -> list[tuple[RunReport, list[StageResult]]]:
+    """Run every recipe (searches included) on `executor`; one report per recipe and the stages that failed."""
+    if output is not None and len(recipes) > 1:
+        raise OptpipeError("--output names one run folder; with several recipes each writes to its own `output`")
+    progress = progress or Progress(show_recipe=len(recipes) > 1)
+    drivers = []
+    for recipe in recipes:
+        paths = RunPaths.resolve(recipe, output, cache_dir)
+        run_dir, cache = paths.run_dir, paths.cache_dir
+        check_apart(run_dir, cache)  # as a local compile: `cache gc` must never remove a run, nor a run the cache
+        settings = settings_for(recipe, cache, run_dir, force, providers, remote_cache, storage_options)
+        _preflight(recipe, settings)
+        if SearchSpace.declared(recipe):
+            drivers.append(SearchDriver(recipe, run_dir, settings, yes))
+        else:
+            drivers.append(PlainDriver(recipe, run_dir, settings))
+    started = time.perf_counter()
+    active = list(drivers)
+    while active:
+        plans = {id(d): d.next_plan(executor.slots) for d in active}
+        active = [d for d in active if plans[id(d)] is not None]
+        if not active:
+            break
+        executor.run([plans[id(d)] for d in active], progress)
+        for driver in active:
+            driver.absorb(progress)
+    reports = []
+    for driver in drivers:
+        report = driver.finish(group_by_node, providers, progress)
+        reports.append((report, driver.failed(report)))
+    stages = sum(len(r.stages) for r, _ in reports)
+    progress.line(f"done: {len(reports)} recipe{'s' if len(reports) != 1 else ''}, {stages} stages, "
+                  f"wall {time.perf_counter() - started:.1f}s")
+    return reports
+
+
+
+def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
+    """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
+    from optpipe.execution.services import RunServices
+    from optpipe.model_source import onnx_path
+    from optpipe.safety.preflight import preflight
+
+    cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
+    try:
+        services = RunServices(recipe, cache)
+        preflight(recipe, onnx_path(recipe), services.eval_set, services.calibration_set)
+    finally:
+        cache.release_leases()
