@@ -14,7 +14,7 @@ from pathlib import Path
 from optpipe.artifact import ModelArtifact, write_info
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, first_line
-from optpipe.evaluation.self_check import NumericSelfCheck
+from optpipe.evaluation.self_check import NumericSelfCheck, self_check_fingerprint
 from optpipe.execution.contract import run_pass
 from optpipe.execution.interrupt import InterruptWatch, escalate
 from optpipe.execution.isolation import memory_message, run_pass_isolated
@@ -23,6 +23,7 @@ from optpipe.instruments import Instrument, Instruments, StageInfo
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import Recipe
 from optpipe.results import StageResult
+from optpipe.signal_stack import restore_signal_stack
 
 KEY_FORMAT = 2
 
@@ -41,6 +42,7 @@ class StageRunner:
         self.force = force
 
     def run(self, name: str, pass_: Pass, model: ModelArtifact | None) -> StageResult:
+        restore_signal_stack()  # a native library may have left it dangling: Ctrl-C must not crash
         log_path = self.logs_dir / f"{name}.log"
         started = time.perf_counter()
         spec = self.recipe.stages[name]
@@ -133,6 +135,7 @@ def stage_key(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> str
         version=pass_.version,
         params=pass_.params.model_dump(mode="json"),
         extra=pass_.fingerprint(ctx),
+        self_check=self_check_fingerprint(pass_.params, ctx.recipe),
         libraries=library_versions(pass_.libraries),
     )
 
