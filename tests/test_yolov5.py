@@ -53,9 +53,9 @@ def test_a_reduced_variant_exports_with_sizes_that_are_multiples_of_32(tmp_path)
     from optpipe.passes.export import ExportParams, ExportPass
 
     recipe = parse_recipe({
-        "model": {"factory": "optpipe.models.yolov5:yolov5", "kwargs": {"size": "n", "calibration_size": 96}},
+        "model": {"factory": "optpipe.models.yolov5:yolov5", "kwargs": {"size": "n", "calibration_size": 64}},
         "inputs": [{"name": "images", "shape": [1, 3, "size", "size"], "range": [0, 1]}],
-        "dims": {"size": {"min": 64, "opt": 128, "max": 256, "multiple_of": 32}},
+        "dims": {"size": {"min": 32, "opt": 64, "max": 128, "multiple_of": 32}},
         "stages": {"export": {"pass": "export", "params": {"check_atol": 0.5, "check_rtol": 1e-3}}},
     })
     workdir = tmp_path / "export"
