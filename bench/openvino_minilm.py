@@ -1,6 +1,6 @@
 """MiniLM on OpenVINO: PyTorch eager FP32 vs ORT FP32 vs each OpenVINO variant, side by side in one process.
 
-    python bench/openvino_minilm.py [--recipe recipes/minilm.yaml] [--batch 1] [--rounds 10]
+    python bench/openvino_minilm.py [--recipe recipes/minilm.yaml] [--batch 1,8] [--calibration-samples 64] [--rounds 10]
 
 Every variant is an `openvino` stage hung after the recipe's `simplify` (built and cached by
 optpipe's pass manager). Accuracy is the cosine per real token of last_hidden_state against
@@ -44,6 +44,8 @@ def main() -> None:
     from optpipe.safety.recipe_loading import load_recipe
 
     recipe = load_recipe(args.recipe)
+    if args.calibration_samples:
+        recipe.data.calibration.samples = args.calibration_samples
     recipe.stages = {name: spec for name, spec in recipe.stages.items() if name in ("export", "simplify")}
     wanted = args.variants.split(",") if args.variants else list(VARIANTS)
     for name in wanted:
@@ -64,20 +66,21 @@ def main() -> None:
     reference = outputs_of(runners["pytorch-eager"], samples, 8)
     mask = samples["attention_mask"].astype(bool)
     cosines = {name: sentence_cosines(outputs_of(run, samples, 8), reference, mask) for name, run in runners.items()}
-    feeds = {name: array[: args.batch] for name, array in samples.items()}
-    load_before = os.getloadavg()
-    times = time_interleaved(runners, feeds, args.threads, args.warmup, args.rounds, args.iterations)
-    load_after = os.getloadavg()
-    eager = np.median(times["pytorch-eager"])
-    print(f"\nMiniLM-L6, batch {args.batch} x 128, {args.threads} threads, {args.rounds} rounds x {args.iterations}; "
-          f"load {load_before[0]:.2f} -> {load_after[0]:.2f}; {cpu_line()}")
-    print("| model | p50 ms | p90/p50 | vs eager | token cosine | worst sentence | precision | int8 layers |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, ms in times.items():
-        mean, worst = cosines[name]
-        f = facts.get(name, {})
-        print(f"| {name} | {np.median(ms):.2f} | {np.percentile(ms, 90) / np.median(ms):.2f} | {eager / np.median(ms):.2f}x "
-              f"| {mean:.4f} | {worst:.4f} | {f.get('inference_precision', '')} | {f.get('int8_layers', '')} |")
+    for batch in [int(b) for b in args.batch.split(",")]:
+        feeds = {name: array[:batch] for name, array in samples.items()}
+        load_before = os.getloadavg()
+        times = time_interleaved(runners, feeds, args.threads, args.warmup, args.rounds, args.iterations)
+        load_after = os.getloadavg()
+        eager = np.median(times["pytorch-eager"])
+        print(f"\nMiniLM-L6, batch {batch} x 128, {args.threads} threads, {args.rounds} rounds x {args.iterations}, "
+              f"{recipe.data.calibration.samples} calibration sentences; load {load_before[0]:.2f} -> {load_after[0]:.2f}; {cpu_line()}")
+        print("| model | p50 ms | p90/p50 | vs eager | token cosine | worst sentence | precision | int8 layers |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, ms in times.items():
+            mean, worst = cosines[name]
+            f = facts.get(name, {})
+            print(f"| {name} | {np.median(ms):.2f} | {np.percentile(ms, 90) / np.median(ms):.2f} | {eager / np.median(ms):.2f}x "
+                  f"| {mean:.4f} | {worst:.4f} | {f.get('inference_precision', '')} | {f.get('int8_layers', '')} |", flush=True)
 
 
 def sentence_cosines(candidate: np.ndarray, reference: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
@@ -101,7 +104,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "minilm.yaml"))
     parser.add_argument("--run-dir", default=str(REPO / "runs" / "bench-openvino"))
     parser.add_argument("--variants", help="comma-separated subset of: " + ", ".join(VARIANTS))
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", default="1,8", help="batch sizes, comma-separated (each timed in this process)")
+    parser.add_argument("--calibration-samples", type=int, help="override the recipe's calibration sentences (NNCF subset)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=10)

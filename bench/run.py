@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-EAGER, PLAIN_ORT = "pytorch-eager", "onnxruntime-fp32 (plain)"
+EAGER, PLAIN_ORT, PLAIN_OV = "pytorch-eager", "onnxruntime-fp32 (plain)", "openvino (plain)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,16 +154,40 @@ def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[
         options.intra_op_num_threads = threads
         candidates[PLAIN_ORT] = ort_runner(_session(run_dir / "stages" / root.name / "model.onnx", options))
         rows.append(_row(PLAIN_ORT, f"ORT defaults on the exported model ({root.name})", root))
+        if any(s.pass_name == "openvino" for s in report.stages):
+            candidates[PLAIN_OV] = _openvino_plain(run_dir / "stages" / root.name / "model.onnx", threads)
+            rows.append(_row(PLAIN_OV, f"OpenVINO reading the exported model ({root.name}), only the threads set", root))
     for stage in report.stages:
         if stage.name == EAGER:
             continue
         if stage.status != "ok":
             rows.append({"candidate": f"optpipe:{stage.name}", "what": f"{stage.pass_name} ({stage.status}: {stage.reason})"})
             continue
-        path = run_dir / "stages" / stage.name / "model.onnx"
-        candidates[f"optpipe:{stage.name}"] = ort_runner(_session(path, session_options(threads)))
-        rows.append(_row(f"optpipe:{stage.name}", stage.pass_name + (f" after {stage.parent}" if stage.parent else ""), stage))
+        folder = run_dir / "stages" / stage.name
+        what = stage.pass_name + (f" after {stage.parent}" if stage.parent else "")
+        if (folder / "model.xml").is_file():  # an `openvino` stage: OpenVINO's runtime, as the report measured it
+            candidates[f"optpipe:{stage.name}"] = _openvino_stage(folder, stage, threads)
+            what += f" (OpenVINO, {stage.info.get('precision')}, runs at {stage.info.get('inference_precision')})"
+        else:
+            candidates[f"optpipe:{stage.name}"] = ort_runner(_session(folder / "model.onnx", session_options(threads)))
+        rows.append(_row(f"optpipe:{stage.name}", what, stage))
     return candidates, rows
+
+
+def _openvino_stage(folder: Path, stage, threads: int) -> Callable:
+    """An IR stage compiled with the settings the report measured it with (one latency stream, its hint)."""
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    hint = ovr.read_settings(folder)["hint"]
+    return ovr.runner(ovr.compile_model(folder / ovr.IR_FILE, threads, hint), stage.info.get("output_names"))
+
+
+def _openvino_plain(path: Path, threads: int) -> Callable:
+    """OpenVINO as a user would run the exported ONNX: `compile_model(path, "CPU")` with only the thread count set."""
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    compiled = ovr.core().compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": threads})
+    return ovr.runner(compiled, ovr.output_names(path))
 
 
 def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, rows: list[dict]) -> None:

@@ -41,6 +41,14 @@ class TaskAccuracy(BaseModel):
     violations: list[str] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list, description="what could not be measured, and why")
 
+    @property
+    def headline(self) -> float | None:
+        """The task's agreement with the reference in one number (1 = the same), the worst of its key metrics."""
+        keys = {"classification": ("top1_agreement",), "detection": ("class_agreement", "map50"),
+                "language-model": ("next_token_agreement",), "embeddings": ("token_cosine",)}.get(self.kind, ())
+        values = [self.metrics[k] for k in keys if self.metrics.get(k) is not None]
+        return min(values) if values else None
+
 
 class GuardCheck(BaseModel):
     """The figure a pass's accuracy guard measured, shown beside the report's own (see evaluation/guard.py)."""
@@ -71,8 +79,10 @@ class Accuracy(BaseModel):
 
     @property
     def error(self) -> float:
-        """One number for 'how far from the reference': 1 - the worst mean cosine."""
-        return max(0.0, 1.0 - self.worst_cosine)
+        """One number for 'how far from the reference' (the Pareto axis): 1 - the task's headline
+        metric where the recipe names a task, else 1 - the worst mean cosine."""
+        headline = self.task.headline if self.task else None
+        return max(0.0, 1.0 - (headline if headline is not None else self.worst_cosine))
 
 
 class Latency(BaseModel):

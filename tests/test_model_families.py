@@ -152,3 +152,13 @@ def test_a_grid_frozen_at_the_trace_size_is_caught_at_another_size(tmp_path):
                      {"size": {"min": 8, "opt": 16, "max": 32}})
     with pytest.raises(PassError, match=r"wrong at other sizes \(size=8"):
         _export(recipe, tmp_path, exporter="dynamo")
+
+
+def test_the_report_says_which_exporter_succeeded_and_why_the_first_failed():
+    from optpipe.reporting.run_report import export_fallbacks
+    from optpipe.results import StageResult
+
+    info = {"exporter": "torchscript", "fallback": {"from": ["dynamo"], "reasons": {"dynamo": "Cannot view a tensor"}}}
+    stages = [StageResult(name="export", pass_name="export", status="ok", info=info),
+              StageResult(name="simplify", pass_name="simplify", status="ok", info={"exporter": "x"})]
+    assert export_fallbacks(stages) == ["`export` was exported with torchscript after dynamo: Cannot view a tensor"]

@@ -20,6 +20,9 @@ from optpipe.runtime import ort_runner, ort_session
 from conftest import TINY_RECIPE
 
 
+RECIPES: dict = {}
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ov")
@@ -39,6 +42,7 @@ def run(tmp_path_factory):
     recipe = parse_recipe(data, base_dir=root)
     run_dir = root / "run"
     report = compile_recipe(recipe, RunOptions(output=run_dir, cache_dir=root / "cache"))
+    RECIPES[run_dir] = recipe  # the bench test needs it
     return run_dir, report
 
 
@@ -130,3 +134,18 @@ def test_export_format_openvino_writes_a_loadable_ir(run, tmp_path):
     assert settings["config"]["INFERENCE_PRECISION_HINT"] == "f32" and settings["inference_precision"] == "f32"
     compiled = optpipe.load(folder)
     assert compiled(feeds())[0].shape == (3, 10)
+
+
+def test_bench_runs_ir_stages_on_openvino_beside_plain_openvino(run):
+    from test_bench import load_bench
+
+    run_dir, report = run
+    bench = load_bench()
+    candidates, rows = bench.build_candidates(RECIPES[run_dir], report, run_dir, threads=1)
+    assert bench.PLAIN_OV in candidates and "optpipe:ov-int8" in candidates
+    what = next(r["what"] for r in rows if r["candidate"] == "optpipe:ov-int8")
+    assert "OpenVINO, int8, runs at f32" in what
+    expected = ort_runner(ort_session(run_dir / "stages" / "simplify" / "model.onnx", threads=1))(feeds())["logits"]
+    np.testing.assert_allclose(candidates["optpipe:ov-fp32"](feeds())["logits"], expected, rtol=1e-4, atol=1e-4)
+    # Plain OpenVINO takes the CPU's default precision hint (bf16 where the CPU has it): close, not exact.
+    np.testing.assert_allclose(candidates[bench.PLAIN_OV](feeds())["logits"], expected, rtol=5e-2, atol=5e-2)

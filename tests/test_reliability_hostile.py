@@ -458,3 +458,28 @@ def test_odd_but_legal_paths_still_compile(tmp_path, monkeypatch, capsys):
     code, out, err = run_main(["compile", str(path)], capsys)
     assert code == 0, err
     assert (folder / "run ✓" / "report.json").is_file() and is_marked(folder / "cache ✓")
+
+
+def test_a_read_only_output_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    """Read-only for real where the tests do not run as root (root writes anyway); injected too."""
+    write_linear_onnx(tmp_path / "model")
+    path = write_recipe(tmp_path, onnx_recipe(tmp_path, output="locked/run"))
+    (tmp_path / "locked").mkdir()
+    monkeypatch.chdir(tmp_path)
+    if os.geteuid() != 0:
+        (tmp_path / "locked").chmod(0o500)
+    else:
+        real = Path.mkdir
+
+        def mkdir(self, *args, **kwargs):
+            if self.is_relative_to(tmp_path / "locked"):
+                raise PermissionError(errno.EACCES, "Permission denied", str(self))
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+    try:
+        code, out, err = run_main(["compile", str(path)], capsys)
+    finally:
+        (tmp_path / "locked").chmod(0o700)
+    line = _one_error_line(err)
+    assert code == 2 and "output folder" in line and "permission is denied; grant access" in line, line

@@ -237,3 +237,11 @@ def test_a_new_budget_or_strategy_reuses_every_measured_trial(tmp_path, cache_di
     measured_again = set(re.findall(r"^\s+ok evaluate (\S+)", progress, re.M))
     assert not measured_again & {t["stage"] for t in first.search["trials"]}
     assert len(second.search["trials"]) == 5
+
+
+def test_a_spent_wall_time_budget_starts_no_new_trial(tmp_path, cache_dir):
+    data = _recipe_data()
+    data["evaluate"]["search"] = {"strategy": "grid", "wall_time_s": 0.001, "objectives": ["accuracy", "size"]}
+    report, _, _ = _run(_write(tmp_path, data), cache_dir)
+    # The first round (one trial on the local executor) always runs; then the budget is spent.
+    assert len(report.search["trials"]) == 1 and report.search["stopped"] == "wall-time budget of 0.001s spent"

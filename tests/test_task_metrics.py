@@ -123,6 +123,9 @@ def test_detection_metric_catches_class_flips_that_cosine_misses(tmp_path):
 
     detected = compare(perturbed, reference, features, TOL, "ref", task=task)
     metrics = detected.task.metrics
+    # The Pareto axis follows the task: the error is the lost agreement, not the (tiny) lost cosine.
+    assert detected.error == pytest.approx(1 - min(metrics["class_agreement"], metrics["map50"]))
+    assert detected.error > 0.1 > 0.001 > cosine_only.error
     assert metrics["confident_predictions"] > 50
     assert metrics["class_agreement"] < 0.9 and metrics["map50"] < 0.9
     assert not detected.within_tolerance and any("class agreement" in v for v in detected.violations)

@@ -16,6 +16,7 @@ from optpipe.instruments import Instrument
 from optpipe.model_source import source_fingerprint
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.results import StageResult
+from optpipe.signal_stack import restore_signal_stack
 
 EAGER_STAGE = "pytorch-eager"
 
@@ -59,6 +60,7 @@ def _evaluate_stage(result: StageResult, recipe: Recipe, evaluator: Evaluator, i
     result.info = artifact.info
     dims = {dim: spec_.opt for dim, spec_ in recipe.dims.items()}
     result.coverage, result.warnings = stage_coverage(artifact, dims, result.pass_name, artifact.info.get("excluded"))
+    restore_signal_stack()  # OpenVINO may have left it dangling: Ctrl-C must not crash
     instruments.before_evaluation(result.name)
     try:
         accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(result.name))

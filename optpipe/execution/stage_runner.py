@@ -23,6 +23,7 @@ from optpipe.instruments import Instrument, Instruments, StageInfo
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import Recipe
 from optpipe.results import StageResult
+from optpipe.signal_stack import restore_signal_stack
 
 KEY_FORMAT = 2
 
@@ -41,6 +42,7 @@ class StageRunner:
         self.force = force
 
     def run(self, name: str, pass_: Pass, model: ModelArtifact | None) -> StageResult:
+        restore_signal_stack()  # a native library may have left it dangling: Ctrl-C must not crash
         log_path = self.logs_dir / f"{name}.log"
         started = time.perf_counter()
         spec = self.recipe.stages[name]

@@ -96,6 +96,9 @@ def render_markdown(report: RunReport) -> str:
     warned = grouped_warnings(report.stages)
     if warned:
         lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
+    exporters = export_fallbacks(report.stages)
+    if exporters:
+        lines += ["## Exporter fallback", ""] + [f"- {line}" for line in exporters] + [""]
     floats = left_in_float(report.stages)
     if floats:
         lines += ["## Left in float by the quantization stages", ""] + [f"- {line}" for line in floats] + [""]
@@ -113,6 +116,17 @@ def render_markdown(report: RunReport) -> str:
 
     lines += render_search_markdown(report.search, report.hardware)
     return "\n".join(lines)
+
+
+def export_fallbacks(stages: list[StageResult]) -> list[str]:
+    """Export stages that `exporter: auto` finished with its second choice, and why the first failed."""
+    lines = []
+    for s in stages:
+        fallback = s.info.get("fallback") if s.pass_name == "export" else None
+        if fallback:
+            why = "; ".join(f"{name}: {reason}" for name, reason in fallback.get("reasons", {}).items())
+            lines.append(f"`{s.name}` was exported with {s.info.get('exporter')} after {why}")
+    return lines
 
 
 def stage_table(report: RunReport) -> str:

@@ -22,8 +22,8 @@ _PROBLEMS = {
     errno.ENOSPC: ("the disk is full", "free space there"),
     errno.EDQUOT: ("the disk quota is exceeded", "free space there"),
     errno.EROFS: ("it is on a read-only file system", "make it writable"),
-    errno.EACCES: ("permission is denied", "grant write permission"),
-    errno.EPERM: ("permission is denied", "grant write permission"),
+    errno.EACCES: ("permission is denied", "grant access"),
+    errno.EPERM: ("permission is denied", "grant access"),
     errno.ENAMETOOLONG: ("a name in its path is too long for the file system", "use a shorter name"),
     errno.ENOTDIR: ("a file stands where a folder is needed", "remove that file"),
     errno.EEXIST: ("a file stands where a folder is needed", "remove that file"),
@@ -44,8 +44,8 @@ def describe(exc: OSError, role: str = "", folder: Path | None = None) -> str | 
     if role and folder is not None:
         where = f"{role} '{folder}'" + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(folder) else "")
     else:
-        where = f"'{exc.filename}'" if exc.filename else "to disk"  # a flush on close carries no file name
-    return f"cannot write {where}: {problem}; {fix} or choose another folder (--output, --cache-dir)"
+        where = f"'{exc.filename}'" if exc.filename else "the disk"  # a flush on close carries no file name
+    return f"cannot use {where}: {problem}; {fix} or choose another folder (--output, --cache-dir)"
 
 
 def disk_error_in(exc: BaseException) -> OSError | None:
