@@ -1,6 +1,6 @@
 """Benchmark suite: PyTorch eager FP32, plain ONNX Runtime FP32 and every optpipe stage, side by side.
 
-    python bench/run.py recipes/minilm.yaml recipes/bert-base.yaml recipes/resnet50.yaml
+    python bench/run.py recipes/minilm.yaml recipes/bert-base.yaml recipes/resnet50.yaml recipes/yolov5s.yaml
 
 Each recipe is compiled with optpipe (cached: an unchanged recipe recomputes
 nothing), then measured in its own process: every candidate runs on the same

@@ -27,7 +27,10 @@ What a new pass declares, shown on the simplest one possible::
 
 Optional: `needs_input = False` for a pass that starts from the recipe's model
 (export); `fingerprint(ctx)` returning hashes of anything else the output depends
-on (export: the model source). Nothing else: the manager enforces the rest
+on (export: the model source); params inheriting
+`optpipe.evaluation.self_check.SelfCheckParams` for a pass that must keep its
+input's numerics (`check_atol`, `check_rtol`): the numeric self-check then runs
+after it, as an instrument, with `check_hint` as the advice when it fails. Nothing else: the manager enforces the rest
 (optpipe/execution/contract.py). It publishes the artifact `run` returns; it
 refuses a workdir holding anything besides model.onnx, model.onnx.data and
 info.json (clean scratch files up); it fails the stage if the input changed; and

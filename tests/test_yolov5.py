@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from optpipe.models.yolov5 import YOLOv5, calibration_photos, yolov5
-from optpipe.recipe import load_recipe, parse_recipe
+from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

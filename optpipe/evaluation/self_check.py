@@ -81,6 +81,15 @@ class NumericSelfCheck(Instrument):
         ctx.log.info("self-check against %s: %s", against, record)
 
 
+def self_check_fingerprint(params: PassParams, recipe) -> dict[str, Any] | None:
+    """What the self-check's verdict depends on besides the models: its inputs' specs and dims
+    (part of the stage key of a self-checked pass, so a recorded verdict is never for other inputs)."""
+    if not isinstance(params, SelfCheckParams):
+        return None
+    return {"inputs": [spec.model_dump(mode="json") for spec in recipe.inputs],
+            "dims": {name: dim.model_dump(mode="json") for name, dim in recipe.dims.items()}}
+
+
 def numeric_check(candidate: Outputs, reference: Outputs, feeds: Feeds, params: SelfCheckParams, against: str,
                   hint: str = "") -> dict[str, Any]:
     """The self-check's record (info.json's `self_check`); PassError when enforced and out of tolerance."""

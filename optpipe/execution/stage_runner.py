@@ -14,7 +14,7 @@ from pathlib import Path
 from optpipe.artifact import ModelArtifact, write_info
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, first_line
-from optpipe.evaluation.self_check import NumericSelfCheck
+from optpipe.evaluation.self_check import NumericSelfCheck, self_check_fingerprint
 from optpipe.execution.contract import run_pass
 from optpipe.execution.interrupt import InterruptWatch, escalate
 from optpipe.execution.isolation import memory_message, run_pass_isolated
@@ -135,6 +135,7 @@ def stage_key(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> str
         version=pass_.version,
         params=pass_.params.model_dump(mode="json"),
         extra=pass_.fingerprint(ctx),
+        self_check=self_check_fingerprint(pass_.params, ctx.recipe),
         libraries=library_versions(pass_.libraries),
     )
 
