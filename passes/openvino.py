@@ -42,7 +42,9 @@ class OpenVinoParams(PassParams):
     smooth_quant_alpha: Optional[float] = Field(
         None, le=1.0, description="int8: SmoothQuant alpha for MatMul (negative disables); default NNCF's for the model type"
     )
-    exclude: list[str] = Field(default_factory=list, description="int8: node names kept in float (NNCF ignored scope)")
+    exclude: list[str] = Field(
+        default_factory=list, description="int8: node names kept in float (NNCF ignored scope; the converted IR's op names, "
+        "which are not always the ONNX node names: names it lacks are ignored, see the stage log)")
     exclude_types: list[str] = Field(default_factory=list, description="int8: op types kept in float, OpenVINO names (e.g. MatMul)")
     guard: bool = Field(True, description="int8: hold the stage's tolerance with NNCF's accuracy-controlled quantization")
     max_excluded: int = Field(8, ge=0, description="guard: most quantizers NNCF may revert to float")
