@@ -42,7 +42,9 @@ class OpenVinoParams(PassParams):
     smooth_quant_alpha: Optional[float] = Field(
         None, le=1.0, description="int8: SmoothQuant alpha for MatMul (negative disables); default NNCF's for the model type"
     )
-    exclude: list[str] = Field(default_factory=list, description="int8: node names kept in float (NNCF ignored scope)")
+    exclude: list[str] = Field(
+        default_factory=list, description="int8: node names kept in float (NNCF ignored scope; the converted IR's op names, "
+        "which are not always the ONNX node names: names it lacks are ignored, see the stage log)")
     exclude_types: list[str] = Field(default_factory=list, description="int8: op types kept in float, OpenVINO names (e.g. MatMul)")
     guard: bool = Field(True, description="int8: hold the stage's tolerance with NNCF's accuracy-controlled quantization")
     max_excluded: int = Field(8, ge=0, description="guard: most quantizers NNCF may revert to float")
@@ -146,16 +148,22 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
         accuracy = check(quantized)
         steps = [{"method": "nncf.quantize", "cosine": accuracy.worst_cosine, "held": accuracy.within_tolerance,
                   "quantizers": _fake_quantize_count(quantized)}]
+        gave_up = None
         if not accuracy.within_tolerance and params.guard and params.max_excluded and ctx.tolerance.cosine_min:
             quantized, accuracy = _accuracy_controlled(converted, calibration, options, params, ctx, check)
             steps.append({"method": "nncf.quantize_with_accuracy_control", "cosine": accuracy.worst_cosine,
                           "held": accuracy.within_tolerance, "quantizers": _fake_quantize_count(quantized)})
+        elif not accuracy.within_tolerance and params.guard:
+            # NNCF's accuracy control restores one metric: optpipe's cosine. Without one, say so.
+            gave_up = "the tolerance has no cosine_min for NNCF's accuracy control to hold" if not ctx.tolerance.cosine_min \
+                else "max_excluded is 0"
+            ctx.log.warning("openvino int8 guard not run: %s", gave_up)
     details = {
         "options": {k: str(v) for k, v in options.items()},
         "calibration_samples": options["subset_size"],
         "quantizers": _fake_quantize_count(quantized),
         "guard": {"enabled": params.guard, "held": accuracy.within_tolerance, "cosine": accuracy.worst_cosine,
-                  "violations": accuracy.violations, "steps": steps},
+                  "violations": accuracy.violations, "steps": steps, "not_run": gave_up},
     }
     return quantized, accuracy, details
 

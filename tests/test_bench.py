@@ -5,6 +5,7 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import yaml
 
 from inspect_models import mlp_model, mlp_recipe, save
@@ -39,3 +40,28 @@ def test_bench_measures_every_stage_and_writes_markdown(tmp_path, monkeypatch):
     text = bench.render_document([result, {"recipe": "recipes/absent.yaml", "error": "recipe 'recipes/absent.yaml' does not exist"}], "python bench/run.py x")
     assert "| optpipe:simplify" in text and "Machine:" in text and "`python bench/run.py x`" in text
     assert "not measured: recipe 'recipes/absent.yaml' does not exist" in text
+
+
+def test_peers_run_their_own_commands_and_say_why_when_they_cannot(tmp_path, monkeypatch):
+    """Fake peer CLIs: Olive writes a model (its path is used), Optimum fails (the row gives the log), none installed."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import peers
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "optimum-cli").write_text("#!/bin/sh\necho quantize broke >&2\nexit 3\n")
+    # olive run --config FILE: writes output_dir/model.onnx as the real one does.
+    (bin_dir / "olive").write_text("#!/bin/sh\nout=$(python3 -c \"import json,sys; print(json.load(open(sys.argv[1]))['output_dir'])\" \"$3\")\n"
+                                   "mkdir -p \"$out\" && touch \"$out/model.onnx\"\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PEERS_BIN", str(bin_dir))
+    model = tmp_path / "hf"
+    assert peers._olive(model, tmp_path / "olive") == tmp_path / "olive" / "output" / "model.onnx"
+    with pytest.raises(peers.PeerUnavailable, match=r"optimum-cli export onnx.*exit 3.*export\.log"):
+        peers._optimum(model, tmp_path / "optimum")
+    monkeypatch.setenv("PEERS_BIN", str(tmp_path / "empty"))
+    with pytest.raises(peers.PeerUnavailable, match="`olive` not found"):
+        peers._olive(model, tmp_path / "olive2")

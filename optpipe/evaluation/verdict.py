@@ -21,6 +21,8 @@ log = logging.getLogger("optpipe.verdict")
 def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str,
                    excluded: list[str] | None = None) -> tuple[Coverage | None, list[str]]:
     """The stage's precision mix and, for a quantization stage, the warning when it mostly stayed in float."""
+    if not artifact.path.is_file():
+        return None, []  # an OpenVINO IR: its info records the compute layers that run int8 (int8_layers)
     try:
         coverage = precision_coverage(artifact.load(with_weights=False), dims, excluded=set(excluded or ()))
     except Exception as exc:  # a graph shape inference cannot read: the report says so, the run goes on
