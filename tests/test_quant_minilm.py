@@ -48,7 +48,8 @@ def test_fuse_makes_attention_layernorm_and_gelu_fusions_on_the_dynamo_export(st
 def test_int8_dynamic_holds_the_tolerance_with_every_matmul_quantized(stages):
     info = stages["int8-dynamic"].info
     assert info["guard"]["held"] and info["guard"]["cosine"] >= 0.99  # measured 0.9914 (per real token)
-    assert info["op_changes"]["MatMulInteger"] == 36 and info["excluded"] == []
+    # 36 in the six layers plus the pooler's dense layer (fuse made it a FusedGemm; int8 splits it back)
+    assert info["op_changes"]["MatMulInteger"] == 37 and info["excluded"] == []
 
 
 def test_int8_static_is_symmetric_qdq_and_the_guard_records_each_kept_node(stages):
@@ -56,7 +57,7 @@ def test_int8_static_is_symmetric_qdq_and_the_guard_records_each_kept_node(stage
 
     artifact = stages["int8-static"]
     info = artifact.info
-    assert info["calibration"]["method"] == "minmax" and info["calibration"]["samples"] == 32
+    assert info["calibration"]["method"] == "minmax" and info["calibration"]["samples"] == 64  # recipes/minilm.yaml: 64 sentences (NNCF needed them, docs/int8.md)
     model = artifact.load()
     inits = {i.name: i for i in model.graph.initializer}
     zero_points = [numpy_helper.to_array(inits[n.input[2]]) for n in model.graph.node if n.op_type == "QuantizeLinear"]

@@ -15,6 +15,7 @@ from optpipe.errors import RunFolderError
 from optpipe.graph.stats import graph_diff
 from optpipe.recipe import Tolerance
 from optpipe.results import Latency, StageResult
+from optpipe.evaluation import openvino_runtime
 from optpipe.reporting.run_access import (  # noqa: F401  (re-exported: the CLI and the pipeline read them here)
     SAMPLE_INPUTS_COUNT, SAMPLE_INPUTS_FILE, StageHandle, open_run, parse_stage_ref, sample_inputs, save_sample_inputs,
     stage_handle, stage_order,
@@ -49,6 +50,10 @@ def _missing_copy(handle: StageHandle) -> str | None:
     """Why the graph sections are absent, when a finished ONNX stage's copy is gone from the run folder."""
     if handle.result.status != "ok" or handle.result.hash is None or handle.model_path is not None:
         return None
+    folder = handle.run_dir / "stages" / handle.name
+    if openvino_runtime.is_ir(folder):  # never had a model.onnx: not "missing"
+        return (f"an OpenVINO IR stage ({folder / openvino_runtime.IR_FILE}); the graph sections describe ONNX "
+                "stages only: its runtime, precision and int8 layers are in the pass info below")
     return (f"{handle.run_dir / 'stages' / handle.name / 'model.onnx'} is missing, so its graph sections are not shown; "
             "rerun the same compile to restore the run folder")
 
