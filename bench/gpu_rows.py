@@ -170,7 +170,7 @@ def _eager_cuda(recipe):
 
     if not torch.cuda.is_available():
         return None
-    model = load_torch_model(recipe)
+    model = load_torch_model(recipe.model_source())
     module = model.module.cuda().eval()
 
     def run(feeds):

@@ -143,7 +143,7 @@ def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[
     if eager is not None and eager.status == "ok":
         from optpipe.model_source import load_torch_model
 
-        candidates[EAGER] = eager_runner(load_torch_model(recipe), threads)
+        candidates[EAGER] = eager_runner(load_torch_model(recipe.model_source()), threads)
         rows.append(_row(EAGER, "PyTorch eager FP32", eager))
     root = next((s for s in report.stages if s.parent is None and s.name != EAGER and s.status == "ok"), None)
     if root is not None:

@@ -53,7 +53,7 @@ def sample_set_key(source: DataSource, recipe: Recipe) -> str:
     if source.source == "text":
         from optpipe.model_source import source_fingerprint
 
-        tokenizer = source_fingerprint(recipe)
+        tokenizer = source_fingerprint(recipe.model_source())
     return sha256_json(
         {
             "format": 2,

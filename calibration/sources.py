@@ -91,16 +91,16 @@ def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> 
 def _synthetic(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     batch_dim = recipe.batch_dim()
     if batch_dim is None:
-        batches = [synthetic_inputs(recipe, seed=source.seed + i) for i in range(source.samples)]
+        batches = [synthetic_inputs(recipe.model_inputs(), seed=source.seed + i) for i in range(source.samples)]
         return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-    return synthetic_inputs(recipe, seed=source.seed, **{batch_dim: source.samples})
+    return synthetic_inputs(recipe.model_inputs(), seed=source.seed, **{batch_dim: source.samples})
 
 
 def _text(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
     """Lines of a text file through the model's own tokenizer, padded to the `opt` sequence length."""
     from optpipe.model_source import hf_folder
 
-    tokenizer_folder = hf_folder(recipe)  # before importing transformers: a model without a tokenizer fails fast
+    tokenizer_folder = hf_folder(recipe.model_source())  # before importing transformers: a model without a tokenizer fails fast
     from transformers import AutoTokenizer
 
     path = source_path(source, recipe)

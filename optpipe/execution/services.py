@@ -25,7 +25,7 @@ class RunServices:
 
     @lru_cache(maxsize=1)
     def torch_model(self):
-        return load_torch_model(self.recipe)
+        return load_torch_model(self.recipe.model_source())
 
     @lru_cache(maxsize=1)
     def eval_set(self) -> SampleSet:

@@ -34,7 +34,7 @@ def evaluate_stages(
     """Measure every finished stage named in `order` on the same inputs; the reference stage's outputs
     (found in `stages`) are the yardstick. Returns the eager baseline (when measured) then the stages
     of `order`, their results filled in."""
-    evaluator = Evaluator(recipe, cache, services.eval_set, providers, progress=instruments.step, force=force)
+    evaluator = Evaluator(recipe.evaluate, recipe.model_inputs(), cache, services.eval_set, providers, progress=instruments.step, force=force)
     reference = recipe.evaluate.reference or next(n for n in order if recipe.stages[n].after is None)
     ref_stage = stages.get(reference)
     if ref_stage is not None and ref_stage.model is not None:
@@ -81,7 +81,7 @@ def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices,
     result = StageResult(name=EAGER_STAGE, pass_name="eager", status="ok")
     instruments.before_evaluation(EAGER_STAGE)
     try:
-        digest = StageCache.key(source=source_fingerprint(recipe), inputs=[s.model_dump() for s in recipe.inputs])
+        digest = StageCache.key(source=source_fingerprint(recipe.model_source()), inputs=[s.model_dump() for s in recipe.inputs])
         accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, recipe.evaluate.tolerance)
     except OptpipeError as exc:
         escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run

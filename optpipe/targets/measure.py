@@ -25,7 +25,7 @@ class Measurer:
         self.recipe = recipe
         self.settings = recipe.evaluate
         self.reference = reference
-        self.evaluator = Evaluator(recipe, cache, lambda: build_sample_set(recipe.data.eval, recipe, cache.root), providers)
+        self.evaluator = Evaluator(recipe.evaluate, recipe.model_inputs(), cache, lambda: build_sample_set(recipe.data.eval, recipe, cache.root), providers)
 
     @property
     def batches(self) -> list[Feeds]:
