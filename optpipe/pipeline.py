@@ -36,7 +36,7 @@ from optpipe.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
 from optpipe.safety.os_errors import folder_errors
-from optpipe.targets import run_targets
+from optpipe.targets import run_targets, target_settings, write_recipe_snapshot
 from optpipe.validate import validate_recipe
 
 
@@ -86,7 +86,8 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
             if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
                 save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
             try:
-                run_targets(recipe, report, run_dir, cache, options.providers, instruments)
+                write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
+                run_targets(target_settings(recipe, cache.root), report, run_dir, cache, options.providers, instruments)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows
     finally:
