@@ -217,7 +217,7 @@ def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, row
 
             if batches is None:
                 cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-                sample_set = build_sample_set(recipe.data.eval, recipe, cache.root)
+                sample_set = build_sample_set(recipe.data.eval, recipe.model_source(), cache.root)
                 batches = list(sample_set.batches(recipe.evaluate.accuracy_batch)), sample_set.arrays
                 expected = run_onnx(reference, batches[0], threads, ["CPUExecutionProvider"])
             got = run_onnx(result, batches[0], threads, ["CPUExecutionProvider"])
@@ -262,7 +262,7 @@ def evaluation_feeds(recipe, batch: int) -> dict[str, np.ndarray]:
     from optpipe.calibration.dataset import build_sample_set
 
     cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-    return build_sample_set(recipe.data.eval, recipe, cache.root).first(batch)
+    return build_sample_set(recipe.data.eval, recipe.model_source(), cache.root).first(batch)
 
 
 def interleaved_timings(candidates: dict[str, Callable], feeds, threads: int, rounds: int, iterations: int, warmup: int) -> dict[str, list[float]]:

@@ -70,7 +70,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         cache = StageCache(cache_root)
     with folder_errors("output folder", run_dir):
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    services = RunServices(recipe, cache)
+    services = RunServices(recipe.model_source(), recipe.data, cache)
     preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set)
     order = _stages_to_run(graph, options.only)
 

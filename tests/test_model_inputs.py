@@ -31,7 +31,7 @@ def _images(channels: int, arrange="NCHW", **preprocess):
     recipe = _recipe([{"name": "image", "shape": shape}],
                      data={"eval": {"source": "images", "path": PHOTOS, "samples": 4,
                                     "preprocess": {"files": ["camera.png", "astronaut.png"], "resize": 32, **preprocess}}})
-    return load_samples(recipe.data.eval, recipe)["image"]
+    return load_samples(recipe.data.eval, recipe.model_source())["image"]
 
 
 def test_grayscale_images_feed_a_one_channel_input():
@@ -93,7 +93,7 @@ def test_data_off_the_multiple_is_a_readable_data_error():
 
     recipe = _recipe(IMAGE_HW, dims={"size": {"min": 32, "opt": 64, "max": 640, "multiple_of": 32}})
     with pytest.raises(DataError, match=r"size 336 on axis 2, not a multiple of 32 \(dims.size.multiple_of\); resize the data to 320 or 352"):
-        check_samples({"x": np.zeros((1, 3, 336, 336), np.float32)}, recipe, "data source 'npy'")
+        check_samples({"x": np.zeros((1, 3, 336, 336), np.float32)}, recipe.model_source(), "data source 'npy'")
 
 
 def test_dynamo_export_knows_the_multiple_and_keeps_the_dim_name(tmp_path):

@@ -73,7 +73,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
         with FileLock(str(run_dir / ".optpipe.lock")):
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):
-                save_sample_inputs(run_dir, RunServices(recipe, cache).eval_set().arrays)
+                save_sample_inputs(run_dir, RunServices(recipe.model_source(), recipe.data, cache).eval_set().arrays)
             try:
                 write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
                 run_targets(target_settings(recipe, cache.root), report, run_dir, cache, providers)

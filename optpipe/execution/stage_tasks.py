@@ -48,7 +48,7 @@ def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: T
     _, passes = validate_recipe(recipe)
     cache = settings.open_cache()
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    runner = StageRunner(recipe, cache, RunServices(recipe, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
+    runner = StageRunner(recipe, cache, RunServices(recipe.model_source(), recipe.data, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
     try:
         return runner.run(name, passes[name], parent.model if parent else None)
     finally:
@@ -67,7 +67,7 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
     scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
     try:
-        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, settings.providers, Instruments(),
+        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped.model_source(), scoped.data, cache), cache, settings.providers, Instruments(),
                                   settings.force)
     finally:
         cache.release_leases()

@@ -59,16 +59,16 @@ def target_settings(recipe: Recipe, cache_root: Path) -> TargetSettings:
     """The parts of the recipe the targets read, resolved once; the sample sets are built when first used."""
     from optpipe.calibration.dataset import build_sample_set
 
-    data = recipe.data
+    data, source = recipe.data, recipe.model_source()
     return TargetSettings(
         recipe_name=recipe.name,
         evaluate=recipe.evaluate,
-        shapes=recipe.model_inputs(),
+        shapes=source,
         parents={name: stage.after for name, stage in recipe.stages.items()},
         tolerances={name: recipe.tolerance_for(name) for name in recipe.stages},
         targets=tuple(recipe.targets),
-        eval_set=lambda: build_sample_set(data.eval, recipe, cache_root),
-        calibration_set=(lambda: build_sample_set(data.calibration, recipe, cache_root)) if data.calibration else None,
+        eval_set=lambda: build_sample_set(data.eval, source, cache_root),
+        calibration_set=(lambda: build_sample_set(data.calibration, source, cache_root)) if data.calibration else None,
     )
 
 
