@@ -26,7 +26,7 @@ from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
 from optpipe.model_source import onnx_path
-from optpipe.execution.stage_evaluation import EAGER_STAGE, evaluate_stages  # noqa: F401  (EAGER_STAGE: public name)
+from optpipe.execution.stage_evaluation import EAGER_STAGE, EvaluationParts, evaluate_stages  # noqa: F401  (EAGER_STAGE: public name)
 from optpipe.execution.stage_runner import StageRunner
 from optpipe.instruments import Instrument, Instruments
 from optpipe.pass_base import Pass
@@ -78,7 +78,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     instruments = manager.instruments
     try:
         stages = manager.run(order, graph, passes)
-        results = evaluate_stages(recipe, order, stages, services, cache, options.providers, instruments, options.force)
+        results = evaluate_stages(EvaluationParts.of(recipe), order, stages, services, cache, options.providers, instruments, options.force)
         report = build_report(recipe, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
         with FileLock(str(run_dir / ".optpipe.lock")):
