@@ -160,7 +160,7 @@ def _feeds(recipe) -> dict[str, np.ndarray]:
     from optpipe.calibration.dataset import build_sample_set
 
     cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-    return build_sample_set(recipe.data.eval, recipe, cache.root).first(recipe.evaluate.batch_sizes[0])
+    return build_sample_set(recipe.data.eval, recipe.model_source(), cache.root).first(recipe.evaluate.batch_sizes[0])
 
 
 def _eager_cuda(recipe):
@@ -170,7 +170,7 @@ def _eager_cuda(recipe):
 
     if not torch.cuda.is_available():
         return None
-    model = load_torch_model(recipe)
+    model = load_torch_model(recipe.model_source())
     module = model.module.cuda().eval()
 
     def run(feeds):

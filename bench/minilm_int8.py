@@ -78,7 +78,7 @@ def build_stages(recipe, run_dir: str):
 
     graph, passes = validate_recipe(recipe)
     cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-    services = RunServices(recipe, cache)
+    services = RunServices(recipe.model_source(), recipe.data, cache)
     folder = Path(run_dir)
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     manager = PassManager(recipe, cache, services, folder, RunOptions(output=folder))

@@ -35,7 +35,7 @@ def peer_models(recipe) -> dict[str, tuple[str, Path | str]]:
 
     if not isinstance(recipe.model, HFModel):
         return {"peers": ("Optimum, Olive", "not run: they take Hugging Face model folders with weights")}
-    folder = hf_folder(recipe)
+    folder = hf_folder(recipe.model_source())
     scratch = Path(os.environ.get("PEERS_DIR", "/tmp/optpipe-peers")) / recipe.name
     results = {}
     for name, what, build in (("optimum:int8-vnni-per-channel", "Optimum -O2, then quantize --avx512_vnni --per_channel", _optimum),

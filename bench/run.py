@@ -143,7 +143,7 @@ def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[
     if eager is not None and eager.status == "ok":
         from optpipe.model_source import load_torch_model
 
-        candidates[EAGER] = eager_runner(load_torch_model(recipe), threads)
+        candidates[EAGER] = eager_runner(load_torch_model(recipe.model_source()), threads)
         rows.append(_row(EAGER, "PyTorch eager FP32", eager))
     root = next((s for s in report.stages if s.parent is None and s.name != EAGER and s.status == "ok"), None)
     if root is not None:
@@ -217,7 +217,7 @@ def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, row
 
             if batches is None:
                 cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-                sample_set = build_sample_set(recipe.data.eval, recipe, cache.root)
+                sample_set = build_sample_set(recipe.data.eval, recipe.model_source(), cache.root)
                 batches = list(sample_set.batches(recipe.evaluate.accuracy_batch)), sample_set.arrays
                 expected = run_onnx(reference, batches[0], threads, ["CPUExecutionProvider"])
             got = run_onnx(result, batches[0], threads, ["CPUExecutionProvider"])
@@ -262,7 +262,7 @@ def evaluation_feeds(recipe, batch: int) -> dict[str, np.ndarray]:
     from optpipe.calibration.dataset import build_sample_set
 
     cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-    return build_sample_set(recipe.data.eval, recipe, cache.root).first(batch)
+    return build_sample_set(recipe.data.eval, recipe.model_source(), cache.root).first(batch)
 
 
 def interleaved_timings(candidates: dict[str, Callable], feeds, threads: int, rounds: int, iterations: int, warmup: int) -> dict[str, list[float]]:

@@ -15,7 +15,7 @@ import numpy as np
 from optpipe.artifact import sha256_file, sha256_json
 from optpipe.calibration.labels import labels_fingerprint, split_labels
 from optpipe.calibration.sources import load_samples, source_path
-from optpipe.recipe import DataSource, Recipe
+from optpipe.recipe import DataSource, ModelSource
 
 DATASETS = "datasets"
 SAMPLES_FILE = "samples.npz"
@@ -43,8 +43,8 @@ class SampleSet:
         return {name: np.concatenate([array] * reps)[:count] for name, array in self.arrays.items()}
 
 
-def sample_set_key(source: DataSource, recipe: Recipe) -> str:
-    path = source_path(source, recipe)
+def sample_set_key(source: DataSource, model: ModelSource) -> str:
+    path = source_path(source, model)
     content = None
     if path is not None:
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
@@ -53,21 +53,21 @@ def sample_set_key(source: DataSource, recipe: Recipe) -> str:
     if source.source == "text":
         from optpipe.model_source import source_fingerprint
 
-        tokenizer = source_fingerprint(recipe)
+        tokenizer = source_fingerprint(model)
     return sha256_json(
         {
             "format": 2,
             "source": source.model_dump(exclude={"path", "labels"}),
             "content": content,
-            "labels": labels_fingerprint(source, recipe),
-            "inputs": [spec.model_dump() for spec in recipe.inputs],
-            "dims": {name: dim.model_dump() for name, dim in recipe.dims.items()},
+            "labels": labels_fingerprint(source, model),
+            "inputs": [spec.model_dump() for spec in model.inputs],
+            "dims": {name: dim.model_dump() for name, dim in model.dims.items()},
             "tokenizer": tokenizer,
         }
     )
 
 
-def build_sample_set(source: DataSource, recipe: Recipe, cache: "StageCache | Path") -> SampleSet:
+def build_sample_set(source: DataSource, model: ModelSource, cache: "StageCache | Path") -> SampleSet:
     """Load the cached set if its key matches (verified against its hash), else build and publish it.
 
     The set is a cache entry like a stage's model (`datasets/<key>/samples.npz` and a
@@ -75,7 +75,7 @@ def build_sample_set(source: DataSource, recipe: Recipe, cache: "StageCache | Pa
     """
     from optpipe.cache.store import StageCache
 
-    key = sample_set_key(source, recipe)
+    key = sample_set_key(source, model)
     cache = cache if isinstance(cache, StageCache) else StageCache(cache)
     with cache.lock(key):
         folder = cache.lookup_folder(key, DATASETS)
@@ -85,7 +85,7 @@ def build_sample_set(source: DataSource, recipe: Recipe, cache: "StageCache | Pa
                 arrays, labels = split_labels(arrays)
                 return SampleSet(arrays, key, cached=True, labels=labels)
             cache.discard(folder)
-        arrays = load_samples(source, recipe)
+        arrays = load_samples(source, model)
         workdir = cache.new_workdir()
         try:
             with open(workdir / SAMPLES_FILE, "wb") as fh:

@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from optpipe.errors import DataError
-from optpipe.recipe import DataSource, InputSpec, Recipe, describe_validation_error
+from optpipe.recipe import DataSource, InputSpec, ModelSource, describe_validation_error
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
 Size = Union[int, tuple[int, int]]
@@ -53,10 +53,10 @@ CHANNEL_MODES = {"gray": ("L", 1), "rgb": ("RGB", 3), "bgr": ("RGB", 3), "rgba":
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def load_image_folder(path: Path, source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+def load_image_folder(path: Path, source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     """`source.samples` preprocessed images from `path`, stacked as the model input's array."""
     options = _options(source)
-    spec = _image_input(recipe, options)
+    spec = _image_input(model, options)
     layout = options.layout or _layout_of(spec)
     options = _with_channels(options, spec, layout)
     crop = _pair(options.crop) if options.crop is not None else _spatial_dims(spec, layout)
@@ -123,13 +123,13 @@ def _with_channels(options: ImagePreprocess, spec: InputSpec, layout: str) -> Im
     return options.model_copy(update={"channels": mode, **stats})
 
 
-def _image_input(recipe: Recipe, options: ImagePreprocess) -> InputSpec:
+def _image_input(model: ModelSource, options: ImagePreprocess) -> InputSpec:
     if options.input is not None:
-        spec = next((s for s in recipe.inputs if s.name == options.input), None)
+        spec = next((s for s in model.inputs if s.name == options.input), None)
         if spec is None:
             raise DataError(f"data: preprocess.input: the model has no input '{options.input}'")
         return spec
-    candidates = [s for s in recipe.inputs if len(s.shape) == 4]
+    candidates = [s for s in model.inputs if len(s.shape) == 4]
     if len(candidates) != 1:
         raise DataError("data: images feed one rank-4 input; name it with `preprocess: {input: NAME}`")
     return candidates[0]

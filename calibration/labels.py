@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from optpipe.errors import DataError
-from optpipe.recipe import DataSource, Recipe
+from optpipe.recipe import DataSource, ModelSource
 
 LABELS = "labels"
 LABELS_KEY = "__labels__"  # the name inside a cached sample set
@@ -26,14 +26,14 @@ def split_labels(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], 
     return inputs, arrays.get(LABELS_KEY)
 
 
-def attach_labels(samples: dict[str, np.ndarray], source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+def attach_labels(samples: dict[str, np.ndarray], source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     """Move an npz's `labels` array, or read `source.labels`, under the reserved key; check the count."""
-    inputs = {spec.name for spec in recipe.inputs}
+    inputs = {spec.name for spec in model.inputs}
     if LABELS in samples and LABELS not in inputs:
         samples = {**samples, LABELS_KEY: samples[LABELS]}
         del samples[LABELS]
     if source.labels:
-        path = _labels_path(source, recipe)
+        path = _labels_path(source, model)
         try:
             labels = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:
@@ -44,13 +44,13 @@ def attach_labels(samples: dict[str, np.ndarray], source: DataSource, recipe: Re
     return samples
 
 
-def labels_fingerprint(source: DataSource, recipe: Recipe) -> str | None:
+def labels_fingerprint(source: DataSource, model: ModelSource) -> str | None:
     """The labels file's content hash: new labels make a new sample set."""
     if not source.labels:
         return None
     from optpipe.artifact import sha256_file
 
-    return sha256_file(_labels_path(source, recipe))
+    return sha256_file(_labels_path(source, model))
 
 
 def class_folders(folder: Path) -> list[Path]:
@@ -62,7 +62,7 @@ def class_folders(folder: Path) -> list[Path]:
     return sorted(d for d in folder.iterdir() if d.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in d.iterdir()))
 
 
-def load_class_folders(folder: Path, source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+def load_class_folders(folder: Path, source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     """`source.samples` images from class subfolders, classes interleaved, with their labels."""
     from optpipe.calibration.images import image_files, load_image_folder
 
@@ -73,7 +73,7 @@ def load_class_folders(folder: Path, source: DataSource, recipe: Recipe) -> dict
     for index, (sub, count) in enumerate(zip(classes, counts)):
         # Each class's share of the samples (at least one), repeating variants of its images if asked for more.
         share = max(1, -(-source.samples * count // total))
-        arrays = load_image_folder(sub, source.model_copy(update={"samples": share}), recipe)
+        arrays = load_image_folder(sub, source.model_copy(update={"samples": share}), model)
         parts.append(arrays)
         labels.append(np.full(share, index, dtype=np.int64))
     name = next(iter(parts[0]))
@@ -91,8 +91,8 @@ def _interleave(sizes: list[int]) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
-def _labels_path(source: DataSource, recipe: Recipe) -> Path:
-    path = recipe.resolve(source.labels)
+def _labels_path(source: DataSource, model: ModelSource) -> Path:
+    path = model.resolve(source.labels)
     if path is None or not path.is_file():
         raise DataError(f"data: labels file '{source.labels}' does not exist; fix `labels` in the recipe's data section")
     return path

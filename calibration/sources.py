@@ -12,14 +12,14 @@ import numpy as np
 from optpipe.calibration.labels import attach_labels, class_folders, load_class_folders
 from optpipe.errors import DataError, first_line
 from optpipe.example_inputs import synthetic_inputs
-from optpipe.recipe import DataSource, Recipe
+from optpipe.recipe import DataSource, ModelSource
 
 
-def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+def load_samples(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     """All samples of a source, batch-stacked along axis 0."""
     loaders = {"synthetic": _synthetic, "text": _text, "npy": _npy, "npz": _npz, "images": _images}
     try:
-        samples = attach_labels(loaders[source.source](source, recipe), source, recipe)
+        samples = attach_labels(loaders[source.source](source, model), source, model)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, MemoryError) as exc:  # MemoryError: a header declaring a huge shape
         # numpy refuses pickled object arrays (allow_pickle=False) and raises these on broken files
         if source.source == "synthetic":  # no file to blame: the sizes are
@@ -29,15 +29,15 @@ def load_samples(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
             f"data: '{source.path}' is not a readable {source.source} file ({first_line(exc)[:160]}); "
             f"give a {source.source} file of plain numeric arrays"
         ) from None
-    check_samples(samples, recipe, what=f"data source '{source.source}'")
+    check_samples(samples, model, what=f"data source '{source.source}'")
     return samples
 
 
 PACKAGE_PREFIX = "package:"
 
 
-def source_path(source: DataSource, recipe: Recipe) -> Path | None:
-    path = package_path(source.path) if (source.path or "").startswith(PACKAGE_PREFIX) else recipe.resolve(source.path)
+def source_path(source: DataSource, model: ModelSource) -> Path | None:
+    path = package_path(source.path) if (source.path or "").startswith(PACKAGE_PREFIX) else model.resolve(source.path)
     if path is not None and not path.exists():
         raise DataError(f"data: file '{path}' does not exist; fix `path` in the recipe's data section")
     if path is not None and not (path.is_file() or path.is_dir()):  # a FIFO or a device would block or never end
@@ -56,9 +56,9 @@ def package_path(spec: str) -> Path:
     return Path(list(found.submodule_search_locations)[0]) / inner
 
 
-def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> None:
+def check_samples(samples: dict[str, np.ndarray], model: ModelSource, what: str) -> None:
     """Every input present, with the declared dtype and rank, fixed dims matching and dynamic dims in range."""
-    for i, spec in enumerate(recipe.inputs):
+    for i, spec in enumerate(model.inputs):
         if spec.name not in samples:
             raise DataError(f"{what} has no array for input '{spec.name}'; it has {sorted(samples)}; name the arrays after the inputs")
         array = samples[spec.name]
@@ -75,74 +75,74 @@ def check_samples(samples: dict[str, np.ndarray], recipe: Recipe, what: str) -> 
             size = array.shape[axis]
             if isinstance(dim, int) and size != dim:
                 raise DataError(f"{what}: input '{spec.name}' has size {size} on axis {axis}, the recipe says {dim}; fix the data or inputs.{i}.shape")
-            if isinstance(dim, str) and not recipe.dims[dim].allows(size):
+            if isinstance(dim, str) and not model.dims[dim].allows(size):
                 raise DataError(
                     f"{what}: input '{spec.name}' has size {size} on axis {axis}, not a multiple of "
-                    f"{recipe.dims[dim].multiple_of} (dims.{dim}.multiple_of); resize the data to {recipe.dims[dim].nearest(size)}"
+                    f"{model.dims[dim].multiple_of} (dims.{dim}.multiple_of); resize the data to {model.dims[dim].nearest(size)}"
                 )
-            if isinstance(dim, str) and not recipe.dims[dim].min <= size <= recipe.dims[dim].max:
-                bounds = recipe.dims[dim]
+            if isinstance(dim, str) and not model.dims[dim].min <= size <= model.dims[dim].max:
+                bounds = model.dims[dim]
                 raise DataError(
                     f"{what}: input '{spec.name}' has size {size} on axis {axis}, outside dims.{dim} "
                     f"[{bounds.min}, {bounds.max}]; fix the data or widen the dim"
                 )
 
 
-def _synthetic(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
-    batch_dim = recipe.batch_dim()
+def _synthetic(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
+    batch_dim = model.batch_dim()
     if batch_dim is None:
-        batches = [synthetic_inputs(recipe, seed=source.seed + i) for i in range(source.samples)]
+        batches = [synthetic_inputs(model, seed=source.seed + i) for i in range(source.samples)]
         return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-    return synthetic_inputs(recipe, seed=source.seed, **{batch_dim: source.samples})
+    return synthetic_inputs(model, seed=source.seed, **{batch_dim: source.samples})
 
 
-def _text(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+def _text(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     """Lines of a text file through the model's own tokenizer, padded to the `opt` sequence length."""
     from optpipe.model_source import hf_folder
 
-    tokenizer_folder = hf_folder(recipe)  # before importing transformers: a model without a tokenizer fails fast
+    tokenizer_folder = hf_folder(model)  # before importing transformers: a model without a tokenizer fails fast
     from transformers import AutoTokenizer
 
-    path = source_path(source, recipe)
+    path = source_path(source, model)
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
         raise DataError(f"data: text file '{path}' has no non-empty lines")
     lines = (lines * (source.samples // len(lines) + 1))[: source.samples]
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder), local_files_only=True)
-    seq_len = _sequence_length(recipe)
+    seq_len = _sequence_length(model)
     encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np")
     out = {}
-    for spec in recipe.inputs:
+    for spec in model.inputs:
         if spec.name not in encoded:
             raise DataError(f"data: the tokenizer gives {sorted(encoded)}, not the recipe's input '{spec.name}'")
         out[spec.name] = encoded[spec.name].astype(spec.dtype)
     return out
 
 
-def _sequence_length(recipe: Recipe) -> int:
-    shape = recipe.inputs[0].shape
+def _sequence_length(model: ModelSource) -> int:
+    shape = model.inputs[0].shape
     if len(shape) < 2:
         raise DataError("data: text sources need inputs shaped [batch, sequence]")
     dim = shape[1]
-    return dim if isinstance(dim, int) else recipe.dims[dim].opt
+    return dim if isinstance(dim, int) else model.dims[dim].opt
 
 
-def _npy(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
-    if len(recipe.inputs) != 1:
+def _npy(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
+    if len(model.inputs) != 1:
         raise DataError("data: an .npy file holds one array; the model has several inputs, use an .npz keyed by input name")
-    array = np.load(source_path(source, recipe), allow_pickle=False)
-    return {recipe.inputs[0].name: array[: source.samples]}
+    array = np.load(source_path(source, model), allow_pickle=False)
+    return {model.inputs[0].name: array[: source.samples]}
 
 
-def _npz(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
-    with np.load(source_path(source, recipe), allow_pickle=False) as data:
+def _npz(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
+    with np.load(source_path(source, model), allow_pickle=False) as data:
         return {k: data[k][: source.samples] for k in data.files}
 
 
-def _images(source: DataSource, recipe: Recipe) -> dict[str, np.ndarray]:
+def _images(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     from optpipe.calibration.images import load_image_folder
 
-    folder = source_path(source, recipe)
+    folder = source_path(source, model)
     if class_folders(folder):
-        return load_class_folders(folder, source, recipe)
-    return load_image_folder(folder, source, recipe)
+        return load_class_folders(folder, source, model)
+    return load_image_folder(folder, source, model)

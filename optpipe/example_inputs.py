@@ -1,20 +1,20 @@
-"""Synthetic inputs made from the recipe's input specs: to trace an export, to check a pass
+"""Synthetic inputs made from the input specs (`ModelInputs`): to trace an export, to check a pass
 numerically, and as the `synthetic` data source. One place, so the three agree."""
 from __future__ import annotations
 
 import numpy as np
 
 from optpipe.errors import DataError, first_line
-from optpipe.recipe import InputSpec, Recipe
+from optpipe.recipe import InputSpec, ModelInputs
 
 
-def synthetic_inputs(recipe: Recipe, seed: int = 0, **dim_overrides: int) -> dict[str, np.ndarray]:
+def synthetic_inputs(shapes: ModelInputs, seed: int = 0, **dim_overrides: int) -> dict[str, np.ndarray]:
     """One batch of synthetic inputs at the `opt` shape (dims overridable), seeded."""
     rng = np.random.default_rng(seed)
     batch = {}
-    for i, spec in enumerate(recipe.inputs):
+    for i, spec in enumerate(shapes.inputs):
         try:
-            batch[spec.name] = synthetic_array(spec, recipe.shape_at(spec, **dim_overrides), rng)
+            batch[spec.name] = synthetic_array(spec, shapes.shape_at(spec, **dim_overrides), rng)
         except (ValueError, OverflowError) as exc:  # e.g. an integer range holding no integer, a fill the dtype cannot hold
             raise DataError(
                 f"data: cannot draw synthetic values for input '{spec.name}' ({first_line(exc)}); fix inputs.{i}.range "
@@ -23,18 +23,18 @@ def synthetic_inputs(recipe: Recipe, seed: int = 0, **dim_overrides: int) -> dic
     return batch
 
 
-def trace_inputs(recipe: Recipe) -> dict[str, np.ndarray]:
+def trace_inputs(shapes: ModelInputs) -> dict[str, np.ndarray]:
     """Inputs for tracing and for the numeric self-check: dynamic dims at `opt`, but never 1 where
     the dim may grow (an exporter specializes a dim it sees as 1)."""
-    overrides = {name: (2 if dim.opt == 1 and dim.max > 1 else dim.opt) for name, dim in recipe.dims.items()}
-    return synthetic_inputs(recipe, seed=0, **overrides)
+    overrides = {name: (2 if dim.opt == 1 and dim.max > 1 else dim.opt) for name, dim in shapes.dims.items()}
+    return synthetic_inputs(shapes, seed=0, **overrides)
 
 
-def example_inputs(recipe: Recipe, batch: int | None = None) -> dict[str, np.ndarray]:
+def example_inputs(shapes: ModelInputs, batch: int | None = None) -> dict[str, np.ndarray]:
     """Inputs at the `opt` shape, the batch dim set to `batch` when given."""
-    batch_dim = recipe.batch_dim()
+    batch_dim = shapes.batch_dim()
     overrides = {batch_dim: batch} if batch_dim and batch else {}
-    return synthetic_inputs(recipe, seed=0, **overrides)
+    return synthetic_inputs(shapes, seed=0, **overrides)
 
 
 def synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:

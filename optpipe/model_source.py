@@ -18,7 +18,7 @@ import numpy as np
 from optpipe.artifact import sha256_file
 from optpipe.errors import DataError, ModelSourceError, first_line
 from optpipe.example_inputs import example_inputs
-from optpipe.recipe import FactoryModel, HFConfigModel, HFModel, OnnxModel, Recipe, TorchvisionModel
+from optpipe.recipe import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
 
 
 @dataclass
@@ -31,9 +31,9 @@ class TorchModel:
     description: str
 
 
-def hf_folder(recipe: Recipe) -> Path:
+def hf_folder(source: ModelSource) -> Path:
     """The Hugging Face folder of the model (for a model built from a config: of its tokenizer)."""
-    spec = recipe.model
+    spec = source.model
     if isinstance(spec, HFConfigModel):
         if spec.tokenizer is None:
             raise ModelSourceError("model.tokenizer: text data needs a tokenizer; add `tokenizer: {package: ..., subdir: ...}`")
@@ -45,7 +45,7 @@ def hf_folder(recipe: Recipe) -> Path:
             "or give the data as npz/npy arrays of token ids"
         )
     if spec.hf is not None:
-        folder = recipe.resolve(spec.hf)
+        folder = source.resolve(spec.hf)
     else:
         found = importlib.util.find_spec(spec.package)
         if found is None or not found.submodule_search_locations:
@@ -59,25 +59,25 @@ def hf_folder(recipe: Recipe) -> Path:
     return folder
 
 
-def source_fingerprint(recipe: Recipe) -> dict[str, Any]:
+def source_fingerprint(source: ModelSource) -> dict[str, Any]:
     """What identifies the model source's content, for the export stage's cache key."""
-    spec = recipe.model
+    spec = source.model
     if isinstance(spec, HFModel):
-        folder = hf_folder(recipe)
+        folder = hf_folder(source)
         return {"hf": _folder_hash(folder), "task": spec.task, "outputs": spec.outputs}
     if isinstance(spec, HFConfigModel):
-        tokenizer = _folder_hash(hf_folder(recipe)) if spec.tokenizer else None
+        tokenizer = _folder_hash(hf_folder(source)) if spec.tokenizer else None
         return {"hf_config": spec.hf_config, "task": spec.task, "outputs": spec.outputs, "seed": spec.seed, "weights": "random", "tokenizer": tokenizer}
     if isinstance(spec, OnnxModel):
         from optpipe.safety.onnx_guard import external_locations, load_graph
 
-        path = onnx_source_path(recipe)
+        path = onnx_source_path(source)
         locations = external_locations(load_graph(path, "model.onnx"))
         return {"onnx": sha256_file(path), "data": {loc: sha256_file(path.parent / loc) for loc in locations}}
     if isinstance(spec, FactoryModel):
         module_name = spec.factory.partition(":")[0]
-        origin = _module_origin(module_name, recipe)
-        checkpoint = recipe.resolve(spec.checkpoint)
+        origin = _module_origin(module_name, source)
+        checkpoint = source.resolve(spec.checkpoint)
         weights = sha256_file(checkpoint) if checkpoint and checkpoint.is_file() else None
         return {"factory": spec.factory, "kwargs": spec.kwargs, "code": sha256_file(origin) if origin else None, "checkpoint": weights, "outputs": spec.outputs}
     if isinstance(spec, TorchvisionModel):
@@ -85,15 +85,15 @@ def source_fingerprint(recipe: Recipe) -> dict[str, Any]:
     raise ModelSourceError("model: unsupported model kind")
 
 
-def onnx_path(recipe: Recipe) -> Path | None:
+def onnx_path(source: ModelSource) -> Path | None:
     """The model file of an ONNX recipe, checked to exist; None for a PyTorch model."""
-    return onnx_source_path(recipe) if isinstance(recipe.model, OnnxModel) else None
+    return onnx_source_path(source) if isinstance(source.model, OnnxModel) else None
 
 
-def onnx_source_path(recipe: Recipe) -> Path:
-    spec = recipe.model
+def onnx_source_path(source: ModelSource) -> Path:
+    spec = source.model
     assert isinstance(spec, OnnxModel)
-    path = recipe.resolve(spec.onnx)
+    path = source.resolve(spec.onnx)
     if path.is_dir():
         raise ModelSourceError(f"model.onnx: '{path}' is a folder; give the path of the .onnx file in it")
     if path.exists() and not path.is_file():
@@ -103,17 +103,17 @@ def onnx_source_path(recipe: Recipe) -> Path:
     return path
 
 
-def load_torch_model(recipe: Recipe) -> TorchModel:
+def load_torch_model(source: ModelSource) -> TorchModel:
     """The recipe's model as a torch module in eval mode."""
-    spec = recipe.model
+    spec = source.model
     if isinstance(spec, HFModel):
-        return _load_hf(recipe, spec)
+        return _load_hf(source, spec)
     if isinstance(spec, HFConfigModel):
-        return _load_hf_config(recipe, spec)
+        return _load_hf_config(source, spec)
     if isinstance(spec, TorchvisionModel):
-        return _load_torchvision(recipe, spec)
+        return _load_torchvision(source, spec)
     if isinstance(spec, FactoryModel):
-        return _load_factory(recipe, spec)
+        return _load_factory(source, spec)
     raise ModelSourceError("model: an ONNX model has no PyTorch module; stages that need one (export checks, prune) cannot run")
 
 
@@ -144,18 +144,18 @@ def _auto_class(task: str):
     return getattr(transformers, HF_AUTO_CLASSES[task])
 
 
-def _load_hf(recipe: Recipe, spec: HFModel) -> TorchModel:
-    folder = hf_folder(recipe)
+def _load_hf(source: ModelSource, spec: HFModel) -> TorchModel:
+    folder = hf_folder(source)
     cls = _auto_class(spec.task)
     extra = {"use_cache": False} if spec.task in NO_CACHE_TASKS else {}
     try:
         model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code, **extra)
     except Exception as exc:  # transformers raises many types; all mean "cannot load this folder"
         raise ModelSourceError(f"model: cannot load '{folder}' as {spec.task} ({cls.__name__}): {first_line(exc)}") from None
-    return _wrap_hf(model, recipe, f"{cls.__name__} from {folder}")
+    return _wrap_hf(model, source, f"{cls.__name__} from {folder}")
 
 
-def _load_hf_config(recipe: Recipe, spec: HFConfigModel) -> TorchModel:
+def _load_hf_config(source: ModelSource, spec: HFConfigModel) -> TorchModel:
     import torch
     import transformers
 
@@ -173,16 +173,16 @@ def _load_hf_config(recipe: Recipe, spec: HFConfigModel) -> TorchModel:
         model = cls.from_config(config)
     except ValueError as exc:  # the architecture has no such head
         raise ModelSourceError(f"model.task: '{model_type}' has no {spec.task} head ({first_line(exc)}); pick another task") from None
-    return _wrap_hf(model, recipe, f"{type(model).__name__} from {type(config).__name__} (random weights, seed {spec.seed})")
+    return _wrap_hf(model, source, f"{type(model).__name__} from {type(config).__name__} (random weights, seed {spec.seed})")
 
 
-def _wrap_hf(model, recipe: Recipe, description: str) -> TorchModel:
+def _wrap_hf(model, source: ModelSource, description: str) -> TorchModel:
     """The model in eval mode, taking the recipe's inputs by keyword and returning its chosen tensor outputs."""
-    names = [spec_.name for spec_ in recipe.inputs]
-    return _flattened(model.eval(), recipe, lambda m, *args: m(**dict(zip(names, args))), description)
+    names = [spec_.name for spec_ in source.inputs]
+    return _flattened(model.eval(), source, lambda m, *args: m(**dict(zip(names, args))), description)
 
 
-def _flattened(net, recipe: Recipe, call, description: str) -> TorchModel:
+def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
     """`net` behind a module that returns a flat tuple of named tensors, chosen by `model.outputs`.
 
     One forward pass on example inputs finds the output structure. It runs under no_grad, never
@@ -192,8 +192,8 @@ def _flattened(net, recipe: Recipe, call, description: str) -> TorchModel:
 
     from optpipe.model_outputs import flat_module, named_leaves, pick_outputs
 
-    sample = example_inputs(recipe, batch=1)
-    args = [torch.from_numpy(sample[s.name]) for s in recipe.inputs]
+    sample = example_inputs(source, batch=1)
+    args = [torch.from_numpy(sample[s.name]) for s in source.inputs]
     try:
         with torch.no_grad():
             leaves = named_leaves(call(net, *args))
@@ -204,12 +204,12 @@ def _flattened(net, recipe: Recipe, call, description: str) -> TorchModel:
             "make `inputs` (names, dtypes, shapes) match what its forward() takes"
         ) from None
     declared = getattr(net, "output_names", None)
-    indices, output_names = pick_outputs([name for name, _ in leaves], recipe.model.outputs, declared)
+    indices, output_names = pick_outputs([name for name, _ in leaves], source.model.outputs, declared)
     module = flat_module(net, call, indices)
-    return TorchModel(module.eval(), [s.name for s in recipe.inputs], output_names, description)
+    return TorchModel(module.eval(), [s.name for s in source.inputs], output_names, description)
 
 
-def _load_torchvision(recipe: Recipe, spec: TorchvisionModel) -> TorchModel:
+def _load_torchvision(source: ModelSource, spec: TorchvisionModel) -> TorchModel:
     try:
         import torchvision.models as tvm
     except Exception as exc:
@@ -221,15 +221,15 @@ def _load_torchvision(recipe: Recipe, spec: TorchvisionModel) -> TorchModel:
         raise ModelSourceError(f"model.torchvision: no architecture '{spec.torchvision}' in torchvision.models")
     module = builder(weights=None, num_classes=spec.num_classes).eval()
     module.output_names = ["logits"]
-    return _flattened(module, recipe, _positional, f"torchvision {spec.torchvision} (random weights)")
+    return _flattened(module, source, _positional, f"torchvision {spec.torchvision} (random weights)")
 
 
-def _load_factory(recipe: Recipe, spec: FactoryModel) -> TorchModel:
+def _load_factory(source: ModelSource, spec: FactoryModel) -> TorchModel:
     module_name, _, func_name = spec.factory.partition(":")
     if not func_name:
         raise ModelSourceError(f"model.factory: expected 'module:function', got '{spec.factory}'")
     if spec.path:
-        folder = str(recipe.resolve(spec.path))
+        folder = str(source.resolve(spec.path))
         if folder not in sys.path:
             sys.path.insert(0, folder)
     try:
@@ -249,18 +249,18 @@ def _load_factory(recipe: Recipe, spec: FactoryModel) -> TorchModel:
     if spec.checkpoint:
         from optpipe.safety.checkpoints import load_checkpoint
 
-        load_checkpoint(net, recipe.resolve(spec.checkpoint), spec.allow_pickle)
-    return _flattened(net.eval(), recipe, _positional, f"factory {spec.factory}")
+        load_checkpoint(net, source.resolve(spec.checkpoint), spec.allow_pickle)
+    return _flattened(net.eval(), source, _positional, f"factory {spec.factory}")
 
 
 def _positional(model, *args):
     return model(*args)
 
 
-def _module_origin(module_name: str, recipe: Recipe) -> Path | None:
-    spec = recipe.model
+def _module_origin(module_name: str, source: ModelSource) -> Path | None:
+    spec = source.model
     if isinstance(spec, FactoryModel) and spec.path:
-        candidate = recipe.resolve(spec.path) / (module_name.replace(".", "/") + ".py")
+        candidate = source.resolve(spec.path) / (module_name.replace(".", "/") + ".py")
         if candidate.is_file():
             return candidate
     try:

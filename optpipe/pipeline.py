@@ -26,7 +26,7 @@ from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
 from optpipe.model_source import onnx_path
-from optpipe.execution.stage_evaluation import EAGER_STAGE, evaluate_stages  # noqa: F401  (EAGER_STAGE: public name)
+from optpipe.execution.stage_evaluation import EAGER_STAGE, EvaluationParts, evaluate_stages  # noqa: F401  (EAGER_STAGE: public name)
 from optpipe.execution.stage_runner import StageRunner
 from optpipe.instruments import Instrument, Instruments
 from optpipe.pass_base import Pass
@@ -36,7 +36,7 @@ from optpipe.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
 from optpipe.safety.os_errors import folder_errors
-from optpipe.targets import run_targets
+from optpipe.targets import run_targets, target_settings, write_recipe_snapshot
 from optpipe.validate import validate_recipe
 
 
@@ -70,15 +70,15 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         cache = StageCache(cache_root)
     with folder_errors("output folder", run_dir):
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    services = RunServices(recipe, cache)
-    preflight(recipe, onnx_path(recipe), services.eval_set, services.calibration_set)
+    services = RunServices(recipe.model_source(), recipe.data, cache)
+    preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set)
     order = _stages_to_run(graph, options.only)
 
     manager = PassManager(recipe, cache, services, run_dir, options)
     instruments = manager.instruments
     try:
         stages = manager.run(order, graph, passes)
-        results = evaluate_stages(recipe, order, stages, services, cache, options.providers, instruments, options.force)
+        results = evaluate_stages(EvaluationParts.of(recipe), order, stages, services, cache, options.providers, instruments, options.force)
         report = build_report(recipe, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
         with FileLock(str(run_dir / ".optpipe.lock")):
@@ -86,7 +86,8 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
             if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
                 save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
             try:
-                run_targets(recipe, report, run_dir, cache, options.providers, instruments)
+                write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
+                run_targets(target_settings(recipe, cache.root), report, run_dir, cache, options.providers, instruments)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows
     finally:

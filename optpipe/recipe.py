@@ -8,8 +8,9 @@ from __future__ import annotations
 import difflib
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, Mapping, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
@@ -322,6 +323,57 @@ class TargetSpec(Strict):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+# --- the typed parts a layer takes instead of the whole recipe ------------------------------
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The model's inputs and the ranges of their named dims: what shapes and synthetic inputs need."""
+
+    inputs: tuple[InputSpec, ...]
+    dims: Mapping[str, DimRange]
+
+    def shape_at(self, spec: InputSpec, which: str = "opt", **overrides: int) -> tuple[int, ...]:
+        """A concrete shape for an input: each named dim at its min/opt/max unless overridden."""
+        return tuple(
+            d if isinstance(d, int) else overrides.get(d, getattr(self.dims[d], which)) for d in spec.shape
+        )
+
+    def batch_dim(self) -> str | None:
+        """The dim that every input has first, if it is dynamic: that is the batch."""
+        firsts = {spec.shape[0] for spec in self.inputs if spec.shape}
+        if len(firsts) == 1:
+            first = firsts.pop()
+            return first if isinstance(first, str) else None
+        return None
+
+    def sweep_values(self, dim: str, values: list[int] | str) -> list[int]:
+        """The values a sweep over `dim` measures (pow2: powers of two from min to max, plus max)."""
+        if isinstance(values, list):
+            return sorted(set(values))
+        rng = self.dims[dim]
+        powers = [2**i for i in range(rng.max.bit_length()) if rng.min <= 2**i <= rng.max and rng.allows(2**i)]
+        return sorted(set(powers + [rng.max]))
+
+
+@dataclass(frozen=True)
+class ModelSource(ModelInputs):
+    """Where the model comes from, with its inputs, and the folder its relative paths start from."""
+
+    model: ModelSpec
+    base_dir: Path
+
+    def resolve(self, path: str | None) -> Path | None:
+        return resolve_path(self.base_dir, path)
+
+
+def resolve_path(base_dir: Path, path: str | None) -> Path | None:
+    """A path from the recipe, relative to the recipe's folder."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (base_dir / p).resolve()
+
+
 class Recipe(Strict):
     name: str = "model"
     model: ModelSpec
@@ -364,21 +416,17 @@ class Recipe(Strict):
                 raise ValueError(f"evaluate.batch_sizes: {off_grid} not a multiple of {self.dims[batch].multiple_of} (dims.{batch}.multiple_of)")
         return self
 
+    def model_inputs(self) -> ModelInputs:
+        return ModelInputs(tuple(self.inputs), dict(self.dims))
+
+    def model_source(self) -> ModelSource:
+        return ModelSource(tuple(self.inputs), dict(self.dims), self.model, self.base_dir)
+
     def sweep_values(self, dim: str) -> list[int]:
-        """The values a sweep over `dim` measures (pow2: powers of two from min to max, plus max)."""
-        values = self.evaluate.sweep[dim]
-        if isinstance(values, list):
-            return sorted(set(values))
-        rng = self.dims[dim]
-        powers = [2**i for i in range(rng.max.bit_length()) if rng.min <= 2**i <= rng.max and rng.allows(2**i)]
-        return sorted(set(powers + [rng.max]))
+        return self.model_inputs().sweep_values(dim, self.evaluate.sweep[dim])
 
     def resolve(self, path: str | None) -> Path | None:
-        """A path from the recipe, relative to the recipe's folder."""
-        if path is None:
-            return None
-        p = Path(path).expanduser()
-        return p if p.is_absolute() else (self.base_dir / p).resolve()
+        return resolve_path(self.base_dir, path)
 
     def root_stages(self) -> list[str]:
         return [name for name, stage in self.stages.items() if stage.after is None]
@@ -387,18 +435,10 @@ class Recipe(Strict):
         return self.stages[stage].tolerance or self.evaluate.tolerance
 
     def shape_at(self, spec: InputSpec, which: str = "opt", **overrides: int) -> tuple[int, ...]:
-        """A concrete shape for an input: each named dim at its min/opt/max unless overridden."""
-        return tuple(
-            d if isinstance(d, int) else overrides.get(d, getattr(self.dims[d], which)) for d in spec.shape
-        )
+        return self.model_inputs().shape_at(spec, which, **overrides)
 
     def batch_dim(self) -> str | None:
-        """The dim that every input has first, if it is dynamic: that is the batch."""
-        firsts = {spec.shape[0] for spec in self.inputs if spec.shape}
-        if len(firsts) == 1:
-            first = firsts.pop()
-            return first if isinstance(first, str) else None
-        return None
+        return self.model_inputs().batch_dim()
 
 
 # --- loading and error formatting ---------------------------------------------------------

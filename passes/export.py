@@ -41,7 +41,7 @@ class ExportPass(Pass[ExportParams]):
     def fingerprint(self, ctx: PassContext) -> dict:
         recipe = ctx.recipe
         return {
-            "source": source_fingerprint(recipe),
+            "source": source_fingerprint(recipe.model_source()),
             "inputs": [spec.model_dump() for spec in recipe.inputs],
             "dims": {name: dim.model_dump() for name, dim in recipe.dims.items()},
         }
@@ -50,7 +50,7 @@ class ExportPass(Pass[ExportParams]):
         if isinstance(ctx.recipe.model, OnnxModel):
             return import_onnx(ctx)
         torch_model = ctx.torch_model()
-        feeds = trace_inputs(ctx.recipe)
+        feeds = trace_inputs(ctx.recipe.model_inputs())
         expected = eager_outputs(torch_model, feeds, ctx.recipe.evaluate.threads)
         params = self.params
         exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
@@ -120,7 +120,7 @@ def _check_other_sizes(torch_model: TorchModel, recipe: Recipe, params: ExportPa
     moved = {name: dim.min for name, dim in recipe.dims.items() if name != batch and dim.min != trace_size(dim)}
     if not moved:
         return
-    feeds = synthetic_inputs(recipe, seed=1, **moved, **({batch: 1} if batch else {}))
+    feeds = synthetic_inputs(recipe.model_inputs(), seed=1, **moved, **({batch: 1} if batch else {}))
     sizes = ", ".join(f"{k}={v}" for k, v in moved.items())
     try:
         expected = eager_runner(torch_model, threads=recipe.evaluate.threads)(feeds)
@@ -190,7 +190,7 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
 
     from optpipe.safety import onnx_guard
 
-    path = onnx_source_path(ctx.recipe)
+    path = onnx_source_path(ctx.recipe.model_source())
     graph = onnx_guard.load_graph(path, "model.onnx")
     onnx_guard.check_inputs_match(graph, ctx.recipe, path.name)
     unknown = onnx_guard.unknown_ops(graph)

@@ -113,7 +113,7 @@ def run_stages(recipe, cache_root, run_dir):
 
     graph, passes = validate_recipe(recipe)
     cache = StageCache(cache_root)
-    manager = PassManager(recipe, cache, RunServices(recipe, cache), run_dir, RunOptions(output=run_dir))
+    manager = PassManager(recipe, cache, RunServices(recipe.model_source(), recipe.data, cache), run_dir, RunOptions(output=run_dir))
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     outcomes = manager.run(execution_order(graph), graph, passes)
     assert outcomes["int8"].status == "ok", outcomes["int8"].reason

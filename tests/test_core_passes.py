@@ -31,7 +31,7 @@ def _context(recipe, tmp_path, name="stage") -> PassContext:
     workdir.mkdir()
     return PassContext(
         recipe=recipe, stage=name, workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
-        torch_model=lambda: load_torch_model(recipe), eval_set=None, calibration_set=None,
+        torch_model=lambda: load_torch_model(recipe.model_source()), eval_set=None, calibration_set=None,
         tolerance=recipe.evaluate.tolerance,
     )
 
@@ -50,7 +50,7 @@ def test_export_keeps_dynamic_dims_and_matches_eager(tiny_recipe, tmp_path, expo
     # Any batch size in range runs and matches eager.
     feeds = {"image": np.random.default_rng(1).normal(size=(5, 3, 32, 32)).astype(np.float32)}
     got = onnx_outputs(artifact.path, feeds)
-    want = eager_runner(load_torch_model(recipe), threads=1)(feeds)
+    want = eager_runner(load_torch_model(recipe.model_source()), threads=1)(feeds)
     np.testing.assert_allclose(list(got.values())[0], want["logits"], atol=1e-4)
     check = artifact.info["self_check"]
     assert check["against"] == "pytorch-eager" and check["passed"] and check["max_abs"] < 1e-4 and check["cosine"] > 0.9999

@@ -27,13 +27,13 @@ def test_builds_the_architecture_with_seeded_random_weights():
     from optpipe.model_source import load_torch_model, source_fingerprint
 
     spec = recipe({"hf_config": TINY_BERT, "seed": 3})
-    first, second = load_torch_model(spec), load_torch_model(spec)
+    first, second = load_torch_model(spec.model_source()), load_torch_model(spec.model_source())
     assert "random weights, seed 3" in first.description
     assert first.output_names == ["last_hidden_state", "pooler_output"]
     weights = [p.detach().numpy() for p in first.module.parameters()]
     assert all(np.array_equal(a, b.detach().numpy()) for a, b in zip(weights, second.module.parameters()))
-    assert source_fingerprint(spec)["weights"] == "random"
-    assert source_fingerprint(spec) != source_fingerprint(recipe({"hf_config": TINY_BERT, "seed": 4}))
+    assert source_fingerprint(spec.model_source())["weights"] == "random"
+    assert source_fingerprint(spec.model_source()) != source_fingerprint(recipe({"hf_config": TINY_BERT, "seed": 4}).model_source())
 
 
 def test_config_without_model_type_is_a_recipe_error():
@@ -45,4 +45,4 @@ def test_text_data_without_a_tokenizer_says_what_to_add():
     from optpipe.model_source import hf_folder
 
     with pytest.raises(ModelSourceError, match="model.tokenizer"):
-        hf_folder(recipe({"hf_config": TINY_BERT}))
+        hf_folder(recipe({"hf_config": TINY_BERT}).model_source())

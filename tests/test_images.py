@@ -27,7 +27,7 @@ def recipe(shape, preprocess=None, samples=4, dtype="float32", path="package:ski
 
 def test_real_photos_become_normalised_nchw_batches():
     r = recipe(["batch", 3, 224, 224])
-    images = load_samples(r.data.eval, r)["images"]
+    images = load_samples(r.data.eval, r.model_source())["images"]
     assert images.shape == (4, 3, 224, 224) and images.dtype == np.float32
     # ImageNet normalisation of natural photos: roughly zero mean, unit spread, within the [0,1]-pixel bounds.
     assert -1.0 < images.mean() < 1.0 and 0.5 < images.std() < 1.5
@@ -42,7 +42,7 @@ def test_preprocessing_matches_a_hand_computed_pixel():
     from optpipe.calibration.sources import package_path
 
     r = recipe(["batch", 64, 64, 3], {"resize": [64, 64], "mean": [0, 0, 0], "std": [1, 1, 1]}, samples=1)
-    images = load_samples(r.data.eval, r)["images"]
+    images = load_samples(r.data.eval, r.model_source())["images"]
     assert images.shape == (1, 64, 64, 3)  # NHWC from where the channels are
     expected = np.asarray(Image.open(package_path("package:skimage/data") / "astronaut.png").convert("RGB")
                           .resize((64, 64), Image.Resampling.BILINEAR), np.float32) / 255
@@ -50,16 +50,16 @@ def test_preprocessing_matches_a_hand_computed_pixel():
 
 
 def test_uint8_inputs_get_raw_pixels_and_bgr_flips_channels():
-    rgb = load_samples((r := recipe(["batch", 3, 32, 32], samples=1, dtype="uint8")).data.eval, r)["images"]
+    rgb = load_samples((r := recipe(["batch", 3, 32, 32], samples=1, dtype="uint8")).data.eval, r.model_source())["images"]
     bgr_recipe = recipe(["batch", 3, 32, 32], {"channels": "bgr"}, samples=1, dtype="uint8")
-    bgr = load_samples(bgr_recipe.data.eval, bgr_recipe)["images"]
+    bgr = load_samples(bgr_recipe.data.eval, bgr_recipe.model_source())["images"]
     assert rgb.dtype == np.uint8 and rgb.max() > 100
     np.testing.assert_array_equal(bgr[:, ::-1], rgb)
 
 
 def test_more_samples_than_images_use_flipped_and_shifted_crops():
     r = recipe(["batch", 3, 64, 64], samples=12)
-    images = load_samples(r.data.eval, r)["images"]
+    images = load_samples(r.data.eval, r.model_source())["images"]
     assert images.shape[0] == 12
     flat = images.reshape(12, -1)
     assert len({row.tobytes() for row in flat}) == 12  # no two samples identical
@@ -73,11 +73,11 @@ def test_sample_set_is_cached_and_keyed_by_content(tmp_path):
     Image.fromarray(np.full((40, 40, 3), 120, np.uint8)).save(folder / "a.png")
     r = recipe(["batch", 3, 32, 32], {"files": ["*.png"]}, samples=2, path=str(folder))
     r.data.eval.preprocess.pop("files")
-    first = build_sample_set(r.data.eval, r, tmp_path / "cache")
-    again = build_sample_set(r.data.eval, r, tmp_path / "cache")
+    first = build_sample_set(r.data.eval, r.model_source(), tmp_path / "cache")
+    again = build_sample_set(r.data.eval, r.model_source(), tmp_path / "cache")
     assert not first.cached and again.cached
     Image.fromarray(np.full((40, 40, 3), 200, np.uint8)).save(folder / "a.png")
-    changed = build_sample_set(r.data.eval, r, tmp_path / "cache")
+    changed = build_sample_set(r.data.eval, r.model_source(), tmp_path / "cache")
     assert not changed.cached and changed.key != first.key
 
 
@@ -92,10 +92,10 @@ def test_sample_set_is_cached_and_keyed_by_content(tmp_path):
 def test_preprocess_mistakes_are_one_clear_sentence(preprocess, message):
     r = recipe(["batch", 3, 224, 224], preprocess)
     with pytest.raises(DataError, match=message):
-        load_samples(r.data.eval, r)
+        load_samples(r.data.eval, r.model_source())
 
 
 def test_a_missing_package_is_a_clear_error():
     r = recipe(["batch", 3, 224, 224], path="package:no_such_pkg_xyz/data")
     with pytest.raises(DataError, match="not installed"):
-        load_samples(r.data.eval, r)
+        load_samples(r.data.eval, r.model_source())

@@ -31,7 +31,7 @@ def _export(recipe, tmp_path, **params):
     workdir = tmp_path / "export"
     workdir.mkdir()
     ctx = PassContext(recipe=recipe, stage="export", workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
-                      torch_model=lambda: load_torch_model(recipe), eval_set=None, calibration_set=None,
+                      torch_model=lambda: load_torch_model(recipe.model_source()), eval_set=None, calibration_set=None,
                       tolerance=recipe.evaluate.tolerance)
     return run_checked(ExportPass(ExportParams(**params)), None, ctx)
 
@@ -53,25 +53,25 @@ def test_a_head_that_caches_tensors_in_forward_exports(tmp_path, exporter):
     assert artifact.info["self_check"]["max_abs"] < 1e-4
     feeds = {"image": np.random.default_rng(3).normal(size=(3, 3, 16, 16)).astype(np.float32)}
     got = list(onnx_outputs(artifact.path, feeds).values())[0]
-    want = eager_runner(load_torch_model(recipe), threads=1)(feeds)["output"]
+    want = eager_runner(load_torch_model(recipe.model_source()), threads=1)(feeds)["output"]
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 def test_the_eager_reference_leaves_no_inference_tensors_behind():
-    model = load_torch_model(_recipe(_factory("grid_head"), IMAGE))
+    model = load_torch_model(_recipe(_factory("grid_head"), IMAGE).model_source())
     eager_runner(model, threads=1)({"image": np.zeros((1, 3, 16, 16), np.float32)})
     assert not model.module.model.grid.is_inference()
 
 
 def test_dataclass_outputs_are_named_by_field_and_none_is_left_out():
-    model = load_torch_model(_recipe(_factory("structured"), VECTOR))
+    model = load_torch_model(_recipe(_factory("structured"), VECTOR).model_source())
     assert model.output_names == ["boxes", "scores"]
     out = eager_runner(model, threads=1)({"x": np.ones((2, 8), np.float32)})
     assert out["boxes"].shape == (2, 4) and np.allclose(out["scores"].sum(-1), 1, atol=1e-6)
 
 
 def test_nested_outputs_are_named_by_path_and_chosen_by_name(tmp_path):
-    model = load_torch_model(_recipe(_factory("structured", nested=True), VECTOR))
+    model = load_torch_model(_recipe(_factory("structured", nested=True), VECTOR).model_source())
     assert model.output_names == ["output_0", "output_1.aux"]  # the int leaf is not a tensor
     chosen = _recipe({**_factory("structured", nested=True), "outputs": ["output_1.aux"]}, VECTOR)
     artifact = _export(chosen, tmp_path)
@@ -81,7 +81,7 @@ def test_nested_outputs_are_named_by_path_and_chosen_by_name(tmp_path):
 
 def test_an_unknown_output_name_lists_the_real_ones():
     with pytest.raises(ModelSourceError, match=r"model.outputs: the model has no output 'logits'; its outputs are boxes, scores"):
-        load_torch_model(_recipe({**_factory("structured"), "outputs": ["logits"]}, VECTOR))
+        load_torch_model(_recipe({**_factory("structured"), "outputs": ["logits"]}, VECTOR).model_source())
 
 
 TOKENS = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 128]}]
@@ -90,7 +90,7 @@ SEQ_DIMS = {"batch": {"min": 1, "opt": 2, "max": 4}, "sequence": {"min": 2, "opt
 
 def test_a_decoder_lm_returning_a_model_output_exports_its_logits(tmp_path):
     recipe = _recipe({"hf_config": TINY_GPT2, "task": "causal-lm", "outputs": ["logits"]}, TOKENS, SEQ_DIMS)
-    model = load_torch_model(recipe)
+    model = load_torch_model(recipe.model_source())
     assert "GPT2LMHeadModel" in model.description and model.output_names == ["logits"]
     artifact = _export(recipe, tmp_path)
     assert artifact.info["exporter"] in ("dynamo", "torchscript") and artifact.info["self_check"]["max_abs"] < 1e-4
@@ -101,13 +101,13 @@ def test_a_decoder_lm_returning_a_model_output_exports_its_logits(tmp_path):
 
 
 def test_default_outputs_of_a_causal_lm_have_no_cache():
-    model = load_torch_model(_recipe({"hf_config": TINY_GPT2, "task": "causal-lm"}, TOKENS, SEQ_DIMS))
+    model = load_torch_model(_recipe({"hf_config": TINY_GPT2, "task": "causal-lm"}, TOKENS, SEQ_DIMS).model_source())
     assert model.output_names == ["logits"]  # use_cache off: no past_key_values to export
 
 
 def test_a_task_the_architecture_lacks_is_one_sentence():
     with pytest.raises(ModelSourceError, match="model.task: 'gpt2' has no object-detection head"):
-        load_torch_model(_recipe({"hf_config": TINY_GPT2, "task": "object-detection"}, TOKENS, SEQ_DIMS))
+        load_torch_model(_recipe({"hf_config": TINY_GPT2, "task": "object-detection"}, TOKENS, SEQ_DIMS).model_source())
 
 
 def test_auto_falls_back_to_torchscript_and_says_why(tmp_path, monkeypatch):

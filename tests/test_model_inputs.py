@@ -31,7 +31,7 @@ def _images(channels: int, arrange="NCHW", **preprocess):
     recipe = _recipe([{"name": "image", "shape": shape}],
                      data={"eval": {"source": "images", "path": PHOTOS, "samples": 4,
                                     "preprocess": {"files": ["camera.png", "astronaut.png"], "resize": 32, **preprocess}}})
-    return load_samples(recipe.data.eval, recipe)["image"]
+    return load_samples(recipe.data.eval, recipe.model_source())["image"]
 
 
 def test_grayscale_images_feed_a_one_channel_input():
@@ -93,7 +93,7 @@ def test_data_off_the_multiple_is_a_readable_data_error():
 
     recipe = _recipe(IMAGE_HW, dims={"size": {"min": 32, "opt": 64, "max": 640, "multiple_of": 32}})
     with pytest.raises(DataError, match=r"size 336 on axis 2, not a multiple of 32 \(dims.size.multiple_of\); resize the data to 320 or 352"):
-        check_samples({"x": np.zeros((1, 3, 336, 336), np.float32)}, recipe, "data source 'npy'")
+        check_samples({"x": np.zeros((1, 3, 336, 336), np.float32)}, recipe.model_source(), "data source 'npy'")
 
 
 def test_dynamo_export_knows_the_multiple_and_keeps_the_dim_name(tmp_path):
@@ -107,7 +107,7 @@ def test_dynamo_export_knows_the_multiple_and_keeps_the_dim_name(tmp_path):
     workdir = tmp_path / "export"
     workdir.mkdir()
     ctx = PassContext(recipe=recipe, stage="export", workdir=workdir, log=logging.getLogger("t"), cache_dir=tmp_path,
-                      torch_model=lambda: load_torch_model(recipe), eval_set=None, calibration_set=None, tolerance=None)
+                      torch_model=lambda: load_torch_model(recipe.model_source()), eval_set=None, calibration_set=None, tolerance=None)
     artifact = ExportPass(ExportParams(exporter="dynamo")).run(None, ctx)
     graph_input = artifact.load(with_weights=False).graph.input[0]
     assert [d.dim_param or d.dim_value for d in graph_input.type.tensor_type.shape.dim] == [1, 3, "size", "size"]

@@ -29,7 +29,7 @@ def stages(tmp_path_factory):
     cache = StageCache(default_cache_dir())
     run_dir = tmp_path_factory.mktemp("quant-minilm")
     (run_dir / "logs").mkdir()
-    outcomes = PassManager(recipe, cache, RunServices(recipe, cache), run_dir, RunOptions(output=run_dir)).run(
+    outcomes = PassManager(recipe, cache, RunServices(recipe.model_source(), recipe.data, cache), run_dir, RunOptions(output=run_dir)).run(
         execution_order(graph), graph, passes
     )
     assert all(o.status == "ok" for o in outcomes.values()), {n: o.reason for n, o in outcomes.items()}

@@ -137,16 +137,16 @@ def _recipe(tmp_path: Path):
 
 def test_a_tampered_sample_set_is_rebuilt(tmp_path, caplog):
     recipe = _recipe(tmp_path)
-    first = build_sample_set(DataSource(samples=4), recipe, tmp_path / "cache")
+    first = build_sample_set(DataSource(samples=4), recipe.model_source(), tmp_path / "cache")
     assert not first.cached
-    again = build_sample_set(DataSource(samples=4), recipe, tmp_path / "cache")
+    again = build_sample_set(DataSource(samples=4), recipe.model_source(), tmp_path / "cache")
     assert again.cached and np.array_equal(again.arrays["x"], first.arrays["x"])
     folder = tmp_path / "cache" / DATASETS / first.key
     with open(folder / SAMPLES_FILE, "r+b") as fh:  # flip bytes inside the archive
         fh.seek(-64, os.SEEK_END)
         fh.write(b"\0" * 16)
     with caplog.at_level(logging.WARNING, logger="optpipe.cache.store"):
-        rebuilt = build_sample_set(DataSource(samples=4), recipe, tmp_path / "cache")
+        rebuilt = build_sample_set(DataSource(samples=4), recipe.model_source(), tmp_path / "cache")
     assert not rebuilt.cached and "corrupted" in caplog.text
     assert np.array_equal(rebuilt.arrays["x"], first.arrays["x"])
 

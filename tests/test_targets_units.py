@@ -15,7 +15,7 @@ from optpipe.artifact import save_model
 from optpipe.errors import RecipeError, TargetError
 from optpipe.recipe import TargetSpec
 from optpipe.safety.recipe_loading import parse_recipe
-from optpipe.targets import validate_targets
+from optpipe.targets import target_settings, validate_targets
 from optpipe.targets.base import StageView, TargetJob, TensorRTParams, TritonParams
 from optpipe.targets.model_facts import io_specs, microsoft_ops, precision_of, sparse_2to4_layers
 from optpipe.targets.tensorrt import ASSUMED_FEATURES, TrtFeatures, plan_build, polygraphy_command, standard_op_refusal
@@ -78,7 +78,7 @@ def stage(tmp_path: Path, name: str, model: onnx.ModelProto) -> StageView:
 def job(tmp_path: Path, view: StageView, kind: str, params, others: dict | None = None) -> TargetJob:
     recipe = parse_recipe(RECIPE, base_dir=tmp_path)
     return TargetJob(
-        recipe=recipe, spec=TargetSpec(kind=kind, stages=[view.name]), params=params, stage=view,
+        settings=target_settings(recipe, tmp_path / "cache"), spec=TargetSpec(kind=kind, stages=[view.name]), params=params, stage=view,
         out_dir=tmp_path / "out", root=tmp_path, cache_dir=tmp_path / "cache", providers=["CPUExecutionProvider"],
         stage_folder=lambda name: (others or {}).get(name),
     )

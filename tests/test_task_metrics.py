@@ -55,17 +55,17 @@ def test_npz_labels_and_npy_labels_file_become_sample_set_labels(tmp_path):
     x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
     np.savez(tmp_path / "data.npz", x=x, labels=np.array([0, 1, 2, 0, 1, 2]))
     samples = build_sample_set(_recipe(tmp_path, {"source": "npz", "path": "data.npz", "samples": 4}).data.eval,
-                               _recipe(tmp_path, {"source": "npz", "path": "data.npz"}), tmp_path / "cache")
+                               _recipe(tmp_path, {"source": "npz", "path": "data.npz"}).model_source(), tmp_path / "cache")
     assert set(samples.arrays) == {"x"}, "labels are never fed to the model"
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", np.array([2, 2, 1, 1, 0, 0]))
     recipe = _recipe(tmp_path, {"source": "npy", "path": "x.npy", "labels": "y.npy", "samples": 5})
-    from_file = build_sample_set(recipe.data.eval, recipe, tmp_path / "cache")
+    from_file = build_sample_set(recipe.data.eval, recipe.model_source(), tmp_path / "cache")
     assert from_file.labels.tolist() == [2, 2, 1, 1, 0] and len(from_file) == 5
     np.save(tmp_path / "bad.npy", np.array([0.5, 1.5]))
     bad = _recipe(tmp_path, {"source": "npy", "path": "x.npy", "labels": "bad.npy"})
     with pytest.raises(DataError, match="one integer per sample"):
-        build_sample_set(bad.data.eval, bad, tmp_path / "cache")
+        build_sample_set(bad.data.eval, bad.model_source(), tmp_path / "cache")
 
 
 def test_images_in_class_subfolders_are_labelled_by_folder(tmp_path):
@@ -77,7 +77,7 @@ def test_images_in_class_subfolders_are_labelled_by_folder(tmp_path):
             Image.new("RGB", (20, 20), tuple(c - 5 * i for c in color)).save(tmp_path / "photos" / cls / f"{i}.png")
     recipe = _recipe(tmp_path, {"source": "images", "path": "photos", "samples": 6, "preprocess": {"resize": 16, "crop": 16}},
                      inputs=[{"name": "images", "shape": ["batch", 3, 16, 16]}])
-    samples = build_sample_set(recipe.data.eval, recipe, tmp_path / "cache")
+    samples = build_sample_set(recipe.data.eval, recipe.model_source(), tmp_path / "cache")
     assert samples.labels.tolist() == [0, 1, 2, 0, 1, 2]
     # The label follows the picture: the dominant channel is the class's colour.
     assert samples.arrays["images"].mean(axis=(2, 3)).argmax(-1).tolist() == samples.labels.tolist()

@@ -20,7 +20,7 @@ from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import measure, warm_for
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.results import Accuracy, Latency, Memory
-from optpipe.recipe import Recipe, Tolerance
+from optpipe.recipe import EvaluateSpec, ModelInputs, Tolerance
 from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers
 
 EVAL_FORMAT = 4  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol
@@ -39,14 +39,14 @@ def no_progress(task: str, done: int, total: int) -> None:
 
 
 class Evaluator:
-    def __init__(self, recipe: Recipe, cache: StageCache, eval_set: Callable[[], SampleSet], providers: str = "auto",
-                 progress: Progress = no_progress, force: bool = False):
-        self.recipe = recipe
+    def __init__(self, settings: EvaluateSpec, shapes: ModelInputs, cache: StageCache, eval_set: Callable[[], SampleSet],
+                 providers: str = "auto", progress: Progress = no_progress, force: bool = False):
+        self.shapes = shapes  # the inputs and dims: batch dim, sweep values, a sample's axes
         self.force = force  # --force: measure again, replacing the cached results
         self.progress = progress
         self.cache = cache
         self._eval_set = eval_set
-        self.settings = recipe.evaluate
+        self.settings = settings
         self.providers = pick_providers(providers)
         self._reference: tuple[str, str, Callable[[], Outputs]] | None = None
         self._eager_factory: Callable[[], Callable[[Feeds], Outputs]] | None = None
@@ -58,7 +58,7 @@ class Evaluator:
 
     @cached_property
     def accuracy_batches(self) -> list[Feeds]:
-        size = self.settings.accuracy_batch if self.recipe.batch_dim() else self._fixed_batch()
+        size = self.settings.accuracy_batch if self.shapes.batch_dim() else self._fixed_batch()
         return list(self.eval_set.batches(size))
 
     @cached_property
@@ -179,10 +179,10 @@ class Evaluator:
 
     def _sweep_points(self) -> list[tuple[str, int, Feeds]]:
         """Inputs for each sweep value: evaluation samples, the swept dim resized, the others as evaluated."""
-        batch_dim = self.recipe.batch_dim()
+        batch_dim = self.shapes.batch_dim()
         points = []
         for dim in self.settings.sweep:
-            for value in self.recipe.sweep_values(dim):
+            for value in self.shapes.sweep_values(dim, self.settings.sweep[dim]):
                 batch = value if dim == batch_dim else self._batch_sizes()[0]
                 feeds = self.eval_set.first(batch)
                 if dim != batch_dim:
@@ -191,14 +191,14 @@ class Evaluator:
         return points
 
     def _axes_of(self, input_name: str, dim: str) -> list[int]:
-        spec = next((s for s in self.recipe.inputs if s.name == input_name), None)
+        spec = next((s for s in self.shapes.inputs if s.name == input_name), None)
         return [axis for axis, d in enumerate(spec.shape) if d == dim] if spec else []
 
     def _batch_sizes(self) -> list[int]:
-        return self.settings.batch_sizes if self.recipe.batch_dim() else [self._fixed_batch()]
+        return self.settings.batch_sizes if self.shapes.batch_dim() else [self._fixed_batch()]
 
     def _fixed_batch(self) -> int:
-        first = self.recipe.inputs[0].shape[0] if self.recipe.inputs[0].shape else 1
+        first = self.shapes.inputs[0].shape[0] if self.shapes.inputs[0].shape else 1
         return first if isinstance(first, int) else 1
 
     def _result_key(self, model_digest: str, tolerance: Tolerance, extra: dict | None = None) -> str:

@@ -70,7 +70,7 @@ class NumericSelfCheck(Instrument):
             return
         if input is None and isinstance(ctx.recipe.model, OnnxModel):
             return  # an imported ONNX file is its own reference
-        feeds = trace_inputs(ctx.recipe)
+        feeds = trace_inputs(ctx.recipe.model_inputs())
         threads = ctx.recipe.evaluate.threads
         if input is None:
             against, reference = EAGER, eager_outputs(ctx.torch_model(), feeds, threads)

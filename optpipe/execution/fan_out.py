@@ -60,7 +60,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
     from optpipe.execution.run_folder import publish_stage_folders
     from optpipe.execution.services import RunServices
     from optpipe.reporting.inspection import save_sample_inputs
-    from optpipe.targets import run_targets
+    from optpipe.targets import run_targets, target_settings, write_recipe_snapshot
 
     results = ([memo.eager] if memo.eager else []) + [memo.results[name] for name in order]
     report = build_report(recipe, results)
@@ -73,9 +73,10 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
         with FileLock(str(run_dir / ".optpipe.lock")):
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):
-                save_sample_inputs(run_dir, RunServices(recipe, cache).eval_set().arrays)
+                save_sample_inputs(run_dir, RunServices(recipe.model_source(), recipe.data, cache).eval_set().arrays)
             try:
-                run_targets(recipe, report, run_dir, cache, providers)
+                write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
+                run_targets(target_settings(recipe, cache.root), report, run_dir, cache, providers)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows
     finally:

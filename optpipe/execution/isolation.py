@@ -164,7 +164,7 @@ def _run_request(request: dict[str, Any]) -> dict[str, Any]:
             cls = get_pass(request["pass"])
             pass_ = cls(cls.Params.model_validate(request["params"]))
             model = ModelArtifact.open(Path(request["input"])) if request["input"] else None
-            ctx = make_pass_context(recipe, RunServices(recipe, cache), stage, Path(request["workdir"]), log)
+            ctx = make_pass_context(recipe, RunServices(recipe.model_source(), recipe.data, cache), stage, Path(request["workdir"]), log)
             Path(request["started"]).touch()
             artifact = run_pass(pass_, model, ctx)
             return {"status": "ok", "info": artifact.info, "data_used": ctx.data_used}

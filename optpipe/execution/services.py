@@ -13,30 +13,32 @@ from optpipe.calibration.dataset import SampleSet, build_sample_set
 from optpipe.errors import DataError
 from optpipe.model_source import load_torch_model
 from optpipe.pass_base import PassContext
-from optpipe.recipe import Recipe
+from optpipe.recipe import DataSets, ModelSource, Recipe
 
 
 class RunServices:
-    """Lazy, run-scoped things passes share: the torch model and the data sets, each built once."""
+    """Lazy, run-scoped things passes share: the torch model and the data sets, each built once.
+    It takes the recipe's model source and data sets, nothing else of it."""
 
-    def __init__(self, recipe: Recipe, cache: StageCache):
-        self.recipe = recipe
+    def __init__(self, source: ModelSource, data: DataSets, cache: StageCache):
+        self.source = source
+        self.data = data
         self.cache = cache
 
     @lru_cache(maxsize=1)
     def torch_model(self):
-        return load_torch_model(self.recipe)
+        return load_torch_model(self.source)
 
     @lru_cache(maxsize=1)
     def eval_set(self) -> SampleSet:
-        return build_sample_set(self.recipe.data.eval, self.recipe, self.cache)
+        return build_sample_set(self.data.eval, self.source, self.cache)
 
     @lru_cache(maxsize=1)
     def calibration_set(self) -> SampleSet:
-        source = self.recipe.data.calibration
+        source = self.data.calibration
         if source is None:
             raise DataError("data.calibration: this stage needs a calibration set; add `data: {calibration: ...}` to the recipe")
-        return build_sample_set(source, self.recipe, self.cache)
+        return build_sample_set(source, self.source, self.cache)
 
     def data_set(self, which: str) -> SampleSet:
         """A set by the name PassContext records it under ("eval", "calibration")."""

@@ -4,6 +4,8 @@ failed with the reason; it never stops the run."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Mapping, Optional
 
 from optpipe.cache.store import StageCache
 from optpipe.execution.interrupt import escalate
@@ -14,15 +16,33 @@ from optpipe.evaluation.verdict import flag_unchanged_stages, stage_coverage
 from optpipe.execution.services import RunServices
 from optpipe.instruments import Instrument
 from optpipe.model_source import source_fingerprint
-from optpipe.recipe import OnnxModel, Recipe
+from optpipe.recipe import EvaluateSpec, ModelSource, OnnxModel, Recipe, Tolerance
 from optpipe.results import StageResult
 from optpipe.signal_stack import restore_signal_stack
 
 EAGER_STAGE = "pytorch-eager"
 
 
+@dataclass(frozen=True)
+class EvaluationParts:
+    """What stage evaluation reads from the recipe, resolved once at the top (`of`)."""
+
+    evaluate: EvaluateSpec
+    source: ModelSource  # the model (its eager baseline's digest) with its inputs and dims
+    parents: Mapping[str, Optional[str]]  # each stage's `after`: the default reference is a root
+    tolerances: Mapping[str, Tolerance]  # each stage's own tolerance, else evaluate's
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> "EvaluationParts":
+        return cls(recipe.evaluate, recipe.model_source(), {n: s.after for n, s in recipe.stages.items()},
+                   {n: recipe.tolerance_for(n) for n in recipe.stages})
+
+    def tolerance_for(self, stage: str) -> Tolerance:
+        return self.tolerances.get(stage, self.evaluate.tolerance)
+
+
 def evaluate_stages(
-    recipe: Recipe,
+    parts: EvaluationParts,
     order: list[str],
     stages: dict[str, StageResult],
     services: RunServices,
@@ -34,36 +54,36 @@ def evaluate_stages(
     """Measure every finished stage named in `order` on the same inputs; the reference stage's outputs
     (found in `stages`) are the yardstick. Returns the eager baseline (when measured) then the stages
     of `order`, their results filled in."""
-    evaluator = Evaluator(recipe, cache, services.eval_set, providers, progress=instruments.step, force=force)
-    reference = recipe.evaluate.reference or next(n for n in order if recipe.stages[n].after is None)
+    evaluator = Evaluator(parts.evaluate, parts.source, cache, services.eval_set, providers, progress=instruments.step, force=force)
+    reference = parts.evaluate.reference or next(n for n in order if parts.parents.get(n) is None)
     ref_stage = stages.get(reference)
     if ref_stage is not None and ref_stage.model is not None:
         artifact = ref_stage.model
         evaluator.set_reference(reference, artifact.content_hash(), lambda: evaluator.onnx_outputs(artifact))
 
     results = []
-    if recipe.evaluate.eager_baseline and not isinstance(recipe.model, OnnxModel):
-        results.append(_evaluate_eager(recipe, evaluator, services, instruments))
+    if parts.evaluate.eager_baseline and not isinstance(parts.source.model, OnnxModel):
+        results.append(_evaluate_eager(parts, evaluator, services, instruments))
     for name in order:
         result = stages[name]
         if result.status == "ok":
-            _evaluate_stage(result, recipe, evaluator, instruments)
+            _evaluate_stage(result, parts, evaluator, instruments)
         results.append(result)
     flag_unchanged_stages([stages[name] for name in order], stages)
     return results
 
 
-def _evaluate_stage(result: StageResult, recipe: Recipe, evaluator: Evaluator, instruments: Instrument) -> None:
+def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Evaluator, instruments: Instrument) -> None:
     artifact = result.model
     result.hash = artifact.content_hash()
     result.size_bytes = artifact.size_bytes()
     result.info = artifact.info
-    dims = {dim: spec_.opt for dim, spec_ in recipe.dims.items()}
+    dims = {dim: spec_.opt for dim, spec_ in parts.source.dims.items()}
     result.coverage, result.warnings = stage_coverage(artifact, dims, result.pass_name, artifact.info.get("excluded"))
     restore_signal_stack()  # OpenVINO may have left it dangling: Ctrl-C must not crash
     instruments.before_evaluation(result.name)
     try:
-        accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, recipe.tolerance_for(result.name))
+        accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, parts.tolerance_for(result.name))
     except OptpipeError as exc:
         escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
         return _evaluation_failed(result, str(exc), instruments)
@@ -77,12 +97,12 @@ def _evaluate_stage(result: StageResult, recipe: Recipe, evaluator: Evaluator, i
     instruments.after_evaluation(result)
 
 
-def _evaluate_eager(recipe: Recipe, evaluator: Evaluator, services: RunServices, instruments: Instrument) -> StageResult:
+def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunServices, instruments: Instrument) -> StageResult:
     result = StageResult(name=EAGER_STAGE, pass_name="eager", status="ok")
     instruments.before_evaluation(EAGER_STAGE)
     try:
-        digest = StageCache.key(source=source_fingerprint(recipe), inputs=[s.model_dump() for s in recipe.inputs])
-        accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, recipe.evaluate.tolerance)
+        digest = StageCache.key(source=source_fingerprint(parts.source), inputs=[s.model_dump() for s in parts.source.inputs])
+        accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, parts.evaluate.tolerance)
     except OptpipeError as exc:
         escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
         _evaluation_failed(result, str(exc), instruments)

@@ -48,7 +48,7 @@ def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: T
     _, passes = validate_recipe(recipe)
     cache = settings.open_cache()
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    runner = StageRunner(recipe, cache, RunServices(recipe, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
+    runner = StageRunner(recipe, cache, RunServices(recipe.model_source(), recipe.data, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
     try:
         return runner.run(name, passes[name], parent.model if parent else None)
     finally:
@@ -60,14 +60,14 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     """Accuracy against `reference` and latency of each stage in `names` (and the eager baseline
     first when `eager`), each result stamped with the node that measured it."""
     from optpipe.execution.services import RunServices
-    from optpipe.execution.stage_evaluation import evaluate_stages
+    from optpipe.execution.stage_evaluation import EvaluationParts, evaluate_stages
     from optpipe.instruments import Instruments
 
     cache = settings.open_cache()
     evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
     scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
     try:
-        results = evaluate_stages(scoped, names, outcomes, RunServices(scoped, cache), cache, settings.providers, Instruments(),
+        results = evaluate_stages(EvaluationParts.of(scoped), names, outcomes, RunServices(scoped.model_source(), scoped.data, cache), cache, settings.providers, Instruments(),
                                   settings.force)
     finally:
         cache.release_leases()

@@ -24,10 +24,10 @@ from optpipe.instruments import Instrument
 from optpipe.recipe import Recipe, TargetSpec, describe_validation_error
 from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.results import RunReport
-from optpipe.targets.base import PARAMS, StageView, TargetJob, TargetParams, TargetResult
+from optpipe.targets.base import PARAMS, StageView, TargetJob, TargetParams, TargetResult, TargetSettings
 from optpipe.targets.manifest import write_manifest
 
-__all__ = ["run_targets", "export_stage", "validate_targets", "load_recipe_snapshot", "TargetResult", "KINDS"]
+__all__ = ["run_targets", "target_settings", "write_recipe_snapshot", "export_stage", "validate_targets", "load_recipe_snapshot", "TargetResult", "KINDS"]
 
 # kind -> (module, function); imported when used, so `import optpipe.targets` stays light.
 BUILDERS = {
@@ -55,19 +55,36 @@ def target_params(spec: TargetSpec, where: str) -> TargetParams:
         raise RecipeError(describe_validation_error(exc, schema, spec.params, prefix=where)) from None
 
 
+def target_settings(recipe: Recipe, cache_root: Path) -> TargetSettings:
+    """The parts of the recipe the targets read, resolved once; the sample sets are built when first used."""
+    from optpipe.calibration.dataset import build_sample_set
+
+    data, source = recipe.data, recipe.model_source()
+    return TargetSettings(
+        recipe_name=recipe.name,
+        evaluate=recipe.evaluate,
+        shapes=source,
+        parents={name: stage.after for name, stage in recipe.stages.items()},
+        tolerances={name: recipe.tolerance_for(name) for name in recipe.stages},
+        targets=tuple(recipe.targets),
+        eval_set=lambda: build_sample_set(data.eval, source, cache_root),
+        calibration_set=(lambda: build_sample_set(data.calibration, source, cache_root)) if data.calibration else None,
+    )
+
+
 def run_targets(
-    recipe: Recipe,
+    settings: TargetSettings,
     report: RunReport,
     run_dir: Path,
     cache,
     providers: str = "auto",
     instruments: Instrument = Instrument(),
 ) -> list[TargetResult]:
-    """Write every target of the recipe for its stages; record the results in `report.targets`."""
-    write_recipe_snapshot(recipe, run_dir)
+    """Write every target of the recipe for its stages; record the results in `report.targets`.
+    The caller writes the recipe snapshot first (`write_recipe_snapshot`)."""
     # Written afresh each run: a model left in the Triton repository by an earlier recipe would be served.
     shutil.rmtree(run_dir / "targets", ignore_errors=True)
-    if not recipe.targets:
+    if not settings.targets:
         (run_dir / "manifest.json").unlink(missing_ok=True)
         return []
     from optpipe.runtime import pick_providers
@@ -75,11 +92,11 @@ def run_targets(
 
     views = _stage_views(run_dir, report)
     reference = views(report.reference) if report.reference else None
-    measurer = Measurer(recipe, cache, reference, providers)
+    measurer = Measurer(settings, cache, reference, providers)
     shared: dict[str, Any] = {}
     results: list[TargetResult] = []
     # TensorRT before Triton, so a tensorrt_plan model reuses the engine built in this run.
-    for index, spec in sorted(enumerate(recipe.targets), key=lambda item: KINDS.index(item[1].kind)):
+    for index, spec in sorted(enumerate(settings.targets), key=lambda item: KINDS.index(item[1].kind)):
         params = target_params(spec, f"targets.{index}.params")
         stages = spec.stages or list(report.pareto)
         if not stages:
@@ -93,7 +110,7 @@ def run_targets(
                 result = TargetResult(kind=spec.kind, stage=stage, status="skipped", reason=_why_missing(report, stage))
             else:
                 job = TargetJob(
-                    recipe=recipe, spec=spec, params=params, stage=view, out_dir=_out_dir(run_dir / "targets", spec.kind, stage),
+                    settings=settings, spec=spec, params=params, stage=view, out_dir=_out_dir(run_dir / "targets", spec.kind, stage),
                     root=run_dir, cache_dir=cache.root, providers=measurer.evaluator.providers, stage_folder=views,
                     measurer=measurer, stages_defaulted=not spec.stages, extras=shared,
                 )
@@ -101,7 +118,7 @@ def run_targets(
             results.append(result)
             instruments.target_done(result)
     report.targets = results
-    write_manifest(run_dir, recipe.name, results)
+    write_manifest(run_dir, settings.recipe_name, results)
     return results
 
 
@@ -152,12 +169,13 @@ def export_stage(
     index = recipe.targets.index(spec) if spec in recipe.targets else 0
     params = target_params(spec, f"targets.{index}.params")
     cache = StageCache(RunPaths.resolve(recipe, cache_dir=cache_dir).cache_dir)
+    settings = target_settings(recipe, cache.root)
     reference = views(report.reference) if report.reference else None
-    measurer = Measurer(recipe, cache, reference, providers)
+    measurer = Measurer(settings, cache, reference, providers)
     to.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="optpipe-engine-") as engine_dir:
         job = TargetJob(
-            recipe=recipe, spec=spec.model_copy(update={"stages": [stage]}), params=params, stage=view,
+            settings=settings, spec=spec.model_copy(update={"stages": [stage]}), params=params, stage=view,
             out_dir=to, root=to, cache_dir=cache.root, providers=measurer.evaluator.providers,
             stage_folder=views, measurer=measurer, extras={"engine_dir": Path(engine_dir)},
         )

@@ -11,14 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Union
 
 import onnx
 from pydantic import BaseModel, ConfigDict, Field
 
 from optpipe.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
 from optpipe.results import StageResult, TargetResult, TargetStatus
-from optpipe.recipe import Recipe, TargetSpec
+from optpipe.recipe import EvaluateSpec, ModelInputs, TargetSpec, Tolerance
+
+if TYPE_CHECKING:
+    from optpipe.calibration.dataset import SampleSet
 
 
 class TargetParams(BaseModel):
@@ -84,11 +87,29 @@ class StageView:
         return self.result.info if self.result else {}
 
 
+@dataclass(frozen=True)
+class TargetSettings:
+    """What the targets read from the recipe, resolved once at the top (`targets.target_settings`):
+    a target can be built and tested without a Recipe."""
+
+    recipe_name: str
+    evaluate: EvaluateSpec
+    shapes: ModelInputs
+    parents: Mapping[str, Optional[str]]  # each stage's `after`
+    tolerances: Mapping[str, Tolerance]  # each stage's own tolerance, else evaluate's
+    targets: tuple[TargetSpec, ...] = ()  # all of the recipe's: Triton reuses the tensorrt target's params
+    eval_set: Optional[Callable[[], "SampleSet"]] = None
+    calibration_set: Optional[Callable[[], "SampleSet"]] = None  # None: the recipe has no `data.calibration`
+
+    def tolerance_for(self, stage: str) -> Tolerance:
+        return self.tolerances.get(stage, self.evaluate.tolerance)
+
+
 @dataclass
 class TargetJob:
     """Everything one target needs for one stage; the run owns it, the target reads it."""
 
-    recipe: Recipe
+    settings: TargetSettings
     spec: TargetSpec
     params: TargetParams
     stage: StageView

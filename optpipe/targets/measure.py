@@ -11,21 +11,20 @@ from typing import Callable, Optional
 
 from optpipe.evaluation.accuracy import compare, run_onnx
 from optpipe.cache.store import StageCache
-from optpipe.calibration.dataset import build_sample_set
 from optpipe.evaluation.evaluator import Evaluator
 from optpipe.evaluation.latency import measure
 from optpipe.results import Accuracy, Latency
-from optpipe.recipe import Recipe, Tolerance
+from optpipe.recipe import Tolerance
 from optpipe.runtime import Feeds, Outputs
-from optpipe.targets.base import StageView
+from optpipe.targets.base import StageView, TargetSettings
 
 
 class Measurer:
-    def __init__(self, recipe: Recipe, cache: StageCache, reference: Optional[StageView], providers: str = "auto"):
-        self.recipe = recipe
-        self.settings = recipe.evaluate
+    def __init__(self, targets: TargetSettings, cache: StageCache, reference: Optional[StageView], providers: str = "auto"):
+        self.shapes = targets.shapes
+        self.settings = targets.evaluate
         self.reference = reference
-        self.evaluator = Evaluator(recipe, cache, lambda: build_sample_set(recipe.data.eval, recipe, cache.root), providers)
+        self.evaluator = Evaluator(targets.evaluate, targets.shapes, cache, targets.eval_set, providers)
 
     @property
     def batches(self) -> list[Feeds]:
@@ -45,7 +44,7 @@ class Measurer:
         )
 
     def latency(self, run: Callable[[Feeds], Outputs], provider: str) -> list[Latency]:
-        sizes = self.settings.batch_sizes if self.recipe.batch_dim() else [len(self.batches[0][next(iter(self.batches[0]))])]
+        sizes = self.settings.batch_sizes if self.shapes.batch_dim() else [len(self.batches[0][next(iter(self.batches[0]))])]
         return [
             measure(run, self.evaluator.eval_set.first(size), self.settings.warmup, self.settings.iterations, self.settings.threads, provider)
             for size in sizes

@@ -54,7 +54,7 @@ def place_ir(job: TargetJob, folder: Path) -> tuple[dict[str, Any], bool]:
             raise TargetError(f"OpenVINO cannot convert stage '{job.stage.name}': {first_line(exc)}") from None
         precision, hint, converted = "fp32", "f32", True
         names = ovr.output_names(job.stage.model_path)
-    threads = job.recipe.evaluate.threads
+    threads = job.settings.evaluate.threads
     compiled = ovr.compile_model(folder / ovr.IR_FILE, threads, hint)
     settings = {
         "format": DEPLOY_FORMAT,
@@ -75,7 +75,7 @@ def measure_ir(job: TargetJob, folder: Path, settings: dict[str, Any]):
     from optpipe.evaluation.accuracy import run_callable
 
     run = ovr.runner(load_ir(folder), settings.get("output_names"))
-    tolerance = job.recipe.tolerance_for(job.stage.name) if job.stage.name in job.recipe.stages else job.recipe.evaluate.tolerance
+    tolerance = job.settings.tolerance_for(job.stage.name)
     accuracy = job.measurer.accuracy(run_callable(run, job.measurer.batches), tolerance)
     return accuracy, job.measurer.latency(run, ovr.PROVIDER)
 

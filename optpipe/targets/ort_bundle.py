@@ -58,7 +58,7 @@ def write_bundle(job: TargetJob) -> TargetResult:
 
 def bundle_settings(job: TargetJob) -> dict[str, Any]:
     inputs, outputs = io_specs(job.stage.graph)
-    threads = job.recipe.evaluate.threads
+    threads = job.settings.evaluate.threads
     return {
         "format": SETTINGS_FORMAT,
         "stage": job.stage.name,
@@ -81,7 +81,7 @@ def convert_to_ort_format(folder: Path, job: TargetJob) -> dict[str, Any]:
     import onnxruntime as ort
 
     target = folder / ORT_FILE
-    options = session_options(job.recipe.evaluate.threads, MEASURED_OPTIMIZATION)
+    options = session_options(job.settings.evaluate.threads, MEASURED_OPTIMIZATION)
     options.optimized_model_filepath = str(target)
     options.add_session_config_entry("session.save_model_format", "ORT")
     try:

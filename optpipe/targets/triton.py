@@ -44,7 +44,7 @@ TRITON_TYPES = {
 
 def write_repository(job: TargetJob) -> TargetResult:
     params: TritonParams = job.params  # type: ignore[assignment]
-    name = model_name(params.model_name, job.recipe.name, job.stage.name)
+    name = model_name(params.model_name, job.settings.recipe_name, job.stage.name)
     folder = job.out_dir / name
     version_dir = folder / VERSION
     engine: Optional[TargetResult] = None
@@ -85,12 +85,12 @@ def write_repository(job: TargetJob) -> TargetResult:
 def engine_for(job: TargetJob) -> TargetResult:
     """The TensorRT engine for this stage, with the recipe's `tensorrt` target params if it has one;
     built and measured once per run (a `tensorrt` target that ran first already did)."""
-    spec = next((t for t in job.recipe.targets if t.kind == "tensorrt"), None)
+    spec = next((t for t in job.settings.targets if t.kind == "tensorrt"), None)
     params = tensorrt.TensorRTParams.model_validate(spec.params if spec else {})
     key = tensorrt.engine_result_key(job.stage.name, params)
     if key not in job.extras.setdefault("engines", {}):
         sub = TargetJob(
-            recipe=job.recipe, spec=job.spec.model_copy(update={"kind": "tensorrt", "params": params.model_dump()}),
+            settings=job.settings, spec=job.spec.model_copy(update={"kind": "tensorrt", "params": params.model_dump()}),
             params=params, stage=job.stage, out_dir=engine_folder(job) / job.stage.name,
             root=job.root, cache_dir=job.cache_dir, providers=job.providers, stage_folder=job.stage_folder,
             measurer=job.measurer, stages_defaulted=job.stages_defaulted, extras=job.extras,
@@ -137,19 +137,19 @@ def model_config(job: TargetJob, params: TritonParams, name: str, ir: Optional[d
         "parameters": {},
     }
     if batch_max > 0 and params.dynamic_batching:
-        preferred = [b for b in job.recipe.evaluate.batch_sizes if 1 < b <= batch_max]
+        preferred = [b for b in job.settings.evaluate.batch_sizes if 1 < b <= batch_max]
         config["dynamic_batching"] = {"preferred_batch_size": preferred, "max_queue_delay_microseconds": params.max_queue_delay_us}
     if params.platform == "onnxruntime":
         # The ONNX Runtime backend's names for the session settings the stage was measured with.
         config["parameters"] = {
-            "intra_op_thread_count": str(job.recipe.evaluate.threads),
+            "intra_op_thread_count": str(job.settings.evaluate.threads),
             "inter_op_thread_count": "1",
             "execution_mode": "0",  # sequential
         }
     if params.platform == "openvino":
         # The openvino backend's names for the compile settings the stage was measured with.
         config["parameters"] = {
-            "INFERENCE_NUM_THREADS": str(job.recipe.evaluate.threads),
+            "INFERENCE_NUM_THREADS": str(job.settings.evaluate.threads),
             "NUM_STREAMS": "1",
             "PERFORMANCE_HINT": "LATENCY",
             "HINT_BF16": "YES" if ir and ir["hint"] == "bf16" else "NO",
@@ -159,13 +159,13 @@ def model_config(job: TargetJob, params: TritonParams, name: str, ir: Optional[d
 
 def batching_limit(job: TargetJob, params: TritonParams, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> int:
     """max_batch_size: the batch dim's max when every input and output leads with a dynamic dim, else 0."""
-    batch = job.recipe.batch_dim()
+    batch = job.settings.shapes.batch_dim()
     if batch is None:
         return 0
     leads_dynamic = all(t.dims and not isinstance(t.dims[0], int) for t in inputs + outputs)
     if not leads_dynamic:
         return 0
-    limit = job.recipe.dims[batch].max
+    limit = job.settings.shapes.dims[batch].max
     if params.max_batch_size is None:
         return limit
     if params.max_batch_size > limit:

@@ -76,11 +76,9 @@ def _calibrator(job: TargetJob, plan: BuildPlan):
     since Polygraphy reuses any non-empty cache file without checking what it was made from."""
     from polygraphy.backend.trt import Calibrator
 
-    from optpipe.calibration.dataset import build_sample_set
-
-    samples = build_sample_set(job.recipe.data.calibration, job.recipe, job.cache_dir)
+    samples = job.settings.calibration_set()
     model_hash = job.stage.result.hash if job.stage.result else hash_files(job.stage.folder)[1]
     cache = job.cache_dir / "tensorrt" / "calibration" / f"{sha256_json({'model': model_hash, 'data': samples.key})}.cache"
     cache.parent.mkdir(parents=True, exist_ok=True)
-    batch = job.recipe.evaluate.accuracy_batch if job.recipe.batch_dim() else len(samples)
+    batch = job.settings.evaluate.accuracy_batch if job.settings.shapes.batch_dim() else len(samples)
     return Calibrator(list(samples.batches(batch)), cache=str(cache))

@@ -20,7 +20,7 @@ def build_script(job: TargetJob, plan: BuildPlan, features: TrtFeatures) -> str:
     trtexec = trtexec_command(plan)
     lines = [
         "#!/usr/bin/env bash",
-        f"# Builds the TensorRT engine for stage '{job.stage.name}' of recipe '{job.recipe.name}' "
+        f"# Builds the TensorRT engine for stage '{job.stage.name}' of recipe '{job.settings.recipe_name}' "
         f"({plan.precision}) on a machine with TensorRT and a CUDA GPU.",
         f"# Written for TensorRT {features.version}; optimization profile from the recipe's dims (min/opt/max).",
         *[f"# {note}" for note in plan.notes],
@@ -107,8 +107,6 @@ def write_calibration_inputs(job: TargetJob, path: Path) -> None:
     """The calibration batches in Polygraphy's JSON input format (read by --load-inputs)."""
     from polygraphy.json import save_json
 
-    from optpipe.calibration.dataset import build_sample_set
-
-    samples = build_sample_set(job.recipe.data.calibration, job.recipe, job.cache_dir)
-    batch = job.recipe.evaluate.accuracy_batch if job.recipe.batch_dim() else len(samples)
+    samples = job.settings.calibration_set()
+    batch = job.settings.evaluate.accuracy_batch if job.settings.shapes.batch_dim() else len(samples)
     save_json([dict(b) for b in samples.batches(batch)], str(path))

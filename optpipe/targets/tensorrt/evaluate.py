@@ -20,7 +20,7 @@ def evaluate_engine(plan_path: Path, job: TargetJob, provider: str):
     results = Comparator.run([TrtRunner(engine, name="tensorrt")], data_loader=measurer.batches)
     iterations = results[0][1]
     outputs = {name: np.concatenate([np.asarray(it[name]) for it in iterations]) for name in iterations[0].keys()}
-    accuracy = measurer.accuracy(outputs, job.recipe.tolerance_for(job.stage.name))
+    accuracy = measurer.accuracy(outputs, job.settings.tolerance_for(job.stage.name))
     with TrtRunner(engine, name="tensorrt-latency") as runner:
         latency = measurer.latency(lambda feeds: runner.infer(feeds), provider)
     return accuracy, latency

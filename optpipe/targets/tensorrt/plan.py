@@ -46,12 +46,12 @@ def standard_op_refusal(job: TargetJob) -> Optional[str]:
 
 def standard_op_ancestor(job: TargetJob) -> Optional[str]:
     """The nearest ancestor stage whose graph has no com.microsoft ops."""
-    parent = job.recipe.stages[job.stage.name].after if job.stage.name in job.recipe.stages else None
+    parent = job.settings.parents.get(job.stage.name)
     while parent is not None:
         view = job.stage_folder(parent)
         if view is not None and not microsoft_ops(view.graph):
             return parent
-        parent = job.recipe.stages[parent].after
+        parent = job.settings.parents.get(parent)
     return None
 
 
@@ -98,7 +98,7 @@ def choose_precision(plan: BuildPlan, requested: str, features: TrtFeatures, job
         return
     if not (features.int8_flag and features.calibrator):
         raise TargetError(f"{where} int8: TensorRT {features.version} has no INT8 calibrator; build from an int8 (Q/DQ) stage instead")
-    if job.recipe.data.calibration is None:
+    if job.settings.calibration_set is None:
         raise TargetError(f"{where} int8 on an FP32 graph calibrates TensorRT: add `data: {{calibration: ...}}` to the recipe")
     plan.int8 = plan.fp16 = plan.calibrate = True
     plan.precision = "int8 (calibrated)"
@@ -118,8 +118,8 @@ def wants_sparse(job: TargetJob, params: TensorRTParams) -> bool:
 
 def profile_shapes(job: TargetJob) -> dict[str, tuple[list[int], list[int], list[int]]]:
     """min/opt/max shape per graph input, from the recipe's dims."""
-    recipe = job.recipe
-    specs = {spec.name: spec for spec in recipe.inputs}
+    shapes = job.settings.shapes
+    specs = {spec.name: spec for spec in shapes.inputs}
     inputs, _ = io_specs(job.stage.graph)
     profile = {}
     for tensor in inputs:
@@ -132,5 +132,5 @@ def profile_shapes(job: TargetJob) -> dict[str, tuple[list[int], list[int], list
             fixed = [int(d) for d in tensor.dims]  # type: ignore[arg-type]
             profile[tensor.name] = (fixed, fixed, fixed)
             continue
-        profile[tensor.name] = tuple(list(recipe.shape_at(spec, which)) for which in ("min", "opt", "max"))  # type: ignore[assignment]
+        profile[tensor.name] = tuple(list(shapes.shape_at(spec, which)) for which in ("min", "opt", "max"))  # type: ignore[assignment]
     return profile

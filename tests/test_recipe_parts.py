@@ -1,0 +1,64 @@
+"""The typed parts layers take instead of the Recipe: built by hand, with no recipe, they give
+what the recipe gives, and the layers run on them alone."""
+from __future__ import annotations
+
+import numpy as np
+import onnx.parser
+
+from optpipe.example_inputs import synthetic_inputs
+from optpipe.execution.stage_evaluation import EvaluationParts
+from optpipe.recipe import DimRange, EvaluateSpec, InputSpec, ModelInputs, Tolerance
+from optpipe.safety.recipe_loading import parse_recipe
+
+SHAPES = ModelInputs(
+    inputs=(InputSpec(name="ids", dtype="int64", shape=["batch", "seq"], range=[0, 50]),
+            InputSpec(name="mask", dtype="int64", shape=["batch", "seq"], fill=1)),
+    dims={"batch": DimRange(min=1, opt=2, max=12), "seq": DimRange(min=8, opt=16, max=64, multiple_of=8)},
+)
+
+
+def test_hand_built_inputs_give_batch_dim_shapes_and_sweeps():
+    assert SHAPES.batch_dim() == "batch"
+    assert SHAPES.shape_at(SHAPES.inputs[0], "max", batch=3) == (3, 64)
+    assert SHAPES.sweep_values("batch", "pow2") == [1, 2, 4, 8, 12]  # powers of two, then the max
+    assert SHAPES.sweep_values("seq", "pow2") == [8, 16, 32, 64]  # 1, 2 and 4 are off the multiple-of-8 grid
+    assert SHAPES.sweep_values("seq", [32, 8, 32]) == [8, 32]
+    feeds = synthetic_inputs(SHAPES, seed=3, batch=5)
+    assert feeds["ids"].shape == (5, 16) and feeds["ids"].max() < 50 and np.all(feeds["mask"] == 1)
+
+
+def test_the_recipe_delegates_to_its_parts(tmp_path):
+    recipe = parse_recipe({
+        "model": {"onnx": "m.onnx"},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["n", 4]}],
+        "dims": {"n": {"min": 1, "opt": 3, "max": 6}},
+        "stages": {"root": {"pass": "export"},
+                   "slim": {"pass": "simplify", "after": "root", "tolerance": {"max_abs": 0.5}}},
+        "evaluate": {"sweep": {"n": "pow2"}, "tolerance": {"max_abs": 0.01}},
+    }, base_dir=tmp_path)
+    source = recipe.model_source()
+    assert source.resolve("m.onnx") == tmp_path / "m.onnx" == recipe.resolve("m.onnx")
+    assert recipe.sweep_values("n") == source.sweep_values("n", "pow2") == [1, 2, 4, 6]
+    parts = EvaluationParts.of(recipe)
+    assert parts.parents == {"root": None, "slim": "root"}
+    assert parts.tolerance_for("slim").max_abs == 0.5 and parts.tolerance_for("root").max_abs == 0.01
+
+
+def test_the_evaluator_runs_on_its_parts_alone(tmp_path):
+    from optpipe.artifact import save_model
+    from optpipe.cache.store import StageCache
+    from optpipe.calibration.dataset import SampleSet
+    from optpipe.evaluation.evaluator import Evaluator
+
+    shapes = ModelInputs((InputSpec(name="x", dtype="float32", shape=["n", 4]),), {"n": DimRange(min=1, opt=2, max=8)})
+    graph = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[n, 4] x) => (float[n, 4] y) { y = Relu(x) }""")
+    artifact = save_model(graph, tmp_path / "stage")
+    samples = SampleSet({"x": np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)}, key="k", cached=False)
+    settings = EvaluateSpec(batch_sizes=[1, 4], iterations=3, warmup=1, threads=1, adaptive=False)
+    evaluator = Evaluator(settings, shapes, StageCache(tmp_path / "cache"), lambda: samples, providers="cpu")
+    evaluator.set_reference("stage", artifact.content_hash(), lambda: evaluator.onnx_outputs(artifact))
+    accuracy, latency, _, cached = evaluator.evaluate_onnx(artifact, Tolerance())
+    assert not cached and accuracy.within_tolerance and accuracy.samples == 8
+    assert [o.max_abs for o in accuracy.outputs] == [0.0]  # the stage is its own reference
+    assert [lat.batch_size for lat in latency] == [1, 4]
