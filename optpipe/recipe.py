@@ -5,14 +5,12 @@ Every user mistake becomes a RecipeError whose one line names the YAML path
 """
 from __future__ import annotations
 
-import difflib
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Mapping, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, Mapping, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from optpipe.errors import RecipeError
 from optpipe.search.spec import Choices, SearchSettings, normalize_settings
@@ -22,119 +20,10 @@ MAX_SAMPLES = 100_000
 MAX_ITERATIONS = 100_000
 DTYPES = ("float32", "float16", "int64", "int32", "int8", "uint8", "bool")
 
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-# --- model sources -------------------------------------------------------------------------
-
-# Hugging Face tasks, named as Optimum's exporter names them (plus short aliases); each maps to
-# a transformers Auto class in optpipe.model_source.
-HF_TASKS = (
-    "feature-extraction", "sequence-classification", "text-classification", "token-classification",
-    "question-answering", "fill-mask", "masked-lm", "causal-lm", "text-generation",
-    "image-classification", "object-detection", "semantic-segmentation", "audio-classification",
+from optpipe.recipe_errors import _suggest, describe_validation_error, suggest  # noqa: F401  (the last two re-exported)
+from optpipe.recipe_models import (  # noqa: F401  (re-exported: recipes name these)
+    MODEL_KINDS, FactoryModel, HFConfigModel, HFModel, ModelSpec, OnnxModel, Strict, TorchSource, TorchvisionModel,
 )
-
-
-class TorchSource(Strict):
-    """What every PyTorch model source shares: which of its forward outputs become model outputs."""
-
-    outputs: Optional[list[str]] = Field(
-        None, description="forward outputs to keep, by name (a ModelOutput/dict key, or output_0...); default: every tensor"
-    )
-
-
-class HFModel(TorchSource):
-    """A Hugging Face model from a local folder, or from a folder inside an installed package."""
-
-    hf: Optional[str] = Field(None, description="local folder with config.json and weights")
-    package: Optional[str] = Field(None, description="installed package that ships the model")
-    subdir: str = Field("", description="folder inside `package`")
-    task: Literal[HF_TASKS] = Field("feature-extraction", description="the head: picks the transformers Auto class")  # type: ignore[valid-type]
-    trust_remote_code: bool = False
-
-    @model_validator(mode="after")
-    def _one_location(self):
-        if (self.hf is None) == (self.package is None):
-            raise ValueError("give exactly one of `hf` (a folder) or `package` (an installed package)")
-        return self
-
-
-class TorchvisionModel(TorchSource):
-    torchvision: str = Field(description="architecture name, e.g. resnet50 (random weights)")
-    num_classes: int = 1000
-
-
-class FactoryModel(TorchSource):
-    factory: str = Field(description="'module:function' returning a torch.nn.Module or (module, example_inputs)")
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    path: Optional[str] = Field(None, description="folder added to sys.path before importing the module")
-    checkpoint: Optional[str] = Field(None, description="weights to load into the module: .safetensors, or a torch.save file")
-    allow_pickle: bool = Field(
-        False, description="load a torch.save checkpoint with full unpickling (runs code in the file); only for files you trust"
-    )
-
-    @field_validator("factory")
-    @classmethod
-    def _not_the_standard_library(cls, value: str) -> str:
-        # A factory is called with the recipe's kwargs: `os:system` would run a shell command.
-        top = value.partition(":")[0].split(".")[0]
-        if top in sys.stdlib_module_names or top == "builtins":
-            raise ValueError(f"'{value}' is in Python's standard library, not a model; name your own function that builds a torch.nn.Module")
-        return value
-
-
-class HFConfigModel(TorchSource):
-    """A Hugging Face architecture built from its config: random (seeded) weights, for speed rather than accuracy."""
-
-    hf_config: dict[str, Any] = Field(description="`model_type` plus config overrides, e.g. {model_type: bert} for BertConfig()")
-    task: Literal[HF_TASKS] = Field("feature-extraction", description="the head: picks the transformers Auto class")  # type: ignore[valid-type]
-    tokenizer: Optional[HFModel] = Field(None, description="where a tokenizer for text data lives (hf folder or package)")
-    seed: int = Field(0, description="torch seed for the random weights")
-
-    @model_validator(mode="after")
-    def _has_model_type(self):
-        if "model_type" not in self.hf_config:
-            raise ValueError("hf_config needs `model_type` (e.g. bert)")
-        return self
-
-
-class OnnxModel(Strict):
-    onnx: str = Field(description="an existing .onnx file; the export stage then imports it as is")
-
-
-MODEL_KINDS: dict[str, type[BaseModel]] = {
-    "onnx-model": OnnxModel,
-    "factory-model": FactoryModel,
-    "torchvision-model": TorchvisionModel,
-    "hf-model": HFModel,
-    "hf_config-model": HFConfigModel,
-}
-
-
-def _model_kind(value: Any) -> str | None:
-    """Pick the model class by its distinguishing key, so errors talk about one kind only."""
-    if isinstance(value, BaseModel):
-        return next(tag for tag, cls in MODEL_KINDS.items() if isinstance(value, cls))
-    if isinstance(value, dict):
-        for key in ("onnx", "factory", "torchvision", "hf_config"):
-            if key in value:
-                return f"{key}-model"
-        if "hf" in value or "package" in value:
-            return "hf-model"
-    return None
-
-
-ModelSpec = Annotated[
-    Union[tuple(Annotated[cls, Tag(tag)] for tag, cls in MODEL_KINDS.items())],  # type: ignore[misc]
-    Discriminator(
-        _model_kind,
-        custom_error_type="model_kind",
-        custom_error_message="expected a mapping with one of the keys hf, package, hf_config, torchvision, factory or onnx",
-    ),
-]
 
 
 # --- inputs, dims, data --------------------------------------------------------------------
@@ -439,77 +328,3 @@ class Recipe(Strict):
 
     def batch_dim(self) -> str | None:
         return self.model_inputs().batch_dim()
-
-
-# --- loading and error formatting ---------------------------------------------------------
-
-
-def describe_validation_error(exc: ValidationError, schema: type[BaseModel], data: Any, prefix: str = "") -> str:
-    """The first pydantic error as one sentence: path, what was wrong, and a suggestion."""
-    err = _most_specific(exc.errors())
-    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
-    where = ".".join(([prefix] if prefix else []) + loc) or "(top level)"
-    if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(schema, err["loc"][:-1], data)
-        hint = _suggest(loc[-1], allowed)
-        known = f"; valid keys here: {', '.join(sorted(allowed))}" if allowed else ""
-        return f"{where}: unknown key{hint}{known}"
-    if err["type"] == "missing":
-        return f"{where}: required key is missing"
-    msg = err["msg"].removeprefix("Value error, ")
-    return f"{where}: {msg} (got {_short(err.get('input'))})"
-
-
-def suggest(word: str, choices) -> str:
-    return _suggest(word, choices)
-
-
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _most_specific(errors: list[dict]) -> dict:
-    # Prefer unknown keys and missing keys: they are the usual typo, and the clearest fix.
-    for kind in ("extra_forbidden", "missing"):
-        for err in errors:
-            if err["type"] == kind:
-                return err
-    return errors[0]
-
-
-def _is_union_tag(part) -> bool:
-    return isinstance(part, str) and (part in MODEL_KINDS or part.startswith("function-"))
-
-
-def _allowed_keys(schema: type[BaseModel], loc: tuple, data: Any = None) -> set[str]:
-    """The field names valid at `loc`, walking the schema: model fields, then list/dict items."""
-    current: Any = schema
-    for part in loc:
-        if part in MODEL_KINDS:
-            current = MODEL_KINDS[part]
-        elif get_origin(current) in (list, dict):
-            current = _unwrap_optional(get_args(current)[-1])
-        elif isinstance(current, type) and issubclass(current, BaseModel):
-            field = next((f for n, f in current.model_fields.items() if part in (n, f.alias)), None)
-            if field is None:
-                return set()
-            current = _unwrap_optional(field.annotation)
-        else:
-            return set()
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return {f.alias or n for n, f in current.model_fields.items() if n != "base_dir"}
-    return set()
-
-
-def _unwrap_optional(annotation):
-    if get_origin(annotation) is Union:
-        args = [a for a in get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
