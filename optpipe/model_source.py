@@ -101,12 +101,9 @@ def onnx_source_path(source: ModelSource) -> Path:
     spec = source.model
     assert isinstance(spec, OnnxModel)
     path = source.resolve(spec.onnx)
-    if path.is_dir():
-        raise ModelSourceError(f"model.onnx: '{path}' is a folder; give the path of the .onnx file in it")
-    if path.exists() and not path.is_file():
-        raise ModelSourceError(f"model.onnx: '{path}' is not a regular file (a device or a pipe); give the path of an .onnx file")
-    if not path.is_file():
-        raise ModelSourceError(f"model.onnx: file '{path}' does not exist; give the path of an .onnx model")
+    from optpipe.safety.onnx_guard import check_model_path
+
+    check_model_path(path, "model.onnx")
     return path
 
 
