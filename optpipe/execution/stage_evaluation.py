@@ -110,7 +110,7 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
     result.size_bytes = artifact.size_bytes()
     result.info = artifact.info
     dims = {dim: spec_.opt for dim, spec_ in parts.source.dims.items()}
-    result.coverage, result.warnings = stage_coverage(artifact, dims, result.pass_name, artifact.info.get("excluded"))
+    result.coverage, result.warnings = stage_coverage(artifact, dims, result.pass_name, artifact.info.get("excluded"), evaluator.cache)
     restore_signal_stack()  # OpenVINO may have left it dangling: Ctrl-C must not crash
     instruments.before_evaluation(result.name)
     try:

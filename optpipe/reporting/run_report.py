@@ -77,13 +77,17 @@ def machine_description() -> dict[str, Any]:
     }
 
 
+#: report.html's plots with the digest of the data they show: a rerun with the same figures reuses them.
+PLOTS_FILE = ".report-plots.json"
+
+
 def write_report(report: RunReport, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / "report.json", report.model_dump_json(indent=2))
     write_text_atomic(run_dir / "report.md", render_markdown(report))
     from optpipe.reporting.html import render_html  # matplotlib loads only when a report is written
 
-    write_text_atomic(run_dir / "report.html", render_html(report))
+    write_text_atomic(run_dir / "report.html", render_html(report, run_dir / PLOTS_FILE))
 
 
 def render_markdown(report: RunReport) -> str:
