@@ -11,7 +11,7 @@ from typing import Any
 from optpipe.dag import build_dag, execution_order
 from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail
 from optpipe.execution.stage_tasks import TaskSettings
-from optpipe.execution.fan_out import finish_run, reference_of, wants_eager
+from optpipe.execution.fan_out import finish_run, reference_of, targets_on, wants_eager
 from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 from optpipe.results import RunReport
@@ -80,14 +80,15 @@ class SearchDriver:
             progress.line(f"  trial {record.number}/{total} {status}{again}: {params} -> {stage} — {detail}")
         self.pending = []
 
-    def finish(self, group_by_node: bool, providers: str, progress: Progress) -> RunReport:
+    def finish(self, group_by_node: bool, providers: str, progress: Progress, executor=None) -> RunReport:
         wall = time.perf_counter() - (self.started or time.perf_counter())
         order = execution_order(build_dag(self.expanded.stages))
 
         def section(report: RunReport) -> dict:
             return search_section(self, report, wall)
 
-        report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings, group_by_node, section)
+        report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings, group_by_node, section,
+                            targets_on(executor, self.expanded, self.task_settings, progress))
         s = report.search
         best = s["best"]["stage"] if s.get("best") else "none within tolerance"
         progress.line(f"search {self.recipe.name}: {len(s['trials'])} trials ({s['counts']}), stopped: {s['stopped']}, "
