@@ -88,10 +88,9 @@ class RayTargets:
             return None
         total = self.ray.cluster_resources()
         missing = [k for k, v in needs.items() if total.get(k, 0) < v] or list(needs)
-        flags = []
-        if "GPU" in missing:
-            flags.append(f"--num-gpus={needs['GPU']:g}")
-        custom = {k: needs[k] for k in missing if k not in ("CPU", "GPU")}
+        # The flags for a node that runs this task: every resource it needs, the missing ones first.
+        flags = [f"--num-gpus={needs['GPU']:g}"] if needs.get("GPU") else []
+        custom = {k: needs[k] for k in sorted(needs, key=lambda k: k not in missing) if k not in ("CPU", "GPU")}
         if custom:
             flags.append(f"--resources='{json.dumps(custom)}'")
         if "CPU" in missing:
