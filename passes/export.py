@@ -10,7 +10,7 @@ from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check, onnx_outputs
-from optpipe.errors import ModelSourceError, PassError
+from optpipe.errors import PassError
 from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.model_source import TorchModel, onnx_source_path, source_fingerprint
@@ -185,22 +185,14 @@ def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads
 
 
 def import_onnx(ctx: PassContext) -> ModelArtifact:
-    """An existing ONNX file becomes the root artifact: checked, its inputs matched to the recipe."""
+    """An existing ONNX file becomes the root artifact; preflight ran the full checks (onnx_guard.check_source)."""
     import onnx
 
     from optpipe.safety import onnx_guard
 
     path = onnx_source_path(ctx.recipe.model_source())
-    graph = onnx_guard.load_graph(path, "model.onnx")
+    graph = onnx_guard.load_graph(path, "model.onnx")  # the cheap checks again: a pass run on its own gets them too
     onnx_guard.check_inputs_match(graph, ctx.recipe, path.name)
-    unknown = onnx_guard.unknown_ops(graph)
-    if unknown:
-        raise ModelSourceError(
-            f"model.onnx: '{path.name}' uses ops that no ONNX schema defines at its opset ({', '.join(unknown)}); "
-            "replace them or export with an opset that has them"
-        )
-    onnx_guard.check_model_file(path, graph, "model.onnx")
-    onnx_guard.check_runnable(path, "model.onnx")
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)

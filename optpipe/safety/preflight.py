@@ -1,6 +1,6 @@
 """Checks before any stage runs, so that a broken model file or data set costs one line and
-no compute: the ONNX source is an ONNX model whose inputs match the recipe, the data sets
-load with the recipe's shapes and dtypes.
+no compute: the ONNX source is a valid ONNX model (onnx.checker's full check, ONNX Runtime
+can load it) whose inputs match the recipe, the data sets load with the recipe's shapes and dtypes.
 
 Problems found here are the user's to fix (exit code 2); problems found while a stage
 runs fail that stage and name it (exit code 1).
@@ -23,8 +23,7 @@ def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], obj
     if onnx_path is not None:
         from optpipe.safety import onnx_guard
 
-        graph = onnx_guard.load_graph(onnx_path, "model.onnx")
-        onnx_guard.check_inputs_match(graph, recipe, onnx_path.name)
+        onnx_guard.check_source(onnx_path, recipe, "model.onnx")
     _check_data(eval_set, "eval")
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
