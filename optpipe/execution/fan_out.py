@@ -43,6 +43,9 @@ class PlainDriver:
         return finish_run(self.recipe, self.order, self.memo, self.run_dir, self.settings, group_by_node,
                           targets=targets_on(executor, self.recipe, self.settings, progress))
 
+    def close(self) -> None:
+        pass
+
     def failed(self, report: RunReport) -> list[StageResult]:
         return report.failed
 

@@ -43,6 +43,18 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
         else:
             drivers.append(PlainDriver(recipe, run_dir, settings, only))
     started = time.perf_counter()
+    try:
+        reports = _run(drivers, executor, progress, group_by_node, providers)
+    finally:
+        for driver in drivers:
+            driver.close()
+    stages = sum(len(r.stages) for r, _ in reports)
+    progress.line(f"done: {len(reports)} recipe{'s' if len(reports) != 1 else ''}, {stages} stages, "
+                  f"wall {time.perf_counter() - started:.1f}s")
+    return reports
+
+
+def _run(drivers: list, executor: Executor, progress: Progress, group_by_node: bool, providers: str) -> list:
     active = list(drivers)
     while active:
         plans = {id(d): d.next_plan(executor.slots) for d in active}
@@ -56,11 +68,7 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     for driver in drivers:
         report = driver.finish(group_by_node, providers, progress, executor)
         reports.append((report, driver.failed(report)))
-    stages = sum(len(r.stages) for r, _ in reports)
-    progress.line(f"done: {len(reports)} recipe{'s' if len(reports) != 1 else ''}, {stages} stages, "
-                  f"wall {time.perf_counter() - started:.1f}s")
     return reports
-
 
 
 def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
