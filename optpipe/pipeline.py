@@ -20,7 +20,6 @@ from filelock import FileLock
 
 from optpipe.cache.store import StageCache
 from optpipe.dag import only_order
-from optpipe.cache.folder import check_apart
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
@@ -62,9 +61,8 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     from optpipe.safety.preflight import preflight
 
     graph, passes = validate_recipe(recipe)
-    paths = RunPaths.resolve(recipe, options.output, options.cache_dir)
+    paths = RunPaths.for_run(recipe, options.output, options.cache_dir)
     run_dir, cache_root = paths.run_dir, paths.cache_dir
-    check_apart(run_dir, cache_root)  # `cache gc` must never remove a run, nor a run folder the cache
     with folder_errors("cache folder", cache_root):
         cache = StageCache(cache_root)
     with folder_errors("output folder", run_dir):

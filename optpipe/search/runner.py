@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from optpipe.cache.folder import check_apart
 from optpipe.errors import OptpipeError
 from optpipe.execution.executors import Executor, Progress, settings_for
 from optpipe.execution.fan_out import PlainDriver
@@ -32,10 +31,9 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
         raise OptpipeError("--output names one run folder; with several recipes each writes to its own `output`")
     progress = progress or Progress(show_recipe=len(recipes) > 1)
     drivers = []
-    for recipe in recipes:
-        paths = RunPaths.resolve(recipe, output, cache_dir)
+    folders = [RunPaths.for_run(recipe, output, cache_dir) for recipe in recipes]  # all refused before any work
+    for recipe, paths in zip(recipes, folders):
         run_dir, cache = paths.run_dir, paths.cache_dir
-        check_apart(run_dir, cache)  # as a local compile: `cache gc` must never remove a run, nor a run the cache
         settings = settings_for(recipe, cache, run_dir, force, providers, remote_cache, storage_options)
         _preflight(recipe, settings)
         if SearchSpace.declared(recipe):
