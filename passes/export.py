@@ -13,7 +13,7 @@ from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check,
 from optpipe.errors import PassError
 from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
-from optpipe.model_source import TorchModel, onnx_source_path, source_fingerprint
+from optpipe.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.runtime import eager_runner
@@ -177,11 +177,7 @@ def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads
     try:
         return eager_runner(torch_model, threads)(feeds)
     except Exception as exc:  # whatever forward() raises on inputs it does not accept (at the trace batch)
-        shapes = ", ".join(f"{name} {list(v.shape)} {v.dtype}" for name, v in feeds.items())
-        raise PassError(
-            f"the PyTorch model fails on the recipe's inputs ({shapes}): {_first_line(exc)}; "
-            "make `inputs` (names, dtypes, shapes) match what its forward() takes"
-        ) from None
+        raise PassError(forward_failure(feeds, _first_line(exc))) from None
 
 
 def import_onnx(ctx: PassContext) -> ModelArtifact:

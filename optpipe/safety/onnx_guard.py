@@ -32,14 +32,19 @@ STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 _ORT_UNKNOWN_OP = re.compile(r"(?:[\w.]+:(?P<op>\w+)\(-?\d+\) is not a registered function/op|No Op registered for (?P<op2>\w+))")
 
 
-def load_graph(path: Path, where: str) -> onnx.ModelProto:
-    """The model without its weights, after checking it is ONNX and its external data is safe."""
+def check_model_path(path: Path, where: str) -> None:
+    """`path` is a regular file (not a folder, a device or a pipe, which would block a reader)."""
     if path.is_dir():
         raise ModelSourceError(f"{where}: '{path}' is a folder; give the path of the .onnx file in it")
     if path.exists() and not path.is_file():
         raise ModelSourceError(f"{where}: '{path}' is not a regular file (a device or a pipe); give the path of an .onnx file")
     if not path.is_file():
         raise ModelSourceError(f"{where}: file '{path}' does not exist; give the path of an .onnx model")
+
+
+def load_graph(path: Path, where: str) -> onnx.ModelProto:
+    """The model without its weights, after checking it is ONNX and its external data is safe."""
+    check_model_path(path, where)
     if path.stat().st_size == 0:
         raise ModelSourceError(f"{where}: '{path.name}' is empty; export the model again")
     try:
