@@ -194,6 +194,9 @@ class EvaluateSpec(Strict):
         "pow2 = powers of two from the dim's min to its max; other dims stay at `opt`, the batch at batch_sizes[0]",
     )
     sweep_iterations: Optional[int] = Field(None, ge=1, le=MAX_ITERATIONS, description="timed iterations per sweep point; default: iterations")
+    sweep_stages: Literal["frontier", "all"] = Field(
+        "frontier", description="which stages get the sweep curves: the Pareto frontier's (with the eager baseline), or all"
+    )
     adaptive: bool = Field(True, description="stop timing once the median's 95% interval is within 3%; iterations is the cap")
     search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
     resources: dict[str, float] = Field(

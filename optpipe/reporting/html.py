@@ -28,8 +28,9 @@ def render_html(report: RunReport) -> str:
         _section("Stages", _dag_svg(report) + _stage_table(report)),
         _section("Pareto: latency vs accuracy error", _pareto_svg(report)),
     ]
+    note = sweep_note(report)
     for title, curves in _latency_curves(report):
-        sections.append(_section(title, _curves_svg(curves, title)))
+        sections.append(_section(title, _curves_svg(curves, title) + (f"<p class='note'>{html.escape(note)}</p>" if note else "")))
     sections.append(_problems(report))
     floats = left_in_float(report.stages)
     if floats:
@@ -40,6 +41,30 @@ def render_html(report: RunReport) -> str:
     sections.append(render_search_html(report.search, report.hardware))
     body = "\n".join(s for s in sections if s)
     return _PAGE.format(title=html.escape(f"optpipe report: {report.recipe}"), style=_STYLE, body=body)
+
+
+def sweep_note(report: RunReport) -> str | None:
+    """Which stages have sweep curves, and why the others have none (None when nothing was swept)."""
+    sweep = report.evaluation.get("sweep") or {}
+    if not sweep:
+        return None
+    swept = [s.name for s in report.stages if any(lat.sweep for lat in s.latency)]
+    rest = [s for s in report.stages if s.name not in swept]
+    text = f"Sweep curves ({', '.join(sweep)}): " + (", ".join(swept) or "none") + "."
+    if not rest:
+        return text
+    why = []
+    for s in rest:
+        if s.status != "ok":
+            why.append(f"{s.name} ({s.status})")
+        elif any("latency sweep failed" in w for w in s.warnings):
+            why.append(f"{s.name} (its sweep failed, see its warnings)")
+        elif report.evaluation.get("sweep_stages", "frontier") == "frontier":
+            why.append(f"{s.name} (not on the Pareto frontier)")
+        else:
+            why.append(s.name)
+    return text + " None for " + ", ".join(why) + ("; `evaluate.sweep_stages: all` sweeps every stage."
+                                                     if report.evaluation.get("sweep_stages", "frontier") == "frontier" else ".")
 
 
 # --- page parts ----------------------------------------------------------------------------

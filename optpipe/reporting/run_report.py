@@ -93,6 +93,10 @@ def render_markdown(report: RunReport) -> str:
     lines += [stage_table(report), ""]
     if report.pareto:
         lines += ["Pareto frontier (latency, accuracy error, size; within tolerance): " + ", ".join(f"**{n}**" for n in report.pareto), ""]
+    from optpipe.reporting.html import sweep_note  # which stages report.html draws curves for, and why not the rest
+
+    if sweep_note(report):
+        lines += [sweep_note(report), ""]
     warned = grouped_warnings(report.stages)
     if warned:
         lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
