@@ -68,7 +68,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     with folder_errors("output folder", run_dir):
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     services = RunServices(recipe.model_source(), recipe.data, cache)
-    preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set)
+    preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
     order = _stages_to_run(graph, options.only)
 
     manager = PassManager(recipe, cache, services, run_dir, options)

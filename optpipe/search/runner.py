@@ -78,6 +78,6 @@ def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
     try:
         services = RunServices(recipe.model_source(), recipe.data, cache)
-        preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set)
+        preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
     finally:
         cache.release_leases()
