@@ -181,7 +181,7 @@ def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads
 
 
 def import_onnx(ctx: PassContext) -> ModelArtifact:
-    """An existing ONNX file becomes the root artifact; preflight ran the full checks (onnx_guard.check_source)."""
+    """An existing ONNX file becomes the root artifact; preflight ran the full checks (optpipe/safety/preflight.py)."""
     import onnx
 
     from optpipe.safety import onnx_guard

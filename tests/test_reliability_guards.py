@@ -51,6 +51,26 @@ def test_models_are_checked_by_path_with_the_full_check(tmp_path, monkeypatch):
     assert seen == [(str(path), {"full_check": True})]
 
 
+def test_the_costly_source_checks_run_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """An ORT session reads every weight (seconds for gigabytes): a rerun on the same file skips it,
+    and a file replaced by one ORT cannot load is refused again, before any stage."""
+    from reliability_fixtures import write_custom_op_onnx
+
+    write_linear_onnx(tmp_path / "model")
+    recipe = parse_recipe(onnx_recipe(tmp_path, stages={"export": {"pass": "export"}}), base_dir=tmp_path)
+    sessions = []
+    real = onnx_guard.check_runnable
+    monkeypatch.setattr(onnx_guard, "check_runnable", lambda path, where: (sessions.append(path), real(path, where)))
+    compile_recipe(recipe, RunOptions())
+    compile_recipe(recipe, RunOptions())
+    assert len(sessions) == 1
+    (tmp_path / "model" / "model.onnx.data").unlink()
+    write_custom_op_onnx(tmp_path / "model", "com.example")  # same inputs, an op ONNX Runtime has no kernel for
+    with pytest.raises(ModelSourceError, match="ONNX Runtime cannot run op 'FrobnicateTensor'"):
+        compile_recipe(recipe, RunOptions())
+    assert len(sessions) == 2
+
+
 def test_a_large_model_goes_through_every_pass(tmp_path, monkeypatch):
     monkeypatch.setattr(onnx_guard, "PROTOBUF_LIMIT", 1)
     write_linear_onnx(tmp_path / "model")

@@ -91,12 +91,14 @@ def check_external_data(model: onnx.ModelProto, folder: Path, where: str) -> Non
             )
 
 
-def check_source(path: Path, recipe: Recipe, where: str) -> onnx.ModelProto:
-    """Everything a user's ONNX file must pass before a stage trusts it (the graph, without weights).
+# What a user's ONNX file must pass before a stage trusts it, in two parts that preflight runs
+# up front (optpipe/safety/preflight.py), so that a file lying about being a usable ONNX model is
+# the user's error (exit 2), never a failed stage.
 
-    Run once, up front (preflight), so a file that lies about being a usable ONNX model is the
-    user's error (exit 2), never a failed stage.
-    """
+
+def check_named_parts(path: Path, recipe: Recipe, where: str) -> onnx.ModelProto:
+    """The cheap checks, on the graph without its weights: it parses, its external data is safe, its
+    inputs are the recipe's, its opsets and ops exist."""
     graph = load_graph(path, where)
     check_inputs_match(graph, recipe, path.name)
     check_opsets(graph, path.name, where)
@@ -106,9 +108,13 @@ def check_source(path: Path, recipe: Recipe, where: str) -> onnx.ModelProto:
             f"{where}: '{path.name}' uses ops that no ONNX schema defines at its opset ({', '.join(unknown)}); "
             "replace them or export with an opset that has them"
         )
+    return graph
+
+
+def check_loadable(path: Path, where: str) -> None:
+    """The costly checks: onnx.checker's full check (shape and type inference) and an ONNX Runtime session."""
     check_model_file(path, where)
     check_runnable(path, where)
-    return graph
 
 
 def check_opsets(model: onnx.ModelProto, name: str, where: str) -> None:

@@ -9,24 +9,51 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from optpipe.errors import DataError
 from optpipe.recipe import Recipe
 
+if TYPE_CHECKING:
+    from optpipe.cache.store import StageCache
+
 _DATA_PREFIX = re.compile(r"^(data(\.\w+)?( source '\w+')?:\s*)")
 
 
-def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], object], calibration_set: Callable[[], object]) -> None:
+def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], object], calibration_set: Callable[[], object],
+              cache: "StageCache | None" = None) -> None:
     """`onnx_path`: the model file of an ONNX recipe (resolved by the caller, from model_source).
-    The data sets are built (or loaded) through the run's builders, so the stages reuse them."""
+    The data sets are built (or loaded) through the run's builders, so the stages reuse them.
+    `cache`: where a model file that passed is remembered (see `_check_onnx`)."""
     if onnx_path is not None:
-        from optpipe.safety import onnx_guard
-
-        onnx_guard.check_source(onnx_path, recipe, "model.onnx")
+        _check_onnx(recipe, onnx_path, cache)
     _check_data(eval_set, "eval")
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
+
+
+def _check_onnx(recipe: Recipe, path: Path, cache: "StageCache | None") -> None:
+    """The cheap checks every run; the costly ones (onnx.checker's full check, an ONNX Runtime session,
+    which reads every weight: seconds for a model of gigabytes) once per version of the files.
+
+    A version is judged as make judges a file: its size and modification time (the model's and its
+    external data's), with the library versions that judged it.
+    """
+    from optpipe.cache.store import StageCache, library_versions
+    from optpipe.safety import onnx_guard
+
+    graph = onnx_guard.check_named_parts(path, recipe, "model.onnx")
+    files = [path, *(path.parent / location for location in onnx_guard.external_locations(graph))]
+    key = StageCache.key(
+        preflight="onnx-source",
+        files=[(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+        libraries=library_versions(("onnx", "onnxruntime")),
+    )
+    if cache is not None and cache.get_result(key):
+        return
+    onnx_guard.check_loadable(path, "model.onnx")
+    if cache is not None:
+        cache.put_result(key, {"passed": str(path)})
 
 
 def _check_data(build, which: str) -> None:
