@@ -19,8 +19,7 @@ import networkx as nx
 from filelock import FileLock
 
 from optpipe.cache.store import StageCache
-from optpipe.dag import ancestors_and_self, execution_order
-from optpipe.errors import OptpipeError
+from optpipe.dag import only_order
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
@@ -94,13 +93,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
 
 
 def _stages_to_run(graph: nx.DiGraph, only: str | None) -> list[str]:
-    order = execution_order(graph)
-    if only is None:
-        return order
-    if only not in graph:
-        raise OptpipeError(f"--only: unknown stage '{only}'; stages are: {', '.join(order)}")
-    keep = ancestors_and_self(graph, only)
-    return [name for name in order if name in keep]
+    return only_order(graph, only)  # shared with the fan-out executors
 
 
 class PassManager:

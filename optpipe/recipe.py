@@ -6,6 +6,7 @@ Every user mistake becomes a RecipeError whose one line names the YAML path
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Mapping, Literal, Optional, Union
@@ -213,6 +214,16 @@ class TargetSpec(Strict):
     kind: Literal["ort", "tensorrt", "triton", "openvino"]
     stages: list[str] = Field(default_factory=list, description="stages to emit; default: the Pareto frontier")
     params: dict[str, Any] = Field(default_factory=dict)
+    gpu_type: Optional[str] = Field(
+        None, description="--executor ray: build and time this target only on a node declaring the Ray resource "
+        "gpu:<type> (e.g. h200 -> ray start --resources='{\"gpu:h200\": 1}'); implies a GPU")
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _gpu_type_name(cls, value: Optional[str]):
+        if value is not None and not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", value.lower()):
+            raise ValueError(f"gpu_type '{value}' is not a GPU type name; use letters, digits, '.', '-' or '_' (e.g. h200, l4, a100-80gb)")
+        return value.lower() if value is not None else None
 
 
 # --- the typed parts a layer takes instead of the whole recipe ------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 from optpipe.errors import OptpipeError, first_line
 from optpipe.execution.executors import Plan, Progress, outcome_label, result_detail, result_label
+from optpipe.execution.ray_targets import RayTargets, ray_options as _ray_resources
 from optpipe.execution.stage_tasks import evaluate, node_description, run_stage
 
 BENCHMARK = "benchmark"
@@ -58,7 +59,8 @@ class RayExecutor:
         try:
             if address is None:
                 # No cluster named: a Ray instance on this machine, one benchmark slot.
-                ray.init(resources={BENCHMARK: 1}, include_dashboard=False, log_to_driver=False)
+                # address="local": a new instance even where another Ray cluster left its address in /tmp/ray.
+                ray.init(address="local", resources={BENCHMARK: 1}, include_dashboard=False, log_to_driver=False)
             else:
                 ray.init(address=address, log_to_driver=False)
         except ConnectionError as exc:
@@ -140,6 +142,13 @@ class RayExecutor:
         options.setdefault("resources", {})[BENCHMARK] = 1
         return {"max_retries": MAX_RETRIES, **options}
 
+    def target_runner(self, recipe, settings, report, progress: Progress) -> RayTargets:
+        """Each target a Ray task with the resources its build needs (see optpipe.execution.ray_targets)."""
+        # A target times its artifact: the node's benchmark slot and its CPUs, as an evaluation (not
+        # evaluate.resources: a CPU target must not wait for the GPU an evaluation asks for).
+        timing = {"CPU": max(self.timing_cpus, recipe.evaluate.threads), BENCHMARK: 1}
+        return RayTargets(self.ray, timing, recipe, settings, report, progress, MAX_RETRIES)
+
     def _check_resources(self, plan: Plan) -> None:
         """A stage asking for what no node has would wait forever: say so before submitting."""
         total = self.ray.cluster_resources()
@@ -159,17 +168,6 @@ class RayExecutor:
 def _done(outcome) -> tuple:
     """A parent computed in an earlier round, in the shape a task's result has."""
     return (outcome, None, 0.0)
-
-
-def _ray_resources(declared: dict[str, float]) -> dict:
-    """A recipe's `resources` (CPU, GPU, custom names such as a GPU type) as Ray task options."""
-    options: dict[str, Any] = {"num_cpus": declared.get("CPU", 1)}
-    if declared.get("GPU"):
-        options["num_gpus"] = declared["GPU"]
-    custom = {k: v for k, v in declared.items() if k not in ("CPU", "GPU")}
-    if custom:
-        options["resources"] = custom
-    return options
 
 
 def _check_reachable(address: str) -> None:

@@ -154,7 +154,9 @@ def targets_markdown(targets: list[TargetResult]) -> list[str]:
     lines = ["## Targets", "", "| target | stage | status | precision | provider | p50 ms | artifact |", "|---|---|---|---|---|---|---|"]
     for t in targets:
         p50 = f"{t.headline.p50_ms:.2f}" if t.headline else ""
-        lines.append(f"| {t.kind} | {t.stage} | {t.describe()} | {t.precision or ''} | {t.provider or ''} | {p50} | {t.path or ''} |")
+        built = t.built_on or {}
+        where = f" on {built.get('host')} [{built['ray_node']}]" if built.get("ray_node") else ""  # a Ray task's node
+        lines.append(f"| {t.kind} | {t.stage} | {t.describe()} | {t.precision or ''} | {t.provider or ''}{where} | {p50} | {t.path or ''} |")
     return lines + [""]
 
 

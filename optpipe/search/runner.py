@@ -24,8 +24,9 @@ from optpipe.search.space import SearchSpace
 def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Path | None = None, output: Path | None = None,
                     force: bool = False, providers: str = "auto", yes: bool = False, group_by_node: bool = False,
                     progress: Progress | None = None, remote_cache: str | None = None,
-                    storage_options: dict | None = None) -> list[tuple[RunReport, list[StageResult]]]:
-    """Run every recipe (searches included) on `executor`; one report per recipe and the stages that failed."""
+                    storage_options: dict | None = None, only: str | None = None) -> list[tuple[RunReport, list[StageResult]]]:
+    """Run every recipe (searches included) on `executor`; one report per recipe and the stages that failed.
+    `only`: one plain recipe's stage and its ancestors (`--only`)."""
     if output is not None and len(recipes) > 1:
         raise OptpipeError("--output names one run folder; with several recipes each writes to its own `output`")
     progress = progress or Progress(show_recipe=len(recipes) > 1)
@@ -38,8 +39,20 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
         if SearchSpace.declared(recipe):
             drivers.append(SearchDriver(recipe, run_dir, settings, yes))
         else:
-            drivers.append(PlainDriver(recipe, run_dir, settings))
+            drivers.append(PlainDriver(recipe, run_dir, settings, only))
     started = time.perf_counter()
+    try:
+        reports = _run(drivers, executor, progress, group_by_node, providers)
+    finally:
+        for driver in drivers:
+            driver.close()
+    stages = sum(len(r.stages) for r, _ in reports)
+    progress.line(f"done: {len(reports)} recipe{'s' if len(reports) != 1 else ''}, {stages} stages, "
+                  f"wall {time.perf_counter() - started:.1f}s")
+    return reports
+
+
+def _run(drivers: list, executor: Executor, progress: Progress, group_by_node: bool, providers: str) -> list:
     active = list(drivers)
     while active:
         plans = {id(d): d.next_plan(executor.slots) for d in active}
@@ -51,13 +64,9 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
             driver.absorb(progress)
     reports = []
     for driver in drivers:
-        report = driver.finish(group_by_node, providers, progress)
+        report = driver.finish(group_by_node, providers, progress, executor)
         reports.append((report, driver.failed(report)))
-    stages = sum(len(r.stages) for r, _ in reports)
-    progress.line(f"done: {len(reports)} recipe{'s' if len(reports) != 1 else ''}, {stages} stages, "
-                  f"wall {time.perf_counter() - started:.1f}s")
     return reports
-
 
 
 def _preflight(recipe: Recipe, settings: TaskSettings) -> None:

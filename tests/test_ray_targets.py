@@ -1,0 +1,128 @@
+"""Targets' resources on Ray, and `--only` outside the local pipeline, without starting Ray
+(the 2-node cluster test, tests/test_ray_executor.py, runs them on a real cluster)."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from optpipe.errors import RecipeError
+from optpipe.execution.executors import LocalExecutor, Progress
+from optpipe.execution.ray_targets import RayTargets
+from optpipe.recipe import TargetSpec
+from optpipe.safety.recipe_loading import load_recipe
+from optpipe.search.runner import compile_recipes
+from optpipe.targets import TargetWork, target_resources
+
+
+@pytest.mark.parametrize("spec, needs", [
+    (TargetSpec(kind="ort"), {"CPU": 1}),  # no GPU asked: never waits for a GPU node
+    (TargetSpec(kind="openvino"), {"CPU": 1}),
+    (TargetSpec(kind="triton"), {"CPU": 1}),
+    (TargetSpec(kind="tensorrt"), {"CPU": 1, "GPU": 1}),
+    (TargetSpec(kind="triton", params={"platform": "tensorrt"}), {"CPU": 1, "GPU": 1}),  # builds the engine it serves
+    (TargetSpec(kind="tensorrt", gpu_type="L40S"), {"CPU": 1, "GPU": 1, "gpu:l40s": 1}),
+    (TargetSpec(kind="ort", gpu_type="a100-80gb"), {"CPU": 1, "GPU": 1, "gpu:a100-80gb": 1}),
+])
+def test_target_resources(spec, needs):
+    assert target_resources(spec) == needs
+
+
+@pytest.mark.parametrize("bad", ["H 200", "-l4", "gpu:h200", ""])
+def test_a_gpu_type_that_is_no_name_is_one_line(tiny_recipe, bad):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(tiny_recipe({"targets": [{"kind": "tensorrt", "gpu_type": bad}]}))
+    assert "targets.0.gpu_type" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_gpu_type_is_checked_by_validate(tiny_recipe, cli_run):
+    result = cli_run("validate", str(tiny_recipe({"targets": [{"kind": "tensorrt", "gpu_type": "h/200"}]})))
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "gpu_type" in result.output
+
+
+class _Cluster:
+    """Ray's node listing as RayTargets reads it, for a cluster described in the test."""
+
+    def __init__(self, *nodes: dict):
+        self._nodes = [{"Alive": True, "Resources": n} for n in nodes]
+
+    def nodes(self):
+        return self._nodes
+
+    def cluster_resources(self):
+        total: dict = {}
+        for node in self._nodes:
+            for key, value in node["Resources"].items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def remote(self, fn):
+        return fn
+
+
+def _refusal(cluster: _Cluster, spec: TargetSpec) -> str | None:
+    targets = RayTargets(cluster, {"CPU": 2, "benchmark": 1}, None, None, None, Progress(io.StringIO()), 3)
+    return targets._refusal(targets._needs(target_resources(spec)))
+
+
+CPU_NODE = {"CPU": 2, "benchmark": 1}
+L4_NODE = {"CPU": 4, "GPU": 1, "gpu:l4": 1, "benchmark": 1}
+
+
+def test_a_gpu_type_no_node_has_names_the_resource_and_the_flag():
+    line = _refusal(_Cluster(CPU_NODE, L4_NODE), TargetSpec(kind="tensorrt", gpu_type="h200"))
+    assert "offers `gpu:h200`" in line and "`ray start --num-gpus=1 --resources='{\"gpu:h200\": 1, \"benchmark\": 1}'`" in line
+    assert "\n" not in line
+
+
+def test_no_gpu_at_all_asks_for_num_gpus():
+    line = _refusal(_Cluster(CPU_NODE), TargetSpec(kind="tensorrt"))
+    assert "offers `GPU`" in line and "`ray start --num-gpus=1 --resources='{\"benchmark\": 1}'`" in line
+
+
+def test_resources_split_across_nodes_are_not_enough():
+    # The cluster has a GPU and an l4 in total, but on no single node with a benchmark slot.
+    cluster = _Cluster(CPU_NODE, {"CPU": 2, "GPU": 1, "benchmark": 1}, {"CPU": 2, "gpu:l4": 1})
+    assert _refusal(cluster, TargetSpec(kind="tensorrt", gpu_type="l4")) is not None
+    assert _refusal(_Cluster(CPU_NODE, L4_NODE), TargetSpec(kind="tensorrt", gpu_type="l4")) is None
+    assert _refusal(_Cluster(CPU_NODE), TargetSpec(kind="ort")) is None  # a CPU target needs no GPU node
+
+
+def test_refused_targets_fail_and_the_others_are_built(tmp_path):
+    built = []
+
+    class Cluster(_Cluster):
+        def put(self, value):
+            return value
+
+    cluster = Cluster(CPU_NODE)
+    targets = RayTargets(cluster, {"CPU": 2, "benchmark": 1}, type("R", (), {"name": "r"})(), None, None, Progress(io.StringIO()), 3)
+    targets._task = type("T", (), {"options": lambda self, **kw: type("S", (), {"remote": lambda s, *a: built.append(kw) or "ref"})()})()
+    cluster.wait = lambda refs, num_returns, timeout: (refs[:1], refs[1:])
+    cluster.get = lambda ref: (type("Res", (), {"kind": "ort", "stage": "a", "status": "ok", "reason": None})(), None, 0.0)
+    works = [TargetWork(0, TargetSpec(kind="tensorrt", gpu_type="h200"), "a"), TargetWork(1, TargetSpec(kind="ort"), "a")]
+    results = targets(works, {})
+    assert results[0].status == "failed" and "gpu:h200" in results[0].reason
+    assert results[1].status == "ok"
+    assert built == [{"name": "target ort a", "max_retries": 3, "num_cpus": 2, "resources": {"benchmark": 1}}]  # no num_gpus
+
+
+def test_only_runs_the_stage_and_its_ancestors_outside_the_local_pipeline(tiny_recipe, tmp_path):
+    recipe = load_recipe(tiny_recipe({"stages": {"fp16": {"pass": "fp16", "after": "export"}}}))
+    [(report, failed)] = compile_recipes([recipe], LocalExecutor(), cache_dir=tmp_path / "cache", output=tmp_path / "run",
+                                         only="simplify", progress=Progress(io.StringIO()))
+    assert [s.name for s in report.stages] == ["pytorch-eager", "export", "simplify"] and not failed
+
+
+def test_only_with_a_search_is_one_line(cli_run, tiny_recipe):
+    path = tiny_recipe({"stages": {"simplify": {"optional": True}}})
+    result = cli_run("compile", str(path), "--only", "simplify")
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "does not combine with searches" in result.output
+
+
+def test_only_names_an_unknown_stage_before_ray_starts(cli_run, tiny_recipe, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # Ray must not even be imported
+    result = cli_run("compile", str(tiny_recipe()), "--executor", "ray", "--only", "nope")
+    assert result.exit_code == 2 and "--only: unknown stage 'nope'" in result.output
