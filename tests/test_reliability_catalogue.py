@@ -544,6 +544,15 @@ def test_a_lying_onnx_file_is_refused_before_any_stage(case, tmp_path, monkeypat
     assert not (tmp_path / "run" / "stages").exists(), "preflight refuses the file before any stage runs"
 
 
+@pytest.mark.parametrize("case", ["random bytes", "declared output shape lies", "opset from the future"])
+def test_validate_refuses_a_lying_onnx_file_as_compile_does(case, tmp_path, monkeypatch, capsys):
+    write, words = LYING[case]
+    monkeypatch.chdir(tmp_path)
+    args = _with_model(tmp_path, write)
+    code, out, err = run_main(["validate", args[1]], capsys)
+    assert code == USER and words in err and "valid;" not in out, (code, out, err)
+
+
 def _files(folder: Path) -> set[Path]:
     return {p for p in folder.rglob("*") if not p.is_dir()} if folder.exists() else set()
 

@@ -148,6 +148,7 @@ def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factorie
 
     parsed = load_recipe(recipe, allow_paths, allow_factories)
     RunPaths.for_run(parsed)
+    _validate_onnx_source(parsed)
     from optpipe.search.space import SearchSpace
 
     if SearchSpace.declared(parsed):  # checked trial by trial: a searched param is in no stage's params
@@ -160,6 +161,16 @@ def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factorie
     click.echo(f"{recipe}: valid; {len(order)} stages: " + ", ".join(
         f"{n} ({parsed.stages[n].pass_name}{' after ' + parsed.stages[n].after if parsed.stages[n].after else ''})" for n in order
     ))
+
+
+def _validate_onnx_source(parsed) -> None:
+    """An ONNX model file gets the checks a compile's preflight gives it: a lying file is not 'valid'."""
+    from optpipe.model_source import onnx_path
+    from optpipe.safety.preflight import check_onnx_source
+
+    path = onnx_path(parsed.model_source())
+    if path is not None:
+        check_onnx_source(parsed, path)
 
 
 @cli.command("passes")

@@ -202,7 +202,8 @@ class AccuracyGuard:
             # node stays in float regardless: its fix may only show once its consumers are kept too.
             step.kept = bool(overflowing) or _score(result) > _score(accuracy)
             steps.append(step)
-            self.ctx.log.info("guard tried %s in float: cosine %.5f (kept: %s)", nodes, result.worst_cosine, step.kept)
+            self.ctx.log.info("guard tried %s in float: cosine %.5f, max abs %s, %s (kept: %s)", nodes, result.worst_cosine,
+                              step.max_abs, "; ".join(result.violations) or "within tolerance", step.kept)
             if step.kept:
                 excluded, by_guard, model, accuracy = excluded + nodes, by_guard + nodes, trial, result
                 blamed = None  # a new model: blame again

@@ -24,15 +24,15 @@ def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], obj
               cache: "StageCache | None" = None) -> None:
     """`onnx_path`: the model file of an ONNX recipe (resolved by the caller, from model_source).
     The data sets are built (or loaded) through the run's builders, so the stages reuse them.
-    `cache`: where a model file that passed is remembered (see `_check_onnx`)."""
+    `cache`: where a model file that passed is remembered (see `check_onnx_source`)."""
     if onnx_path is not None:
-        _check_onnx(recipe, onnx_path, cache)
+        check_onnx_source(recipe, onnx_path, cache)
     _check_data(eval_set, "eval")
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
 
 
-def _check_onnx(recipe: Recipe, path: Path, cache: "StageCache | None") -> None:
+def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = None) -> None:
     """The cheap checks every run; the costly ones (onnx.checker's full check, an ONNX Runtime session,
     which reads every weight: seconds for a model of gigabytes) once per version of the files.
 
