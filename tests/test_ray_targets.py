@@ -10,6 +10,7 @@ from optpipe.errors import RecipeError
 from optpipe.execution.executors import LocalExecutor, Progress
 from optpipe.execution.ray_targets import RayTargets
 from optpipe.recipe import TargetSpec
+from optpipe.results import TargetResult
 from optpipe.safety.recipe_loading import load_recipe
 from optpipe.search.runner import compile_recipes
 from optpipe.targets import TargetWork, target_resources
@@ -88,23 +89,71 @@ def test_resources_split_across_nodes_are_not_enough():
     assert _refusal(_Cluster(CPU_NODE), TargetSpec(kind="ort")) is None  # a CPU target needs no GPU node
 
 
-def test_refused_targets_fail_and_the_others_are_built(tmp_path):
-    built = []
+class _Submitting(_Cluster):
+    """Also runs the task API as RayTargets uses it: every submitted task finishes at once, ok."""
 
-    class Cluster(_Cluster):
-        def put(self, value):
-            return value
+    def __init__(self, *nodes: dict):
+        super().__init__(*nodes)
+        self.submitted: list[dict] = []
+        self.works: dict = {}
 
-    cluster = Cluster(CPU_NODE)
-    targets = RayTargets(cluster, {"CPU": 2, "benchmark": 1}, type("R", (), {"name": "r"})(), None, None, Progress(io.StringIO()), 3)
-    targets._task = type("T", (), {"options": lambda self, **kw: type("S", (), {"remote": lambda s, *a: built.append(kw) or "ref"})()})()
-    cluster.wait = lambda refs, num_returns, timeout: (refs[:1], refs[1:])
-    cluster.get = lambda ref: (type("Res", (), {"kind": "ort", "stage": "a", "status": "ok", "reason": None})(), None, 0.0)
+    def put(self, value):
+        return value
+
+    def options(self, **options):
+        self.submitted.append(options)
+        return self
+
+    def remote(self, *args):
+        if callable(args[0]):  # ray.remote(fn): the task itself is this object
+            return self
+        ref = len(self.submitted)  # an ObjectRef stand-in
+        self.works[ref] = args[2]
+        return ref
+
+    def wait(self, refs, num_returns, timeout):
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref):
+        work = self.works[ref]
+        return TargetResult(kind=work.spec.kind, stage=work.stage, status="ok"), None, 0.0
+
+
+def test_refused_targets_fail_and_the_others_are_built():
+    cluster = _Submitting(CPU_NODE)
+    recipe = _named_recipe("r")
+    targets = RayTargets(cluster, {"CPU": 2, "benchmark": 1}, recipe, None, None, Progress(io.StringIO()), 3)
     works = [TargetWork(0, TargetSpec(kind="tensorrt", gpu_type="h200"), "a"), TargetWork(1, TargetSpec(kind="ort"), "a")]
     results = targets(works, {})
     assert results[0].status == "failed" and "gpu:h200" in results[0].reason
     assert results[1].status == "ok"
-    assert built == [{"name": "target ort a", "max_retries": 3, "num_cpus": 2, "resources": {"benchmark": 1}}]  # no num_gpus
+    # Only the ORT target was submitted, and it asked for no GPU.
+    assert cluster.submitted == [{"name": "target ort a", "max_retries": 3, "num_cpus": 2, "resources": {"benchmark": 1}}]
+
+
+def _named_recipe(name: str):
+    class Named:  # RayTargets reads only the recipe's name (for progress lines) and ships it to its tasks
+        pass
+
+    recipe = Named()
+    recipe.name = name
+    return recipe
+
+
+def test_a_stage_resource_no_node_has_names_the_flag(tiny_recipe):
+    from optpipe.errors import OptpipeError
+    from optpipe.execution.executors import Plan
+    from optpipe.execution.ray_executor import RayExecutor
+
+    executor = object.__new__(RayExecutor)  # without joining a cluster: only its resource check is under test
+    executor.ray = _Cluster(CPU_NODE)
+    recipe = load_recipe(tiny_recipe({"evaluate": {"resources": {"GPU": 1}}, "stages": {"simplify": {"resources": {"gpu:l4": 1}}}}))
+    plan = Plan("tiny", recipe, ["export", "simplify"], "export", False, None, None)
+    with pytest.raises(OptpipeError, match=r"evaluate.resources: GPU=1 but the Ray cluster has 0; start a node with it \(ray start --num-gpus=1\)"):
+        executor._check_resources(plan)
+    plan.recipe = load_recipe(tiny_recipe({"stages": {"simplify": {"resources": {"gpu:l4": 1}}}}))
+    with pytest.raises(OptpipeError, match=r"""stages.simplify.resources: gpu:l4=1 .*ray start --resources='\{"gpu:l4": 1\}'"""):
+        executor._check_resources(plan)
 
 
 def test_only_runs_the_stage_and_its_ancestors_outside_the_local_pipeline(tiny_recipe, tmp_path):

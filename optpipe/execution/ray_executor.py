@@ -157,8 +157,10 @@ class RayExecutor:
         for where, resources in wanted:
             for key, amount in resources.items():
                 if total.get(key, 0) < amount:
+                    flag = f"--num-gpus={amount:g}" if key == "GPU" else f"--num-cpus={amount:g}" if key == "CPU" else \
+                        f"--resources='{{\"{key}\": {amount:g}}}'"
                     raise OptpipeError(f"{where}: {key}={amount:g} but the Ray cluster has {total.get(key, 0):g}; "
-                                       f"start a node with it (ray start --resources) or drop the request")
+                                       f"start a node with it (ray start {flag}) or drop the request")
 
     def close(self) -> None:
         if self.ray.is_initialized():
