@@ -187,8 +187,7 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
     from optpipe.safety import onnx_guard
 
     path = onnx_source_path(ctx.recipe.model_source())
-    graph = onnx_guard.load_graph(path, "model.onnx")  # the cheap checks again: a pass run on its own gets them too
-    onnx_guard.check_inputs_match(graph, ctx.recipe, path.name)
+    onnx_guard.check_named_parts(path, ctx.recipe, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)
