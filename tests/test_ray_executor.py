@@ -119,6 +119,8 @@ def test_search_on_a_two_node_cluster_survives_a_killed_driver_and_worker_and_ma
     assert "offers `gpu:h200`" in absent.reason and "`ray start --num-gpus=1 --resources='{\"gpu:h200\": 1, \"benchmark\": 1}'`" in absent.reason
     assert sum("gpu:h200" in line for line in out["targets_lines"]) == 2, log  # its progress line and its error line
     assert targets["ort", "simplify"].status == "ok" and targets["ort", "simplify"].built_on["ray_node"], log
+    manifest = json.loads((targets_run / "manifest.json").read_text())
+    assert {(a["target"], a["stage"]): a["built_on"] for a in manifest["artifacts"]}["tensorrt", "prune"] == engine.built_on
 
 
 def test_unreachable_address_is_one_line_exit_2(tiny_recipe, cli_run):

@@ -50,6 +50,7 @@ def manifest_entry(result: TargetResult) -> dict:
         ],
         "hash": result.hash,
         "files": result.files,
+        "built_on": result.built_on,  # the node (host, CPU, GPUs) a Ray task built it on; None: the driver's machine
     }
 
 
