@@ -81,10 +81,10 @@ def _optimum(model: Path, out: Path) -> Path:
     if final.is_file():
         return final
     cli = _tool("optimum-cli")
-    python = _tool("python")  # the peers venv's, with the onnxruntime Optimum runs on
     _run([cli, "export", "onnx", "--model", str(model), "--task", "feature-extraction", str(out / "export")], out / "export.log")
     _run([cli, "onnxruntime", "optimize", "--onnx_model", str(out / "export"), "-O2", "-o", str(out / "O2")], out / "optimize.log")
     shaped = out / "O2-shapes"
+    python = _tool("python")  # the peers venv's, with the onnxruntime Optimum runs on
     shutil.rmtree(shaped, ignore_errors=True)
     shutil.copytree(out / "O2", shaped, ignore=shutil.ignore_patterns("*.onnx", "*.onnx_data", "*.data"))
     _run([python, "-m", "onnxruntime.quantization.preprocess", "--input", str(out / "O2" / "model_optimized.onnx"),
