@@ -30,13 +30,22 @@ def cuda_available() -> bool:
     return driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
 
 
+def requested_providers(recipe: str = "auto", run: str = "auto") -> str:
+    """Where to evaluate: the run's explicit choice (the Python API's `providers`), else the recipe's
+    `evaluate.providers`. Executors ask this too, to give a GPU to the evaluations that will use one."""
+    return run if run != "auto" else recipe
+
+
 def pick_providers(requested: str = "auto") -> list[str]:
     import onnxruntime as ort
 
     available = ort.get_available_providers()
     if requested == "cpu":
         return ["CPUExecutionProvider"]
-    if requested in ("auto", "cuda") and "CUDAExecutionProvider" in available and cuda_available():
+    gpu = "CUDAExecutionProvider" in available and cuda_available()
+    if requested == "tensorrt" and gpu and "TensorrtExecutionProvider" in available:
+        return ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    if requested in ("auto", "cuda", "tensorrt") and gpu:
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
 

@@ -152,15 +152,20 @@ def build_one(settings: TargetSettings, report: RunReport, run_dir: Path, cache,
     return run_one(job)
 
 
-def target_resources(spec: TargetSpec) -> dict[str, float]:
+def target_resources(spec: TargetSpec, evaluation_on_gpu: bool = False) -> dict[str, float]:
     """What building (and timing) the target needs from a node, in the recipe's `resources` terms.
 
-    A TensorRT engine (also one Triton builds for its tensorrt platform) is built and timed on a
-    GPU; `gpu_type: h200` also asks for the custom resource `gpu:h200`, which only nodes of that
-    GPU type declare. Other targets ask for no GPU, so they never wait for a GPU node.
+    A TensorRT engine (also one Triton builds for its tensorrt platform, or serves with `device: gpu`)
+    is built and timed on a GPU; `gpu_type: h200` also asks for the custom resource `gpu:h200`, which
+    only nodes of that GPU type declare. When the stages were evaluated on a GPU (`evaluate.providers`
+    cuda or tensorrt), targets timed through ONNX Runtime ask for one too, so their figures and the
+    providers they record are the GPU's. Other targets ask for no GPU: they never wait for a GPU node.
     """
     needs: dict[str, float] = {"CPU": 1}
-    if spec.kind == "tensorrt" or spec.gpu_type or (spec.kind == "triton" and spec.params.get("platform") == "tensorrt"):
+    platform = spec.params.get("platform")
+    on_gpu = (spec.kind == "tensorrt" or spec.gpu_type or (spec.kind == "triton" and (platform == "tensorrt" or spec.params.get("device") == "gpu"))
+              or (evaluation_on_gpu and spec.kind != "openvino" and platform != "openvino"))
+    if on_gpu:
         needs["GPU"] = 1
     if spec.gpu_type:
         needs[gpu_type_resource(spec.gpu_type)] = 1
