@@ -126,6 +126,8 @@ def run_targets(
         results += built
     report.targets = results
     write_manifest(run_dir, settings.recipe_name, results)
+    for line in gpu_warnings(results):  # here, in the driver, whichever executor built them
+        log.warning(line)
     return results
 
 
@@ -208,12 +210,27 @@ def run_one(job: TargetJob) -> TargetResult:
         return job.result("skipped", refusal)
     build = getattr(importlib.import_module(module), function)
     try:
-        return build(job)
+        return _checked_gpu_type(job, build(job))
     except OptpipeError as exc:
         return job.result("failed", str(exc))
     except Exception as exc:  # a bug or a library refusing the model must not stop the other targets
         log.debug("target %s for %s failed:\n%s", job.spec.kind, job.stage.name, traceback.format_exc())
         return job.result("failed", f"{job.spec.kind} target error ({type(exc).__name__}: {first_line(exc)})")
+
+
+def _checked_gpu_type(job: TargetJob, result: TargetResult) -> TargetResult:
+    """A built target that names a gpu_type records whether this machine's GPU is that type."""
+    if job.spec.gpu_type and result.ok:
+        from optpipe.targets.gpu_type import check_gpu_type
+
+        engine = job.spec.kind == "tensorrt" or getattr(job.params, "platform", None) == "tensorrt"
+        result.gpu_check = check_gpu_type(job.spec.gpu_type, engine)
+    return result
+
+
+def gpu_warnings(results: list[TargetResult]) -> list[str]:
+    """One line per target built on another GPU type than its gpu_type (or on none)."""
+    return [f"target {r.kind} for '{r.stage}' {r.gpu_check['warning']}" for r in results if r.gpu_check and r.gpu_check["warning"]]
 
 
 def export_stage(
@@ -259,6 +276,8 @@ def export_stage(
         )
         result = run_one(job)
     write_manifest(to, recipe.name, [result])
+    for line in gpu_warnings([result]):
+        log.warning(line)
     return result
 
 
