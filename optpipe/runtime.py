@@ -72,6 +72,9 @@ def requested_providers(recipe: str = "auto", run: str = "auto") -> str:
     return run if run != "auto" else recipe
 
 
+REQUESTED_PROVIDER = {"cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+
+
 def pick_providers(requested: str = "auto") -> list[str]:
     import onnxruntime as ort
 
@@ -80,10 +83,24 @@ def pick_providers(requested: str = "auto") -> list[str]:
         return ["CPUExecutionProvider"]
     gpu = "CUDAExecutionProvider" in available and cuda_available()
     if requested == "tensorrt" and gpu and "TensorrtExecutionProvider" in available:
-        return ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
-    if requested in ("auto", "cuda", "tensorrt") and gpu:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
+        chosen = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    elif requested in ("auto", "cuda", "tensorrt") and gpu:
+        chosen = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    else:
+        chosen = ["CPUExecutionProvider"]
+    if requested in REQUESTED_PROVIDER and chosen[0] != REQUESTED_PROVIDER[requested]:
+        _fell_back(requested, chosen[0], gpu)
+    return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def _fell_back(requested: str, chosen: str, gpu: bool) -> None:
+    """Said once per process: figures from another provider than asked for must not pass unremarked."""
+    import logging
+
+    why = "ONNX Runtime here has no TensorRT provider" if gpu else "ONNX Runtime here has no usable CUDA device"
+    logging.getLogger("optpipe.runtime").warning(
+        f"evaluate.providers: {requested}, but {why}; evaluating with {chosen} (the report's provider column says so)")
 
 
 def session_options(threads: int, optimization: str = "all"):

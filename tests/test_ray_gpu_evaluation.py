@@ -128,7 +128,7 @@ def test_a_triton_model_served_on_gpu_is_timed_on_one():
     assert target_resources(TargetSpec(kind="triton", params={"device": "gpu"})) == {"CPU": 1, "GPU": 1}
 
 
-def test_evaluate_providers_reach_onnxruntime(monkeypatch):
+def test_evaluate_providers_reach_onnxruntime(monkeypatch, caplog):
     """On a machine with CUDA and TensorRT providers (faked), the recipe's choice picks the session's providers."""
     import onnxruntime as ort
 
@@ -138,6 +138,7 @@ def test_evaluate_providers_reach_onnxruntime(monkeypatch):
     monkeypatch.setattr(ort, "get_available_providers",
                         lambda: ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"])
     monkeypatch.setattr(runtime, "cuda_available", lambda: True)
+    runtime._fell_back.cache_clear()  # said once per process: this test must see it said
 
     def providers(recipe: str, run: str = "auto") -> list[str]:
         return Evaluator(EvaluateSpec(providers=recipe), None, None, None, run).providers
@@ -146,5 +147,13 @@ def test_evaluate_providers_reach_onnxruntime(monkeypatch):
     assert providers("cpu") == ["CPUExecutionProvider"]
     assert providers("tensorrt") == ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     assert providers("tensorrt", run="cpu") == ["CPUExecutionProvider"]
-    monkeypatch.setattr(runtime, "cuda_available", lambda: False)  # no device: the CPU, as the report then says
+    assert not caplog.records
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert providers("tensorrt") == ["CUDAExecutionProvider", "CPUExecutionProvider"]  # no TensorRT provider: CUDA, and said
+    monkeypatch.setattr(runtime, "cuda_available", lambda: False)  # no device: the CPU, and said
     assert providers("cuda") == ["CPUExecutionProvider"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "evaluate.providers: tensorrt, but ONNX Runtime here has no TensorRT provider; evaluating with CUDAExecutionProvider "
+        "(the report's provider column says so)",
+        "evaluate.providers: cuda, but ONNX Runtime here has no usable CUDA device; evaluating with CPUExecutionProvider "
+        "(the report's provider column says so)"]
