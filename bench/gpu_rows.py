@@ -24,6 +24,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+# The CPU benchmark's timing loop and table writer: both documents are measured and written alike.
+from run import cell, interleaved_timings, markdown_table  # noqa: E402
 GPU_PASSES = {"export", "simplify", "fp16"}
 EAGER = "pytorch-eager-cuda"
 
@@ -138,7 +142,8 @@ def bench_gpu(recipe, providers: list[str], args) -> dict:
             acc = stage.accuracy
             rows.append({"candidate": name, "provider": provider, "cosine": acc.worst_cosine if acc else None,
                          "nodes_on_provider": _placement(session)})
-    timings = _interleaved(candidates, feeds, args.rounds, args.iterations, args.warmup)
+    # All the host's cores (pinned to what it has): the GPU does the work, the host only feeds it.
+    timings = interleaved_timings(candidates, feeds, len(os.sched_getaffinity(0)), args.rounds, args.iterations, args.warmup)
     eager_p50 = float(np.median(timings[EAGER])) if EAGER in timings else None
     for row in rows:
         times = timings.get(row["candidate"])
@@ -182,22 +187,6 @@ def _eager_cuda(recipe):
     return run
 
 
-def _interleaved(candidates, feeds, rounds: int, iterations: int, warmup: int) -> dict[str, list[float]]:
-    times = {name: [] for name in candidates}
-    for run in candidates.values():
-        for _ in range(warmup):
-            run(feeds)
-    for round_ in range(rounds):
-        names = list(candidates)
-        names = names[round_ % len(names):] + names[: round_ % len(names)]
-        for name in names:
-            for _ in range(iterations):
-                start = time.perf_counter()
-                candidates[name](feeds)
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def _device_name() -> str:
     import torch
 
@@ -210,21 +199,14 @@ def render(results: list[dict], command: str) -> str:
              "all timings include host<->device copies; interleaved rounds, p50 over all timed runs. Cosine: what optpipe "
              "measured on CUDA against the reference stage.", ""]
     for r in results:
-        lines += [f"### {r['model']} on {r['device']}", "", f"inputs {r['shapes']}, compile {r['compile_s']} s", "",
-                  "| candidate | p50 ms | p90 ms | vs eager CUDA | cosine | providers kept |", "|---|---|---|---|---|---|"]
-        for row in r["rows"]:
-            if "error" in row:
-                lines.append(f"| {row['candidate']} | not run: {row['error']} | | | | |")
-                continue
-            lines.append("| " + " | ".join([row["candidate"], _f(row.get("p50_ms"), ".3f"), _f(row.get("p90_ms"), ".3f"),
-                                             _f(row.get("speedup_vs_eager"), ".2f", "x"), _f(row.get("cosine"), ".5f"),
-                                             row.get("nodes_on_provider") or ""]) + " |")
+        lines += [f"### {r['model']} on {r['device']}", "", f"inputs {r['shapes']}, compile {r['compile_s']} s", ""]
+        lines += markdown_table(
+            ["candidate", "p50 ms", "p90 ms", "vs eager CUDA", "cosine", "providers kept"],
+            [[row["candidate"], f"not run: {row['error']}", "", "", "", ""] if "error" in row else
+             [row["candidate"], cell(row.get("p50_ms"), ".3f"), cell(row.get("p90_ms"), ".3f"), cell(row.get("speedup_vs_eager"), ".2f", "x"),
+              cell(row.get("cosine"), ".5f"), row.get("nodes_on_provider") or ""] for row in r["rows"]])
         lines.append("")
     return "\n".join(lines)
-
-
-def _f(value, fmt: str, suffix: str = "") -> str:
-    return "" if value is None else format(value, fmt) + suffix
 
 
 if __name__ == "__main__":

@@ -139,20 +139,12 @@ def token_cosine(candidate: np.ndarray, reference: np.ndarray, mask: np.ndarray)
 
 
 def time_interleaved(runners, feeds, threads: int, warmup: int, rounds: int, iterations: int) -> dict[str, np.ndarray]:
-    from optpipe.runtime import pinned_threads
+    """Milliseconds per run: bench/run.py's interleaved loop (rotating order, threads pinned)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from run import interleaved_timings
 
-    times = {name: [] for name in runners}
-    with pinned_threads(threads):
-        for run in runners.values():
-            for _ in range(warmup):
-                run(feeds)
-        for _ in range(rounds):
-            for name, run in runners.items():
-                for _ in range(iterations):
-                    start = time.perf_counter()
-                    run(feeds)
-                    times[name].append(time.perf_counter() - start)
-    return {name: np.array(t) * 1e3 for name, t in times.items()}
+    times = interleaved_timings(runners, feeds, threads, rounds, iterations, warmup)
+    return {name: np.array(t) for name, t in times.items()}
 
 
 def print_table(times, cosines, stages, args, load_before, load_after) -> None:

@@ -297,18 +297,21 @@ def render_model(result: dict) -> str:
     shapes = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in result["shapes"].items())
     lines = [title, "", f"batch {result['batch']} ({shapes}), {result['threads']} threads, {result['samples_timed']} timed runs per "
              f"candidate; accuracy against `{result['reference']}` from the optpipe report; "
-             f"1-minute load average {_f(result.get('load_average'), '.1f')} when timing started, "
-             f"{_f(result.get('load_average_after'), '.1f')} when it ended; CPU features: {result.get('isa', 'unknown')}. "
-             "⚠busy: that candidate's (or eager's) p90/p50 or round-to-round spread says the machine was busy.", "",
-             "| candidate | what | p50 ms | p90 ms | speed-up vs eager | cosine | max abs | top-1 | within tolerance | size MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append("| " + " | ".join([
-            r["candidate"] + (" ★" if r.get("frontier") else ""), r["what"], _f(r.get("p50_ms"), ".2f"), _f(r.get("p90_ms"), ".2f"),
-            _f(r.get("speedup_vs_eager"), ".2f", "x") + (" ⚠busy" if r.get("busy") else ""), _f(r.get("cosine"), ".5f"), _f(r.get("max_abs"), ".2e"), _f(r.get("top1"), ".3f"),
-            {True: "yes", False: "**no**", None: ""}[r.get("within_tolerance")], _f(r.get("size_mb"), ".1f"),
-        ]) + " |")
+             f"1-minute load average {cell(result.get('load_average'), '.1f')} when timing started, "
+             f"{cell(result.get('load_average_after'), '.1f')} when it ended; CPU features: {result.get('isa', 'unknown')}. "
+             "⚠busy: that candidate's (or eager's) p90/p50 or round-to-round spread says the machine was busy.", ""]
+    lines += markdown_table(
+        ["candidate", "what", "p50 ms", "p90 ms", "speed-up vs eager", "cosine", "max abs", "top-1", "within tolerance", "size MB"],
+        [[r["candidate"] + (" ★" if r.get("frontier") else ""), r["what"], cell(r.get("p50_ms"), ".2f"), cell(r.get("p90_ms"), ".2f"),
+          cell(r.get("speedup_vs_eager"), ".2f", "x") + (" ⚠busy" if r.get("busy") else ""), cell(r.get("cosine"), ".5f"), cell(r.get("max_abs"), ".2e"), cell(r.get("top1"), ".3f"),
+          {True: "yes", False: "**no**", None: ""}[r.get("within_tolerance")], cell(r.get("size_mb"), ".1f")]
+         for r in result["rows"]])
     return "\n".join(lines)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines (bench/gpu_rows.py writes its tables with it too)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(row) + " |" for row in rows]
 
 
 def render_document(results: list[dict], command: str) -> str:
@@ -334,7 +337,8 @@ def render_document(results: list[dict], command: str) -> str:
     return "\n".join(parts)
 
 
-def _f(value, fmt: str, suffix: str = "") -> str:
+def cell(value, fmt: str, suffix: str = "") -> str:
+    """A table cell: the value formatted, or empty where it was not measured."""
     return "" if value is None else format(value, fmt) + suffix
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from optpipe.errors import RecipeError
+from optpipe.errors import OptpipeError, RecipeError
 from optpipe.recipe import StageSpec, suggest
 
 
@@ -39,3 +39,14 @@ def execution_order(graph: nx.DiGraph) -> list[str]:
 
 def ancestors_and_self(graph: nx.DiGraph, stage: str) -> set[str]:
     return nx.ancestors(graph, stage) | {stage}
+
+
+def only_order(graph: nx.DiGraph, only: str | None) -> list[str]:
+    """`--only STAGE`: that stage and its ancestors, in execution order (None: every stage)."""
+    order = execution_order(graph)
+    if only is None:
+        return order
+    if only not in graph:
+        raise OptpipeError(f"--only: unknown stage '{only}'; stages are: {', '.join(order)}")
+    keep = ancestors_and_self(graph, only)
+    return [name for name in order if name in keep]

@@ -59,6 +59,13 @@ def hf_folder(source: ModelSource) -> Path:
     return folder
 
 
+def forward_failure(feeds: dict[str, np.ndarray], reason: str) -> str:
+    """The sentence for a forward() that fails on the recipe's inputs (when the model loads, and at export)."""
+    shapes = ", ".join(f"{name} {list(v.shape)} {v.dtype}" for name, v in feeds.items())
+    return (f"the PyTorch model fails on the recipe's inputs ({shapes}): {reason}; "
+            "make `inputs` (names, dtypes, shapes) match what its forward() takes")
+
+
 def source_fingerprint(source: ModelSource) -> dict[str, Any]:
     """What identifies the model source's content, for the export stage's cache key."""
     spec = source.model
@@ -94,12 +101,9 @@ def onnx_source_path(source: ModelSource) -> Path:
     spec = source.model
     assert isinstance(spec, OnnxModel)
     path = source.resolve(spec.onnx)
-    if path.is_dir():
-        raise ModelSourceError(f"model.onnx: '{path}' is a folder; give the path of the .onnx file in it")
-    if path.exists() and not path.is_file():
-        raise ModelSourceError(f"model.onnx: '{path}' is not a regular file (a device or a pipe); give the path of an .onnx file")
-    if not path.is_file():
-        raise ModelSourceError(f"model.onnx: file '{path}' does not exist; give the path of an .onnx model")
+    from optpipe.safety.onnx_guard import check_model_path
+
+    check_model_path(path, "model.onnx")
     return path
 
 
@@ -198,11 +202,7 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
         with torch.no_grad():
             leaves = named_leaves(call(net, *args))
     except Exception as exc:  # whatever forward() raises on inputs it does not accept
-        shapes = ", ".join(f"{name} {list(v.shape)} {v.dtype}" for name, v in sample.items())
-        raise ModelSourceError(
-            f"the PyTorch model fails on the recipe's inputs ({shapes}): {first_line(exc)}; "
-            "make `inputs` (names, dtypes, shapes) match what its forward() takes"
-        ) from None
+        raise ModelSourceError(forward_failure(sample, first_line(exc))) from None
     declared = getattr(net, "output_names", None)
     indices, output_names = pick_outputs([name for name, _ in leaves], source.model.outputs, declared)
     module = flat_module(net, call, indices)

@@ -19,9 +19,7 @@ import networkx as nx
 from filelock import FileLock
 
 from optpipe.cache.store import StageCache
-from optpipe.dag import ancestors_and_self, execution_order
-from optpipe.cache.folder import check_apart
-from optpipe.errors import OptpipeError
+from optpipe.dag import only_order
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
@@ -63,15 +61,14 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     from optpipe.safety.preflight import preflight
 
     graph, passes = validate_recipe(recipe)
-    paths = RunPaths.resolve(recipe, options.output, options.cache_dir)
+    paths = RunPaths.for_run(recipe, options.output, options.cache_dir)
     run_dir, cache_root = paths.run_dir, paths.cache_dir
-    check_apart(run_dir, cache_root)  # `cache gc` must never remove a run, nor a run folder the cache
     with folder_errors("cache folder", cache_root):
         cache = StageCache(cache_root)
     with folder_errors("output folder", run_dir):
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     services = RunServices(recipe.model_source(), recipe.data, cache)
-    preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set)
+    preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
     order = _stages_to_run(graph, options.only)
 
     manager = PassManager(recipe, cache, services, run_dir, options)
@@ -96,13 +93,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
 
 
 def _stages_to_run(graph: nx.DiGraph, only: str | None) -> list[str]:
-    order = execution_order(graph)
-    if only is None:
-        return order
-    if only not in graph:
-        raise OptpipeError(f"--only: unknown stage '{only}'; stages are: {', '.join(order)}")
-    keep = ancestors_and_self(graph, only)
-    return [name for name in order if name in keep]
+    return only_order(graph, only)  # shared with the fan-out executors
 
 
 class PassManager:

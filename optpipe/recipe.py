@@ -6,6 +6,7 @@ Every user mistake becomes a RecipeError whose one line names the YAML path
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Mapping, Literal, Optional, Union
@@ -19,6 +20,7 @@ from optpipe.search.spec import Choices, SearchSettings, normalize_settings
 MAX_SAMPLES = 100_000
 MAX_ITERATIONS = 100_000
 DTYPES = ("float32", "float16", "int64", "int32", "int8", "uint8", "bool")
+GPU_PROVIDERS = ("cuda", "tensorrt")  # evaluate.providers that evaluate on a GPU
 
 from optpipe.recipe_errors import _suggest, describe_validation_error, suggest  # noqa: F401  (the last two re-exported)
 from optpipe.recipe_models import (  # noqa: F401  (re-exported: recipes name these)
@@ -194,10 +196,18 @@ class EvaluateSpec(Strict):
         "pow2 = powers of two from the dim's min to its max; other dims stay at `opt`, the batch at batch_sizes[0]",
     )
     sweep_iterations: Optional[int] = Field(None, ge=1, le=MAX_ITERATIONS, description="timed iterations per sweep point; default: iterations")
+    sweep_stages: Literal["frontier", "all"] = Field(
+        "frontier", description="which stages get the sweep curves: the Pareto frontier's (with the eager baseline), or all"
+    )
     adaptive: bool = Field(True, description="stop timing once the median's 95% interval is within 3%; iterations is the cap")
     search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
+    providers: Literal["auto", "cpu", "cuda", "tensorrt"] = Field(
+        "auto", description="where stages are evaluated: auto (CUDA where the machine, or the Ray task, has a GPU), cpu, "
+        "cuda, tensorrt (ONNX Runtime's TensorRT provider); with --executor ray, cuda and tensorrt ask Ray for a GPU"
+    )
     resources: dict[str, float] = Field(
-        default_factory=dict, description="--executor ray: what an evaluation task needs besides the node's `benchmark` slot (GPU, a GPU type)"
+        default_factory=dict, description="--executor ray: what an evaluation task needs besides the node's `benchmark` slot "
+        "(GPU, a GPU type); GPU: 1 is implied by providers cuda or tensorrt"
     )
 
     @field_validator("search", mode="before")
@@ -205,11 +215,33 @@ class EvaluateSpec(Strict):
     def _search_shorthand(cls, value):
         return normalize_settings(value)
 
+    @model_validator(mode="after")
+    def _providers_match_resources(self):
+        # Ray hides the GPUs from a task that asks for none: CUDA evaluation without a GPU would time the CPU.
+        gpus = self.resources.get("GPU")
+        if gpus is not None and gpus <= 0 and self.providers in GPU_PROVIDERS:
+            raise ValueError(f"resources: GPU={gpus:g} contradicts providers: {self.providers}, which evaluates on a GPU; "
+                             "drop the GPU entry or set providers: cpu")
+        if gpus and self.providers == "cpu":
+            raise ValueError(f"resources: GPU={gpus:g} contradicts providers: cpu (the GPU would sit idle); "
+                             "drop the GPU entry or set providers: cuda")
+        return self
+
 
 class TargetSpec(Strict):
     kind: Literal["ort", "tensorrt", "triton", "openvino"]
     stages: list[str] = Field(default_factory=list, description="stages to emit; default: the Pareto frontier")
     params: dict[str, Any] = Field(default_factory=dict)
+    gpu_type: Optional[str] = Field(
+        None, description="--executor ray: build and time this target only on a node declaring the Ray resource "
+        "gpu:<type> (e.g. h200 -> ray start --resources='{\"gpu:h200\": 1}'); implies a GPU")
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _gpu_type_name(cls, value: Optional[str]):
+        if value is not None and not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", value.lower()):
+            raise ValueError(f"gpu_type '{value}' is not a GPU type name; use letters, digits, '.', '-' or '_' (e.g. h200, l4, a100-80gb)")
+        return value.lower() if value is not None else None
 
 
 # --- the typed parts a layer takes instead of the whole recipe ------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from optpipe.cache.folder import check_apart
 from optpipe.cache.store import default_cache_dir
 from optpipe.recipe import Recipe
 
@@ -25,3 +26,12 @@ class RunPaths:
             run_dir=output or recipe.resolve(recipe.output),
             cache_dir=cache_dir or (recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir()),
         )
+
+    @classmethod
+    def for_run(cls, recipe: Recipe, output: Path | None = None, cache_dir: Path | None = None) -> "RunPaths":
+        """The folders a run will write, refused when one is inside the other (`cache gc` would remove a
+        run, or a run folder the cache). Every way to start a run resolves its folders here: the CLI,
+        `compile_recipe`, `compile_recipes` and `validate`."""
+        paths = cls.resolve(recipe, output, cache_dir)
+        check_apart(paths.run_dir, paths.cache_dir)
+        return paths

@@ -10,10 +10,10 @@ from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check, onnx_outputs
-from optpipe.errors import ModelSourceError, PassError, first_line
+from optpipe.errors import PassError, first_line
 from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
-from optpipe.model_source import TorchModel, onnx_source_path, source_fingerprint
+from optpipe.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import OnnxModel, Recipe
 from optpipe.runtime import eager_runner
@@ -206,30 +206,17 @@ def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads
     try:
         return eager_runner(torch_model, threads)(feeds)
     except Exception as exc:  # whatever forward() raises on inputs it does not accept (at the trace batch)
-        shapes = ", ".join(f"{name} {list(v.shape)} {v.dtype}" for name, v in feeds.items())
-        raise PassError(
-            f"the PyTorch model fails on the recipe's inputs ({shapes}): {_first_line(exc)}; "
-            "make `inputs` (names, dtypes, shapes) match what its forward() takes"
-        ) from None
+        raise PassError(forward_failure(feeds, _first_line(exc))) from None
 
 
 def import_onnx(ctx: PassContext) -> ModelArtifact:
-    """An existing ONNX file becomes the root artifact: checked, its inputs matched to the recipe."""
+    """An existing ONNX file becomes the root artifact; preflight ran the full checks (optpipe/safety/preflight.py)."""
     import onnx
 
     from optpipe.safety import onnx_guard
 
     path = onnx_source_path(ctx.recipe.model_source())
-    graph = onnx_guard.load_graph(path, "model.onnx")
-    onnx_guard.check_inputs_match(graph, ctx.recipe, path.name)
-    unknown = onnx_guard.unknown_ops(graph)
-    if unknown:
-        raise ModelSourceError(
-            f"model.onnx: '{path.name}' uses ops that no ONNX schema defines at its opset ({', '.join(unknown)}); "
-            "replace them or export with an opset that has them"
-        )
-    onnx_guard.check_model_file(path, graph, "model.onnx")
-    onnx_guard.check_runnable(path, "model.onnx")
+    onnx_guard.check_named_parts(path, ctx.recipe, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)

@@ -36,8 +36,9 @@ class Fp16Pass(Pass[Fp16Params]):
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu", "onnx-ir")
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        # The guard always measures (and, when on, repairs) on the evaluation set with the stage's tolerance.
-        return {"eval_set": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")}
+        # The guard always measures (and, when on, repairs) with the stage's tolerance. The evaluation
+        # set it measures on joins the stage's key by itself (PassContext.data_used).
+        return {"tolerance": ctx.tolerance.model_dump(mode="json")}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params

@@ -70,12 +70,9 @@ class Int8Pass(Pass[Int8Params]):
         return self.params.mode == "static"
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        params = self.params
-        # The calibration set's key covers its file's content: new data re-runs the stage.
-        calibration = ctx.calibration_set().key if params.mode == "static" else None
-        # The guard always measures (and, when on, repairs) on the evaluation set with the stage's tolerance.
-        guard = {"eval": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")}
-        return {"calibration": calibration, "guard": guard}
+        # The guard always measures (and, when on, repairs) with the stage's tolerance. The data sets
+        # the pass reads (calibration, evaluation) join the stage's key by themselves (PassContext.data_used).
+        return {"guard": {"tolerance": ctx.tolerance.model_dump(mode="json")}}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params

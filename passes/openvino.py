@@ -61,10 +61,10 @@ class OpenVinoPass(Pass):
 
     def fingerprint(self, ctx: PassContext) -> dict:
         params: OpenVinoParams = self.params  # type: ignore[assignment]
-        if params.precision != "int8":
+        # The data sets the pass reads (calibration, evaluation) join the stage's key by themselves (PassContext.data_used).
+        if params.precision != "int8" or not params.guard:
             return {}
-        guard = {"eval": ctx.eval_set().key, "tolerance": ctx.tolerance.model_dump(mode="json")} if params.guard else None
-        return {"calibration": ctx.calibration_set().key, "guard": guard}
+        return {"guard": {"tolerance": ctx.tolerance.model_dump(mode="json")}}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: OpenVinoParams = self.params  # type: ignore[assignment]

@@ -1,7 +1,8 @@
 """Run inside a loopback-only network and PID namespace (see tests/test_ray_executor.py):
 start a 2-node Ray cluster on 127.0.0.1, run `optpipe compile --executor ray` on it and kill
 that driver after a few stages; rerun it, kill the worker node once it has finished some work
-while the run goes on, and let the run finish.
+while the run goes on, and let the run finish. Then a worker with a logical GPU of type
+`testgpu` joins and a plain recipe with targets runs with `--only` (the targets' scheduling).
 
 Ray's daemons advertise the machine's interface address even when told 127.0.0.1; in this
 namespace only loopback exists, so nothing leaves it. The namespace's PID 1 is this script:
@@ -28,9 +29,13 @@ def sh(*cmd, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120, **kw)
 
 
-def main(recipe: str, run_dir: str, cache: str, kill_driver_after: int, kill_worker_after: int, allow: str) -> dict:
+def main(recipe: str, run_dir: str, cache: str, kill_driver_after: int, kill_worker_after: int, allow: str,
+         targets_recipe: str | None = None, targets_run: str | None = None) -> dict:
     sh("ip", "link", "set", "lo", "up")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # No token auth: a ~/.ray/auth_token left by any local `ray.init()` would otherwise switch it on
+    # for `ray start` but not for every client of this cluster.
+    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")  # this process's ray.init too
+    env = dict(os.environ)
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"]
     sh(*RAY, "start", "--head", f"--port={PORT}", "--resources={\"benchmark\": 1}", *common, env=env)
     worker = subprocess.Popen(
@@ -63,18 +68,36 @@ def main(recipe: str, run_dir: str, cache: str, kill_driver_after: int, kill_wor
             os.killpg(worker.pid, signal.SIGKILL)  # the node's raylet, its workers and their running tasks
             killed_at = len(lines)
     code = driver.wait(timeout=600)
-    return {"returncode": code, "lines": lines, "killed_at": killed_at, "worker": worker_id[:12],
-            "first_lines": first_lines, "first_returncode": first.returncode}
+    result = {"returncode": code, "lines": lines, "killed_at": killed_at, "worker": worker_id[:12],
+              "first_lines": first_lines, "first_returncode": first.returncode}
+    if targets_recipe:
+        result.update(_targets_on_a_gpu_node(targets_recipe, targets_run, cache, allow, env))
+    return result
 
 
-def _wait_for_worker() -> str:
+def _targets_on_a_gpu_node(recipe: str, run_dir: str, cache: str, allow: str, env: dict) -> dict:
+    """3. A worker node with a (logical) GPU of type `testgpu` joins; `--only` compiles a plain
+    recipe whose targets ask for that GPU type, for a type no node has, and for no GPU."""
+    subprocess.Popen(
+        [*RAY, "start", f"--address=127.0.0.1:{PORT}", "--resources={\"benchmark\": 1, \"gpu:testgpu\": 1}", "--num-gpus=1",
+         "--block", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    gpu_node = _wait_for_worker("gpu:testgpu")
+    proc = subprocess.run([*OPTPIPE, "compile", recipe, "--executor", "ray", "--address", f"127.0.0.1:{PORT}", "-o", run_dir,
+                           "--cache-dir", cache, "--allow-path", allow, "--only", "prune"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    return {"targets_returncode": proc.returncode, "targets_lines": (proc.stdout + proc.stderr).splitlines(), "gpu_node": gpu_node[:12]}
+
+
+def _wait_for_worker(resource: str = "worker_node") -> str:
     import ray
 
     ray.init(address=f"127.0.0.1:{PORT}", log_to_driver=False)
     try:
         deadline = time.time() + 90
         while time.time() < deadline:
-            nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("worker_node")]
+            nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource)]
             if nodes:
                 return nodes[0]["NodeID"]
             time.sleep(0.5)
@@ -84,5 +107,5 @@ def _wait_for_worker() -> str:
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    result = main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], *sys.argv[7:9])
     print(json.dumps(result))

@@ -65,3 +65,24 @@ def test_peers_run_their_own_commands_and_say_why_when_they_cannot(tmp_path, mon
     monkeypatch.setenv("PEERS_BIN", str(tmp_path / "empty"))
     with pytest.raises(peers.PeerUnavailable, match="`olive` not found"):
         peers._olive(model, tmp_path / "olive2")
+
+
+def test_the_gpu_document_is_written_and_timed_by_the_cpu_benchmark_s_functions():
+    """bench/gpu_rows.py runs no table writer or timing loop of its own: a GPU-less render shows its table."""
+    spec = importlib.util.spec_from_file_location("bench_gpu_rows", ROOT / "bench" / "gpu_rows.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    bench = load_bench()
+    assert gpu.interleaved_timings.__module__ == gpu.markdown_table.__module__ == "run"
+    result = {"model": "tiny", "device": "H200", "shapes": {"x": [1, 16]}, "compile_s": 1.0, "rows": [
+        {"candidate": "eager", "p50_ms": 2.0, "p90_ms": 2.5, "speedup_vs_eager": 1.0, "cosine": None},
+        {"candidate": "optpipe:fp16 [Tensorrt]", "error": "RuntimeError: no plugin"}]}
+    lines = gpu.render([result], "python bench/gpu_rows.py x").splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    assert table[:2] == bench.markdown_table(["candidate", "p50 ms", "p90 ms", "vs eager CUDA", "cosine", "providers kept"], [])
+    assert table[2] == "| eager | 2.000 | 2.500 | 1.00x |  |  |"
+    assert table[3] == "| optpipe:fp16 [Tensorrt] | not run: RuntimeError: no plugin |  |  |  |  |"
+    # Timing: every candidate warmed up, then the same count of timed runs each, in rotated order.
+    calls = []
+    times = gpu.interleaved_timings({"a": lambda f: calls.append("a"), "b": lambda f: calls.append("b")}, {}, 1, 2, 3, 1)
+    assert {k: len(v) for k, v in times.items()} == {"a": 6, "b": 6} and calls[:2] == ["a", "b"] and calls[5:8] == ["b", "b", "b"]

@@ -109,3 +109,41 @@ def test_corrupted_stage_is_recomputed_by_the_next_run(tiny_recipe, cache_dir):
     assert report.stage("export").status == "ok" and not report.stage("export").cached
     assert report.stage("simplify").status == "ok"
     assert report.stage("export").accuracy.within_tolerance
+
+
+def test_new_calibration_or_evaluation_data_recomputes_exactly_the_stages_that_read_it(tmp_path):
+    """int8/fp16 no longer put data-set keys in their fingerprints: the runner adds what each pass read."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from reliability_fixtures import onnx_recipe, write_linear_onnx, write_recipe
+
+    write_linear_onnx(tmp_path / "model")
+    rng = np.random.default_rng(0)
+
+    def data(name: str, seed_shift: float = 0.0) -> dict:
+        np.savez(tmp_path / f"{name}.npz", x=(rng.standard_normal((8, 16)) + seed_shift).astype(np.float32))
+        return {"source": "npz", "path": f"{name}.npz", "samples": 8}
+
+    stages = {"export": {"pass": "export"},
+              "int8": {"pass": "int8", "after": "export", "params": {"mode": "static", "guard": False}},
+              "fp16": {"pass": "fp16", "after": "export", "params": {"guard": False}}}
+    recipe = onnx_recipe(tmp_path, stages=stages, cache=str(tmp_path / "cache"))
+    recipe["data"] = {"eval": data("eval"), "calibration": data("calibration")}
+    path = write_recipe(tmp_path, recipe)
+
+    def keys() -> dict[str, str]:
+        """Each stage's cache entry (its folder is named by the stage's key)."""
+        report = compile_recipe(load_recipe(path), RunOptions())
+        return {s.name: s.model.path.parent.name for s in report.stages if s.name in stages}
+
+    first = keys()
+    assert keys() == first  # nothing changed: every key the same
+    data("calibration", seed_shift=1.0)  # same file name, new content: only the stage calibrated on it changes key
+    recalibrated = keys()
+    assert recalibrated["int8"] != first["int8"] and {k: recalibrated[k] for k in ("export", "fp16")} == {k: first[k] for k in ("export", "fp16")}
+    data("eval", seed_shift=1.0)  # both guards measure on the evaluation set (guard off: they still report it)
+    evaluated = keys()
+    assert evaluated["export"] == first["export"]
+    assert evaluated["int8"] not in (first["int8"], recalibrated["int8"]) and evaluated["fp16"] != first["fp16"]

@@ -131,10 +131,10 @@ tiny (float[batch, 32] x) => (float[batch, 10] logits) {
 """
 
 
-def tiny_logits_recipe(tmp_path, fp16_params: dict) -> tuple:
+def tiny_logits_recipe(tmp_path, fp16_params: dict, weight_scales=(1e-4, 1e-5), tolerance=None) -> tuple:
     model = parser.parse_model(TINY_LOGITS)
-    model.graph.initializer.append(numpy_helper.from_array((RNG.normal(size=(32, 16)) * 1e-4).astype(np.float32), "w1"))
-    model.graph.initializer.append(numpy_helper.from_array((RNG.normal(size=(16, 10)) * 1e-5).astype(np.float32), "w2"))
+    model.graph.initializer.append(numpy_helper.from_array((RNG.normal(size=(32, 16)) * weight_scales[0]).astype(np.float32), "w1"))
+    model.graph.initializer.append(numpy_helper.from_array((RNG.normal(size=(16, 10)) * weight_scales[1]).astype(np.float32), "w2"))
     onnx.save(model, str(tmp_path / "tiny.onnx"))
     recipe = {
         "name": "tiny-logits",
@@ -144,7 +144,7 @@ def tiny_logits_recipe(tmp_path, fp16_params: dict) -> tuple:
         "data": {"eval": {"source": "synthetic", "samples": 16, "seed": 0}},
         "stages": {"export": {"pass": "export"}, "fp16": {"pass": "fp16", "after": "export", "params": fp16_params}},
         "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 3, "threads": 1, "eager_baseline": False,
-                     "tolerance": {"cosine_min": 0.99}},
+                     "tolerance": tolerance or {"cosine_min": 0.99}},
         "output": str(tmp_path / "run"),
     }
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
@@ -177,3 +177,27 @@ def test_tiny_logits_fp16_guard_on_keeps_the_tiny_matmul_in_fp32(tmp_path, cache
     stage = report.stage("fp16")
     assert stage.info["guard"]["held"] and stage.accuracy.within_tolerance and stage.accuracy.guard.within_tolerance
     assert stage.info["guard"]["excluded"]
+
+
+def test_a_guard_out_on_max_abs_names_max_abs_not_the_cosine_that_held(tmp_path, cache_dir):
+    # Logits of ~1e3 (as a detector's pixel boxes): FP16 storage rounds them by ~0.5 (measured max abs
+    # ~1-2), a direction error far too small to move the cosine off 1.0000. The tolerance's max_abs
+    # is the criterion that fails, and the verdict must say so, with the figure and its limit.
+    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.safety.recipe_loading import load_recipe
+
+    recipe = tiny_logits_recipe(tmp_path, {"max_excluded": 0}, weight_scales=(10.0, 10.0),
+                                tolerance={"cosine_min": 0.99, "max_abs": 0.05})
+    report = compile_recipe(load_recipe(recipe), RunOptions(cache_dir=cache_dir))
+    accuracy = report.stage("fp16").accuracy
+    assert accuracy.guard.cosine > 0.9999 and not accuracy.guard.within_tolerance
+    verdict = accuracy.violations[-1]
+    assert "emulated FP16 storage out of tolerance" in verdict
+    assert "max abs error" in verdict and "> 0.05" in verdict and "cosine" not in verdict
+    assert "max abs error" in (tmp_path / "run" / "report.md").read_text().split("emulated FP16 storage")[-1]
+
+
+def test_an_old_guard_report_without_violations_names_both_figures():
+    old = {"guard": {"numerics": "emulated FP16 storage", "held": False, "cosine": 1.0, "max_abs": 83.0, "gave_up": None}}
+    verdict = fold_guard_verdict(_accuracy(1.0, True), old).violations[-1]
+    assert "cosine 1.00000" in verdict and "max abs error 83" in verdict

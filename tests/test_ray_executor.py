@@ -40,6 +40,25 @@ def _tiny_search(tmp_path: Path) -> Path:
     return path
 
 
+def _tiny_targets(tmp_path: Path) -> Path:
+    """The tiny search's chain as a plain recipe, with targets that ask for a GPU type the test
+    cluster has (`testgpu`), one it lacks (`h200`), and none (ORT)."""
+    data = yaml.safe_load((REPO / "recipes" / "tiny-search.yaml").read_text())
+    data.update(name="tiny-targets", output="targets-run")
+    data["model"]["path"] = str(REPO / "recipes" / "models")
+    for stage in data["stages"].values():
+        stage.pop("optional", None)
+        for key, choices in stage.pop("search", {}).items():
+            stage.setdefault("params", {})[key] = choices[0]
+    del data["evaluate"]["search"]
+    data["targets"] = [{"kind": "ort", "stages": ["simplify"]},
+                       {"kind": "tensorrt", "stages": ["prune"], "gpu_type": "testgpu"},
+                       {"kind": "tensorrt", "stages": ["simplify"], "gpu_type": "H200"}]
+    path = tmp_path / "tiny-targets.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 @pytest.mark.ray
 def test_search_on_a_two_node_cluster_survives_a_killed_driver_and_worker_and_matches_the_local_run(tmp_path):
     pytest.importorskip("ray")
@@ -47,10 +66,10 @@ def test_search_on_a_two_node_cluster_survives_a_killed_driver_and_worker_and_ma
     if reason:
         pytest.skip(reason)
     recipe = _tiny_search(tmp_path)
-    ray_run, ray_cache = tmp_path / "ray-run", tmp_path / "ray-cache"
+    ray_run, ray_cache, targets_run = tmp_path / "ray-run", tmp_path / "ray-cache", tmp_path / "targets-run"
     proc = subprocess.run(
         [*NAMESPACE, sys.executable, str(REPO / "tests" / "ray_cluster_run.py"), str(recipe), str(ray_run), str(ray_cache), "3", "2",
-         str(REPO / "recipes" / "models")],
+         str(REPO / "recipes" / "models"), str(_tiny_targets(tmp_path)), str(targets_run)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -82,6 +101,26 @@ def test_search_on_a_two_node_cluster_survives_a_killed_driver_and_worker_and_ma
     measured = [s for s in remote.stages if s.latency]
     assert measured and all(s.measured_on and s.measured_on.get("ray_node") for s in measured)
     assert remote.hardware["classes"] and "frontier" not in remote.hardware  # one kind of machine: one frontier
+
+    # 3. Targets as Ray tasks, with --only: the TensorRT target for GPU type `testgpu` ran on the
+    # node that declares it (TensorRT itself is missing here: its build ends with that reason); the
+    # one for `h200`, which no node has, failed at once with the flag to add; the ORT target asked
+    # for no GPU and was built.
+    log = "\n".join(out["targets_lines"])
+    assert out["targets_returncode"] == 1, log
+    run = RunReport.model_validate_json((targets_run / "report.json").read_text())
+    assert [s.name for s in run.stages] == ["pytorch-eager", "export", "simplify", "prune"], log  # --only prune
+    targets = {(t.kind, t.stage): t for t in run.targets}
+    engine = targets["tensorrt", "prune"]
+    assert engine.status == "skipped" and "TensorRT is not installed" in engine.reason, engine
+    assert engine.built_on["ray_node"] == out["gpu_node"], (engine.built_on, out["gpu_node"])
+    absent = targets["tensorrt", "simplify"]
+    assert absent.status == "failed" and absent.built_on is None
+    assert "offers `gpu:h200`" in absent.reason and "`ray start --num-gpus=1 --resources='{\"gpu:h200\": 1, \"benchmark\": 1}'`" in absent.reason
+    assert sum("gpu:h200" in line for line in out["targets_lines"]) == 2, log  # its progress line and its error line
+    assert targets["ort", "simplify"].status == "ok" and targets["ort", "simplify"].built_on["ray_node"], log
+    manifest = json.loads((targets_run / "manifest.json").read_text())
+    assert {(a["target"], a["stage"]): a["built_on"] for a in manifest["artifacts"]}["tensorrt", "prune"] == engine.built_on
 
 
 def test_unreachable_address_is_one_line_exit_2(tiny_recipe, cli_run):

@@ -103,8 +103,9 @@ def _with_eval_data(folder: Path, which: str = "eval", **arrays) -> list[str]:
     return _recipe_file(folder, recipe)
 
 
-def _factory_recipe(folder: Path, **model) -> list[str]:
+def _factory_recipe(folder: Path, inputs: list | None = None, **model) -> list[str]:
     recipe = onnx_recipe(folder)
+    recipe["inputs"] = inputs or recipe["inputs"]
     recipe["model"] = {"factory": "reliability_fixtures:tiny_torch", "path": str(HERE), **model}
     return ["compile", str(write_recipe(folder, recipe)), "--allow-path", str(HERE)]
 
@@ -171,11 +172,13 @@ CASES = {
     "input name mismatch": (lambda d: _with_model(d, lambda f: write_linear_onnx(f, input_name="pixels")), USER, "make the recipe's input names match"),
     "input dtype mismatch": (lambda d: _with_model(d, lambda f: write_linear_onnx(f, dtype=onnx.TensorProto.DOUBLE)), USER, "inputs.0.dtype"),
     "input fixed dim mismatch": (lambda d: _with_model(d, lambda f: write_linear_onnx(f, in_dim=12)), USER, "fixes axis 1 of 'x' to 12"),
-    "unknown standard op": (lambda d: _with_model(d, write_custom_op_onnx), STAGE, "stage 'export' failed: model.onnx: 'model.onnx' uses ops that no ONNX schema defines"),
-    "custom domain op": (lambda d: _with_model(d, lambda f: write_custom_op_onnx(f, "com.example")), STAGE, "ONNX Runtime cannot run op 'FrobnicateTensor'"),
+    "unknown standard op": (lambda d: _with_model(d, write_custom_op_onnx), USER, "model.onnx: 'model.onnx' uses ops that no ONNX schema defines"),
+    "custom domain op": (lambda d: _with_model(d, lambda f: write_custom_op_onnx(f, "com.example")), USER, "ONNX Runtime cannot run op 'FrobnicateTensor'"),
     "nan outputs": (lambda d: _with_model(d, lambda f: write_linear_onnx(f, op="log"), {"export": {"pass": "export"}}), STAGE, "stage 'export' failed: it outputs NaN or Inf in 'y'"),
     "pickled checkpoint": (_pickled_checkpoint, STAGE, "set `model.allow_pickle: true` if you trust the file"),
     "checkpoint does not fit": (_mismatched_checkpoint, STAGE, "does not fit the factory's module"),
+    "factory forward fails on the inputs": (lambda d: _factory_recipe(d, inputs=[{"name": "x", "dtype": "float32", "shape": ["batch", 12]}]),
+                                            STAGE, "the PyTorch model fails on the recipe's inputs (x [1, 12] float32)"),
     "factory module missing": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "no_such_module_xyz:build", "path": "."})), USER, "module 'no_such_module_xyz' is not in model.path"),
     # data
     "eval data wrong dtype": (lambda d: _with_eval_data(d, x=np.zeros((4, 16), np.float64)), USER, "data.eval: input 'x' is float64"),
@@ -450,8 +453,8 @@ ROUND_TWO = {
     "OPTPIPE_CACHE is the project": (lambda d: (_folder_with_sources(d), _recipe_with_cache(d, None))[1], USER, "is not an optpipe cache", {"OPTPIPE_CACHE": lambda d: str(d / "project")}),
     "OPTPIPE_PLUGINS names a missing module": (lambda d: _recipe_file(d), USER, "cannot import pass module", {"OPTPIPE_PLUGINS": "no_such_plugin_xyz"}),
     # models and data that lie
-    "onnx opset 99": (lambda d: _with_model(d, _opset_99), STAGE, "Opset 99 is under development"),
-    "onnx initializer larger than its data": (lambda d: _with_model(d, _lying_initializer), STAGE, "too small for the declared shape"),
+    "onnx opset 99": (lambda d: _with_model(d, _opset_99), USER, "declares opset 99, newer than any ONNX release"),
+    "onnx initializer larger than its data": (lambda d: _with_model(d, _lying_initializer), USER, "is not a valid ONNX model"),
     "onnx external data at an absolute path": (lambda d: _with_model(d, _absolute_external_data), USER, "outside the model's folder"),
     "npz header declares 64 TiB": (_npz_lying_header, USER, "Unable to allocate"),
     "text data with an onnx model": (lambda d: (d.mkdir(exist_ok=True), (d / "t.txt").write_text("hello\n"),
@@ -465,6 +468,89 @@ ROUND_TWO = {
 
 
 CASES.update(ROUND_TWO)
+
+
+# --- files named model.onnx that are not usable ONNX: refused up front (exit 2), never a failed stage ---
+
+
+def _lying_text(text: str):
+    """A model.onnx written from ONNX's text syntax: it parses, and lies in what its text says."""
+
+    def write(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        onnx.save_model(onnx.parser.parse_model(text), str(folder / "model.onnx"))
+
+    return write
+
+
+def _bytes_as_model(data: bytes):
+    def write(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.onnx").write_bytes(data)
+
+    return write
+
+
+def _another_protobuf(folder: Path) -> None:
+    """A protobuf, but an ONNX tensor, not a model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensor = numpy_helper.from_array(np.ones((16, 4), np.float32), "W")
+    (folder / "model.onnx").write_bytes(tensor.SerializeToString())
+
+
+def _head_of_header(folder: Path) -> None:
+    """Cut inside the graph's first node: the protobuf ends mid-message."""
+    path = write_linear_onnx(folder)
+    _truncate(path, 0.2)
+
+
+_HEADER = '<ir_version: 9, opset_import: ["" : 18]>\n'
+LYING = {
+    "random bytes": (_bytes_as_model(np.random.default_rng(7).bytes(4096)), "not an ONNX model"),
+    "a text file": (_bytes_as_model(b"y = x @ W + b\nthis is my model, honest\n"), "not an ONNX model"),
+    "a zip file": (_bytes_as_model(b"PK\x03\x04" + bytes(200)), "model.onnx"),
+    "protobuf cut early": (_head_of_header, "model.onnx"),
+    "a tensor, not a model": (_another_protobuf, "not an ONNX model"),
+    "dangling node input": (_lying_text(_HEADER + "g (float[batch, 16] x) => (float[batch, 16] y) { y = Add (x, z) }"),
+                            "input 'z' of node"),
+    "output never produced": (_lying_text(_HEADER + "g (float[batch, 16] x) => (float[batch, 16] y) { h = Relu (x) }"),
+                              "not a valid ONNX model"),
+    "declared output shape lies": (_lying_text(_HEADER + "g (float[batch, 16] x) => (float[batch, 4] y) { y = Relu (x) }"),
+                                   "Inferred shape and existing shape differ"),
+    "declared output type lies": (_lying_text(_HEADER + "g (float[batch, 16] x) => (int64[batch, 16] y) { y = Relu (x) }"),
+                                  "Inferred elem type differs"),
+    "matmul shapes that cannot multiply": (_lying_text(
+        _HEADER + "g (float[batch, 16] x) => (float[batch, 4] y) <float[3, 4] w = {1,2,3,4,5,6,7,8,9,10,11,12}> { y = MatMul (x, w) }"),
+        "Incompatible dimensions for matrix multiplication"),
+    "op missing from its opset": (_lying_text('<ir_version: 9, opset_import: ["" : 11]>\n'
+                                              "g (float[batch, 16] x) => (float[batch, 16] y) { y = Gelu (x) }"),
+                                  "uses ops that no ONNX schema defines at its opset (Gelu)"),
+    "opset from the future": (_lying_text('<ir_version: 9, opset_import: ["" : 40]>\n'
+                                          "g (float[batch, 16] x) => (float[batch, 16] y) { y = Relu (x) }"), "declares opset 40"),
+    "ir version from the future": (_lying_text('<ir_version: 99, opset_import: ["" : 18]>\n'
+                                               "g (float[batch, 16] x) => (float[batch, 16] y) { y = Relu (x) }"), "ir_version 99"),
+}
+
+
+@pytest.mark.parametrize("case", list(LYING))
+def test_a_lying_onnx_file_is_refused_before_any_stage(case, tmp_path, monkeypatch, capsys):
+    write, words = LYING[case]
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(_with_model(tmp_path, write), capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in out + err and len(errors) == 1, err
+    assert words in errors[0] and "stage" not in errors[0], errors[0]
+    assert code == USER, (code, err)
+    assert not (tmp_path / "run" / "stages").exists(), "preflight refuses the file before any stage runs"
+
+
+@pytest.mark.parametrize("case", ["random bytes", "declared output shape lies", "opset from the future"])
+def test_validate_refuses_a_lying_onnx_file_as_compile_does(case, tmp_path, monkeypatch, capsys):
+    write, words = LYING[case]
+    monkeypatch.chdir(tmp_path)
+    args = _with_model(tmp_path, write)
+    code, out, err = run_main(["validate", args[1]], capsys)
+    assert code == USER and words in err and "valid;" not in out, (code, out, err)
 
 
 def _files(folder: Path) -> set[Path]:

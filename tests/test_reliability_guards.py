@@ -41,18 +41,34 @@ def test_checkpoints_load_as_tensors_only_unless_the_recipe_opts_in(tmp_path):
         load_checkpoint(target, tmp_path / "bad.pt", allow_pickle=False)
 
 
-def test_models_over_the_protobuf_limit_are_checked_by_path(tmp_path, monkeypatch):
-    """The >2 GB code path, shown with the limit lowered (a real 2 GB model is too big for CI)."""
+def test_models_are_checked_by_path_with_the_full_check(tmp_path, monkeypatch):
+    """By path, so a model over 2 GB is never serialized whole (and no model's weights are loaded)."""
     path = write_linear_onnx(tmp_path)
-    graph = onnx_guard.load_graph(path, "model.onnx")
     seen = []
     real = onnx.checker.check_model
-    monkeypatch.setattr(onnx.checker, "check_model", lambda model, **kw: (seen.append(model), real(model, **kw)))
-    onnx_guard.check_model_file(path, graph, "model.onnx")
-    assert not isinstance(seen[-1], str), "a small model is checked in memory"
-    monkeypatch.setattr(onnx_guard, "PROTOBUF_LIMIT", 1)
-    onnx_guard.check_model_file(path, graph, "model.onnx")
-    assert seen[-1] == str(path), "a model over the limit is checked by path, never serialized whole"
+    monkeypatch.setattr(onnx.checker, "check_model", lambda model, **kw: (seen.append((model, kw)), real(model, **kw)))
+    onnx_guard.check_model_file(path, "model.onnx")
+    assert seen == [(str(path), {"full_check": True})]
+
+
+def test_the_costly_source_checks_run_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """An ORT session reads every weight (seconds for gigabytes): a rerun on the same file skips it,
+    and a file replaced by one ORT cannot load is refused again, before any stage."""
+    from reliability_fixtures import write_custom_op_onnx
+
+    write_linear_onnx(tmp_path / "model")
+    recipe = parse_recipe(onnx_recipe(tmp_path, stages={"export": {"pass": "export"}}), base_dir=tmp_path)
+    sessions = []
+    real = onnx_guard.check_runnable
+    monkeypatch.setattr(onnx_guard, "check_runnable", lambda path, where: (sessions.append(path), real(path, where)))
+    compile_recipe(recipe, RunOptions())
+    compile_recipe(recipe, RunOptions())
+    assert len(sessions) == 1
+    (tmp_path / "model" / "model.onnx.data").unlink()
+    write_custom_op_onnx(tmp_path / "model", "com.example")  # same inputs, an op ONNX Runtime has no kernel for
+    with pytest.raises(ModelSourceError, match="ONNX Runtime cannot run op 'FrobnicateTensor'"):
+        compile_recipe(recipe, RunOptions())
+    assert len(sessions) == 2
 
 
 def test_a_large_model_goes_through_every_pass(tmp_path, monkeypatch):

@@ -161,6 +161,25 @@ def test_runs_and_caches_never_nest(tmp_path, monkeypatch, capsys, output, cache
     assert _snapshot(tmp_path) == {**before, recipe: recipe.read_bytes()}, "the run folder's files are all still there"
 
 
+@pytest.mark.parametrize("output, cache", [("cache/run", "cache"), ("run", "run/cache")])
+def test_the_python_api_refuses_nested_folders_as_the_cli_does(tmp_path, output, cache):
+    from optpipe.execution.executors import LocalExecutor
+    from optpipe.search.runner import compile_recipes
+
+    write_linear_onnx(tmp_path / "model")
+    recipe = parse_recipe(onnx_recipe(tmp_path, output=output, cache=cache), base_dir=tmp_path)
+    before = _snapshot(tmp_path)
+    with pytest.raises(CacheFolderError, match="is inside the"):
+        compile_recipe(recipe, RunOptions())
+    fine = parse_recipe(onnx_recipe(tmp_path, output="elsewhere", cache="other-cache"), base_dir=tmp_path)
+    with pytest.raises(CacheFolderError, match="is inside the"):  # one nested recipe refuses them all, before any work
+        compile_recipes([fine, recipe], LocalExecutor())
+    # The command line's folders override the recipe's, and are checked the same way.
+    with pytest.raises(CacheFolderError, match="is inside the"):
+        compile_recipe(fine, RunOptions(output=tmp_path / "c" / "run", cache_dir=tmp_path / "c"))
+    assert _snapshot(tmp_path) == before, "nothing was written"
+
+
 # --- 3. a factory runs code only from the recipe's folder -----------------------------------------
 
 

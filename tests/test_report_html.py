@@ -24,7 +24,7 @@ SVG = re.compile(r"<figure class='plot' id='plot-([\w-]+)'>(<svg.*?</svg>)</figu
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("html")
     model_path = save(mlp_model(), root / "mlp.onnx")
-    recipe = parse_recipe(mlp_recipe(model_path, root / "run"))
+    recipe = parse_recipe(mlp_recipe(model_path, root / "run", sweep_stages="all"))  # a curve for every stage
     report = compile_recipe(recipe, RunOptions(cache_dir=root / "cache"))
     assert not report.failed
     return root / "run"

@@ -16,11 +16,16 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
                        remote_cache: str | None = None) -> int:
     from optpipe.execution.executors import LocalExecutor
     from optpipe.search.runner import compile_recipes
+    from optpipe.search.space import SearchSpace
     from optpipe.reporting.run_report import stage_table
 
-    if only is not None:
-        raise OptpipeError("--only runs one recipe's stage and its ancestors; it does not combine with searches, "
-                           "several recipes or --executor ray")
+    if only is not None and (len(recipes) > 1 or SearchSpace.declared(recipes[0])):
+        raise OptpipeError("--only runs one recipe's stage and its ancestors; it does not combine with searches "
+                           "or several recipes")
+    if only is not None:  # an unknown stage is one line before any Ray instance starts
+        from optpipe.dag import build_dag, only_order
+
+        only_order(build_dag(recipes[0].stages), only)
     if remote_cache:
         _check_remote(remote_cache)
     if executor_name == "ray":
@@ -31,7 +36,7 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
         executor = LocalExecutor()
     try:
         reports = compile_recipes(recipes, executor, cache_dir=cache_dir, output=output, force=force, yes=yes,
-                                  group_by_node=group_by_node, remote_cache=remote_cache)
+                                  group_by_node=group_by_node, remote_cache=remote_cache, only=only)
     finally:
         executor.close()
     code = 0

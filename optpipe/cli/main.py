@@ -100,7 +100,6 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
                     allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...], executor: str, address: str | None, yes: bool,
                     group_by_node: bool, remote_cache: str | None) -> None:
     """Run RECIPE: every stage, its evaluation, the report (several recipes: all of them, together)."""
-    from optpipe.cache.folder import check_apart
     from optpipe.instruments import ConsoleProgress
     from optpipe.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
@@ -109,9 +108,6 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
     from optpipe.search.space import SearchSpace
 
     loaded = [load_recipe(path, allow_paths, allow_factories) for path in recipes]
-    for each in loaded:  # every executor: `cache gc` must never remove a run, nor a run folder the cache
-        paths = RunPaths.resolve(each, output, cache_dir)
-        check_apart(paths.run_dir, paths.cache_dir)
     if address is not None and executor != "ray":
         raise click.UsageError("--address needs --executor ray")
     if len(loaded) > 1 or executor == "ray" or remote_cache or SearchSpace.declared(loaded[0]):
@@ -145,15 +141,14 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
 @click.option("--allow-factory", "allow_factories", multiple=True, metavar="MODULE", help=FACTORY_HELP)
 def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...]) -> None:
     """Check RECIPE without running it."""
-    from optpipe.cache.folder import check_apart
     from optpipe.dag import execution_order
     from optpipe.run_paths import RunPaths
     from optpipe.safety.recipe_loading import load_recipe
     from optpipe.validate import validate_recipe
 
     parsed = load_recipe(recipe, allow_paths, allow_factories)
-    paths = RunPaths.resolve(parsed)
-    check_apart(paths.run_dir, paths.cache_dir)
+    RunPaths.for_run(parsed)
+    _validate_onnx_source(parsed)
     from optpipe.search.space import SearchSpace
 
     if SearchSpace.declared(parsed):  # checked trial by trial: a searched param is in no stage's params
@@ -166,6 +161,16 @@ def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factorie
     click.echo(f"{recipe}: valid; {len(order)} stages: " + ", ".join(
         f"{n} ({parsed.stages[n].pass_name}{' after ' + parsed.stages[n].after if parsed.stages[n].after else ''})" for n in order
     ))
+
+
+def _validate_onnx_source(parsed) -> None:
+    """An ONNX model file gets the checks a compile's preflight gives it: a lying file is not 'valid'."""
+    from optpipe.model_source import onnx_path
+    from optpipe.safety.preflight import check_onnx_source
+
+    path = onnx_path(parsed.model_source())
+    if path is not None:
+        check_onnx_source(parsed, path)
 
 
 @cli.command("passes")

@@ -28,15 +28,17 @@ def quiet_polygraphy() -> None:
     G_LOGGER.module_severity = G_LOGGER.ERROR
 
 
-def run_onnx(path: Path, batches: list[Feeds], threads: int, providers: list[str] | None = None) -> Outputs:
-    """Outputs of an ONNX model over all batches, through Polygraphy, concatenated along axis 0."""
+def run_onnx(path: Path, batches: list[Feeds], threads: int, providers: list[str] | None = None, session=None) -> Outputs:
+    """Outputs of an ONNX model over all batches, through Polygraphy, concatenated along axis 0.
+
+    `session`: an ORT session of `path` already built (the stage's timing session), reused."""
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator
 
     from optpipe.runtime import ort_session
 
     quiet_polygraphy()
-    runner = OnnxrtRunner(ort_session(path, threads, providers), name="candidate")
+    runner = OnnxrtRunner(session if session is not None else ort_session(path, threads, providers), name="candidate")
     results = Comparator.run([runner], data_loader=batches)
     iterations = results["candidate"]
     return {name: np.concatenate([np.asarray(it[name]) for it in iterations]) for name in iterations[0].keys()}

@@ -1,5 +1,9 @@
 """Evaluate a stage: accuracy against the reference on the evaluation set, latency per batch size.
 
+Two phases, each cached on its own: `evaluate_*` (accuracy and the batch_sizes latencies, every
+stage) and `sweep_*` (the latency curves of `evaluate.sweep`, which the caller asks for only for
+the stages that need them: by default the Pareto frontier's).
+
 Results are cached by (model hash, reference, data, settings, machine): a rerun of
 an unchanged recipe measures nothing again. The report marks them cached.
 """
@@ -21,9 +25,15 @@ from optpipe.evaluation.latency import measure, warm_for
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.results import Accuracy, Latency, Memory
 from optpipe.recipe import EvaluateSpec, ModelInputs, Tolerance
-from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers
+from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
 
-EVAL_FORMAT = 4  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol
+EVAL_FORMAT = 5  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
+# 5: sweeps measured and cached apart from the headline
+#: Settings that shape only the sweep curves: not part of the headline's cache key.
+SWEEP_SETTINGS = {"sweep", "sweep_iterations", "sweep_stages"}
+#: Settings that shape no figure (a search's strategy or budget, the Ray resources, the eager baseline
+#: on or off; the reference is keyed on its own).
+UNMEASURED_SETTINGS = {"search", "resources", "providers", "eager_baseline", "reference"}  # providers: resolved in the key
 
 # Measured here on a loaded 2-core machine (load 17): a fresh PyTorch eager model's calls took 50-250 ms
 # for its first 2-4 s (its new intra-op threads waiting for the scheduler), then 0.05 ms; timed in that
@@ -32,6 +42,7 @@ EAGER_WARM_S = 3.0
 
 Progress = Callable[[str, int, int], None]
 Measured = tuple[Accuracy | None, list[Latency], Memory | None, bool]  # accuracy, latency, peak memory, cached
+Swept = tuple[list[Latency], bool]  # the sweep points, cached
 
 
 def no_progress(task: str, done: int, total: int) -> None:
@@ -47,7 +58,7 @@ class Evaluator:
         self.cache = cache
         self._eval_set = eval_set
         self.settings = settings
-        self.providers = pick_providers(providers)
+        self.providers = pick_providers(requested_providers(settings.providers, providers))
         self._reference: tuple[str, str, Callable[[], Outputs]] | None = None
         self._eager_factory: Callable[[], Callable[[Feeds], Outputs]] | None = None
         self._eager_run: Callable[[Feeds], Outputs] | None = None
@@ -69,9 +80,9 @@ class Evaluator:
         """The stage every other is compared against; its outputs are computed only when needed."""
         cache: dict[str, Outputs] = {}
 
-        def lazy() -> Outputs:
+        def lazy(compute: Callable[[], Outputs] = outputs) -> Outputs:
             if "out" not in cache:
-                cache["out"] = outputs()
+                cache["out"] = compute()
             return cache["out"]
 
         self._reference = (name, digest, lazy)
@@ -89,15 +100,47 @@ class Evaluator:
             hit = None if self.force else self.cache.get_result(key)
             if hit is not None:
                 return _decode(hit) + (True,)
-            accuracy = self._accuracy(lambda: self.onnx_outputs(artifact), tolerance)
             baseline = self._eager_baseline()
             # Peak memory covers what the session itself costs: its creation and the timed runs.
             with PeakMemory(device=self.providers[0] != "CPUExecutionProvider") as peak:
                 session = ort_session(artifact.path, self.settings.threads, self.providers)
                 latency = self._latency(ort_runner(session), self.providers[0], baseline)
-                del session
+            # The same session computes the accuracy outputs (outside the memory figure, as before):
+            # one session per stage, and the reference stage's outputs computed once.
+            digest = artifact.content_hash()
+            accuracy = self._accuracy(lambda: run_onnx(artifact.path, self.accuracy_batches, self.settings.threads,
+                                                       session=session), tolerance, digest)
+            del session
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
+
+    def sweep_onnx(self, artifact: ModelArtifact, headline: list[Latency]) -> Swept:
+        """The sweep points of a stage (ORT, or OpenVINO for an IR stage); `headline`: its batch_sizes
+        figures, reused for a sweep point on the very same inputs instead of timing it again."""
+        if openvino_runtime.is_ir(artifact.folder):
+            path, hint, names = openvino_runtime.stage_settings(artifact)
+            extra = {"runtime": "openvino", "hint": hint, **library_versions(("openvino", "nncf"))}
+            build = lambda: openvino_runtime.runner(openvino_runtime.compile_model(path, self.settings.threads, hint), names)  # noqa: E731
+            return self._cached_sweep(self._sweep_key(artifact.content_hash(), extra), build, openvino_runtime.PROVIDER, headline)
+        build = lambda: ort_runner(ort_session(artifact.path, self.settings.threads, self.providers))  # noqa: E731
+        return self._cached_sweep(self._sweep_key(artifact.content_hash()), build, self.providers[0], headline)
+
+    def sweep_eager(self, source_digest: str, headline: list[Latency]) -> Swept:
+        """PyTorch eager's sweep points (after `evaluate_eager`): the curves' baseline."""
+        key = self._sweep_key("eager:" + source_digest, library_versions(("torch",)))
+        return self._cached_sweep(key, lambda: self._eager_baseline() or _raise_no_eager(), "pytorch-cpu", headline)
+
+    def _cached_sweep(self, key: str, build: Callable[[], Callable[[Feeds], Outputs]], provider: str,
+                      headline: list[Latency]) -> Swept:
+        if not self.settings.sweep:
+            return [], True
+        with self.cache.lock(key):
+            hit = None if self.force else self.cache.get_result(key)
+            if hit is not None:
+                return [Latency.model_validate(lat) for lat in hit["latency"]], True
+            points = self._sweep_latency(build(), provider, headline)
+            self.cache.put_result(key, {"latency": [lat.model_dump(mode="json") for lat in points]})
+        return points, False
 
     def evaluate_openvino(self, artifact: ModelArtifact, tolerance: Tolerance) -> Measured:
         """An IR stage (or any ONNX/IR file OpenVINO reads) measured like the ORT rows: same inputs,
@@ -113,7 +156,7 @@ class Evaluator:
             with PeakMemory() as peak:
                 run = openvino_runtime.runner(openvino_runtime.compile_model(path, self.settings.threads, hint), names)
                 latency = self._latency(run, openvino_runtime.PROVIDER)
-            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance)
+            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance, artifact.content_hash())
             del run
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
@@ -134,11 +177,16 @@ class Evaluator:
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 
-    def _accuracy(self, outputs: Callable[[], Outputs], tolerance: Tolerance) -> Accuracy | None:
+    def _accuracy(self, outputs: Callable[[], Outputs], tolerance: Tolerance, digest: str | None = None) -> Accuracy | None:
+        """`digest`: the candidate's model hash; the reference stage itself computes its outputs once."""
         if self._reference is None:
             return None
-        name, _, reference = self._reference
-        candidate = require_finite(outputs(), "it outputs")
+        name, ref_digest, reference = self._reference
+        if digest == ref_digest:
+            candidate = reference(outputs)  # the same model: its outputs are the reference's
+        else:
+            candidate = outputs()
+        candidate = require_finite(candidate, "it outputs")
         expected = require_finite(reference(), f"the reference stage '{name}' outputs")
         return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1,
                        task=self.settings.task, labels=self.eval_set.labels,
@@ -157,7 +205,7 @@ class Evaluator:
         return self._eager_run
 
     def _latency(self, run: Callable[[Feeds], Outputs], provider: str, baseline=None) -> list[Latency]:
-        """The batch_sizes measurements first (the report's headline), then one point per sweep value.
+        """The batch_sizes measurements (the report's headline); the sweeps are `sweep_*`'s.
 
         The headline batch is timed interleaved with `baseline` (PyTorch eager) when given: its
         speed-up then compares two figures taken over the same minutes.
@@ -167,8 +215,21 @@ class Evaluator:
         for i, batch in enumerate(self._batch_sizes()):
             beside = baseline if i == 0 else None
             results.append(self._measure(run, self.eval_set.first(batch), s.iterations, provider, f"latency batch {batch}", beside))
+        return results
+
+    def _sweep_latency(self, run: Callable[[Feeds], Outputs], provider: str, headline: list[Latency]) -> list[Latency]:
+        """One point per sweep value. A point on the very inputs a headline figure was timed on (the
+        batch sweep at batch_sizes[0], the sequence sweep at the evaluated length) is that figure,
+        labelled as the sweep's: timing it again would measure the same thing with fewer runs."""
+        s = self.settings
+        timed = {_shape_key(lat.shape): lat for lat in headline if lat.sweep is None}
+        results = []
         for dim, value, feeds in self._sweep_points():
-            point = self._measure(run, feeds, s.sweep_iterations or s.iterations, provider, f"{dim} sweep {_dims_text(feeds)}")
+            point = timed.get(_shape_key({name: list(array.shape) for name, array in feeds.items()}))
+            if point is not None:
+                point = point.model_copy(update={"eager_p50_ms": None, "eager_p90_ms": None})
+            else:
+                point = self._measure(run, feeds, s.sweep_iterations or s.iterations, provider, f"{dim} sweep {_dims_text(feeds)}")
             results.append(point.model_copy(update={"sweep": dim, "sweep_value": value}))
         return results
 
@@ -201,6 +262,20 @@ class Evaluator:
         first = self.shapes.inputs[0].shape[0] if self.shapes.inputs[0].shape else 1
         return first if isinstance(first, int) else 1
 
+    def _sweep_key(self, model_digest: str, extra: dict | None = None) -> str:
+        """A stage's sweep points depend on its model, the data, the timing settings and the machine."""
+        return StageCache.key(
+            format=EVAL_FORMAT,
+            part="sweep",
+            model=model_digest,
+            data=self.eval_set.key,
+            settings=self.settings.model_dump(mode="json", exclude=UNMEASURED_SETTINGS | {"sweep_stages", "tolerance"}),
+            providers=self.providers,
+            machine=machine_id(),
+            libraries=library_versions(("onnxruntime", "onnxruntime-gpu")),
+            extra=extra,
+        )
+
     def _result_key(self, model_digest: str, tolerance: Tolerance, extra: dict | None = None) -> str:
         reference = self._reference[:2] if self._reference else None
         return StageCache.key(
@@ -208,9 +283,8 @@ class Evaluator:
             model=model_digest,
             reference=reference,
             data=self.eval_set.key,
-            # What shapes a measurement only: the reference is keyed above, and a search's strategy or
-            # budget, the Ray resources, the eager baseline on or off change no stage's figures.
-            settings=self.settings.model_dump(mode="json", exclude={"search", "resources", "eager_baseline", "reference"}),
+            # What shapes these figures only: the reference is keyed above; the sweeps are cached apart.
+            settings=self.settings.model_dump(mode="json", exclude=UNMEASURED_SETTINGS | SWEEP_SETTINGS),
             tolerance=tolerance.model_dump(mode="json"),
             providers=self.providers,
             machine=machine_id(),
@@ -231,6 +305,14 @@ def resize_dim(array: np.ndarray, axes: list[int], size: int) -> np.ndarray:
     for axis in axes:
         array = np.take(array, np.arange(size) % array.shape[axis], axis=axis)
     return array
+
+
+def _shape_key(shape: dict[str, list[int]]) -> tuple:
+    return tuple(sorted((name, tuple(dims)) for name, dims in shape.items()))
+
+
+def _raise_no_eager():
+    raise RuntimeError("PyTorch eager is not available as a baseline")
 
 
 def _dims_text(feeds: Feeds) -> str:

@@ -202,7 +202,8 @@ class AccuracyGuard:
             # node stays in float regardless: its fix may only show once its consumers are kept too.
             step.kept = bool(overflowing) or _score(result) > _score(accuracy)
             steps.append(step)
-            self.ctx.log.info("guard tried %s in float: cosine %.5f (kept: %s)", nodes, result.worst_cosine, step.kept)
+            self.ctx.log.info("guard tried %s in float: cosine %.5f, max abs %s, %s (kept: %s)", nodes, result.worst_cosine,
+                              step.max_abs, "; ".join(result.violations) or "within tolerance", step.kept)
             if step.kept:
                 excluded, by_guard, model, accuracy = excluded + nodes, by_guard + nodes, trial, result
                 blamed = None  # a new model: blame again
@@ -303,9 +304,23 @@ def fold_guard_verdict(accuracy: Accuracy | None, info: dict) -> Accuracy | None
     update: dict = {"guard": check}
     if not check.within_tolerance:
         why = f" ({check.gave_up})" if check.gave_up else ""
-        violation = f"the pass's guard measured {check.numerics} out of tolerance: cosine {check.cosine:.5f}{why}"
+        violation = f"the pass's guard measured {check.numerics} out of tolerance: {_failed_criteria(guard)}{why}"
         update |= {"within_tolerance": False, "violations": [*accuracy.violations, violation]}
     return accuracy.model_copy(update=update)
+
+
+def _failed_criteria(guard: dict) -> str:
+    """The criteria the guard's figure broke, each with its value and limit (as `compare` words them).
+
+    A guard report from before it recorded its violations names both figures instead: quoting
+    only the cosine would blame a criterion that may well have held.
+    """
+    violations = guard.get("violations")
+    if violations:
+        return "; ".join(violations)
+    max_abs = guard["max_abs"]
+    max_abs = f"{max_abs:.3g}" if isinstance(max_abs, float) else max_abs
+    return f"cosine {guard['cosine']:.5f}, max abs error {max_abs}"
 
 
 def accuracy_batch(recipe) -> int:

@@ -42,6 +42,10 @@ BUSY_SPREAD = 0.5  # (max - min) / median of the per-block medians
 # Warm-up runs until a block is no faster than the one before (caches, lazy initialisation, JIT kernels).
 WARM_SETTLED = 0.9  # a block at least 10% faster than the previous means still warming up
 WARM_CAP_S = 3.0  # give up waiting for it to settle after this long (the busy flags then tell)
+# The untimed runs before that: `warmup` of them, or as many as fit in this long (at least one). What
+# warms a runtime up is its first calls on a shape (allocations, kernel choice), and the settling
+# blocks after them check it is done; 10 calls of a 300 ms batch are 3 s spent on nothing more.
+WARMUP_S = 0.5
 
 
 def measure(
@@ -91,8 +95,12 @@ def measure(
 
 
 def warm_up(run: Run, feeds: Feeds, warmup: int, clock: Clock = time.perf_counter) -> None:
-    """`warmup` untimed runs, then blocks until one is no faster than the block before it (or WARM_CAP_S)."""
-    for _ in range(warmup):
+    """`warmup` untimed runs (fewer when they take over WARMUP_S), then blocks until one is no faster
+    than the block before it (or WARM_CAP_S)."""
+    start = clock()
+    for i in range(warmup):
+        if i and clock() - start >= WARMUP_S:
+            break
         run(feeds)
     start, previous = clock(), None
     while clock() - start < WARM_CAP_S:

@@ -8,9 +8,13 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from optpipe.artifact import ModelArtifact
 from optpipe.graph.coverage import Coverage, precision_coverage, quantization_warning
+
+if TYPE_CHECKING:
+    from optpipe.cache.store import StageCache
 
 #: Passes whose job is to move compute to int8: they warn when most of it stayed in float.
 QUANTIZATION_PASSES = ("int8", "nncf", "openvino-int8")
@@ -18,16 +22,31 @@ QUANTIZATION_PASSES = ("int8", "nncf", "openvino-int8")
 log = logging.getLogger("optpipe.verdict")
 
 
+#: Bump when precision_coverage's figures change: cached coverages of older formats are not reused.
+COVERAGE_FORMAT = 1
+
+
 def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str,
-                   excluded: list[str] | None = None) -> tuple[Coverage | None, list[str]]:
-    """The stage's precision mix and, for a quantization stage, the warning when it mostly stayed in float."""
+                   excluded: list[str] | None = None, cache: "StageCache | None" = None) -> tuple[Coverage | None, list[str]]:
+    """The stage's precision mix and, for a quantization stage, the warning when it mostly stayed in float.
+
+    `cache`: where the figures of a model already counted are kept. Counting needs shape inference
+    (ORT's symbolic one imports torch): a cached rerun reads them instead.
+    """
     if not artifact.path.is_file():
         return None, []  # an OpenVINO IR: its info records the compute layers that run int8 (int8_layers)
-    try:
-        coverage = precision_coverage(artifact.load(with_weights=False), dims, excluded=set(excluded or ()))
-    except Exception as exc:  # a graph shape inference cannot read: the report says so, the run goes on
-        log.warning("precision coverage not computed: %s", exc)
-        return None, []
+    key = cache.key(coverage=COVERAGE_FORMAT, model=artifact.content_hash(), dims=dims, excluded=sorted(excluded or ())) if cache else None
+    hit = cache.get_result(key) if cache else None
+    if hit is not None:
+        coverage = Coverage.model_validate(hit)
+    else:
+        try:
+            coverage = precision_coverage(artifact.load(with_weights=False), dims, excluded=set(excluded or ()))
+        except Exception as exc:  # a graph shape inference cannot read: the report says so, the run goes on
+            log.warning("precision coverage not computed: %s", exc)
+            return None, []
+        if cache:
+            cache.put_result(key, coverage.model_dump(mode="json"))
     warnings = []
     if pass_name in QUANTIZATION_PASSES:
         warning = quantization_warning(coverage)

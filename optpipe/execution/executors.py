@@ -56,11 +56,21 @@ class Progress:
         tail = f" — {detail}" if detail else ""
         self.line(f"  {status:>7} {prefix}{what} {name} ({seconds:.1f}s){where}{tail}")
 
+    def target(self, label: str, result, seconds: float, node: dict | None) -> None:
+        where = f" on {_node_text(node)}" if node else ""
+        prefix = f"{label}: " if self.show_recipe else ""
+        tail = f" — {result.reason}" if result.reason else ""
+        self.line(f"  {result.status:>7} {prefix}target {result.kind} {result.stage} ({seconds:.1f}s){where}{tail}")
+
 
 class Executor(Protocol):
     slots: int  # trials worth running at once
 
     def run(self, plans: list[Plan], progress: Progress) -> None: ...
+
+    def target_runner(self, recipe: Recipe, settings: TaskSettings, report, progress: Progress):
+        """How this executor builds a recipe's targets (optpipe.targets.TargetRunner); None: in the driver."""
+        ...
 
     def close(self) -> None: ...
 
@@ -94,6 +104,9 @@ class LocalExecutor:
                 result.evaluation_s = round(time.perf_counter() - started, 3)
                 plan.memo.results[name] = result
                 progress.stage(plan, name, "evaluate", result_label(result), time.perf_counter() - started, node, result_detail(result))
+
+    def target_runner(self, recipe: Recipe, settings: TaskSettings, report, progress: Progress):
+        return None  # the targets are built here, after the run, as a plain compile builds them
 
     def close(self) -> None:
         pass

@@ -9,7 +9,7 @@ from typing import Callable
 
 from filelock import FileLock
 
-from optpipe.dag import build_dag, execution_order
+from optpipe.dag import build_dag, only_order
 from optpipe.execution.executors import Plan, Progress, RunMemo
 from optpipe.execution.stage_tasks import TaskSettings, hardware_class
 from optpipe.results import RunReport, StageResult
@@ -21,13 +21,13 @@ from optpipe.validate import validate_recipe
 class PlainDriver:
     """A recipe without a search: one plan with every stage."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings):
+    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings, only: str | None = None):
         validate_recipe(recipe)
         self.recipe = recipe
         self.run_dir = run_dir
         self.settings = settings
         self.memo = RunMemo()
-        self.order = execution_order(build_dag(recipe.stages))
+        self.order = only_order(build_dag(recipe.stages), only)  # --only: that stage and its ancestors
         self._planned = False
 
     def next_plan(self, slots: int) -> Plan | None:
@@ -39,8 +39,12 @@ class PlainDriver:
     def absorb(self, progress: Progress) -> None:
         pass
 
-    def finish(self, group_by_node: bool, providers: str, progress: Progress) -> RunReport:
-        return finish_run(self.recipe, self.order, self.memo, self.run_dir, self.settings, group_by_node)
+    def finish(self, group_by_node: bool, providers: str, progress: Progress, executor=None) -> RunReport:
+        return finish_run(self.recipe, self.order, self.memo, self.run_dir, self.settings, group_by_node,
+                          targets=targets_on(executor, self.recipe, self.settings, progress))
+
+    def close(self) -> None:
+        pass
 
     def failed(self, report: RunReport) -> list[StageResult]:
         return report.failed
@@ -54,8 +58,16 @@ def wants_eager(recipe: Recipe) -> bool:
     return recipe.evaluate.eager_baseline and not isinstance(recipe.model, OnnxModel)
 
 
+def targets_on(executor, recipe: Recipe, settings: TaskSettings, progress: Progress) -> Callable | None:
+    """The executor's way to build the recipe's targets, given the run's report (None: in the driver)."""
+    if executor is None:
+        return None
+    return lambda report: executor.target_runner(recipe, settings, report, progress)
+
+
 def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, settings: TaskSettings,
-               group_by_node: bool, search: Callable[[RunReport], dict] | None = None) -> RunReport:
+               group_by_node: bool, search: Callable[[RunReport], dict] | None = None,
+               targets: Callable | None = None) -> RunReport:
     """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
     from optpipe.execution.run_folder import publish_stage_folders
     from optpipe.execution.services import RunServices
@@ -76,7 +88,8 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
                 save_sample_inputs(run_dir, RunServices(recipe.model_source(), recipe.data, cache).eval_set().arrays)
             try:
                 write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
-                run_targets(target_settings(recipe, cache.root), report, run_dir, cache, providers)
+                run_targets(target_settings(recipe, cache.root), report, run_dir, cache, providers,
+                            runner=targets(report) if targets else None)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows
     finally:

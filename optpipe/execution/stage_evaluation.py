@@ -1,6 +1,11 @@
 """Stage evaluation: every finished stage measured on the same inputs against the reference
 stage's outputs, plus the PyTorch eager baseline. A failed measurement marks its stage
-failed with the reason; it never stops the run."""
+failed with the reason; it never stops the run.
+
+Two phases: accuracy and the headline latencies (batch_sizes) of every stage, then the sweep
+curves (`evaluate.sweep`) of the stages that get them: with `sweep_stages: frontier` (the
+default) the Pareto frontier's and the eager baseline's, since a curve is read for the stages
+one might pick; `all` sweeps every stage. The frontier is the report's own (same function)."""
 from __future__ import annotations
 
 import logging
@@ -70,7 +75,33 @@ def evaluate_stages(
             _evaluate_stage(result, parts, evaluator, instruments)
         results.append(result)
     flag_unchanged_stages([stages[name] for name in order], stages)
+    if parts.evaluate.sweep:
+        _sweep(results, parts, evaluator, instruments)
     return results
+
+
+def _sweep(results: list[StageResult], parts: EvaluationParts, evaluator: Evaluator, instruments: Instrument) -> None:
+    """Phase 2: the sweep points of the stages that get curves, appended to their latency rows."""
+    from optpipe.reporting.run_report import pareto_frontier
+
+    chosen = set(pareto_frontier(results)) if parts.evaluate.sweep_stages == "frontier" else {r.name for r in results}
+    for result in results:
+        if result.status != "ok" or not result.latency or (result.name not in chosen and result.name != EAGER_STAGE):
+            continue
+        if result.name == EAGER_STAGE and not chosen - {EAGER_STAGE}:
+            continue  # no stage has curves: the baseline's alone would compare with nothing
+        try:
+            if result.name == EAGER_STAGE:
+                points, cached = evaluator.sweep_eager(_eager_digest(parts), result.latency)
+            else:
+                points, cached = evaluator.sweep_onnx(result.model, result.latency)
+        except Exception as exc:  # a shape the model refuses: the curve is missing, the stage's verdict stands
+            escalate(exc, evaluator.cache.root)
+            logging.getLogger("optpipe").debug("sweep of %s failed", result.name, exc_info=True)
+            result.warnings.append(f"latency sweep failed: {type(exc).__name__}: {first_line(exc)}")
+            continue
+        result.latency = [*result.latency, *points]
+        result.cached = result.cached and cached
 
 
 def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Evaluator, instruments: Instrument) -> None:
@@ -79,7 +110,7 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
     result.size_bytes = artifact.size_bytes()
     result.info = artifact.info
     dims = {dim: spec_.opt for dim, spec_ in parts.source.dims.items()}
-    result.coverage, result.warnings = stage_coverage(artifact, dims, result.pass_name, artifact.info.get("excluded"))
+    result.coverage, result.warnings = stage_coverage(artifact, dims, result.pass_name, artifact.info.get("excluded"), evaluator.cache)
     restore_signal_stack()  # OpenVINO may have left it dangling: Ctrl-C must not crash
     instruments.before_evaluation(result.name)
     try:
@@ -101,7 +132,7 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
     result = StageResult(name=EAGER_STAGE, pass_name="eager", status="ok")
     instruments.before_evaluation(EAGER_STAGE)
     try:
-        digest = StageCache.key(source=source_fingerprint(parts.source), inputs=[s.model_dump() for s in parts.source.inputs])
+        digest = _eager_digest(parts)
         accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, parts.evaluate.tolerance)
     except OptpipeError as exc:
         escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
@@ -115,6 +146,10 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
     result.warnings += accuracy.warnings if accuracy else []
     instruments.after_evaluation(result)
     return result
+
+
+def _eager_digest(parts: EvaluationParts) -> str:
+    return StageCache.key(source=source_fingerprint(parts.source), inputs=[s.model_dump() for s in parts.source.inputs])
 
 
 def _evaluation_failed(result: StageResult, reason: str, instruments: Instrument) -> None:

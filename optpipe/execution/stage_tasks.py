@@ -78,6 +78,19 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     return results
 
 
+def build_target(recipe: Recipe, report, work, shared: dict, settings: TaskSettings):
+    """One target (optpipe.targets.TargetWork) for one stage of the run folder, stamped with the node that built it."""
+    from optpipe.targets import build_one, target_settings
+
+    cache = settings.open_cache()
+    try:
+        result = build_one(target_settings(recipe, cache.root), report, settings.run_dir, cache, settings.providers, work, shared)
+    finally:
+        cache.release_leases()
+    result.built_on = node_description()
+    return result
+
+
 def node_description() -> dict:
     """Where a figure was measured: the host, its CPU model and count, its GPUs, and the Ray node."""
     from optpipe.reporting.run_report import machine_description

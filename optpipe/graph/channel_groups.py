@@ -26,6 +26,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from optpipe.graph.edit import node_attribute
+
 CHANNELWISE_UNARY = {
     "Relu", "LeakyRelu", "PRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Gelu", "Erf", "Elu", "Selu",
     "Celu", "Softplus", "Softsign", "Mish", "Clip", "Identity", "Dropout", "Neg", "Abs", "Sqrt", "Exp", "Log",
@@ -163,7 +165,7 @@ class GroupFinder:
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
         y = node.output[0]
         weight = self.weights.get(w)
-        group = _attr(node, "group", 1)
+        group = node_attribute(node, "group", 1)
         if weight is None or (bias is not None and bias not in self.weights):
             self._block(x, f"Conv '{node.name}' has computed weights")
             return
@@ -185,7 +187,7 @@ class GroupFinder:
     def _matmul(self, node, op: str) -> None:
         a, b, y = node.input[0], node.input[1], node.output[0]
         weight = self.weights.get(b)
-        trans_a, trans_b = _attr(node, "transA", 0), _attr(node, "transB", 0)
+        trans_a, trans_b = node_attribute(node, "transA", 0), node_attribute(node, "transB", 0)
         if weight is None or weight.ndim != 2 or trans_a or a in self.weights:
             for name in node.input:
                 self._block(name, f"{op} '{node.name}' without a 2-D weight")
@@ -208,7 +210,7 @@ class GroupFinder:
             for name in node.input[1:5]:
                 self._record(y, "param", WeightSlice(name, 0, node.name))
             scale, _, _, var = (self.weights[n] for n in node.input[1:5])
-            eps = _attr(node, "epsilon", 1e-5)
+            eps = node_attribute(node, "epsilon", 1e-5)
             self._record(y, "bn_scale", np.abs(scale) / np.sqrt(var + eps))
 
     def _channelwise(self, node, extra_inputs) -> None:
@@ -368,12 +370,6 @@ def _norms(weight: np.ndarray, axis: int) -> np.ndarray:
     moved = np.moveaxis(weight.astype(np.float64), axis, 0)
     return np.sqrt((moved.reshape(moved.shape[0], -1) ** 2).sum(axis=1))
 
-
-def _attr(node, name: str, default):
-    for attr in node.attribute:
-        if attr.name == name:
-            return helper.get_attribute_value(attr)
-    return default
 
 
 def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list]:

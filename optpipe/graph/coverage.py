@@ -23,6 +23,8 @@ import onnx
 from onnx import TensorProto
 from pydantic import BaseModel, Field
 
+from optpipe.graph.edit import node_attribute
+
 log = logging.getLogger("optpipe.coverage")
 
 #: Ops that compute in integers whatever their neighbours: ORT's QOperator and dynamic forms.
@@ -224,7 +226,7 @@ def _matmul_macs(node, types):
     a, y = _dims(types, node.input[0]), _dims(types, node.output[0])
     if not a or not y:
         return None
-    k = a[-2] if _attr(node, "transA", 0) and len(a) >= 2 else a[-1]
+    k = a[-2] if node_attribute(node, "transA", 0) and len(a) >= 2 else a[-1]
     return int(np.prod(y, dtype=np.int64) * k)
 
 
@@ -333,12 +335,6 @@ def _shares(counts: dict[str, int]) -> dict[str, float]:
         return {}
     return dict(sorted(((k, round(v / total, 4)) for k, v in counts.items() if v), key=lambda kv: -kv[1]))
 
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    for attr in node.attribute:
-        if attr.name == name:
-            return onnx.helper.get_attribute_value(attr)
-    return default
 
 
 def _op_name(node: onnx.NodeProto) -> str:

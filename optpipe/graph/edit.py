@@ -1,7 +1,16 @@
-"""Small, generic edits of ONNX graphs that several passes need."""
+"""Small, generic reads and edits of ONNX graphs that several passes need."""
 from __future__ import annotations
 
 import onnx
+
+
+def node_attribute(node: onnx.NodeProto, name: str, default):
+    """The node's attribute `name` as a Python value, or `default` where the node leaves it out
+    (onnx.helper.get_node_attr_value raises instead)."""
+    for attr in node.attribute:
+        if attr.name == name:
+            return onnx.helper.get_attribute_value(attr)
+    return default
 
 
 def name_unnamed_nodes(model: onnx.ModelProto) -> onnx.ModelProto:

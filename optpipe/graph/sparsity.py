@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
+
+from optpipe.graph.edit import node_attribute
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,11 @@ def prunable_weights(model: onnx.ModelProto, ops: set[str]) -> list[PrunableWeig
         if init is None or len(init.dims) < 2 or name in found:
             continue
         if node.op_type == "Conv":
-            if _attr(node, "group", 1) != 1:
+            if node_attribute(node, "group", 1) != 1:
                 continue  # a grouped conv's input axis holds a slice of the channels, not a reduction TensorRT sparsifies
             axis = 1
         elif node.op_type == "Gemm":
-            axis = 1 if _attr(node, "transB", 0) else 0
+            axis = 1 if node_attribute(node, "transB", 0) else 0
         else:
             if len(init.dims) != 2:
                 continue
@@ -80,9 +81,3 @@ def is_two_four(weight: np.ndarray, axis: int) -> bool:
 def sparsity(weight: np.ndarray) -> float:
     return float((weight == 0).mean()) if weight.size else 0.0
 
-
-def _attr(node, name: str, default):
-    for attr in node.attribute:
-        if attr.name == name:
-            return helper.get_attribute_value(attr)
-    return default

@@ -8,9 +8,12 @@ highlighted) and one latency/throughput curve per batch size and per swept dim.
 """
 from __future__ import annotations
 
+import hashlib
 import html
 import io
+import json
 import re
+from pathlib import Path
 
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, out_of_tolerance, stage_rows, table_note
@@ -22,14 +25,18 @@ CANDIDATE = "#5c7cbf"
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
 
-def render_html(report: RunReport) -> str:
+def render_html(report: RunReport, plots_file: Path | None = None) -> str:
+    """The page; `plots_file`: where the plots drawn last time are kept with the data they show, so
+    that a rerun with the same figures (a cached compile) does not import matplotlib to draw them again."""
+    plots = _plots(report, plots_file)
     sections = [
         _header(report),
-        _section("Stages", _dag_svg(report) + _stage_table(report)),
-        _section("Pareto: latency vs accuracy error", _pareto_svg(report)),
+        _section("Stages", plots["dag"] + _stage_table(report)),
+        _section("Pareto: latency vs accuracy error", plots["pareto"]),
     ]
-    for title, curves in _latency_curves(report):
-        sections.append(_section(title, _curves_svg(curves, title)))
+    note = sweep_note(report)
+    for title, svg in plots["curves"]:
+        sections.append(_section(title, svg + (f"<p class='note'>{html.escape(note)}</p>" if note else "")))
     sections.append(_problems(report))
     floats = left_in_float(report.stages)
     if floats:
@@ -40,6 +47,64 @@ def render_html(report: RunReport) -> str:
     sections.append(render_search_html(report.search, report.hardware))
     body = "\n".join(s for s in sections if s)
     return _PAGE.format(title=html.escape(f"optpipe report: {report.recipe}"), style=_STYLE, body=body)
+
+
+def _plots(report: RunReport, plots_file: Path | None) -> dict:
+    """{"dag", "pareto", "curves": [(title, svg)]}: drawn, or read from `plots_file` when it holds
+    the plots of the same data (the digest of everything the plots read)."""
+    digest = hashlib.sha256(json.dumps(_plotted_data(report), sort_keys=True).encode()).hexdigest()
+    if plots_file is not None:
+        try:
+            kept = json.loads(plots_file.read_text(encoding="utf-8"))
+            if kept.get("digest") == digest:
+                return kept["plots"]
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass  # none yet, or unreadable: drawn again
+    plots = {"dag": _dag_svg(report), "pareto": _pareto_svg(report),
+             "curves": [(title, _curves_svg(curves, title)) for title, curves in _latency_curves(report)]}
+    if plots_file is not None:
+        from optpipe.artifact import write_text_atomic
+
+        try:
+            write_text_atomic(plots_file, json.dumps({"digest": digest, "plots": plots}))
+        except OSError:
+            pass  # a read-only run folder: the page is still written, the next one draws again
+    return plots
+
+
+#: Bump when a plot's drawing changes: plots kept from an older version are drawn again.
+PLOTS_FORMAT = 1
+
+
+def _plotted_data(report: RunReport) -> dict:
+    """Everything the plots read (not the creation time, stage durations or cache flags)."""
+    fields = {"name", "parent", "status", "pass_name", "pareto", "latency", "accuracy", "size_bytes"}
+    return {"format": PLOTS_FORMAT, "evaluation": report.evaluation,
+            "stages": [s.model_dump(mode="json", include=fields) for s in report.stages]}
+
+
+def sweep_note(report: RunReport) -> str | None:
+    """Which stages have sweep curves, and why the others have none (None when nothing was swept)."""
+    sweep = report.evaluation.get("sweep") or {}
+    if not sweep:
+        return None
+    swept = [s.name for s in report.stages if any(lat.sweep for lat in s.latency)]
+    rest = [s for s in report.stages if s.name not in swept]
+    text = f"Sweep curves ({', '.join(sweep)}): " + (", ".join(swept) or "none") + "."
+    if not rest:
+        return text
+    why = []
+    for s in rest:
+        if s.status != "ok":
+            why.append(f"{s.name} ({s.status})")
+        elif any("latency sweep failed" in w for w in s.warnings):
+            why.append(f"{s.name} (its sweep failed, see its warnings)")
+        elif report.evaluation.get("sweep_stages", "frontier") == "frontier":
+            why.append(f"{s.name} (not on the Pareto frontier)")
+        else:
+            why.append(s.name)
+    return text + " None for " + ", ".join(why) + ("; `evaluate.sweep_stages: all` sweeps every stage."
+                                                     if report.evaluation.get("sweep_stages", "frontier") == "frontier" else ".")
 
 
 # --- page parts ----------------------------------------------------------------------------

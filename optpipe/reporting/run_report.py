@@ -77,13 +77,17 @@ def machine_description() -> dict[str, Any]:
     }
 
 
+#: report.html's plots with the digest of the data they show: a rerun with the same figures reuses them.
+PLOTS_FILE = ".report-plots.json"
+
+
 def write_report(report: RunReport, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / "report.json", report.model_dump_json(indent=2))
     write_text_atomic(run_dir / "report.md", render_markdown(report))
     from optpipe.reporting.html import render_html  # matplotlib loads only when a report is written
 
-    write_text_atomic(run_dir / "report.html", render_html(report))
+    write_text_atomic(run_dir / "report.html", render_html(report, run_dir / PLOTS_FILE))
 
 
 def render_markdown(report: RunReport) -> str:
@@ -93,6 +97,10 @@ def render_markdown(report: RunReport) -> str:
     lines += [stage_table(report), ""]
     if report.pareto:
         lines += ["Pareto frontier (latency, accuracy error, size; within tolerance): " + ", ".join(f"**{n}**" for n in report.pareto), ""]
+    from optpipe.reporting.html import sweep_note  # which stages report.html draws curves for, and why not the rest
+
+    if sweep_note(report):
+        lines += [sweep_note(report), ""]
     warned = grouped_warnings(report.stages)
     if warned:
         lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
@@ -150,7 +158,10 @@ def targets_markdown(targets: list[TargetResult]) -> list[str]:
     lines = ["## Targets", "", "| target | stage | status | precision | provider | p50 ms | artifact |", "|---|---|---|---|---|---|---|"]
     for t in targets:
         p50 = f"{t.headline.p50_ms:.2f}" if t.headline else ""
-        lines.append(f"| {t.kind} | {t.stage} | {t.describe()} | {t.precision or ''} | {t.provider or ''} | {p50} | {t.path or ''} |")
+        built = t.built_on or {}
+        where = f" on {built.get('host')} [{built['ray_node']}]" if built.get("ray_node") else ""  # a Ray task's node
+        status = t.describe() + (f" ⚠ {t.gpu_check['warning'].split(':')[0]}" if t.gpu_check and t.gpu_check["warning"] else "")
+        lines.append(f"| {t.kind} | {t.stage} | {status} | {t.precision or ''} | {t.provider or ''}{where} | {p50} | {t.path or ''} |")
     return lines + [""]
 
 

@@ -32,14 +32,19 @@ STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 _ORT_UNKNOWN_OP = re.compile(r"(?:[\w.]+:(?P<op>\w+)\(-?\d+\) is not a registered function/op|No Op registered for (?P<op2>\w+))")
 
 
-def load_graph(path: Path, where: str) -> onnx.ModelProto:
-    """The model without its weights, after checking it is ONNX and its external data is safe."""
+def check_model_path(path: Path, where: str) -> None:
+    """`path` is a regular file (not a folder, a device or a pipe, which would block a reader)."""
     if path.is_dir():
         raise ModelSourceError(f"{where}: '{path}' is a folder; give the path of the .onnx file in it")
     if path.exists() and not path.is_file():
         raise ModelSourceError(f"{where}: '{path}' is not a regular file (a device or a pipe); give the path of an .onnx file")
     if not path.is_file():
         raise ModelSourceError(f"{where}: file '{path}' does not exist; give the path of an .onnx model")
+
+
+def load_graph(path: Path, where: str) -> onnx.ModelProto:
+    """The model without its weights, after checking it is ONNX and its external data is safe."""
+    check_model_path(path, where)
     if path.stat().st_size == 0:
         raise ModelSourceError(f"{where}: '{path.name}' is empty; export the model again")
     try:
@@ -86,19 +91,53 @@ def check_external_data(model: onnx.ModelProto, folder: Path, where: str) -> Non
             )
 
 
-def model_size(path: Path, model: onnx.ModelProto) -> int:
-    """Bytes of the model file and its external data."""
-    return path.stat().st_size + sum((path.parent / loc).stat().st_size for loc in external_locations(model))
+# What a user's ONNX file must pass before a stage trusts it, in two parts that preflight runs
+# up front (optpipe/safety/preflight.py), so that a file lying about being a usable ONNX model is
+# the user's error (exit 2), never a failed stage.
 
 
-def check_model_file(path: Path, model: onnx.ModelProto, where: str) -> None:
-    """onnx.checker on the file (by path, so models over 2 GB are checked too)."""
+def check_named_parts(path: Path, recipe: Recipe, where: str) -> onnx.ModelProto:
+    """The cheap checks, on the graph without its weights: it parses, its external data is safe, its
+    inputs are the recipe's, its opsets and ops exist."""
+    graph = load_graph(path, where)
+    check_inputs_match(graph, recipe, path.name)
+    check_opsets(graph, path.name, where)
+    unknown = unknown_ops(graph)
+    if unknown:
+        raise ModelSourceError(
+            f"{where}: '{path.name}' uses ops that no ONNX schema defines at its opset ({', '.join(unknown)}); "
+            "replace them or export with an opset that has them"
+        )
+    return graph
+
+
+def check_loadable(path: Path, where: str) -> None:
+    """The costly checks: onnx.checker's full check (shape and type inference) and an ONNX Runtime session."""
+    check_model_file(path, where)
+    check_runnable(path, where)
+
+
+def check_opsets(model: onnx.ModelProto, name: str, where: str) -> None:
+    """The standard-domain opset exists: onnx.checker accepts any number, and ONNX Runtime's
+    refusal of a future opset reads as a development-build warning."""
+    newest = onnx.defs.onnx_opset_version()
+    for opset in model.opset_import:
+        if (opset.domain or "") in ("", "ai.onnx") and opset.version > newest:
+            raise ModelSourceError(
+                f"{where}: '{name}' declares opset {opset.version}, newer than any ONNX release this install knows "
+                f"(newest: {newest}); export it with opset <= {newest}"
+            )
+
+
+def check_model_file(path: Path, where: str) -> None:
+    """onnx.checker's full check (shape and type inference too) on the file.
+
+    By path, whatever its size: a model over 2 GB cannot be one protobuf, and below that the
+    path check still spares loading every weight into memory.
+    """
     try:
-        if model_size(path, model) >= PROTOBUF_LIMIT:
-            onnx.checker.check_model(str(path), full_check=False)
-        else:
-            onnx.checker.check_model(onnx.load(str(path)), full_check=False)
-    except Exception as exc:  # ValidationError and protobuf errors
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as exc:  # ValidationError, InferenceError and protobuf errors
         raise ModelSourceError(f"{where}: '{path.name}' is not a valid ONNX model ({first_line(exc)}); export it again") from None
 
 

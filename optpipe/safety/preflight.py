@@ -1,6 +1,6 @@
 """Checks before any stage runs, so that a broken model file or data set costs one line and
-no compute: the ONNX source is an ONNX model whose inputs match the recipe, the data sets
-load with the recipe's shapes and dtypes.
+no compute: the ONNX source is a valid ONNX model (onnx.checker's full check, ONNX Runtime
+can load it) whose inputs match the recipe, the data sets load with the recipe's shapes and dtypes.
 
 Problems found here are the user's to fix (exit code 2); problems found while a stage
 runs fail that stage and name it (exit code 1).
@@ -9,25 +9,51 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from optpipe.errors import DataError
 from optpipe.recipe import Recipe
 
+if TYPE_CHECKING:
+    from optpipe.cache.store import StageCache
+
 _DATA_PREFIX = re.compile(r"^(data(\.\w+)?( source '\w+')?:\s*)")
 
 
-def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], object], calibration_set: Callable[[], object]) -> None:
+def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], object], calibration_set: Callable[[], object],
+              cache: "StageCache | None" = None) -> None:
     """`onnx_path`: the model file of an ONNX recipe (resolved by the caller, from model_source).
-    The data sets are built (or loaded) through the run's builders, so the stages reuse them."""
+    The data sets are built (or loaded) through the run's builders, so the stages reuse them.
+    `cache`: where a model file that passed is remembered (see `check_onnx_source`)."""
     if onnx_path is not None:
-        from optpipe.safety import onnx_guard
-
-        graph = onnx_guard.load_graph(onnx_path, "model.onnx")
-        onnx_guard.check_inputs_match(graph, recipe, onnx_path.name)
+        check_onnx_source(recipe, onnx_path, cache)
     _check_data(eval_set, "eval")
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
+
+
+def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = None) -> None:
+    """The cheap checks every run; the costly ones (onnx.checker's full check, an ONNX Runtime session,
+    which reads every weight: seconds for a model of gigabytes) once per version of the files.
+
+    A version is judged as make judges a file: its size and modification time (the model's and its
+    external data's), with the library versions that judged it.
+    """
+    from optpipe.cache.store import StageCache, library_versions
+    from optpipe.safety import onnx_guard
+
+    graph = onnx_guard.check_named_parts(path, recipe, "model.onnx")
+    files = [path, *(path.parent / location for location in onnx_guard.external_locations(graph))]
+    key = StageCache.key(
+        preflight="onnx-source",
+        files=[(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+        libraries=library_versions(("onnx", "onnxruntime")),
+    )
+    if cache is not None and cache.get_result(key):
+        return
+    onnx_guard.check_loadable(path, "model.onnx")
+    if cache is not None:
+        cache.put_result(key, {"passed": str(path)})
 
 
 def _check_data(build, which: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from optpipe.dag import build_dag, execution_order
 from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail
 from optpipe.execution.stage_tasks import TaskSettings
-from optpipe.execution.fan_out import finish_run, reference_of, wants_eager
+from optpipe.execution.fan_out import finish_run, reference_of, targets_on, wants_eager
 from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 from optpipe.results import RunReport
@@ -19,6 +19,7 @@ from optpipe.search.report import search_section
 from optpipe.search.space import SearchSpace, Trial
 from optpipe.search.spec import SearchSettings
 from optpipe.search.strategies import make_proposer, resolve_strategy
+from optpipe.search.study import study_path
 from optpipe.validate import validate_recipe
 
 
@@ -38,7 +39,8 @@ class SearchDriver:
         self.settings = recipe.evaluate.search or SearchSettings()
         self.strategy, self.budget = resolve_strategy(self.space, self.settings, yes)
         _validate_every_value(self.space)
-        self.proposer = make_proposer(self.space, self.settings, self.strategy, self.budget)
+        study = study_path(recipe, self.space, self.settings, run_dir) if self.strategy == "optuna" else None
+        self.proposer = make_proposer(self.space, self.settings, self.strategy, self.budget, study, settings.force)
         self.task_settings = settings
         self.memo = RunMemo()
         self.records: list[TrialRecord] = []
@@ -46,14 +48,29 @@ class SearchDriver:
         self.expanded, self.leaves = self.space.expand([])
         self.started: float | None = None
         self.stopped = ""
+        self._resume(self.proposer.resumed())
+
+    def _resume(self, trials: list[Trial]) -> None:
+        """A saved study's finished trials are this run's first: measured again from the cache, told to no one."""
+        if not trials:
+            self.unreported: list[TrialRecord] = []
+            return
+        self.expanded, self.leaves = self.space.expand(list(dict.fromkeys(trials)))
+        seen: dict[Trial, int] = {}
+        for trial in trials:
+            record = TrialRecord(len(self.records) + 1, trial, self.leaves.get(trial), seen.get(trial))
+            seen.setdefault(trial, record.number)
+            self.records.append(record)
+        self.unreported = list(self.records)
 
     # The driver protocol of optpipe.execution.fan_out.
     def next_plan(self, slots: int) -> Plan | None:
         self.started = self.started or time.perf_counter()
         count = self._room(slots)
-        if count == 0:
+        resumed = [r for r in self.unreported if r.stage and r.stage not in self.memo.results]
+        if count == 0 and not resumed:
             return None
-        self.pending = self.proposer.ask(count)
+        self.pending = self.proposer.ask(count) if count else []
         trials = [r.trial for r in self.records] + [t for _, t in self.pending]
         self.expanded, self.leaves = self.space.expand(list(dict.fromkeys(trials)))
         order = execution_order(build_dag(self.expanded.stages))
@@ -64,6 +81,12 @@ class SearchDriver:
     def absorb(self, progress: Progress) -> None:
         seen = {r.trial: r.number for r in self.records if r.repeat_of is None}
         total = self.budget or self.space.size
+        for record in self.unreported:
+            result = self.memo.results.get(record.stage) if record.stage else None
+            detail = result_detail(result) if result else "nothing to measure: every searched stage is off"
+            params = ", ".join(f"{k}={v}" for k, v in record.trial.values)
+            progress.line(f"  trial {record.number}/{total} from the saved study: {params} -> {record.stage} — {detail}")
+        self.unreported = []
         for handle, trial in self.pending:
             stage = self.leaves.get(trial)
             result = self.memo.results.get(stage) if stage else None
@@ -80,19 +103,23 @@ class SearchDriver:
             progress.line(f"  trial {record.number}/{total} {status}{again}: {params} -> {stage} — {detail}")
         self.pending = []
 
-    def finish(self, group_by_node: bool, providers: str, progress: Progress) -> RunReport:
+    def finish(self, group_by_node: bool, providers: str, progress: Progress, executor=None) -> RunReport:
         wall = time.perf_counter() - (self.started or time.perf_counter())
         order = execution_order(build_dag(self.expanded.stages))
 
         def section(report: RunReport) -> dict:
             return search_section(self, report, wall)
 
-        report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings, group_by_node, section)
+        report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings, group_by_node, section,
+                            targets_on(executor, self.expanded, self.task_settings, progress))
         s = report.search
         best = s["best"]["stage"] if s.get("best") else "none within tolerance"
         progress.line(f"search {self.recipe.name}: {len(s['trials'])} trials ({s['counts']}), stopped: {s['stopped']}, "
                       f"frontier: {', '.join(s['frontier']) or 'none'}; best: {best}; wall {wall:.1f}s")
         return report
+
+    def close(self) -> None:
+        self.proposer.close()  # another driver may take the saved study from now on
 
     def failed(self, report: RunReport) -> list[StageResult]:
         """Stages outside the trials that failed; a failed trial is a search result, unless every trial failed."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from optpipe.cache.folder import check_apart
 from optpipe.errors import OptpipeError
 from optpipe.execution.executors import Executor, Progress, settings_for
 from optpipe.execution.fan_out import PlainDriver
@@ -25,23 +24,35 @@ from optpipe.search.space import SearchSpace
 def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Path | None = None, output: Path | None = None,
                     force: bool = False, providers: str = "auto", yes: bool = False, group_by_node: bool = False,
                     progress: Progress | None = None, remote_cache: str | None = None,
-                    storage_options: dict | None = None) -> list[tuple[RunReport, list[StageResult]]]:
-    """Run every recipe (searches included) on `executor`; one report per recipe and the stages that failed."""
+                    storage_options: dict | None = None, only: str | None = None) -> list[tuple[RunReport, list[StageResult]]]:
+    """Run every recipe (searches included) on `executor`; one report per recipe and the stages that failed.
+    `only`: one plain recipe's stage and its ancestors (`--only`)."""
     if output is not None and len(recipes) > 1:
         raise OptpipeError("--output names one run folder; with several recipes each writes to its own `output`")
     progress = progress or Progress(show_recipe=len(recipes) > 1)
     drivers = []
-    for recipe in recipes:
-        paths = RunPaths.resolve(recipe, output, cache_dir)
+    folders = [RunPaths.for_run(recipe, output, cache_dir) for recipe in recipes]  # all refused before any work
+    for recipe, paths in zip(recipes, folders):
         run_dir, cache = paths.run_dir, paths.cache_dir
-        check_apart(run_dir, cache)  # as a local compile: `cache gc` must never remove a run, nor a run the cache
         settings = settings_for(recipe, cache, run_dir, force, providers, remote_cache, storage_options)
         _preflight(recipe, settings)
         if SearchSpace.declared(recipe):
             drivers.append(SearchDriver(recipe, run_dir, settings, yes))
         else:
-            drivers.append(PlainDriver(recipe, run_dir, settings))
+            drivers.append(PlainDriver(recipe, run_dir, settings, only))
     started = time.perf_counter()
+    try:
+        reports = _run(drivers, executor, progress, group_by_node, providers)
+    finally:
+        for driver in drivers:
+            driver.close()
+    stages = sum(len(r.stages) for r, _ in reports)
+    progress.line(f"done: {len(reports)} recipe{'s' if len(reports) != 1 else ''}, {stages} stages, "
+                  f"wall {time.perf_counter() - started:.1f}s")
+    return reports
+
+
+def _run(drivers: list, executor: Executor, progress: Progress, group_by_node: bool, providers: str) -> list:
     active = list(drivers)
     while active:
         plans = {id(d): d.next_plan(executor.slots) for d in active}
@@ -53,13 +64,9 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
             driver.absorb(progress)
     reports = []
     for driver in drivers:
-        report = driver.finish(group_by_node, providers, progress)
+        report = driver.finish(group_by_node, providers, progress, executor)
         reports.append((report, driver.failed(report)))
-    stages = sum(len(r.stages) for r, _ in reports)
-    progress.line(f"done: {len(reports)} recipe{'s' if len(reports) != 1 else ''}, {stages} stages, "
-                  f"wall {time.perf_counter() - started:.1f}s")
     return reports
-
 
 
 def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
@@ -71,6 +78,6 @@ def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
     try:
         services = RunServices(recipe.model_source(), recipe.data, cache)
-        preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set)
+        preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
     finally:
         cache.release_leases()

@@ -3,12 +3,14 @@ Optuna's multi-objective samplers (TPE, NSGA-II) through its ask/tell interface.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 from optpipe.errors import RecipeError
 from optpipe.results import StageResult
 from optpipe.search.space import SearchSpace, Trial
 from optpipe.search.spec import GRID_CONFIRM_LIMIT, SearchSettings
+from optpipe.search.study import FAILED_ATTR, finished_trials, open_study
 
 DIRECTIONS = {"latency": "minimize", "accuracy": "maximize", "size": "minimize"}
 
@@ -46,12 +48,20 @@ class GridProposer:
     def exhausted(self) -> bool:
         return not self._pending
 
+    def close(self) -> None:
+        pass
+
+    def resumed(self) -> list[Trial]:
+        return []  # a grid is the same on every rerun: its finished trials are cache hits
+
     def tell(self, handle: Any, result: StageResult | None) -> None:
         pass
 
 
 class OptunaProposer:
-    def __init__(self, space: SearchSpace, settings: SearchSettings):
+    def __init__(self, space: SearchSpace, settings: SearchSettings, study: tuple[Path, str] | None = None, fresh: bool = False):
+        """`study`: the study's log file and recipe key (optpipe.search.study), so a rerun resumes it;
+        None: a study in memory only."""
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -60,9 +70,22 @@ class OptunaProposer:
         self.objectives = settings.objectives
         sampler_cls = {"tpe": optuna.samplers.TPESampler, "nsga2": optuna.samplers.NSGAIISampler}[settings.sampler]
         # Out of tolerance is a constraint (Trial.set_constraint), not a bad score: both samplers
-        # then prefer feasible trials.
+        # then prefer feasible trials (the constraints_func reads what tell() stored).
         sampler = sampler_cls(seed=settings.seed)
-        self.study = optuna.create_study(directions=[DIRECTIONS[o] for o in self.objectives], sampler=sampler)
+        directions = [DIRECTIONS[o] for o in self.objectives]
+        self.lock = None
+        if study is None:
+            self.study = optuna.create_study(directions=directions, sampler=sampler)
+        else:
+            self.study, self.lock = open_study(optuna, study[0], study[1], space, directions, sampler, fresh)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+    def resumed(self) -> list[Trial]:
+        """The trials a saved study had finished, in order: the first trials of this run."""
+        return [self.space.trial(t.params) for t in finished_trials(self.optuna, self.study)]
 
     def ask(self, count: int) -> list[tuple[Any, Trial]]:
         batch = []
@@ -78,6 +101,8 @@ class OptunaProposer:
     def tell(self, handle: Any, result: StageResult | None) -> None:
         values = objective_values(result, self.objectives)
         if values is None:
+            reason = (result.reason or result.status) if result is not None else "nothing to measure"
+            handle.set_user_attr(FAILED_ATTR, reason or "no latency")  # failed for a reason, not interrupted
             self.study.tell(handle, state=self.optuna.trial.TrialState.FAIL)
             return
         handle.set_constraint("tolerance", 0.0 if result.accuracy is None or result.accuracy.within_tolerance else 1.0)
@@ -95,7 +120,8 @@ def objective_values(result: StageResult | None, objectives: list[str]) -> list[
     return [values[o] for o in objectives]
 
 
-def make_proposer(space: SearchSpace, settings: SearchSettings, strategy: str, budget: int | None):
+def make_proposer(space: SearchSpace, settings: SearchSettings, strategy: str, budget: int | None,
+                  study: tuple[Path, str] | None = None, fresh: bool = False):
     if strategy == "grid":
         return GridProposer(space, budget, settings.seed)
-    return OptunaProposer(space, settings)
+    return OptunaProposer(space, settings, study, fresh)

@@ -14,6 +14,7 @@ import logging
 import shutil
 import tempfile
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -27,7 +28,7 @@ from optpipe.results import RunReport
 from optpipe.targets.base import PARAMS, StageView, TargetJob, TargetParams, TargetResult, TargetSettings
 from optpipe.targets.manifest import write_manifest
 
-__all__ = ["run_targets", "target_settings", "write_recipe_snapshot", "export_stage", "validate_targets", "load_recipe_snapshot", "TargetResult", "KINDS"]
+__all__ = ["run_targets", "build_one", "target_resources", "gpu_type_resource", "TargetWork", "TargetRunner", "target_settings", "write_recipe_snapshot", "export_stage", "validate_targets", "load_recipe_snapshot", "TargetResult", "KINDS"]
 
 # kind -> (module, function); imported when used, so `import optpipe.targets` stays light.
 BUILDERS = {
@@ -72,6 +73,24 @@ def target_settings(recipe: Recipe, cache_root: Path) -> TargetSettings:
     )
 
 
+@dataclass(frozen=True)
+class TargetWork:
+    """One target for one stage, as an executor schedules it: plain data, so it pickles to any node."""
+
+    index: int  # in the recipe's `targets:` list
+    spec: TargetSpec
+    stage: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.kind} {self.stage}"
+
+
+# An executor's way to build a batch of targets (a Ray task each); `shared` carries results
+# between batches (the engines a Triton repository reuses). None: build them here, in turn.
+TargetRunner = Callable[[list[TargetWork], dict[str, Any]], list[TargetResult]]
+
+
 def run_targets(
     settings: TargetSettings,
     report: RunReport,
@@ -79,6 +98,7 @@ def run_targets(
     cache,
     providers: str = "auto",
     instruments: Instrument = Instrument(),
+    runner: Optional[TargetRunner] = None,
 ) -> list[TargetResult]:
     """Write every target of the recipe for its stages; record the results in `report.targets`.
     The caller writes the recipe snapshot first (`write_recipe_snapshot`)."""
@@ -87,39 +107,99 @@ def run_targets(
     if not settings.targets:
         (run_dir / "manifest.json").unlink(missing_ok=True)
         return []
-    from optpipe.runtime import pick_providers
+    results: list[TargetResult] = []
+    shared: dict[str, Any] = {}
+    local: dict[str, Any] = {}  # this process's Measurer, built once for every target it builds
+    # By kind, TensorRT first: a tensorrt_plan model of Triton reuses the engine built in this run.
+    for kind in KINDS:
+        works, skipped = _works_of_kind(settings, report, kind)
+        results += skipped
+        for work in works:
+            instruments.before_target(work.spec.kind, work.stage)
+        if runner is not None and works:
+            built = runner(works, shared)
+        else:
+            built = [build_one(settings, report, run_dir, cache, providers, work, shared, local) for work in works]
+        for work, result in zip(works, built):
+            _share_engine(shared, work, result)
+            instruments.target_done(result)
+        results += built
+    report.targets = results
+    write_manifest(run_dir, settings.recipe_name, results)
+    for line in gpu_warnings(results):  # here, in the driver, whichever executor built them
+        log.warning(line)
+    return results
+
+
+def build_one(settings: TargetSettings, report: RunReport, run_dir: Path, cache, providers: str, work: TargetWork,
+              shared: dict[str, Any], local: Optional[dict[str, Any]] = None) -> TargetResult:
+    """One target for one stage of the run folder (here, or in an executor's task on another node)."""
     from optpipe.targets.measure import Measurer
 
     views = _stage_views(run_dir, report)
-    reference = views(report.reference) if report.reference else None
-    measurer = Measurer(settings, cache, reference, providers)
-    shared: dict[str, Any] = {}
-    results: list[TargetResult] = []
-    # TensorRT before Triton, so a tensorrt_plan model reuses the engine built in this run.
-    for index, spec in sorted(enumerate(settings.targets), key=lambda item: KINDS.index(item[1].kind)):
-        params = target_params(spec, f"targets.{index}.params")
+    view = views(work.stage)
+    if view is None:
+        return TargetResult(kind=work.spec.kind, stage=work.stage, status="skipped", reason=_why_missing(report, work.stage, run_dir))
+    local = {} if local is None else local
+    if "measurer" not in local:
+        reference = views(report.reference) if report.reference else None
+        local["measurer"] = Measurer(settings, cache, reference, providers)
+    measurer = local["measurer"]
+    job = TargetJob(
+        settings=settings, spec=work.spec, params=target_params(work.spec, f"targets.{work.index}.params"), stage=view,
+        out_dir=_out_dir(run_dir / "targets", work.spec.kind, work.stage), root=run_dir, cache_dir=cache.root,
+        providers=measurer.evaluator.providers, stage_folder=views, measurer=measurer,
+        stages_defaulted=not work.spec.stages, extras=shared,
+    )
+    return run_one(job)
+
+
+def target_resources(spec: TargetSpec, evaluation_on_gpu: bool = False) -> dict[str, float]:
+    """What building (and timing) the target needs from a node, in the recipe's `resources` terms.
+
+    A TensorRT engine (also one Triton builds for its tensorrt platform, or serves with `device: gpu`)
+    is built and timed on a GPU; `gpu_type: h200` also asks for the custom resource `gpu:h200`, which
+    only nodes of that GPU type declare. When the stages were evaluated on a GPU (`evaluate.providers`
+    cuda or tensorrt), targets timed through ONNX Runtime ask for one too, so their figures and the
+    providers they record are the GPU's. Other targets ask for no GPU: they never wait for a GPU node.
+    """
+    needs: dict[str, float] = {"CPU": 1}
+    platform = spec.params.get("platform")
+    on_gpu = (spec.kind == "tensorrt" or spec.gpu_type or (spec.kind == "triton" and (platform == "tensorrt" or spec.params.get("device") == "gpu"))
+              or (evaluation_on_gpu and spec.kind != "openvino" and platform != "openvino"))
+    if on_gpu:
+        needs["GPU"] = 1
+    if spec.gpu_type:
+        needs[gpu_type_resource(spec.gpu_type)] = 1
+    return needs
+
+
+def gpu_type_resource(gpu_type: str) -> str:
+    """The Ray custom resource a node of this GPU type declares: `gpu:<type>` (lower case)."""
+    return f"gpu:{gpu_type}"
+
+
+def _works_of_kind(settings: TargetSettings, report: RunReport, kind: str) -> tuple[list[TargetWork], list[TargetResult]]:
+    works, skipped = [], []
+    for index, spec in enumerate(settings.targets):
+        if spec.kind != kind:
+            continue
+        target_params(spec, f"targets.{index}.params")
         stages = spec.stages or list(report.pareto)
         if not stages:
-            results.append(TargetResult(kind=spec.kind, stage="", status="skipped", reason=(
+            skipped.append(TargetResult(kind=spec.kind, stage="", status="skipped", reason=(
                 f"no stage is on the Pareto frontier (none finished within tolerance); name stages in targets.{index}.stages")))
-            continue
-        for stage in stages:
-            instruments.before_target(spec.kind, stage)
-            view = views(stage)
-            if view is None:
-                result = TargetResult(kind=spec.kind, stage=stage, status="skipped", reason=_why_missing(report, stage))
-            else:
-                job = TargetJob(
-                    settings=settings, spec=spec, params=params, stage=view, out_dir=_out_dir(run_dir / "targets", spec.kind, stage),
-                    root=run_dir, cache_dir=cache.root, providers=measurer.evaluator.providers, stage_folder=views,
-                    measurer=measurer, stages_defaulted=not spec.stages, extras=shared,
-                )
-                result = run_one(job)
-            results.append(result)
-            instruments.target_done(result)
-    report.targets = results
-    write_manifest(run_dir, settings.recipe_name, results)
-    return results
+        works += [TargetWork(index, spec, stage) for stage in stages]
+    return works, skipped
+
+
+def _share_engine(shared: dict[str, Any], work: TargetWork, result: TargetResult) -> None:
+    """An engine built in another process reaches the Triton targets as it would in this one."""
+    if work.spec.kind == "tensorrt":
+        from optpipe.targets.tensorrt import engine_result_key
+
+        params = target_params(work.spec, f"targets.{work.index}.params")
+        shared.setdefault("engines", {})[engine_result_key(work.stage, params)] = result
 
 
 def run_one(job: TargetJob) -> TargetResult:
@@ -130,12 +210,27 @@ def run_one(job: TargetJob) -> TargetResult:
         return job.result("skipped", refusal)
     build = getattr(importlib.import_module(module), function)
     try:
-        return build(job)
+        return _checked_gpu_type(job, build(job))
     except OptpipeError as exc:
         return job.result("failed", str(exc))
     except Exception as exc:  # a bug or a library refusing the model must not stop the other targets
         log.debug("target %s for %s failed:\n%s", job.spec.kind, job.stage.name, traceback.format_exc())
         return job.result("failed", f"{job.spec.kind} target error ({type(exc).__name__}: {first_line(exc)})")
+
+
+def _checked_gpu_type(job: TargetJob, result: TargetResult) -> TargetResult:
+    """A built target that names a gpu_type records whether this machine's GPU is that type."""
+    if job.spec.gpu_type and result.ok:
+        from optpipe.targets.gpu_type import check_gpu_type
+
+        engine = job.spec.kind == "tensorrt" or getattr(job.params, "platform", None) == "tensorrt"
+        result.gpu_check = check_gpu_type(job.spec.gpu_type, engine)
+    return result
+
+
+def gpu_warnings(results: list[TargetResult]) -> list[str]:
+    """One line per target built on another GPU type than its gpu_type (or on none)."""
+    return [f"target {r.kind} for '{r.stage}' {r.gpu_check['warning']}" for r in results if r.gpu_check and r.gpu_check["warning"]]
 
 
 def export_stage(
@@ -181,6 +276,8 @@ def export_stage(
         )
         result = run_one(job)
     write_manifest(to, recipe.name, [result])
+    for line in gpu_warnings([result]):
+        log.warning(line)
     return result
 
 
@@ -223,13 +320,18 @@ def _format_refusal(job: TargetJob) -> str | None:
             "or Triton's openvino platform")
 
 
-def _why_missing(report, stage: str) -> str:
+def _why_missing(report, stage: str, run_dir: Optional[Path] = None) -> str:
     result = report.stage(stage)
     if result is None:
         names = ", ".join(s.name for s in report.stages if s.pass_name != "eager")
         return f"stage '{stage}' is not in this run; stages: {names}"
     if result.status != "ok":
         return f"stage '{stage}' {result.status}: {result.reason}"
+    if run_dir is not None and not (run_dir / "stages").is_dir():
+        import platform
+
+        return (f"the run folder {run_dir} is not visible on {platform.node()}; put it on the filesystem every node "
+                "shares (-o /shared/path), as the cache is")
     return f"stage '{stage}' has no model in the run folder (the PyTorch baseline has none)"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from optpipe.artifact import MODEL_FILE
 from optpipe.targets.base import TargetJob
@@ -39,44 +40,60 @@ def build_script(job: TargetJob, plan: BuildPlan, features: TrtFeatures) -> str:
     return "\n".join(lines)
 
 
-def polygraphy_command(plan: BuildPlan) -> list[str]:
-    """`polygraphy convert` arguments, grouped one option per line."""
-    parts = [f"polygraphy convert {MODEL_FILE} --convert-to trt -o {PLAN_FILE}"]
-    parts += _shape_options(plan, "polygraphy")
-    parts += _precision_options(plan, style="polygraphy")
-    if plan.workspace_mb:
-        parts.append(f"--pool-limit workspace:{plan.workspace_mb}M")
-    if plan.builder_optimization_level is not None:
-        parts.append(f"--builder-optimization-level {plan.builder_optimization_level}")
-    parts.append('--load-timing-cache "$TIMING_CACHE" --save-timing-cache "$TIMING_CACHE"')
-    return parts
+class ToolSyntax(NamedTuple):
+    """One tool's spelling of the same build: its command, then an option per setting of the plan."""
+
+    command: str
+    shape_option: str  # per profile bound: min, opt, max
+    shape_separator: str  # between inputs
+    shape: Callable[[str, list[int]], str]  # one input's dims
+    workspace: str
+    optimization_level: str
+    timing_cache: str
 
 
-def trtexec_command(plan: BuildPlan) -> list[str]:
-    parts = [f"trtexec --onnx={MODEL_FILE} --saveEngine={PLAN_FILE}"]
-    parts += _shape_options(plan, "trtexec")
-    parts += _precision_options(plan, style="trtexec")
-    if plan.workspace_mb:
-        parts.append(f"--memPoolSize=workspace:{plan.workspace_mb}M")
-    if plan.builder_optimization_level is not None:
-        parts.append(f"--builderOptimizationLevel={plan.builder_optimization_level}")
-    parts.append('--timingCacheFile="$TIMING_CACHE"')
-    return parts
-
-
-# Each tool's spelling of the profile: option per bound, separator between inputs, one input's dims.
-SHAPE_SYNTAX = {
-    "polygraphy": ("--trt-{}-shapes ", " ", lambda name, dims: shlex.quote(f"{name}:[{','.join(map(str, dims))}]")),
-    "trtexec": ("--{}Shapes=", ",", lambda name, dims: f"{name}:{'x'.join(map(str, dims))}"),
+SYNTAX = {
+    "polygraphy": ToolSyntax(
+        f"polygraphy convert {MODEL_FILE} --convert-to trt -o {PLAN_FILE}",
+        "--trt-{}-shapes ", " ", lambda name, dims: shlex.quote(f"{name}:[{','.join(map(str, dims))}]"),
+        "--pool-limit workspace:{}M", "--builder-optimization-level {}",
+        '--load-timing-cache "$TIMING_CACHE" --save-timing-cache "$TIMING_CACHE"',
+    ),
+    "trtexec": ToolSyntax(
+        f"trtexec --onnx={MODEL_FILE} --saveEngine={PLAN_FILE}",
+        "--{}Shapes=", ",", lambda name, dims: f"{name}:{'x'.join(map(str, dims))}",
+        "--memPoolSize=workspace:{}M", "--builderOptimizationLevel={}",
+        '--timingCacheFile="$TIMING_CACHE"',
+    ),
 }
 
 
-def _shape_options(plan: BuildPlan, style: str) -> list[str]:
-    """The optimization profile (min/opt/max per input) as `style`'s options; none for a static model."""
+def polygraphy_command(plan: BuildPlan) -> list[str]:
+    """`polygraphy convert` arguments, grouped one option per line."""
+    return build_command(plan, "polygraphy")
+
+
+def trtexec_command(plan: BuildPlan) -> list[str]:
+    return build_command(plan, "trtexec")
+
+
+def build_command(plan: BuildPlan, tool: str) -> list[str]:
+    """The plan as `tool`'s command line, one option per entry: the two tools differ only in spelling."""
+    syntax = SYNTAX[tool]
+    parts = [syntax.command, *_shape_options(plan, syntax), *_precision_options(plan, style=tool)]
+    if plan.workspace_mb:
+        parts.append(syntax.workspace.format(plan.workspace_mb))
+    if plan.builder_optimization_level is not None:
+        parts.append(syntax.optimization_level.format(plan.builder_optimization_level))
+    parts.append(syntax.timing_cache)
+    return parts
+
+
+def _shape_options(plan: BuildPlan, syntax: ToolSyntax) -> list[str]:
+    """The optimization profile (min/opt/max per input) as the tool's options; none for a static model."""
     if not plan.profile:
         return []
-    option, separator, one = SHAPE_SYNTAX[style]
-    return [option.format(bound) + separator.join(one(name, dims[index]) for name, dims in plan.profile.items())
+    return [syntax.shape_option.format(bound) + syntax.shape_separator.join(syntax.shape(name, dims[index]) for name, dims in plan.profile.items())
             for index, bound in enumerate(("min", "opt", "max"))]
 
 
