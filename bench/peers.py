@@ -38,7 +38,7 @@ def peer_models(recipe) -> dict[str, tuple[str, Path | str]]:
     folder = hf_folder(recipe.model_source())
     scratch = Path(os.environ.get("PEERS_DIR", "/tmp/optpipe-peers")) / recipe.name
     results = {}
-    for name, what, build in (("optimum:int8-vnni-per-channel", "Optimum -O2, then quantize --avx512_vnni --per_channel", _optimum),
+    for name, what, build in (("optimum:int8-vnni-per-channel", "Optimum -O2, ORT quantization preprocess (shapes only), then quantize --avx512_vnni --per_channel", _optimum),
                               ("olive:int8-dynamic", "Olive OnnxConversion + OnnxDynamicQuantization", _olive)):
         try:
             results[name] = (what, build(folder, scratch / name.split(":")[0]))
@@ -65,14 +65,31 @@ def _run(command: list[str], log: Path) -> None:
 
 
 def _optimum(model: Path, out: Path) -> Path:
-    """Optimum's documented CPU path: export, `optimum-cli onnxruntime optimize -O2`, then dynamic int8 for VNNI."""
-    final = out / "quantized" / "model_quantized.onnx"
+    """Optimum's documented CPU path: export, `optimum-cli onnxruntime optimize -O2`, then dynamic int8 for VNNI
+    (`quantize --avx512_vnni --per_channel`: QOperator, IntegerOps, per-channel symmetric int8 weights, uint8
+    activations, no reduce_range; MatMul, Attention, Gather, EmbedLayerNormalization and others).
+
+    Between the two, ONNX Runtime's own documented pre-processing for quantization
+    (`python -m onnxruntime.quantization.preprocess`, shape inference only: `--skip_optimization True --auto_merge`, so
+    Optimum's graph is not changed). Without it, Optimum 2.1 (optimum-onnx 0.1) with onnxruntime 1.31 and
+    1.32 (and, by their source, every release since 1.17) stops on the -O2 graph with "Unable to find data type for weight_name=...MatMul_output_0": its
+    fused com.microsoft ops carry no output types (torch 2.13's exporter writes no value_info) and Optimum
+    has no way to pass the quantizer's `DefaultTensorType` option (huggingface/optimum#2186, #1959).
+    Symbolic shape inference, which knows the com.microsoft ops, writes those types; every op, weight and
+    quantization setting stays Optimum's own."""
+    final = out / "quantized" / "model_optimized_quantized.onnx"
     if final.is_file():
         return final
     cli = _tool("optimum-cli")
     _run([cli, "export", "onnx", "--model", str(model), "--task", "feature-extraction", str(out / "export")], out / "export.log")
     _run([cli, "onnxruntime", "optimize", "--onnx_model", str(out / "export"), "-O2", "-o", str(out / "O2")], out / "optimize.log")
-    _run([cli, "onnxruntime", "quantize", "--onnx_model", str(out / "O2"), "--avx512_vnni", "--per_channel",
+    shaped = out / "O2-shapes"
+    python = _tool("python")  # the peers venv's, with the onnxruntime Optimum runs on
+    shutil.rmtree(shaped, ignore_errors=True)
+    shutil.copytree(out / "O2", shaped, ignore=shutil.ignore_patterns("*.onnx", "*.onnx_data", "*.data"))
+    _run([python, "-m", "onnxruntime.quantization.preprocess", "--input", str(out / "O2" / "model_optimized.onnx"),
+          "--output", str(shaped / "model_optimized.onnx"), "--skip_optimization", "True", "--auto_merge"], out / "preprocess.log")
+    _run([cli, "onnxruntime", "quantize", "--onnx_model", str(shaped), "--avx512_vnni", "--per_channel",
           "-o", str(out / "quantized")], out / "quantize.log")
     found = sorted((out / "quantized").glob("*.onnx"))
     if not found:

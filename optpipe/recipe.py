@@ -20,6 +20,7 @@ from optpipe.search.spec import Choices, SearchSettings, normalize_settings
 MAX_SAMPLES = 100_000
 MAX_ITERATIONS = 100_000
 DTYPES = ("float32", "float16", "int64", "int32", "int8", "uint8", "bool")
+GPU_PROVIDERS = ("cuda", "tensorrt")  # evaluate.providers that evaluate on a GPU
 
 from optpipe.recipe_errors import _suggest, describe_validation_error, suggest  # noqa: F401  (the last two re-exported)
 from optpipe.recipe_models import (  # noqa: F401  (re-exported: recipes name these)
@@ -200,14 +201,31 @@ class EvaluateSpec(Strict):
     )
     adaptive: bool = Field(True, description="stop timing once the median's 95% interval is within 3%; iterations is the cap")
     search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
+    providers: Literal["auto", "cpu", "cuda", "tensorrt"] = Field(
+        "auto", description="where stages are evaluated: auto (CUDA where the machine, or the Ray task, has a GPU), cpu, "
+        "cuda, tensorrt (ONNX Runtime's TensorRT provider); with --executor ray, cuda and tensorrt ask Ray for a GPU"
+    )
     resources: dict[str, float] = Field(
-        default_factory=dict, description="--executor ray: what an evaluation task needs besides the node's `benchmark` slot (GPU, a GPU type)"
+        default_factory=dict, description="--executor ray: what an evaluation task needs besides the node's `benchmark` slot "
+        "(GPU, a GPU type); GPU: 1 is implied by providers cuda or tensorrt"
     )
 
     @field_validator("search", mode="before")
     @classmethod
     def _search_shorthand(cls, value):
         return normalize_settings(value)
+
+    @model_validator(mode="after")
+    def _providers_match_resources(self):
+        # Ray hides the GPUs from a task that asks for none: CUDA evaluation without a GPU would time the CPU.
+        gpus = self.resources.get("GPU")
+        if gpus is not None and gpus <= 0 and self.providers in GPU_PROVIDERS:
+            raise ValueError(f"resources: GPU={gpus:g} contradicts providers: {self.providers}, which evaluates on a GPU; "
+                             "drop the GPU entry or set providers: cpu")
+        if gpus and self.providers == "cpu":
+            raise ValueError(f"resources: GPU={gpus:g} contradicts providers: cpu (the GPU would sit idle); "
+                             "drop the GPU entry or set providers: cuda")
+        return self
 
 
 class TargetSpec(Strict):

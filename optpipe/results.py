@@ -184,6 +184,8 @@ class TargetResult(BaseModel):
     hash: Optional[str] = Field(None, description="one hash over the files")
     details: dict[str, Any] = Field(default_factory=dict)
     built_on: Optional[dict[str, Any]] = Field(None, description="the node that built (and measured) it: host, CPU, GPUs, Ray node")
+    gpu_check: Optional[dict[str, Any]] = Field(
+        None, description="a target with gpu_type: meant_for, built_on (GPU names), matches, warning (optpipe.targets.gpu_type)")
 
     @property
     def ok(self) -> bool:

@@ -30,15 +30,77 @@ def cuda_available() -> bool:
     return driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
 
 
+def cuda_device_names() -> list[str]:
+    """The names of the CUDA devices this process sees ("NVIDIA H200"); [] without one.
+
+    Asked of the CUDA driver (cuDeviceGetName), which honours CUDA_VISIBLE_DEVICES as a Ray task's
+    GPUs are given; nvidia-smi only where libcuda cannot be loaded; never through torch (seconds to import).
+    """
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return _nvidia_smi_names()
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return []
+    names = []
+    for index in range(count.value):
+        device, name = ctypes.c_int(0), ctypes.create_string_buffer(256)
+        if driver.cuDeviceGet(ctypes.byref(device), index) == 0 and driver.cuDeviceGetName(name, len(name), device) == 0:
+            names.append(name.value.decode(errors="replace").strip())
+    return names
+
+
+def _nvidia_smi_names() -> list[str]:
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return []  # the devices are hidden from this process (nvidia-smi would list them anyway)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def requested_providers(recipe: str = "auto", run: str = "auto") -> str:
+    """Where to evaluate: the run's explicit choice (the Python API's `providers`), else the recipe's
+    `evaluate.providers`. Executors ask this too, to give a GPU to the evaluations that will use one."""
+    return run if run != "auto" else recipe
+
+
+REQUESTED_PROVIDER = {"cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+
+
 def pick_providers(requested: str = "auto") -> list[str]:
     import onnxruntime as ort
 
     available = ort.get_available_providers()
     if requested == "cpu":
         return ["CPUExecutionProvider"]
-    if requested in ("auto", "cuda") and "CUDAExecutionProvider" in available and cuda_available():
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
+    gpu = "CUDAExecutionProvider" in available and cuda_available()
+    if requested == "tensorrt" and gpu and "TensorrtExecutionProvider" in available:
+        chosen = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    elif requested in ("auto", "cuda", "tensorrt") and gpu:
+        chosen = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    else:
+        chosen = ["CPUExecutionProvider"]
+    if requested in REQUESTED_PROVIDER and chosen[0] != REQUESTED_PROVIDER[requested]:
+        _fell_back(requested, chosen[0], gpu)
+    return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def _fell_back(requested: str, chosen: str, gpu: bool) -> None:
+    """Said once per process: figures from another provider than asked for must not pass unremarked."""
+    import logging
+
+    why = "ONNX Runtime here has no TensorRT provider" if gpu else "ONNX Runtime here has no usable CUDA device"
+    logging.getLogger("optpipe.runtime").warning(
+        f"evaluate.providers: {requested}, but {why}; evaluating with {chosen} (the report's provider column says so)")
 
 
 def session_options(threads: int, optimization: str = "all"):

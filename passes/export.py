@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 import numpy as np
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check, onnx_outputs
-from optpipe.errors import PassError
+from optpipe.errors import PassError, first_line
 from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
@@ -27,6 +27,12 @@ class ExportParams(SelfCheckParams):
         "auto", description="torch.onnx exporter; auto = dynamo, and TorchScript when dynamo fails (the stage info says why)"
     )
     opset: int = Field(20, ge=17, le=23, description="ONNX opset (dynamo needs >= 18)")
+    attention: Optional[Literal["eager", "sdpa"]] = Field(
+        None,
+        description="Hugging Face models: the attention implementation to export (transformers' attn_implementation); "
+        "eager writes the plain MatMul/Softmax pattern that ORT's `fuse` turns into Attention and int8 into QAttention; "
+        "default: the model's own",
+    )
 
 
 class ExportPass(Pass[ExportParams]):
@@ -50,6 +56,7 @@ class ExportPass(Pass[ExportParams]):
         if isinstance(ctx.recipe.model, OnnxModel):
             return import_onnx(ctx)
         torch_model = ctx.torch_model()
+        attention = set_attention(torch_model, self.params.attention)
         feeds = trace_inputs(ctx.recipe.model_inputs())
         expected = eager_outputs(torch_model, feeds, ctx.recipe.evaluate.threads)
         params = self.params
@@ -72,12 +79,34 @@ class ExportPass(Pass[ExportParams]):
         artifact = save_model(onnx.load(str(raw / "model.onnx")), ctx.workdir)
         _remove_tree(raw)
         info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": params.opset,
-                "source": torch_model.description, "outputs": torch_model.output_names}
+                "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention}
         if failures:
             info["fallback"] = {"from": list(failures), "reasons": failures}
             ctx.log.warning("exported with %s after %s", exporter, "; ".join(f"{k} failed: {v}" for k, v in failures.items()))
         info["graph"] = graph_stats(artifact.load(with_weights=False))
         return write_info(ctx.workdir, info)
+
+
+def set_attention(torch_model: TorchModel, implementation: str | None) -> str | None:
+    """Switch a Hugging Face model to `implementation` (transformers' public `set_attn_implementation`)
+    for this export; returns the implementation the export used (None: not a Hugging Face model).
+
+    Why: transformers 5 defaults to SDPA, which exports as a pattern no ORT fuser turns into
+    `Attention`; eager attention exports as MatMul/Softmax/MatMul, which ORT's BERT fuser does fuse,
+    and dynamic int8 then runs it as QAttention (docs/int8.md). The module is freshly loaded for
+    this pass (load_torch_model), so the eager baseline keeps the model's own implementation."""
+    model = next((m for m in torch_model.module.modules() if hasattr(m, "set_attn_implementation")), None)
+    if model is None:
+        if implementation is not None:
+            raise PassError("`attention` applies to Hugging Face models only; remove it from this export stage")
+        return None
+    if implementation is not None:
+        try:
+            model.set_attn_implementation(implementation)
+        except (ValueError, ImportError) as exc:  # an architecture without that implementation
+            raise PassError(f"attention: {type(model).__name__} cannot use '{implementation}' attention ({first_line(exc)}); "
+                            "remove `attention` or pick the other one") from None
+    return getattr(model.config, "_attn_implementation", None)
 
 
 class _ExportFailed(Exception):

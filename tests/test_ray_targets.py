@@ -140,15 +140,16 @@ def _named_recipe(name: str):
     return recipe
 
 
-def test_a_stage_resource_no_node_has_names_the_flag(tiny_recipe):
+def test_a_stage_resource_no_node_has_names_the_flag(tiny_recipe, tmp_path):
     from optpipe.errors import OptpipeError
     from optpipe.execution.executors import Plan
     from optpipe.execution.ray_executor import RayExecutor
+    from optpipe.execution.stage_tasks import TaskSettings
 
     executor = object.__new__(RayExecutor)  # without joining a cluster: only its resource check is under test
     executor.ray = _Cluster(CPU_NODE)
     recipe = load_recipe(tiny_recipe({"evaluate": {"resources": {"GPU": 1}}, "stages": {"simplify": {"resources": {"gpu:l4": 1}}}}))
-    plan = Plan("tiny", recipe, ["export", "simplify"], "export", False, None, None)
+    plan = Plan("tiny", recipe, ["export", "simplify"], "export", False, TaskSettings(tmp_path / "cache", tmp_path / "run"), None)
     with pytest.raises(OptpipeError, match=r"evaluate.resources: GPU=1 but the Ray cluster has 0; start a node with it \(ray start --num-gpus=1\)"):
         executor._check_resources(plan)
     plan.recipe = load_recipe(tiny_recipe({"stages": {"simplify": {"resources": {"gpu:l4": 1}}}}))

@@ -25,7 +25,7 @@ from optpipe.evaluation.latency import measure, warm_for
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.results import Accuracy, Latency, Memory
 from optpipe.recipe import EvaluateSpec, ModelInputs, Tolerance
-from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers
+from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
 
 EVAL_FORMAT = 5  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
 # 5: sweeps measured and cached apart from the headline
@@ -33,7 +33,7 @@ EVAL_FORMAT = 5  # 3: adaptive iteration counts, eager timed beside each stage, 
 SWEEP_SETTINGS = {"sweep", "sweep_iterations", "sweep_stages"}
 #: Settings that shape no figure (a search's strategy or budget, the Ray resources, the eager baseline
 #: on or off; the reference is keyed on its own).
-UNMEASURED_SETTINGS = {"search", "resources", "eager_baseline", "reference"}
+UNMEASURED_SETTINGS = {"search", "resources", "providers", "eager_baseline", "reference"}  # providers: resolved in the key
 
 # Measured here on a loaded 2-core machine (load 17): a fresh PyTorch eager model's calls took 50-250 ms
 # for its first 2-4 s (its new intra-op threads waiting for the scheduler), then 0.05 ms; timed in that
@@ -58,7 +58,7 @@ class Evaluator:
         self.cache = cache
         self._eval_set = eval_set
         self.settings = settings
-        self.providers = pick_providers(providers)
+        self.providers = pick_providers(requested_providers(settings.providers, providers))
         self._reference: tuple[str, str, Callable[[], Outputs]] | None = None
         self._eager_factory: Callable[[], Callable[[Feeds], Outputs]] | None = None
         self._eager_run: Callable[[Feeds], Outputs] | None = None

@@ -20,6 +20,8 @@ from optpipe.errors import OptpipeError, first_line
 from optpipe.execution.executors import Plan, Progress, outcome_label, result_detail, result_label
 from optpipe.execution.ray_targets import RayTargets, ray_options as _ray_resources
 from optpipe.execution.stage_tasks import evaluate, node_description, run_stage
+from optpipe.recipe import GPU_PROVIDERS, EvaluateSpec
+from optpipe.runtime import requested_providers
 
 BENCHMARK = "benchmark"
 # A task whose worker or node dies is retried on another node (Ray's own retry); an error the
@@ -136,7 +138,7 @@ class RayExecutor:
                 progress.stage(plan, name, "evaluate", result_label(value), seconds, node, result_detail(value))
 
     def _timing_options(self, plan: Plan) -> dict:
-        declared = dict(plan.recipe.evaluate.resources)
+        declared = evaluation_resources(plan.recipe.evaluate, plan.settings.providers)
         declared.setdefault("CPU", max(self.timing_cpus, plan.recipe.evaluate.threads))
         options = _ray_resources(declared)
         options.setdefault("resources", {})[BENCHMARK] = 1
@@ -145,26 +147,43 @@ class RayExecutor:
     def target_runner(self, recipe, settings, report, progress: Progress) -> RayTargets:
         """Each target a Ray task with the resources its build needs (see optpipe.execution.ray_targets)."""
         # A target times its artifact: the node's benchmark slot and its CPUs, as an evaluation (not
-        # evaluate.resources: a CPU target must not wait for the GPU an evaluation asks for).
+        # evaluate.resources: a CPU target must not wait for a GPU type an evaluation asks for), and a
+        # GPU where the stages were timed on one (target_resources says which kinds).
         timing = {"CPU": max(self.timing_cpus, recipe.evaluate.threads), BENCHMARK: 1}
-        return RayTargets(self.ray, timing, recipe, settings, report, progress, MAX_RETRIES)
+        on_gpu = requested_providers(recipe.evaluate.providers, settings.providers) in GPU_PROVIDERS
+        return RayTargets(self.ray, timing, recipe, settings, report, progress, MAX_RETRIES, evaluation_on_gpu=on_gpu)
 
     def _check_resources(self, plan: Plan) -> None:
         """A stage asking for what no node has would wait forever: say so before submitting."""
         total = self.ray.cluster_resources()
-        wanted = [("evaluate.resources", plan.recipe.evaluate.resources)]
+        evaluate = plan.recipe.evaluate
+        providers = requested_providers(evaluate.providers, plan.settings.providers)
+        wanted = [("evaluate.resources", evaluation_resources(evaluate, plan.settings.providers))]
         wanted += [(f"stages.{n}.resources", plan.recipe.stages[n].resources) for n in plan.stages]
         for where, resources in wanted:
             for key, amount in resources.items():
                 if total.get(key, 0) < amount:
                     flag = f"--num-gpus={amount:g}" if key == "GPU" else f"--num-cpus={amount:g}" if key == "CPU" else \
                         f"--resources='{{\"{key}\": {amount:g}}}'"
+                    fix = "drop the request"
+                    if where == "evaluate.resources" and key not in evaluate.resources:  # the GPU providers: cuda implies
+                        where, fix = f"evaluate.providers: {providers} (a GPU per evaluation)", "set evaluate.providers: cpu"
                     raise OptpipeError(f"{where}: {key}={amount:g} but the Ray cluster has {total.get(key, 0):g}; "
-                                       f"start a node with it (ray start {flag}) or drop the request")
+                                       f"start a node with it (ray start {flag}) or {fix}")
 
     def close(self) -> None:
         if self.ray.is_initialized():
             self.ray.shutdown()
+
+
+def evaluation_resources(evaluate: EvaluateSpec, run_providers: str = "auto") -> dict[str, float]:
+    """What an evaluation task asks Ray for besides its timing slot: `evaluate.resources`, plus a GPU
+    when the evaluation runs on one (providers cuda or tensorrt). Ray hides the GPUs from a task that
+    asks for none, so without it a CUDA evaluation would quietly time the CPU. Declared values win."""
+    resources = dict(evaluate.resources)
+    if requested_providers(evaluate.providers, run_providers) in GPU_PROVIDERS:
+        resources.setdefault("GPU", 1)
+    return resources
 
 
 def _done(outcome) -> tuple:

@@ -34,9 +34,11 @@ def _target_task(recipe, report, work, shared, settings):
 class RayTargets:
     """The TargetRunner of one recipe's run on a Ray executor."""
 
-    def __init__(self, ray, timing: dict[str, float], recipe: Recipe, settings: TaskSettings, report, progress: Progress, retries: int):
+    def __init__(self, ray, timing: dict[str, float], recipe: Recipe, settings: TaskSettings, report, progress: Progress, retries: int,
+                 evaluation_on_gpu: bool = False):
         self.ray = ray
         self.timing = timing  # what a timing holds on a node: its benchmark slot and CPUs
+        self.evaluation_on_gpu = evaluation_on_gpu  # the stages were timed on a GPU: so are the artifacts timed through ORT
         self.recipe, self.settings, self.report, self.progress = recipe, settings, report, progress
         self.retries = retries
         self._task = ray.remote(_target_task)
@@ -50,7 +52,7 @@ class RayTargets:
         waiting: dict[Any, tuple[int, dict]] = {}
         started = time.perf_counter()
         for i, work in enumerate(works):
-            needs = self._needs(target_resources(work.spec))
+            needs = self._needs(target_resources(work.spec, self.evaluation_on_gpu))
             refusal = self._refusal(needs)
             if refusal:
                 results[i] = self._failed(work, refusal, 0.0)

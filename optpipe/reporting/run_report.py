@@ -160,7 +160,8 @@ def targets_markdown(targets: list[TargetResult]) -> list[str]:
         p50 = f"{t.headline.p50_ms:.2f}" if t.headline else ""
         built = t.built_on or {}
         where = f" on {built.get('host')} [{built['ray_node']}]" if built.get("ray_node") else ""  # a Ray task's node
-        lines.append(f"| {t.kind} | {t.stage} | {t.describe()} | {t.precision or ''} | {t.provider or ''}{where} | {p50} | {t.path or ''} |")
+        status = t.describe() + (f" ⚠ {t.gpu_check['warning'].split(':')[0]}" if t.gpu_check and t.gpu_check["warning"] else "")
+        lines.append(f"| {t.kind} | {t.stage} | {status} | {t.precision or ''} | {t.provider or ''}{where} | {p50} | {t.path or ''} |")
     return lines + [""]
 
 

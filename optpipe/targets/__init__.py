@@ -126,6 +126,8 @@ def run_targets(
         results += built
     report.targets = results
     write_manifest(run_dir, settings.recipe_name, results)
+    for line in gpu_warnings(results):  # here, in the driver, whichever executor built them
+        log.warning(line)
     return results
 
 
@@ -152,15 +154,20 @@ def build_one(settings: TargetSettings, report: RunReport, run_dir: Path, cache,
     return run_one(job)
 
 
-def target_resources(spec: TargetSpec) -> dict[str, float]:
+def target_resources(spec: TargetSpec, evaluation_on_gpu: bool = False) -> dict[str, float]:
     """What building (and timing) the target needs from a node, in the recipe's `resources` terms.
 
-    A TensorRT engine (also one Triton builds for its tensorrt platform) is built and timed on a
-    GPU; `gpu_type: h200` also asks for the custom resource `gpu:h200`, which only nodes of that
-    GPU type declare. Other targets ask for no GPU, so they never wait for a GPU node.
+    A TensorRT engine (also one Triton builds for its tensorrt platform, or serves with `device: gpu`)
+    is built and timed on a GPU; `gpu_type: h200` also asks for the custom resource `gpu:h200`, which
+    only nodes of that GPU type declare. When the stages were evaluated on a GPU (`evaluate.providers`
+    cuda or tensorrt), targets timed through ONNX Runtime ask for one too, so their figures and the
+    providers they record are the GPU's. Other targets ask for no GPU: they never wait for a GPU node.
     """
     needs: dict[str, float] = {"CPU": 1}
-    if spec.kind == "tensorrt" or spec.gpu_type or (spec.kind == "triton" and spec.params.get("platform") == "tensorrt"):
+    platform = spec.params.get("platform")
+    on_gpu = (spec.kind == "tensorrt" or spec.gpu_type or (spec.kind == "triton" and (platform == "tensorrt" or spec.params.get("device") == "gpu"))
+              or (evaluation_on_gpu and spec.kind != "openvino" and platform != "openvino"))
+    if on_gpu:
         needs["GPU"] = 1
     if spec.gpu_type:
         needs[gpu_type_resource(spec.gpu_type)] = 1
@@ -203,12 +210,27 @@ def run_one(job: TargetJob) -> TargetResult:
         return job.result("skipped", refusal)
     build = getattr(importlib.import_module(module), function)
     try:
-        return build(job)
+        return _checked_gpu_type(job, build(job))
     except OptpipeError as exc:
         return job.result("failed", str(exc))
     except Exception as exc:  # a bug or a library refusing the model must not stop the other targets
         log.debug("target %s for %s failed:\n%s", job.spec.kind, job.stage.name, traceback.format_exc())
         return job.result("failed", f"{job.spec.kind} target error ({type(exc).__name__}: {first_line(exc)})")
+
+
+def _checked_gpu_type(job: TargetJob, result: TargetResult) -> TargetResult:
+    """A built target that names a gpu_type records whether this machine's GPU is that type."""
+    if job.spec.gpu_type and result.ok:
+        from optpipe.targets.gpu_type import check_gpu_type
+
+        engine = job.spec.kind == "tensorrt" or getattr(job.params, "platform", None) == "tensorrt"
+        result.gpu_check = check_gpu_type(job.spec.gpu_type, engine)
+    return result
+
+
+def gpu_warnings(results: list[TargetResult]) -> list[str]:
+    """One line per target built on another GPU type than its gpu_type (or on none)."""
+    return [f"target {r.kind} for '{r.stage}' {r.gpu_check['warning']}" for r in results if r.gpu_check and r.gpu_check["warning"]]
 
 
 def export_stage(
@@ -254,6 +276,8 @@ def export_stage(
         )
         result = run_one(job)
     write_manifest(to, recipe.name, [result])
+    for line in gpu_warnings([result]):
+        log.warning(line)
     return result
 
 

@@ -51,6 +51,7 @@ def manifest_entry(result: TargetResult) -> dict:
         "hash": result.hash,
         "files": result.files,
         "built_on": result.built_on,  # the node (host, CPU, GPUs) a Ray task built it on; None: the driver's machine
+        "gpu_check": result.gpu_check,  # gpu_type: the GPU it was built on against the one it is meant for
     }
 
 
