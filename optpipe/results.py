@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 
 from optpipe.artifact import ModelArtifact
 
-from optpipe.errors import OptpipeError
+from optpipe.errors import OptpipeError, UserInputError
 from optpipe.graph.coverage import Coverage
 
 
@@ -122,6 +122,15 @@ def headline_latency(latency: list[Latency]) -> Latency | None:
     return next((lat for lat in latency if lat.sweep is None), None)
 
 
+ErrorKind = Literal["input", "stage", "internal"]
+
+
+def error_kind(exc: BaseException) -> ErrorKind:
+    """A failure's kind from what was raised: "input" only for errors.UserInputError, which the places
+    that know the input is the user's raise (model loading, forward on the recipe's inputs, data)."""
+    return "input" if isinstance(exc, UserInputError) else "stage"
+
+
 class StageResult(BaseModel):
     name: str
     pass_name: str
@@ -129,6 +138,9 @@ class StageResult(BaseModel):
     status: Literal["ok", "failed", "skipped"]
     cached: bool = False
     reason: Optional[str] = None
+    error_kind: Optional[ErrorKind] = Field(
+        None, description="why a failed stage failed: input (the user's model or data; exit 2), stage (the pass could "
+        "not do its work), internal (a bug in optpipe; the log has the traceback)")
     log: Optional[str] = None
     artifact: Optional[str] = None
     hash: Optional[str] = None

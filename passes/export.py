@@ -10,7 +10,7 @@ from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check, onnx_outputs
-from optpipe.errors import PassError, first_line
+from optpipe.errors import ModelSourceError, PassError, first_line
 from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
@@ -205,8 +205,10 @@ def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads
     recipe's input specs fit the model."""
     try:
         return eager_runner(torch_model, threads)(feeds)
+    except MemoryError:  # the machine's limit, not the inputs' fault
+        raise
     except Exception as exc:  # whatever forward() raises on inputs it does not accept (at the trace batch)
-        raise PassError(forward_failure(feeds, _first_line(exc))) from None
+        raise ModelSourceError(forward_failure(feeds, _first_line(exc))) from None
 
 
 def import_onnx(ctx: PassContext) -> ModelArtifact:

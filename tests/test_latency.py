@@ -168,3 +168,16 @@ def test_report_speedup_uses_the_eager_figure_timed_beside_the_stage_and_marks_b
     assert "p50 10.00 to 12.00 ms" in table and "int8: 1 of 1 latency figures unreliable" in table and "load average 7.5" in table
 
 
+
+
+def test_warm_up_is_bounded_by_time_for_slow_calls_and_by_count_for_fast_ones():
+    from optpipe.evaluation.latency import WARMUP_S, warm_up
+
+    clock = FakeClock()
+    warm_up(clock.model("slow", steady(300.0)), FEEDS, 10, clock)
+    slow_calls = len(clock.log)
+    # 0.5 s of untimed calls (2 of 300 ms, not 10), then two settling blocks of 2 calls.
+    assert slow_calls == int(WARMUP_S / 0.3) + 1 + 2 * 2
+    clock = FakeClock()
+    warm_up(clock.model("fast", steady(1.0)), FEEDS, 10, clock)
+    assert len(clock.log) == 10 + 2 * BLOCK  # fast calls: the full count and full blocks

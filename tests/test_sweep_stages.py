@@ -73,9 +73,6 @@ def test_sweeps_only_the_frontier_by_default_then_every_stage_when_asked(tiny_re
     assert {s.name: [lat.model_dump() for lat in s.latency if lat.sweep is None] for s in again.stages} == headline
     assert [s.pareto for s in again.stages] == [s.pareto for s in report.stages]
     assert "None for" not in (tmp_path / "run" / "report.md").read_text()
+    from optpipe.reporting.html import sweep_note
 
-
-def test_no_sweep_no_curves_and_no_note(tiny_recipe, cache_dir, tmp_path):
-    report = compile_recipe(load_recipe(tiny_recipe()), RunOptions(cache_dir=cache_dir))
-    assert _swept(report) == set()
-    assert "Sweep curves" not in (tmp_path / "run" / "report.md").read_text()
+    assert sweep_note(again.model_copy(update={"evaluation": {**again.evaluation, "sweep": {}}})) is None

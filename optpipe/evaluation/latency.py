@@ -46,6 +46,9 @@ WARM_CAP_S = 3.0  # give up waiting for it to settle after this long (the busy f
 # warms a runtime up is its first calls on a shape (allocations, kernel choice), and the settling
 # blocks after them check it is done; 10 calls of a 300 ms batch are 3 s spent on nothing more.
 WARMUP_S = 0.5
+# A settling block is BLOCK runs, or fewer (at least 2) when that many would take over this long:
+# a 300 ms batch-16 call would otherwise spend 3 s in two blocks of 5.
+WARM_BLOCK_S = 0.5
 
 
 def measure(
@@ -97,17 +100,28 @@ def measure(
 def warm_up(run: Run, feeds: Feeds, warmup: int, clock: Clock = time.perf_counter) -> None:
     """`warmup` untimed runs (fewer when they take over WARMUP_S), then blocks until one is no faster
     than the block before it (or WARM_CAP_S)."""
-    start = clock()
+    start = last = clock()
+    call_s = None  # how long the last warm-up call took: sizes the settling blocks
     for i in range(warmup):
-        if i and clock() - start >= WARMUP_S:
+        if i and last - start >= WARMUP_S:
             break
         run(feeds)
+        call_s, last = clock() - last, clock()
     start, previous = clock(), None
+    size = _settle_block(call_s)
     while clock() - start < WARM_CAP_S:
-        current = float(np.median(_time_block(run, feeds, BLOCK, clock)))
+        current = float(np.median(_time_block(run, feeds, size, clock)))
+        size = _settle_block(current / 1e3)
         if previous is not None and current >= WARM_SETTLED * previous:
             return
         previous = current
+
+
+def _settle_block(call_s: float | None) -> int:
+    """Runs per settling block: BLOCK, fewer (at least 2) for calls so long that BLOCK exceed WARM_BLOCK_S."""
+    if call_s is None or call_s <= 0:
+        return BLOCK
+    return max(2, min(BLOCK, int(WARM_BLOCK_S / call_s)))
 
 
 def warm_for(run: Run, feeds: Feeds, seconds: float, clock: Clock = time.perf_counter) -> None:

@@ -22,7 +22,7 @@ from optpipe.execution.services import RunServices
 from optpipe.instruments import Instrument
 from optpipe.model_source import source_fingerprint
 from optpipe.recipe import EvaluateSpec, ModelSource, OnnxModel, Recipe, Tolerance
-from optpipe.results import StageResult
+from optpipe.results import StageResult, error_kind
 from optpipe.signal_stack import restore_signal_stack
 
 EAGER_STAGE = "pytorch-eager"
@@ -136,6 +136,7 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
         accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, parts.evaluate.tolerance)
     except OptpipeError as exc:
         escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
+        result.error_kind = error_kind(exc)  # a broken model source is the user's, here as in export
         _evaluation_failed(result, str(exc), instruments)
         return result
     except Exception as exc:  # the baseline is informative; its failure must not stop the run

@@ -99,6 +99,8 @@ def sweep_note(report: RunReport) -> str | None:
             why.append(f"{s.name} ({s.status})")
         elif any("latency sweep failed" in w for w in s.warnings):
             why.append(f"{s.name} (its sweep failed, see its warnings)")
+        elif s.name == EAGER:
+            why.append(f"{s.name} (the baseline is swept only beside stages swept in the same evaluation)")
         elif report.evaluation.get("sweep_stages", "frontier") == "frontier":
             why.append(f"{s.name} (not on the Pareto frontier)")
         else:
