@@ -121,6 +121,15 @@ def _hf(folder: Path, config_text: str | None = None, weights: bool = False) -> 
     return ["compile", str(write_recipe(folder, recipe))]
 
 
+def _export_params(folder: Path, **params) -> list[str]:
+    """A factory model whose export stage asks for what it cannot have: the recipe's to change."""
+    args = _factory(folder)
+    recipe = Path(args[1])
+    text = recipe.read_text().replace("pass: export", "pass: export\n    params: " + json.dumps(params))
+    recipe.write_text(text)
+    return args
+
+
 INT_X = [{"name": "x", "dtype": "int64", "shape": ["batch", 16], "range": [0, 10]}]
 TWO = [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}, {"name": "mask", "dtype": "float32", "shape": ["batch", 16]}]
 
@@ -130,6 +139,8 @@ SOURCES = {
                                     "does not fit the factory's module"),
     "checkpoint is a text file": (lambda d: _checkpoint(d, lambda p: p.write_text("these are not weights\n")),
                                   "'weights.pt' is not a readable torch checkpoint"),
+    "checkpoint is a note": (lambda d: _checkpoint(d, lambda p: p.write_text("not weights\n")),
+                             "(Unsupported operand 110: not a torch.save file, or a damaged one)"),
     "checkpoint truncated": (lambda d: _checkpoint(d, _truncated), "'weights.pt' is not a readable torch checkpoint"),
     "checkpoint holds an object": (lambda d: _checkpoint(d, _with_object), "set `model.allow_pickle: true`"),
     "safetensors of garbage": (lambda d: _checkpoint(d, lambda p: p.write_bytes(b"\x07" * 64), "w.safetensors"),
@@ -141,6 +152,9 @@ SOURCES = {
     "forward only at batch 1": (lambda d: _factory(d, "batch_one"), "fails on the recipe's inputs (x [2, 16] float32)"),
     "hf config.json broken": (lambda d: _hf(d, config_text="{ not json"), "model: cannot load"),
     "hf weights missing": (lambda d: _hf(d), "no file named model.safetensors"),
+    # export params the model cannot have
+    "hf attention on a factory model": (lambda d: _export_params(d, attention="eager"), "`attention` applies to Hugging Face models only"),
+    "dynamo below opset 18": (lambda d: _export_params(d, exporter="dynamo", opset=17), "set `opset: 18` or higher"),
 }
 
 
@@ -213,6 +227,8 @@ def test_an_input_error_beside_a_stage_failure_exits_1():
     bad_source = StageResult(name="export", pass_name="export", status="failed", reason="model.checkpoint: x", error_kind="input")
     broken = StageResult(name="int8", pass_name="int8", status="failed", reason="quantizer failed (log: l)", error_kind="stage")
     assert failure_lines([bad_source], [])[1] == 2
+    eager = StageResult(name="pytorch-eager", pass_name="eager", status="failed", reason="model.checkpoint: x", error_kind="input")
+    assert failure_lines([eager, bad_source], []) == (["error: stage 'export' failed: model.checkpoint: x"], 2)
     lines, code = failure_lines([bad_source, broken], [])
     assert code == 1 and len(lines) == 2
 

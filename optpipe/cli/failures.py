@@ -16,7 +16,8 @@ STAGE_FAILED, USER_INPUT = 1, 2
 def failure_lines(failed: Sequence[StageResult], targets: Sequence[TargetResult], prefix: str = "") -> tuple[list[str], int]:
     """(lines, exit code) for the failed and skipped stages and the failed targets; (`[]`, 0) when none."""
     lines = [f"error: {prefix}target {t.kind} for '{t.stage}' failed: {t.reason}" for t in targets]
-    stages = [s for s in failed if s.status == "failed"]
+    # The eager baseline last: a broken source is named by the stage that met it first, not by the baseline.
+    stages = sorted((s for s in failed if s.status == "failed"), key=lambda s: s.pass_name == "eager")
     shown, reasons = [], set()
     for stage in stages:
         if stage.error_kind == "input" and stage.reason in reasons:
