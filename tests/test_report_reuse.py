@@ -39,10 +39,12 @@ def test_a_new_evaluation_of_cached_models_reads_pass_cached(tiny_recipe, cache_
     assert (stored["simplify"]["cached"], stored["simplify"]["evaluation_cached"]) == (True, False)
     cells = _status_cells(remeasured)
     assert cells["simplify"] == "ok (pass cached)", cells
+    assert "'pass cached': the stage's model came from the cache" in stage_table(remeasured)
 
     again, progress = _compile(tiny_recipe({"evaluate": {"iterations": 4}}), cache_dir)
     assert all(s.reused == "cached" for s in again.stages), [(s.name, s.reused) for s in again.stages]
     assert _status_cells(again)["simplify"] == "ok (cached)"
+    assert "'pass cached'" not in stage_table(again)
     assert "cached evaluate simplify (" in progress
 
 
