@@ -73,7 +73,7 @@ def _optimum(model: Path, out: Path) -> Path:
     (`python -m onnxruntime.quantization.preprocess`, shape inference only: `--skip_optimization True --auto_merge`, so
     Optimum's graph is not changed). Without it, Optimum 2.1 (optimum-onnx 0.1) with onnxruntime 1.31 and
     1.32 (and, by their source, every release since 1.17) stops on the -O2 graph with "Unable to find data type for weight_name=...MatMul_output_0": its
-    fused com.microsoft ops carry no output types (torch 2.13's exporter writes no value_info) and Optimum
+    fused com.microsoft ops carry no output types (Optimum's export with torch 2.13 carries no value_info) and Optimum
     has no way to pass the quantizer's `DefaultTensorType` option (huggingface/optimum#2186, #1959).
     Symbolic shape inference, which knows the com.microsoft ops, writes those types; every op, weight and
     quantization setting stays Optimum's own."""

@@ -31,15 +31,25 @@ class OptpipeError(Exception):
         super().__init__(one_line(str(message)), *args)
 
 
-class RecipeError(OptpipeError):
+class UserInputError(OptpipeError):
+    """The user's own input is wrong: the recipe, the model it names (a checkpoint that does not fit,
+    a forward() that refuses the recipe's inputs) or a data set.
+
+    Raised only where that is known (loading the model, its forward on the recipe's inputs, reading
+    data), never guessed from a library's exception class. A stage that meets it fails with
+    error_kind "input" (results.StageResult), and a run whose failures are all of that kind ends
+    with exit code 2, not 1."""
+
+
+class RecipeError(UserInputError):
     """The recipe is malformed: the message names the YAML path and what was expected."""
 
 
-class ModelSourceError(OptpipeError):
-    """The recipe's model cannot be found or loaded."""
+class ModelSourceError(UserInputError):
+    """The recipe's model cannot be found or loaded, or its forward() fails on the recipe's inputs."""
 
 
-class DataError(OptpipeError):
+class DataError(UserInputError):
     """An evaluation or calibration data set cannot be built or does not fit the model."""
 
 

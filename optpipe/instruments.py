@@ -153,7 +153,7 @@ class ConsoleProgress(Instrument):
 
     def after_evaluation(self, result: "StageResult") -> None:
         if result.status == "ok":
-            self._end(f"evaluate {result.name}", "cached" if result.cached else "ok", evaluation_summary(result))
+            self._end(f"evaluate {result.name}", "cached" if result.evaluation_cached else "ok", evaluation_summary(result))
         else:
             self._end(f"evaluate {result.name}", "failed", result.reason or "")
 

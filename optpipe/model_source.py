@@ -202,6 +202,8 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
     try:
         with torch.no_grad():
             leaves = named_leaves(call(net, *args))
+    except (MemoryError, ModelSourceError):  # the machine's limit; named_leaves' own sentence
+        raise
     except Exception as exc:  # whatever forward() raises on inputs it does not accept
         raise ModelSourceError(forward_failure(sample, first_line(exc))) from None
     declared = getattr(net, "output_names", None)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 
 from optpipe.artifact import ModelArtifact
 
-from optpipe.errors import OptpipeError
+from optpipe.errors import OptpipeError, UserInputError
 from optpipe.graph.coverage import Coverage
 
 
@@ -122,13 +122,27 @@ def headline_latency(latency: list[Latency]) -> Latency | None:
     return next((lat for lat in latency if lat.sweep is None), None)
 
 
+ErrorKind = Literal["input", "stage", "internal"]
+
+
+def error_kind(exc: BaseException) -> ErrorKind:
+    """A failure's kind from what was raised: "input" only for errors.UserInputError, which the places
+    that know the input is the user's raise (model loading, forward on the recipe's inputs, data)."""
+    return "input" if isinstance(exc, UserInputError) else "stage"
+
+
 class StageResult(BaseModel):
     name: str
     pass_name: str
     parent: Optional[str] = None
     status: Literal["ok", "failed", "skipped"]
-    cached: bool = False
+    cached: bool = Field(False, description="the stage's model came from the cache (its pass did not run)")
+    evaluation_cached: Optional[bool] = Field(
+        None, description="its accuracy and latency figures came from the cache; None where it was not evaluated")
     reason: Optional[str] = None
+    error_kind: Optional[ErrorKind] = Field(
+        None, description="why a failed stage failed: input (the user's model or data; exit 2), stage (the pass could "
+        "not do its work), internal (a bug in optpipe; the log has the traceback)")
     log: Optional[str] = None
     artifact: Optional[str] = None
     hash: Optional[str] = None
@@ -157,6 +171,18 @@ class StageResult(BaseModel):
     @property
     def headline(self) -> Latency | None:
         return headline_latency(self.latency)
+
+    @property
+    def reused(self) -> str | None:
+        """What of a finished stage came from the cache, in words: "cached" (its model and its figures),
+        "pass cached" (its model; the evaluation ran again), "eval cached" (its figures; the pass ran
+        again), None (nothing). A stage not evaluated (yet) is judged by its pass alone."""
+        if self.status != "ok":
+            return None
+        pass_cached, figures_cached = self.cached, self.evaluation_cached
+        if figures_cached is None or pass_cached == figures_cached:
+            return "cached" if pass_cached else None
+        return "pass cached" if pass_cached else "eval cached"
 
     def latency_at(self, batch_size: int) -> Latency | None:
         return next((lat for lat in self.latency if lat.batch_size == batch_size and lat.sweep is None), None)

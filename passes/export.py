@@ -10,7 +10,7 @@ from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check, onnx_outputs
-from optpipe.errors import PassError, first_line
+from optpipe.errors import ModelSourceError, PassError, RecipeError, first_line
 from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
@@ -98,13 +98,13 @@ def set_attention(torch_model: TorchModel, implementation: str | None) -> str | 
     model = next((m for m in torch_model.module.modules() if hasattr(m, "set_attn_implementation")), None)
     if model is None:
         if implementation is not None:
-            raise PassError("`attention` applies to Hugging Face models only; remove it from this export stage")
+            raise RecipeError("`attention` applies to Hugging Face models only; remove it from this export stage")
         return None
     if implementation is not None:
         try:
             model.set_attn_implementation(implementation)
         except (ValueError, ImportError) as exc:  # an architecture without that implementation
-            raise PassError(f"attention: {type(model).__name__} cannot use '{implementation}' attention ({first_line(exc)}); "
+            raise RecipeError(f"attention: {type(model).__name__} cannot use '{implementation}' attention ({first_line(exc)}); "
                             "remove `attention` or pick the other one") from None
     return getattr(model.config, "_attn_implementation", None)
 
@@ -127,7 +127,7 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
                 # A trace records one branch of data-dependent control flow: it matches eager on the
                 # trace inputs and is wrong on others, so `auto` must not hand it on as a success.
                 raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch, taken on a tensor's values or shape ({branches[0]})")
-    except (PassError, _ExportFailed):
+    except (PassError, RecipeError, _ExportFailed):
         raise
     except Exception as exc:  # exporters raise anything; the stage log has the traceback
         logging.getLogger("optpipe.export").debug("%s export traceback", exporter, exc_info=True)
@@ -205,8 +205,10 @@ def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads
     recipe's input specs fit the model."""
     try:
         return eager_runner(torch_model, threads)(feeds)
+    except MemoryError:  # the machine's limit, not the inputs' fault
+        raise
     except Exception as exc:  # whatever forward() raises on inputs it does not accept (at the trace batch)
-        raise PassError(forward_failure(feeds, _first_line(exc))) from None
+        raise ModelSourceError(forward_failure(feeds, _first_line(exc))) from None
 
 
 def import_onnx(ctx: PassContext) -> ModelArtifact:
@@ -230,7 +232,7 @@ def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, p
     import torch
 
     if opset < 18:
-        raise PassError("the dynamo exporter needs opset >= 18; set `opset: 18` or higher, or `exporter: torchscript`")
+        raise RecipeError("the dynamo exporter needs opset >= 18; set `opset: 18` or higher, or `exporter: torchscript`")
     dims = {name: _export_dim(name, d) for name, d in recipe.dims.items()}
     dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(recipe).values())
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers_passes import context
-from optpipe.errors import PassError
+from optpipe.errors import RecipeError
 from optpipe.evaluation.accuracy import compare, run_onnx
 from optpipe.execution.stage_runner import run_checked
 from optpipe.graph.stats import op_histogram
@@ -112,7 +112,7 @@ def test_attention_on_a_model_that_is_not_hugging_face_says_what_to_change():
 
     model = TorchModel(module=torch.nn.Linear(4, 4), input_names=["x"], output_names=["y"], description="linear")
     assert set_attention(model, None) is None
-    with pytest.raises(PassError, match="Hugging Face models only"):
+    with pytest.raises(RecipeError, match="Hugging Face models only"):  # the recipe's to change: exit 2
         set_attention(model, "eager")
 
 

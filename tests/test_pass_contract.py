@@ -74,7 +74,7 @@ def test_returned_artifact_must_be_the_workdir(tiny_recipe, cache_dir):
 
 
 def _cache_hit(run_dir: Path, stage: str) -> bool:
-    """The stage's model came from the cache (its evaluation may still be new: report.cached covers both)."""
+    """The stage's model came from the cache, as its log says (report.json's `cached`; `evaluation_cached` is its figures')."""
     return "cache hit" in (run_dir / "logs" / f"{stage}.log").read_text()
 
 

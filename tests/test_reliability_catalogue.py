@@ -175,10 +175,10 @@ CASES = {
     "unknown standard op": (lambda d: _with_model(d, write_custom_op_onnx), USER, "model.onnx: 'model.onnx' uses ops that no ONNX schema defines"),
     "custom domain op": (lambda d: _with_model(d, lambda f: write_custom_op_onnx(f, "com.example")), USER, "ONNX Runtime cannot run op 'FrobnicateTensor'"),
     "nan outputs": (lambda d: _with_model(d, lambda f: write_linear_onnx(f, op="log"), {"export": {"pass": "export"}}), STAGE, "stage 'export' failed: it outputs NaN or Inf in 'y'"),
-    "pickled checkpoint": (_pickled_checkpoint, STAGE, "set `model.allow_pickle: true` if you trust the file"),
-    "checkpoint does not fit": (_mismatched_checkpoint, STAGE, "does not fit the factory's module"),
+    "pickled checkpoint": (_pickled_checkpoint, USER, "set `model.allow_pickle: true` if you trust the file"),
+    "checkpoint does not fit": (_mismatched_checkpoint, USER, "does not fit the factory's module"),
     "factory forward fails on the inputs": (lambda d: _factory_recipe(d, inputs=[{"name": "x", "dtype": "float32", "shape": ["batch", 12]}]),
-                                            STAGE, "the PyTorch model fails on the recipe's inputs (x [1, 12] float32)"),
+                                            USER, "the PyTorch model fails on the recipe's inputs (x [1, 12] float32)"),
     "factory module missing": (lambda d: _mutated(d, lambda r: r.update(model={"factory": "no_such_module_xyz:build", "path": "."})), USER, "module 'no_such_module_xyz' is not in model.path"),
     # data
     "eval data wrong dtype": (lambda d: _with_eval_data(d, x=np.zeros((4, 16), np.float64)), USER, "data.eval: input 'x' is float64"),

@@ -14,6 +14,7 @@ from optpipe.run_paths import RunPaths
 def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str | None, output: Path | None, force: bool,
                        only: str | None, cache_dir: Path | None, yes: bool, group_by_node: bool,
                        remote_cache: str | None = None) -> int:
+    from optpipe.cli.failures import STAGE_FAILED, failure_lines
     from optpipe.execution.executors import LocalExecutor
     from optpipe.search.runner import compile_recipes
     from optpipe.search.space import SearchSpace
@@ -39,21 +40,18 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
                                   group_by_node=group_by_node, remote_cache=remote_cache, only=only)
     finally:
         executor.close()
-    code = 0
+    codes = []
     for recipe, (report, failed) in zip(recipes, reports):
         run_dir = RunPaths.resolve(recipe, output).run_dir
         if report.search is None:
             click.echo(stage_table(report))
         click.echo(f"report {recipe.name}: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)")
-        for stage in [s for s in failed if s.status == "failed"]:
-            click.echo(f"error: {recipe.name}: stage '{stage.name}' failed: {stage.reason}", err=True)
-        for target in report.failed_targets:
-            click.echo(f"error: {recipe.name}: target {target.kind} for '{target.stage}' failed: {target.reason}", err=True)
-            code = 1
-        if failed:
-            code = 1
+        lines, recipe_code = failure_lines(failed, report.failed_targets, prefix=f"{recipe.name}: ")
+        for line in lines:
+            click.echo(line, err=True)
+        codes.append(recipe_code)
     sys.stdout.flush()
-    return code
+    return STAGE_FAILED if STAGE_FAILED in codes else max(codes, default=0)  # a stage failure outranks the input's
 
 
 def _check_remote(url: str) -> None:

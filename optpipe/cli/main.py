@@ -1,6 +1,7 @@
 """The command line: a thin layer over the Python API (optpipe.compile_recipe and friends).
 
-Exit codes: 0 success, 1 a stage failed, 2 a user error (recipe, paths, arguments), 3 an internal
+Exit codes: 0 success, 1 a stage failed, 2 a user error (recipe, paths, arguments, or a model that
+does not load or run on the recipe's inputs: every failed stage failed on it), 3 an internal
 error (a bug: one line, the traceback with OPTPIPE_DEBUG=1), 130 interrupted (Ctrl-C), 143 terminated.
 """
 from __future__ import annotations
@@ -121,18 +122,13 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
     console.print(stage_table(report), markup=False)
     run_dir = RunPaths.resolve(parsed, output).run_dir
     console.print(f"\nreport: {run_dir / 'report.md'}, {run_dir / 'report.html'} (data: report.json)", markup=False)
-    failed_targets = report.failed_targets
-    for target in failed_targets:
-        click.echo(f"error: target {target.kind} for '{target.stage}' failed: {target.reason}", err=True)
-    if report.failed:
-        # One line per stage that failed; the stages skipped after them are counted, not repeated.
-        failed = [s for s in report.failed if s.status == "failed"]
-        skipped = len(report.failed) - len(failed)
-        for i, stage in enumerate(failed):
-            tail = f"; {skipped} stage{'s' if skipped != 1 else ''} after it skipped" if skipped and i == len(failed) - 1 else ""
-            click.echo(f"error: stage '{stage.name}' failed: {stage.reason}{tail}", err=True)
-    if report.failed or failed_targets:
-        sys.exit(1)
+    from optpipe.cli.failures import failure_lines
+
+    lines, code = failure_lines(report.failed, report.failed_targets)
+    for line in lines:
+        click.echo(line, err=True)
+    if code:
+        sys.exit(code)
 
 
 @cli.command("validate")

@@ -123,7 +123,7 @@ def outcome_label(outcome) -> str:
 def result_label(result: StageResult) -> str:
     if result.status != "ok":
         return result.status
-    return "cached" if result.cached else "ok"
+    return "cached" if result.evaluation_cached else "ok"  # an evaluation line: its figures, not the pass
 
 
 def result_detail(result: StageResult) -> str:

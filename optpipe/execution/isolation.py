@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.artifact import ModelArtifact
-from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, StageTimeout, first_line
+from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, StageTimeout, UserInputError, first_line
 from optpipe.pass_base import Pass, PassContext
 
 POLL_S = 0.1
@@ -128,6 +128,8 @@ def _raise_failure(stage: str, pass_name: str, result: dict[str, Any] | None, re
         return
     if status == "pass":
         raise PassError(message)
+    if status == "input":  # the user's model or data: the kind must survive the process boundary
+        raise UserInputError(message)
     if status == "user":
         raise OptpipeError(message)
     if status == "memory":
@@ -170,6 +172,8 @@ def _run_request(request: dict[str, Any]) -> dict[str, Any]:
             return {"status": "ok", "info": artifact.info, "data_used": ctx.data_used}
         except PassError as exc:
             return {"status": "pass", "message": str(exc)}
+        except UserInputError as exc:
+            return {"status": "input", "message": str(exc)}
         except OptpipeError as exc:
             return {"status": "user", "message": str(exc)}
         except MemoryError as exc:

@@ -22,7 +22,7 @@ from optpipe.execution.services import RunServices
 from optpipe.instruments import Instrument
 from optpipe.model_source import source_fingerprint
 from optpipe.recipe import EvaluateSpec, ModelSource, OnnxModel, Recipe, Tolerance
-from optpipe.results import StageResult
+from optpipe.results import StageResult, error_kind
 from optpipe.signal_stack import restore_signal_stack
 
 EAGER_STAGE = "pytorch-eager"
@@ -101,7 +101,7 @@ def _sweep(results: list[StageResult], parts: EvaluationParts, evaluator: Evalua
             result.warnings.append(f"latency sweep failed: {type(exc).__name__}: {first_line(exc)}")
             continue
         result.latency = [*result.latency, *points]
-        result.cached = result.cached and cached
+        result.evaluation_cached = bool(result.evaluation_cached) and cached
 
 
 def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Evaluator, instruments: Instrument) -> None:
@@ -124,7 +124,7 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", instruments)
     result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
     result.warnings += accuracy.warnings if accuracy else []
-    result.cached = result.cached and cached
+    result.evaluation_cached = cached  # apart from result.cached, the pass's: the report tells the two apart
     instruments.after_evaluation(result)
 
 
@@ -136,6 +136,7 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
         accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, parts.evaluate.tolerance)
     except OptpipeError as exc:
         escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
+        result.error_kind = error_kind(exc)  # a broken model source is the user's, here as in export
         _evaluation_failed(result, str(exc), instruments)
         return result
     except Exception as exc:  # the baseline is informative; its failure must not stop the run
@@ -143,6 +144,7 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
         _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", instruments)
         return result
     result.accuracy, result.latency, result.memory, result.cached = accuracy, latency, memory, cached
+    result.evaluation_cached = cached  # the baseline has no pass: its figures are all there is to reuse
     result.warnings += accuracy.warnings if accuracy else []
     instruments.after_evaluation(result)
     return result

@@ -22,7 +22,7 @@ from optpipe.execution.services import RunServices, make_pass_context, stage_log
 from optpipe.instruments import Instrument, Instruments, StageInfo
 from optpipe.pass_base import Pass, PassContext
 from optpipe.recipe import Recipe
-from optpipe.results import StageResult
+from optpipe.results import ErrorKind, StageResult, error_kind
 from optpipe.signal_stack import restore_signal_stack
 
 KEY_FORMAT = 2
@@ -51,8 +51,11 @@ class StageRunner:
             return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status=status, cached=cached,
                                reason=reason, duration_s=round(time.perf_counter() - started, 3))
 
-        def failed(reason: str) -> StageResult:
-            return result("failed", f"{reason} (log: {log_path})")
+        def failed(reason: str, kind: ErrorKind = "stage") -> StageResult:
+            # The user's input is named by its message alone; a pass's failure points at its log.
+            failure = result("failed", reason if kind == "input" else f"{reason} (log: {log_path})")
+            failure.error_kind = kind
+            return failure
 
         with stage_logger(name, log_path) as log:
             workdir = self.cache.new_workdir()
@@ -66,14 +69,14 @@ class StageRunner:
             except (PassError, OptpipeError) as exc:
                 escalate(exc, self.cache.root, watch)  # a Ctrl-C or a full disk behind it stops the run, not only this stage
                 log.error("%s", exc)
-                return failed(str(exc))
+                return failed(str(exc), error_kind(exc))
             except MemoryError as exc:
                 log.error("out of memory:\n%s", traceback.format_exc())
                 return failed(str(StageOutOfMemory(memory_message(exc))))
             except Exception as exc:  # a bug in a pass must not take the other branches down
                 escalate(exc, self.cache.root, watch)
                 log.error("unexpected error:\n%s", traceback.format_exc())
-                return failed(f"internal error in pass '{pass_.name}' ({type(exc).__name__}: {first_line(exc)})")
+                return failed(f"internal error in pass '{pass_.name}' ({type(exc).__name__}: {first_line(exc)})", "internal")
             finally:
                 self.cache.release_workdir(workdir)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from optpipe.cache.backends import open_cache
 from optpipe.results import StageResult
+from optpipe.runtime import cuda_device_names  # the one reader of GPU names, as targets/gpu_type.py uses
 from optpipe.recipe import Recipe
 
 
@@ -96,7 +96,7 @@ def node_description() -> dict:
     from optpipe.reporting.run_report import machine_description
 
     machine = machine_description()
-    node = {"host": platform.node(), "cpu": machine["processor"], "cores": os.cpu_count(), "gpu": _gpu_names()}
+    node = {"host": platform.node(), "cpu": machine["processor"], "cores": os.cpu_count(), "gpu": cuda_device_names()}
     try:
         import ray
 
@@ -111,18 +111,3 @@ def hardware_class(node: dict) -> str:
     """Figures are comparable when measured on the same kind of machine: CPU model, cores, GPUs."""
     gpu = ",".join(node.get("gpu") or []) or "no GPU"
     return f"{node.get('cpu')} x{node.get('cores')} / {gpu}"
-
-
-def _gpu_names() -> list[str]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return []
-    try:
-        import onnxruntime as ort
-
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return []
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
-        return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
-    except (ImportError, OSError, subprocess.SubprocessError):
-        return []

@@ -61,7 +61,16 @@ def headers() -> list[str]:
 def table_note(report: RunReport) -> str:
     return (f"Latency at batch {report.headline_batch}; 'vs' columns are speed-ups (>1x is faster); Δ columns are against "
             "the stage's parent; 'vs eager' is against PyTorch eager timed interleaved with that stage; "
-            "⚠busy: the machine was busy while it was timed, don't trust that ratio." + "".join(" " + n for n in timing_notes(report)))
+            "⚠busy: the machine was busy while it was timed, don't trust that ratio." + "".join(" " + n for n in timing_notes(report))
+            + _reuse_note(report))
+
+
+def _reuse_note(report: RunReport) -> str:
+    """What 'pass cached' / 'eval cached' mean, where a row says one of them."""
+    if not any(s.reused in ("pass cached", "eval cached") for s in report.stages):
+        return ""
+    return (" 'pass cached': the stage's model came from the cache and its figures were measured again "
+            "('eval cached': the reverse).")
 
 
 def timing_notes(report: RunReport) -> list[str]:
@@ -101,7 +110,7 @@ def guard_figure(accuracy: Accuracy) -> str:
 def _status(c: RowContext) -> Cell:
     s = c.stage
     tone: Tone = "failed" if s.status != "ok" else "out" if out_of_tolerance(s) else "ok"
-    return Cell(s.status + (" (cached)" if s.cached and s.status == "ok" else ""), tone)
+    return Cell(s.status + (f" ({s.reused})" if s.reused else ""), tone)
 
 
 def _cosine(c: RowContext) -> Cell:

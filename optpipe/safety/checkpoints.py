@@ -48,13 +48,25 @@ def _read(path: Path, allow_pickle: bool) -> Any:
         return torch.load(str(path), map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
         if allow_pickle or "global" not in str(exc).lower():  # no object (GLOBAL) refused: a broken file
-            raise ModelSourceError(f"model.checkpoint: '{path.name}' is not a readable torch checkpoint ({first_line(exc)[:160]})") from None
+            raise ModelSourceError(f"model.checkpoint: '{path.name}' is not a readable torch checkpoint ({_unpickler_reason(exc)[:160]})") from None
         raise ModelSourceError(
             f"model.checkpoint: '{path.name}' holds pickled Python objects beyond tensors, which could run code; "
             "save it as .safetensors, or set `model.allow_pickle: true` if you trust the file"
         ) from None
     except Exception as exc:  # truncated or not a torch file
         raise ModelSourceError(f"model.checkpoint: '{path.name}' is not a readable torch checkpoint ({first_line(exc)[:160]})") from None
+
+
+def _unpickler_reason(exc: Exception) -> str:
+    """torch's weights-only unpickler puts the reason ("Unsupported operand 110") after a paragraph
+    about PyTorch 2.6's defaults that says nothing about this file."""
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        reason = next((line.strip() for line in text.split(marker, 1)[1].splitlines() if line.strip()), "")
+        if reason:
+            return f"{reason}: not a torch.save file, or a damaged one"
+    return first_line(exc)
 
 
 def _unwrap(state: Any) -> Any:

@@ -85,7 +85,8 @@ def _trial_row(record, stage) -> dict[str, Any]:
     }
     if stage is None:
         return row
-    row.update(status=stage.status, reason=stage.reason, cached=stage.cached, size_bytes=stage.size_bytes,
+    row.update(status=stage.status, reason=stage.reason, cached=stage.cached, evaluation_cached=stage.evaluation_cached,
+               size_bytes=stage.size_bytes,
                measured_on=stage.measured_on)
     if stage.latency:
         row["p50_ms"] = stage.latency[0].p50_ms
