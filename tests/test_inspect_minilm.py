@@ -23,7 +23,7 @@ def minilm_run(tmp_path_factory):
     data = yaml.safe_load(RECIPE.read_text())
     data["data"]["eval"]["samples"] = 8
     data["evaluate"].update(batch_sizes=[1], warmup=1, iterations=2, eager_baseline=False,
-                            sweep={"sequence": [32, 128]}, sweep_iterations=1)
+                            sweep={"sequence": [32, 128]}, sweep_iterations=1, sweep_stages="all")
     data["output"] = str(tmp_path_factory.mktemp("minilm") / "run")
     report = compile_recipe(parse_recipe(data, base_dir=RECIPE.parent))
     assert not report.failed, [s.reason for s in report.failed]
