@@ -6,6 +6,7 @@ Nothing is ever downloaded: Hugging Face loading runs with `local_files_only`.
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 import importlib
 import importlib.util
 import sys
@@ -273,8 +274,18 @@ def _module_origin(module_name: str, source: ModelSource) -> Path | None:
 
 
 def _folder_hash(folder: Path) -> str:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    # One run asks several times (stage keys, the eager baseline's key): files unchanged since the
+    # last ask (same names, sizes, modification times) are not read again (~90 MB for MiniLM).
+    signature = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _files_hash(folder, signature)
+
+
+@lru_cache(maxsize=16)
+def _files_hash(folder: Path, signature: tuple) -> str:
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+    for name, _, _ in signature:
+        path = Path(name)
         digest.update(str(path.relative_to(folder)).encode())
         digest.update(sha256_file(path).encode())
     return digest.hexdigest()

@@ -72,18 +72,31 @@ def export_refusal(stage, allow_out_of_tolerance: bool) -> tuple[str | None, lis
     return None, warnings
 
 
-def flag_unchanged_stages(results: list, stages: dict) -> None:
+def flag_unchanged_stages(results: list, stages: dict, cache: "StageCache | None" = None) -> None:
     """Warn on each of `results` whose model is its parent's: same file, or same ops with the same weights.
 
     `stages`: stage name -> its StageResult (with `.model`), where the parents are found.
+    `cache`: where the answer for a pair of models already compared is kept (comparing the weights
+    reads both models whole).
     """
     for result in results:
         parent = stages.get(result.parent or "")
         if result.status != "ok" or result.model is None or parent is None or parent.model is None:
             continue
-        if same_model(result.model, parent.model):
+        if _same_model_cached(result.model, parent.model, cache):
             result.warnings.insert(0, f"this stage changed nothing: its model computes exactly what "
                                       f"'{result.parent}' does (same ops, same weights)")
+
+
+def _same_model_cached(a: ModelArtifact, b: ModelArtifact, cache: "StageCache | None") -> bool:
+    if cache is None:
+        return same_model(a, b)
+    key = cache.key(same_model=1, models=[a.content_hash(), b.content_hash()])
+    hit = cache.get_result(key)
+    if hit is None:
+        hit = {"same": same_model(a, b)}
+        cache.put_result(key, hit)
+    return bool(hit["same"])
 
 
 def same_model(a: ModelArtifact, b: ModelArtifact) -> bool:

@@ -74,7 +74,7 @@ def evaluate_stages(
         if result.status == "ok":
             _evaluate_stage(result, parts, evaluator, instruments)
         results.append(result)
-    flag_unchanged_stages([stages[name] for name in order], stages)
+    flag_unchanged_stages([stages[name] for name in order], stages, cache)
     if parts.evaluate.sweep:
         _sweep(results, parts, evaluator, instruments)
     return results
