@@ -76,6 +76,11 @@ class PassError(Exception):
     """
 
 
+class PassCrashed(PassError):
+    """A pass raised something it did not mean to (a bug), in a stage's worker process: the parent
+    reports it as the internal error it was, not as a pass that refused its input."""
+
+
 class TargetError(OptpipeError):
     """A deployment target (ORT bundle, TensorRT engine, Triton repository) cannot be written as asked."""
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 
 from optpipe.artifact import ModelArtifact
 
-from optpipe.errors import OptpipeError, UserInputError
+from optpipe.errors import OptpipeError, PassCrashed, UserInputError
 from optpipe.graph.coverage import Coverage
 
 
@@ -128,6 +128,8 @@ ErrorKind = Literal["input", "stage", "internal"]
 def error_kind(exc: BaseException) -> ErrorKind:
     """A failure's kind from what was raised: "input" only for errors.UserInputError, which the places
     that know the input is the user's raise (model loading, forward on the recipe's inputs, data)."""
+    if isinstance(exc, PassCrashed):  # a bug, met in a stage's worker process
+        return "internal"
     return "input" if isinstance(exc, UserInputError) else "stage"
 
 

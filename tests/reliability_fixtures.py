@@ -209,6 +209,15 @@ class HogPass(Pass):
         return _copy_model(model, ctx, {})
 
 
+class BuggyPass(Pass):
+    """A bug inside a pass (not the user's input): a KeyError from its own code."""
+
+    name = "buggy"
+
+    def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+        return {}["missing"]
+
+
 class SelfKillPass(Pass):
     """Die the way the kernel's OOM killer kills: SIGKILL (run it with a timeout_s, in a worker)."""
 

@@ -258,3 +258,28 @@ def test_a_bug_inside_a_pass_is_still_an_internal_error_exit_1(tmp_path, monkeyp
     assert "internal error in pass 'export' (KeyError" in line and "(log: " in line, line
     assert code == 1
     assert _stage_entries(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize("timeout_s", [None, 60], ids=["in this process", "in a worker process"])
+def test_a_bug_inside_a_plugin_pass_is_internal_wherever_it_runs(timeout_s, tmp_path, monkeypatch, capsys):
+    import os
+
+    from reliability_fixtures import HERE, PLUGIN, write_linear_onnx
+
+    from optpipe.passes import registry
+
+    monkeypatch.setenv("OPTPIPE_PLUGINS", PLUGIN)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    registry.cache_clear()
+    monkeypatch.chdir(tmp_path)
+    write_linear_onnx(tmp_path / "model")
+    bad = {"pass": "buggy", "after": "export", **({"timeout_s": timeout_s} if timeout_s else {})}
+    try:
+        code, out, err = run_main(["compile", str(write_recipe(tmp_path, onnx_recipe(tmp_path, stages={"export": {"pass": "export"}, "bad": bad})))], capsys)
+    finally:
+        registry.cache_clear()
+    line = _one_error(err)
+    assert "stage 'bad' failed: internal error in pass 'buggy' (KeyError" in line and "(log: " in line, line
+    assert code == 1
+    stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
+    assert stages["bad"]["error_kind"] == "internal" and stages["export"]["status"] == "ok"

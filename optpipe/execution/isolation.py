@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.artifact import ModelArtifact
-from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, StageTimeout, UserInputError, first_line
+from optpipe.errors import OptpipeError, PassCrashed, PassError, StageOutOfMemory, StageTimeout, UserInputError, first_line
 from optpipe.pass_base import Pass, PassContext
 
 POLL_S = 0.1
@@ -134,7 +134,7 @@ def _raise_failure(stage: str, pass_name: str, result: dict[str, Any] | None, re
         raise OptpipeError(message)
     if status == "memory":
         raise StageOutOfMemory(message)
-    raise PassError(f"internal error in pass '{pass_name}' ({message})")
+    raise PassCrashed(f"internal error in pass '{pass_name}' ({message})")
 
 
 # --- the worker side -----------------------------------------------------------------------
