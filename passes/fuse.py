@@ -38,8 +38,8 @@ class FuseParams(SelfCheckParams):
         "MultiHeadAttention after three MatMuls, which int8 can quantize",
     )
     model_type: str = Field("bert", description="ORT transformer optimizer's model type")
-    num_heads: int = Field(0, ge=0, description="ORT transformer optimizer: attention heads (0 = detect)")
-    hidden_size: int = Field(0, ge=0, description="ORT transformer optimizer: hidden size (0 = detect)")
+    num_heads: int = Field(0, ge=0, description="ORT transformer optimizer: attention heads (0 = the Hugging Face config's, else detect)")
+    hidden_size: int = Field(0, ge=0, description="ORT transformer optimizer: hidden size (0 = the Hugging Face config's, else detect)")
     generic: bool = Field(True, description="also apply ORT's generic fusions (EXTENDED level), saved offline")
 
 
@@ -47,7 +47,7 @@ class FusePass(Pass[FuseParams]):
     """Fuse operators for ONNX Runtime (attention, layer norms, GELU, conv+bn), checked against the input."""
 
     name = "fuse"
-    version = "2"
+    version = "3"  # 3: ORT's fuser gets num_heads/hidden_size from the Hugging Face config
     Params = FuseParams
     libraries = ("onnx", "onnxscript", "onnx-ir", "onnxruntime", "onnxruntime-gpu")
     check_hint = "set `transformer: off` or the other fuser (`onnxscript` / `ort`) and compare"
@@ -93,7 +93,7 @@ def transformer_fusion(model: ModelArtifact, params: FuseParams, ctx: PassContex
     before = op_histogram(model.load(with_weights=False))
     for fuser in fusers:
         try:
-            fused, detail = FUSERS[fuser](model, params)
+            fused, detail = FUSERS[fuser](model, params, ctx)
         except Exception as exc:  # a fuser that cannot handle a graph is a finding, not a crash, under auto
             ctx.log.warning("%s fusion failed", fuser, exc_info=True)
             errors[fuser] = library_failure(exc)
@@ -127,7 +127,7 @@ def fusion_score(ops: dict[str, int]) -> tuple[int, int]:
     return attention, sum(ops.values())
 
 
-def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams) -> tuple[onnx.ModelProto, dict]:
+def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams, ctx: PassContext) -> tuple[onnx.ModelProto, dict]:
     import onnx_ir as ir
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
@@ -200,19 +200,57 @@ def fuse_up_to_multihead_attention(model):
     return model, counts
 
 
-def fuse_with_ort(model: ModelArtifact, params: FuseParams) -> tuple[onnx.ModelProto, dict]:
+def fuse_with_ort(model: ModelArtifact, params: FuseParams, ctx: PassContext) -> tuple[onnx.ModelProto, dict]:
     from onnxruntime.transformers.optimizer import optimize_model
 
+    shape = attention_shape(params, ctx)
     optimized = optimize_model(
         str(model.path),
         model_type=params.model_type,
-        num_heads=params.num_heads,
-        hidden_size=params.hidden_size,
+        num_heads=shape["num_heads"],
+        hidden_size=shape["hidden_size"],
         opt_level=0,  # the Python fusions only; ORT's own graph optimizations are `generic`
         use_gpu=False,
     )
     stats = optimized.get_fused_operator_statistics() or {}
-    return optimized.model, {"fusions": {name: n for name, n in stats.items() if n}}
+    return optimized.model, {"fusions": {name: n for name, n in stats.items() if n}, **shape}
+
+
+def attention_shape(params: FuseParams, ctx: PassContext) -> dict:
+    """num_heads and hidden_size for ORT's fuser: the params where set, else the Hugging Face config's.
+
+    Why: ORT's BERT fuser detects them from the graph's reshape constants, and that detection fails on
+    transformers 5's exports (its mask subgraph): no Attention fusion then, hence no QAttention in int8
+    (docs/int8.md). The config states them; 0 (ORT's own detection) when the model has none."""
+    config = hf_config(ctx)
+    found = {"num_heads": int(getattr(config, "num_attention_heads", 0) or 0), "hidden_size": int(getattr(config, "hidden_size", 0) or 0)}
+    given = {"num_heads": params.num_heads, "hidden_size": params.hidden_size}
+    shape = {key: given[key] or found[key] for key in given}
+    shape["from"] = "params" if all(given.values()) else "config" if any(found.values()) else "detected"
+    return shape
+
+
+def hf_config(ctx: PassContext):
+    """The recipe model's transformers config (its folder's config.json, or the recipe's `hf_config`); None for
+    other models. transformers' own reader, so architectures that name the fields otherwise (DistilBERT's
+    n_heads/dim) map onto num_attention_heads/hidden_size."""
+    from optpipe.recipe import HFConfigModel, HFModel
+
+    spec = ctx.recipe.model
+    if not isinstance(spec, (HFModel, HFConfigModel)):
+        return None
+    from transformers import AutoConfig
+
+    from optpipe.model_source import hf_folder
+
+    try:
+        if isinstance(spec, HFConfigModel):
+            return AutoConfig.for_model(**spec.hf_config)
+        return AutoConfig.from_pretrained(str(hf_folder(ctx.recipe.model_source())), local_files_only=True,
+                                          trust_remote_code=spec.trust_remote_code)
+    except Exception as exc:  # a config transformers cannot read: the fuser detects the shape itself, as before
+        ctx.log.warning("fuse: no Hugging Face config for num_heads/hidden_size (%s); ORT's fuser detects them", first_line(exc))
+        return None
 
 
 FUSERS = {"onnxscript": fuse_with_onnxscript, "ort": fuse_with_ort}

@@ -29,9 +29,9 @@ TINY_BERT = {"model_type": "bert", "num_hidden_layers": LAYERS, "hidden_size": H
              "intermediate_size": 64, "vocab_size": 100, "initializer_range": 0.3}
 
 
-def tiny_bert_recipe():
+def tiny_bert_recipe(model: dict | None = None):
     return parse_recipe({
-        "model": {"hf_config": TINY_BERT, "seed": 0},
+        "model": model or {"hf_config": TINY_BERT, "seed": 0},
         "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 100]},
                    {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "sequence"], "fill": 1},
                    {"name": "token_type_ids", "dtype": "int64", "shape": ["batch", "sequence"], "fill": 0}],
@@ -58,15 +58,15 @@ def padded_inputs(samples: int = 8) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """export (TorchScript, eager attention) -> fuse (ORT's fuser) -> int8 (dynamic, per channel)."""
+    """export (TorchScript, eager attention) -> fuse (ORT's fuser, heads and hidden size from the model's config,
+    as the recipe writes it: no num_heads/hidden_size) -> int8 (dynamic, per channel)."""
     tmp = tmp_path_factory.mktemp("qattention")
     recipe = tiny_bert_recipe()
     arrays = padded_inputs()
     ctx = context(recipe, tmp / "export", arrays)
     ctx._torch_model = lambda: load_torch_model(recipe.model_source())  # a fresh module per call, as the executor gives
     exported = run_checked(ExportPass(ExportParams(exporter="torchscript", opset=17, attention="eager")), None, ctx)
-    fused = run_checked(FusePass(FuseParams(transformer="ort", num_heads=HEADS, hidden_size=HIDDEN)), exported,
-                        context(recipe, tmp / "fuse", arrays))
+    fused = run_checked(FusePass(FuseParams(transformer="ort")), exported, context(recipe, tmp / "fuse", arrays))
     quantized = run_checked(Int8Pass(Int8Params(mode="dynamic", guard=False)), fused, context(recipe, tmp / "int8", arrays))
     return recipe, arrays, exported, fused, quantized
 
@@ -74,6 +74,8 @@ def chain(tmp_path_factory):
 def test_eager_attention_export_fuses_to_attention_and_quantizes_to_qattention(chain):
     _, _, exported, fused, quantized = chain
     assert exported.info["attention"] == "eager"
+    ort = fused.info["transformer"]["candidates"]["ort"]
+    assert (ort["num_heads"], ort["hidden_size"], ort["from"]) == (HEADS, HIDDEN, "config")
     fused_ops = ops_of(fused)
     assert fused_ops["Attention"] == LAYERS and fused_ops.get("Softmax", 0) == 0
     ops = ops_of(quantized)
@@ -105,6 +107,33 @@ def test_sdpa_export_of_the_same_model_gets_no_attention_fusion(tmp_path):
     fused = run_checked(FusePass(FuseParams(transformer="ort", num_heads=HEADS, hidden_size=HIDDEN)), exported,
                         context(recipe, tmp_path / "fuse", arrays))
     assert ops_of(fused).get("Attention", 0) == 0
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"model_type": "bert", "num_attention_heads": 6, "hidden_size": 192}, (6, 192, "config")),
+    ({"model_type": "distilbert", "n_heads": 4, "dim": 64}, (4, 64, "config")),  # transformers maps the names
+])
+def test_fuse_reads_heads_and_hidden_size_from_the_model_folders_config(tmp_path, config, expected):
+    import json
+
+    from optpipe.passes.fuse import attention_shape
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    recipe = tiny_bert_recipe({"hf": str(tmp_path / "model")})
+    shape = attention_shape(FuseParams(), context(recipe, tmp_path / "fuse", padded_inputs()))
+    assert (shape["num_heads"], shape["hidden_size"], shape["from"]) == expected
+    # The recipe's own values win over the config's.
+    shape = attention_shape(FuseParams(num_heads=2, hidden_size=32), context(recipe, tmp_path / "fuse", padded_inputs()))
+    assert (shape["num_heads"], shape["hidden_size"], shape["from"]) == (2, 32, "params")
+
+
+def test_fuse_without_a_hugging_face_config_leaves_detection_to_ort(tmp_path):
+    from optpipe.passes.fuse import attention_shape
+
+    recipe = tiny_bert_recipe({"torchvision": "resnet18"})
+    shape = attention_shape(FuseParams(), context(recipe, tmp_path / "fuse", padded_inputs()))
+    assert (shape["num_heads"], shape["hidden_size"], shape["from"]) == (0, 0, "detected")
 
 
 def test_attention_on_a_model_that_is_not_hugging_face_says_what_to_change():
