@@ -65,15 +65,15 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     run_dir, cache_root = paths.run_dir, paths.cache_dir
     with folder_errors("cache folder", cache_root):
         cache = StageCache(cache_root)
-    with folder_errors("output folder", run_dir):
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    services = RunServices(recipe.model_source(), recipe.data, cache)
-    preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
-    order = _stages_to_run(graph, options.only)
+    try:  # from here on, leases this run takes (preflight takes some) are dropped however it ends
+        with folder_errors("output folder", run_dir):
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        services = RunServices(recipe.model_source(), recipe.data, cache)
+        preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
+        order = _stages_to_run(graph, options.only)
 
-    manager = PassManager(recipe, cache, services, run_dir, options)
-    instruments = manager.instruments
-    try:
+        manager = PassManager(recipe, cache, services, run_dir, options)
+        instruments = manager.instruments
         stages = manager.run(order, graph, passes)
         results = evaluate_stages(EvaluationParts.of(recipe), order, stages, services, cache, options.providers, instruments, options.force)
         report = build_report(recipe, results)

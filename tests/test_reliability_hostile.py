@@ -410,11 +410,26 @@ def test_a_real_full_tmpfs(tmp_path, monkeypatch, capsys):
         code, out, err = run_main(["compile", str(path), "--allow-path", str(disk)], capsys)
         assert code == 2, err
         assert "the disk is full" in _one_error_line(err)
+        # A run that fails (here in preflight) drops every lock and lease it took: no file stays open.
+        assert _open_files_under(disk) == []
         (disk / "filler").unlink()
         if (disk / "cache").exists():
             assert all(verify_entry(e.path) is None for e in list_entries(disk / "cache") if e.path.is_dir())
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def _open_files_under(folder: Path) -> list[str]:
+    """Files this process still holds open inside `folder` (Linux /proc)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the fd listdir itself used, closed since
+            continue
+        if target.startswith(str(folder) + os.sep):
+            held.append(target)
+    return held
 
 
 # --- misleading messages ---------------------------------------------------------------------------

@@ -147,6 +147,7 @@ def test_grid_search_reports_every_trial_reuses_them_and_widens_incrementally(tm
     run_dir = tmp_path / "run"
     md = (run_dir / "report.md").read_text()
     assert "## Search" in md and "Effect of each param" in md and "out of tolerance" in md
+    assert "budget: none; stopped:" in md  # not "none trials, no s wall"
     assert "Search" in (run_dir / "report.html").read_text()
     assert json.loads((run_dir / "report.json").read_text())["search"]["trials"][0]["params"]
 

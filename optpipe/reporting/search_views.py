@@ -14,8 +14,7 @@ def render_search_markdown(search: dict | None, hardware: dict | None = None) ->
     budget = search["budget"]
     lines += ["## Search", "",
               f"{search['strategy']}" + (f" ({search['sampler']}, objectives: {', '.join(search['objectives'])})" if search.get("sampler") else "")
-              + f" over {search['space_size']} points; budget: {budget['trials'] or 'none'} trials, "
-              f"{budget['wall_time_s'] or 'no'} s wall; stopped: {search['stopped']}; {len(search['trials'])} trials "
+              + f" over {search['space_size']} points; budget: {_budget_text(budget)}; stopped: {search['stopped']}; {len(search['trials'])} trials "
               f"({search['counts']}) in {search['wall_s']} s.", ""]
     keys = list(search["space"])
     lines += ["| # | " + " | ".join(keys) + " | stage | status | p50 ms | cosine | size KB | frontier |",
@@ -105,3 +104,10 @@ def render_trials_text(report) -> str:
         reason = f" ({t['reason']})" if t["status"] != "ok" and t.get("reason") else ""
         lines.append(f"  trial {t['number']:>3} {t['status']}{reason}: {params} -> {t['stage']}  {figures}{mark}{best}")
     return "\n".join(lines)
+
+
+def _budget_text(budget: dict) -> str:
+    """'24 trials, 3600 s wall', '24 trials', or 'none' (not 'none trials, no s wall')."""
+    parts = ([f"{budget['trials']} trials"] if budget.get("trials") else []) + (
+        [f"{budget['wall_time_s']} s wall"] if budget.get("wall_time_s") else [])
+    return ", ".join(parts) or "none"
