@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import copy
+import signal
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
+
+# A shell starts background jobs (`cmd &`, nohup) with SIGINT ignored, and an ignored signal stays
+# ignored in every process they start: the Ctrl-C tests (here and in the compiles they spawn) would
+# then test nothing and fail. The suite tests Ctrl-C, so it takes Python's usual handler back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "recipes" / "models"

@@ -92,7 +92,16 @@ def during_gate(folder: Path) -> None:
 
 def during_evaluation(folder: Path) -> None:
     release_gate(folder)
-    wait_for(lambda: any((folder / "cache" / "results").glob("*.json")), "the first evaluation to finish")
+    # The results folder also keeps preflight's and coverage's memos: wait for an evaluation's figures.
+    wait_for(lambda: any('"latency"' in _text(p) for p in (folder / "cache" / "results").glob("*.json")),
+             "the first evaluation to finish")
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # renamed or removed between glob and read
+        return ""
 
 
 @pytest.mark.parametrize(

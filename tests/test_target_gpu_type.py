@@ -45,10 +45,14 @@ def warning_lines():
     """optpipe's warnings as the command line prints them (`main` installs this handler)."""
     from optpipe.execution.signals import _WarningLine
 
+    logger = logging.getLogger("optpipe")
+    if any(isinstance(h, _WarningLine) for h in logger.handlers):  # an earlier test's `main` installed it
+        yield
+        return
     handler = _WarningLine(level=logging.WARNING)
-    logging.getLogger("optpipe").addHandler(handler)
+    logger.addHandler(handler)
     yield
-    logging.getLogger("optpipe").removeHandler(handler)
+    logger.removeHandler(handler)
 
 
 def test_a_local_compile_says_the_gpu_type_differs(tiny_recipe, cli_run, tmp_path, monkeypatch, warning_lines):
