@@ -71,6 +71,11 @@ def gpu_plan(path: Path):
         while parent is not None and parent not in keep:
             parent = recipe.stages[parent].after
         keep[name] = spec.model_copy(update={"after": parent})
+    # A second export with nothing GPU after it (MiniLM's eager-attention export for ORT's QAttention)
+    # would only repeat the first one's FP32 row: the GPU time is better spent on the candidates.
+    roots = [name for name, spec in keep.items() if spec.after is None]
+    parents = {spec.after for spec in keep.values()}
+    keep = {name: spec for name, spec in keep.items() if name in roots[:1] or name not in roots or name in parents}
     evaluate = recipe.evaluate.model_copy(update={"sweep": {}, "batch_sizes": recipe.evaluate.batch_sizes[:1]})
     output = str(Path(recipe.resolve(recipe.output)).with_name(recipe.name + "-gpu"))
     recipe = recipe.model_copy(update={"stages": keep, "evaluate": evaluate, "output": output})
