@@ -18,7 +18,7 @@ from typing import Any
 
 from optpipe.errors import OptpipeError, first_line
 from optpipe.execution.executors import Plan, Progress, outcome_label, result_detail, result_label
-from optpipe.execution.ray_targets import RayTargets, ray_options as _ray_resources
+from optpipe.execution.ray_targets import RayTargets, ray_options as _ray_resources, ray_start_flags
 from optpipe.execution.stage_tasks import evaluate, node_description, run_stage
 from optpipe.recipe import GPU_PROVIDERS, EvaluateSpec
 from optpipe.runtime import requested_providers
@@ -163,8 +163,7 @@ class RayExecutor:
         for where, resources in wanted:
             for key, amount in resources.items():
                 if total.get(key, 0) < amount:
-                    flag = f"--num-gpus={amount:g}" if key == "GPU" else f"--num-cpus={amount:g}" if key == "CPU" else \
-                        f"--resources='{{\"{key}\": {amount:g}}}'"
+                    flag = ray_start_flags({key: amount})
                     fix = "drop the request"
                     if where == "evaluate.resources" and key not in evaluate.resources:  # the GPU providers: cuda implies
                         where, fix = f"evaluate.providers: {providers} (a GPU per evaluation)", "set evaluate.providers: cpu"

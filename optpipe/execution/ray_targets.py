@@ -12,7 +12,6 @@ node offering it dies while the task waits; the other targets and the run go on.
 """
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -90,16 +89,12 @@ class RayTargets:
             return None
         total = self.ray.cluster_resources()
         missing = [k for k, v in needs.items() if total.get(k, 0) < v] or list(needs)
-        # The flags for a node that runs this task: every resource it needs, the missing ones first.
-        flags = [f"--num-gpus={needs['GPU']:g}"] if needs.get("GPU") else []
-        custom = {k: needs[k] for k in sorted(needs, key=lambda k: k not in missing) if k not in ("CPU", "GPU")}
-        if custom:
-            flags.append(f"--resources='{json.dumps(custom)}'")
-        if "CPU" in missing:
-            flags.append(f"--num-cpus={needs['CPU']:g}")
+        # The flags for a node that runs this task: every resource it needs (CPUs only when they are
+        # what is missing), the missing ones first.
+        flags = ray_start_flags({k: v for k, v in needs.items() if k != "CPU" or k in missing}, first=missing)
         wanted = ", ".join(f"{k}={v:g}" for k, v in needs.items())
         return (f"no node of the Ray cluster offers {' and '.join(f'`{k}`' for k in missing)} (the task needs {wanted} on one node); "
-                f"start one with `ray start {' '.join(flags)}`")
+                f"start one with `ray start {flags}`")
 
     def _fail_infeasible(self, works: list, waiting: dict, results: dict, started: float) -> None:
         """A node that offered a task's resources may die while the task waits: fail it instead of waiting forever."""
@@ -114,6 +109,18 @@ class RayTargets:
         result = TargetResult(kind=work.spec.kind, stage=work.stage, status="failed", reason=reason)
         self.progress.target(self.recipe.name, result, seconds, None)
         return result
+
+
+def ray_start_flags(needs: dict[str, float], first: list[str] = ()) -> str:
+    """The `ray start` flags of a node offering `needs`: --num-gpus, --resources (the names in
+    `first` first), --num-cpus."""
+    flags = [f"--num-gpus={needs['GPU']:g}"] if needs.get("GPU") else []
+    custom = [k for k in sorted(needs, key=lambda k: k not in first) if k not in ("CPU", "GPU")]
+    if custom:
+        flags.append("--resources='{" + ", ".join(f'"{k}": {needs[k]:g}' for k in custom) + "}'")
+    if needs.get("CPU"):
+        flags.append(f"--num-cpus={needs['CPU']:g}")
+    return " ".join(flags)
 
 
 def ray_options(needs: dict[str, float]) -> dict:
