@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from optpipe.evaluation.latency import BLOCK, MIN_ITERATIONS, busy_reason, measure, median_is_tight
+from optpipe.evaluation.latency import BLOCK, MIN_ITERATIONS, Warmth, busy_reason, measure, median_is_tight
 from optpipe.results import Latency
 
 FEEDS = {"x": np.zeros((2, 3), dtype=np.float32)}
@@ -55,10 +55,15 @@ def test_steady_machine_is_not_flagged_and_eager_is_timed_beside_the_stage():
     assert lat.p50_ms == pytest_approx(4.0, 0.01) and lat.eager_p50_ms == pytest_approx(10.0, 0.01)
     assert lat.speedup_vs_eager == pytest_approx(2.5, 0.02)
     assert lat.spread is not None and lat.spread < 0.05 and lat.iterations == 60
-    timed = clock.log[2 * (2 + 2 * BLOCK):]  # after both warm-ups: 2 runs, then two blocks that agree
-    # Interleaved block by block (alternating which goes first), not one after the other.
+    # Each warm-up: 2 untimed runs, then two blocks that agree; the second of them is timed.
+    assert clock.log[:2 + 2 * BLOCK] == ["stage"] * (2 + 2 * BLOCK)
+    assert clock.log[2 + 2 * BLOCK:2 * (2 + 2 * BLOCK)] == ["eager"] * (2 + 2 * BLOCK)
+    timed = clock.log[2 + BLOCK:2 + 2 * BLOCK] + clock.log[2 * (2 + BLOCK) + BLOCK:]
+    assert len(timed) == 2 * 60
+    # Interleaved block by block (alternating which goes first), not one after the other: the settled
+    # blocks are the first pair (stage's, then eager's), the next pair starts with eager.
     runs = [name for i, name in enumerate(timed) if i % BLOCK == 0]
-    assert runs[:4] == ["stage", "eager", "eager", "stage"]
+    assert runs[:6] == ["stage", "eager", "eager", "stage", "stage", "eager"]
 
 
 def test_spiky_timings_are_flagged_with_the_reason():
@@ -181,3 +186,76 @@ def test_warm_up_is_bounded_by_time_for_slow_calls_and_by_count_for_fast_ones():
     clock = FakeClock()
     warm_up(clock.model("fast", steady(1.0)), FEEDS, 10, clock)
     assert len(clock.log) == 10 + 2 * BLOCK  # fast calls: the full count and full blocks
+
+
+def test_the_block_that_settles_warm_up_is_the_first_timed_block():
+    clock = FakeClock()
+    # 3 untimed runs; a block at 5 ms; one at 4 ms (20% faster: still warming); one no faster than that,
+    # which settles the warm-up and is the figure: nothing more is timed for a 5-run figure.
+    settling = [5.0] * BLOCK + [4.0] * BLOCK + [4.0] * (BLOCK - 1) + [4.4]
+    lat = measure(clock.model("stage", iter([9.0] * 3 + settling + [1.0] * 100)), FEEDS, 3, BLOCK, 1, "cpu",
+                  adaptive=False, clock=clock)
+    assert len(clock.log) == 3 + 3 * BLOCK
+    assert lat.iterations == BLOCK and lat.p50_ms == pytest_approx(4.0, 1e-9) and lat.p90_ms == pytest_approx(4.24, 0.01)
+
+
+def test_a_warm_up_that_never_settles_is_not_timed():
+    from optpipe.evaluation.latency import WARM_CAP_S, warm_up
+
+    # Each call 7% faster than the one before: every block is over 10% faster than the previous one.
+    warming = [400.0 * 0.93 ** i for i in range(60)]
+    assert sum(warming) / 1e3 > WARM_CAP_S
+    clock = FakeClock()
+    assert warm_up(clock.model("stage", iter(warming)), FEEDS, 0, clock) is None
+    clock, taken = FakeClock(), []
+    durations = iter(warming + [1.0] * 100)
+    lat = measure(clock.model("stage", (taken.append(ms) or ms for ms in durations)), FEEDS, 0, 10, 1, "cpu",
+                  adaptive=False, clock=clock)
+    # The figure is the 10 runs after warm-up, none of the blocks that were still getting faster.
+    assert lat.iterations == 10 and lat.p50_ms == pytest_approx(float(np.median(taken[-10:])), 1e-9)
+    assert lat.p50_ms < float(np.median(taken[-15:-10]))
+
+
+def test_a_runnable_warmed_on_the_same_shapes_makes_no_untimed_calls():
+    warmth, clock = Warmth(), FakeClock()
+    eager = clock.model("eager", steady(10.0, seed=1))
+    stages = [clock.model(f"stage{i}", steady(4.0, seed=i + 2)) for i in range(2)]
+    first = measure(stages[0], FEEDS, 4, 30, 1, "cpu", baseline=eager, adaptive=False, clock=clock, warmth=warmth)
+    assert clock.log.count("eager") == 4 + 2 * BLOCK + 30 - BLOCK  # warmed from scratch the first time
+    clock.log.clear()
+    second = measure(stages[1], FEEDS, 4, 30, 1, "cpu", baseline=eager, adaptive=False, clock=clock, warmth=warmth)
+    # Its first block agrees with the median it settled at: settled, and timed. The new stage is warmed in full.
+    assert clock.log.count("eager") == 30 and clock.log.count("stage1") == 4 + 2 * BLOCK + 30 - BLOCK
+    assert second.eager_p50_ms == pytest_approx(first.eager_p50_ms, 0.01) and second.unreliable is None
+
+
+def test_a_warmed_runnable_that_comes_back_slower_settles_again_and_a_busy_machine_is_still_flagged():
+    warmth, clock = Warmth(), FakeClock()
+    durations = iter([10.0] * (2 + 2 * BLOCK + 25))  # warmed and timed at 10 ms
+    # Back after a pause: a cold first block (25 ms), then a busy machine: 14-40 ms, spiky.
+    durations = iter([*durations, *([25.0] * BLOCK), *(14.0 if i % 3 else 40.0 for i in range(200))])
+    eager = clock.model("eager", durations)
+    measure(clock.model("stage0", steady(4.0)), FEEDS, 2, 30, 1, "cpu", baseline=eager, adaptive=False, clock=clock, warmth=warmth)
+    clock.log.clear()
+    lat = measure(clock.model("stage1", steady(4.0)), FEEDS, 2, 30, 1, "cpu", baseline=eager, adaptive=False, clock=clock, warmth=warmth)
+    # No untimed calls; the cold block (2.5x its last median) did not count as settled, nor the next (a
+    # median of 14 ms is faster than 25 ms: still warming, by the rule), the third settled it and is timed.
+    assert clock.log.count("eager") == 3 * BLOCK + 30 - BLOCK
+    assert lat.eager_p50_ms == pytest_approx(14.0, 0.01)
+    assert lat.unreliable and "eager beside it" in lat.unreliable
+
+
+def test_a_runnable_warmed_on_other_shapes_makes_one_untimed_call_on_a_new_shape():
+    from optpipe.evaluation.latency import NEW_SHAPE_CALLS
+
+    warmth, clock = Warmth(), FakeClock()
+    run = clock.model("session", steady(4.0))
+    measure(run, FEEDS, 10, 15, 1, "cpu", adaptive=False, clock=clock, warmth=warmth)
+    assert len(clock.log) == 10 + 2 * BLOCK + 15 - BLOCK
+    clock.log.clear()
+    measure(run, {"x": np.zeros((4, 3), dtype=np.float32)}, 10, 15, 1, "cpu", adaptive=False, clock=clock, warmth=warmth)
+    assert len(clock.log) == NEW_SHAPE_CALLS + 2 * BLOCK + 15 - BLOCK
+    clock.log.clear()
+    other = clock.model("other session", steady(4.0))  # another runnable: nothing of the first's warmth
+    measure(other, FEEDS, 10, 15, 1, "cpu", adaptive=False, clock=clock, warmth=warmth)
+    assert len(clock.log) == 10 + 2 * BLOCK + 15 - BLOCK

@@ -21,7 +21,7 @@ from optpipe.cache.store import StageCache, library_versions
 from optpipe.evaluation import openvino_runtime
 from optpipe.evaluation.self_check import require_finite
 from optpipe.calibration.dataset import SampleSet
-from optpipe.evaluation.latency import measure, warm_for
+from optpipe.evaluation.latency import Warmth, measure, warm_for
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.results import Accuracy, Latency, Memory
 from optpipe.recipe import EvaluateSpec, ModelInputs, Tolerance
@@ -62,6 +62,8 @@ class Evaluator:
         self._reference: tuple[str, str, Callable[[], Outputs]] | None = None
         self._eager_factory: Callable[[], Callable[[Feeds], Outputs]] | None = None
         self._eager_run: Callable[[Feeds], Outputs] | None = None
+        # What this run warmed on which shapes: eager, timed again beside every stage, is warmed once.
+        self._warmth = Warmth()
 
     @cached_property
     def eval_set(self) -> SampleSet:
@@ -198,7 +200,9 @@ class Evaluator:
             factory, self._eager_factory = self._eager_factory, None  # one try: a failing eager fails once
             try:
                 run = factory()
-                warm_for(run, self.eval_set.first(self._batch_sizes()[0]), EAGER_WARM_S)
+                feeds = self.eval_set.first(self._batch_sizes()[0])
+                warm_for(run, feeds, EAGER_WARM_S)
+                self._warmth.record(run, feeds)  # its untimed calls are done; a timed run still settles it
                 self._eager_run = run
             except Exception:  # noqa: BLE001 - the eager row reports its own failure; stages time alone then
                 logging.getLogger("optpipe").debug("PyTorch eager unavailable as a baseline", exc_info=True)
@@ -236,7 +240,7 @@ class Evaluator:
     def _measure(self, run, feeds: Feeds, iterations: int, provider: str, task: str, baseline=None) -> Latency:
         report = lambda done, total: self.progress(task, done, total)  # noqa: E731
         return measure(run, feeds, self.settings.warmup, iterations, self.settings.threads, provider, progress=report,
-                       baseline=baseline, adaptive=self.settings.adaptive)
+                       baseline=baseline, adaptive=self.settings.adaptive, warmth=self._warmth)
 
     def _sweep_points(self) -> list[tuple[str, int, Feeds]]:
         """Inputs for each sweep value: evaluation samples, the swept dim resized, the others as evaluated."""

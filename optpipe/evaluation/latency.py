@@ -15,6 +15,16 @@ Each figure says whether the machine was busy while it was timed: a long tail
 Timing stops early once the median is known well enough (its 95% confidence
 interval, from order statistics, within CI_TARGET of it for every timed runnable):
 on a quiet machine a stage needs far fewer than `iterations` runs.
+
+Warm-up ends on a block that is no faster than the block before it: steady state by that rule's
+own definition, so that block is the first timed block (when every runnable's warm-up settled;
+the candidate's comes first, the baseline's second, and the timed blocks go on alternating).
+A `Warmth` remembers, within a process, which runnables were warmed on which input shapes: one
+warmed on these very shapes (PyTorch eager, timed again beside every stage) makes no untimed
+calls, and its first block counts as settled only when it agrees with the median it had last time
+(a slower block, an idle model gone cold or a machine gone busy, is settled by the rule above);
+one warmed on other shapes (a session going from sweep point to sweep point) makes one untimed
+call on the new shape, for its allocations.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import math
 import os
 import time
 from typing import Callable, Optional
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -49,6 +60,35 @@ WARMUP_S = 0.5
 # A settling block is BLOCK runs, or fewer (at least 2) when that many would take over this long:
 # a 300 ms batch-16 call would otherwise spend 3 s in two blocks of 5.
 WARM_BLOCK_S = 0.5
+# A runnable already warmed on other shapes makes this many untimed calls on a new one (at most
+# `warmup`): MiniLM's ORT sessions took as long on a new batch or sequence length's first call as
+# on the next ones (a session's very first call, 1.7-4x slower, is a fresh runnable's and gets `warmup`).
+NEW_SHAPE_CALLS = 1
+
+
+class Warmth:
+    """Which runnables this process warmed on which input shapes, with their last median (ms).
+
+    Keyed weakly by the runnable itself: a session's runner that is gone leaves nothing behind, and a
+    new one (a new session, even of the same model) is warmed from scratch."""
+
+    def __init__(self):
+        self._seen: WeakKeyDictionary[Run, dict[tuple, float | None]] = WeakKeyDictionary()
+
+    def untimed_calls(self, run: Run, feeds: Feeds, warmup: int) -> int:
+        shapes = self._seen.get(run)
+        if shapes is None:
+            return warmup
+        return 0 if _shape_key(feeds) in shapes else min(warmup, NEW_SHAPE_CALLS)
+
+    def steady_ms(self, run: Run, feeds: Feeds) -> float | None:
+        return self._seen.get(run, {}).get(_shape_key(feeds))
+
+    def record(self, run: Run, feeds: Feeds, steady_ms: float | None = None) -> None:
+        """`run` had its untimed calls on these feeds' shapes (and, when known, settled at `steady_ms`)."""
+        shapes = self._seen.setdefault(run, {})
+        key = _shape_key(feeds)
+        shapes[key] = steady_ms if steady_ms is not None else shapes.get(key)
 
 
 def measure(
@@ -62,19 +102,26 @@ def measure(
     baseline: Run | None = None,
     adaptive: bool = True,
     clock: Clock = time.perf_counter,
+    warmth: Warmth | None = None,
 ) -> Latency:
     """Time `run` (and `baseline`, interleaved) on `feeds`: at most `iterations` timed runs each.
 
     `progress(done, total)` is told after warm-up and every block (outside the timed span).
-    `clock` is injectable so tests can make the machine look steady or busy.
+    `clock` is injectable so tests can make the machine look steady or busy. `warmth`: what this
+    process already warmed (None: nothing, every runnable gets the full warm-up).
     """
+    warmth = warmth if warmth is not None else Warmth()
     runners = {"candidate": run} | ({"baseline": baseline} if baseline is not None else {})
     blocks: dict[str, list[np.ndarray]] = {name: [] for name in runners}
     load = _load_average()
     with pinned_threads(threads):
-        for fn in runners.values():
-            warm_up(fn, feeds, warmup, clock)
-        done = 0
+        settled = {name: warm_up(fn, feeds, warmup, clock, warmth) for name, fn in runners.items()}
+        if all(block is not None for block in settled.values()):
+            # Candidate's then baseline's, as warmed: the first pair of timed blocks; the next pair starts
+            # with the baseline (the parity below), as when both were timed after warm-up.
+            for name, block in settled.items():
+                blocks[name].append(block[:iterations])
+        done = len(blocks["candidate"][0]) if blocks["candidate"] else 0
         while done < iterations:
             if progress is not None:
                 progress(done, iterations)
@@ -87,6 +134,11 @@ def measure(
                 break
         if progress is not None:
             progress(iterations, iterations)
+    for name, fn in runners.items():
+        # The median it settled at, for the next warm-up on these shapes to compare with (none when
+        # its warm-up never settled).
+        steady = float(np.median(np.concatenate(blocks[name]))) if settled[name] is not None else None
+        warmth.record(fn, feeds, steady)
     load = max(load, _load_average()) if load is not None else None
     latency = _summarise(blocks["candidate"], feeds, provider, load)
     if baseline is not None:
@@ -97,12 +149,19 @@ def measure(
     return latency
 
 
-def warm_up(run: Run, feeds: Feeds, warmup: int, clock: Clock = time.perf_counter) -> None:
-    """`warmup` untimed runs (fewer when they take over WARMUP_S), then blocks until one is no faster
-    than the block before it (or WARM_CAP_S)."""
+def warm_up(run: Run, feeds: Feeds, warmup: int, clock: Clock = time.perf_counter,
+            warmth: Warmth | None = None) -> np.ndarray | None:
+    """Untimed runs, then blocks until one is no faster than the block before it (or WARM_CAP_S).
+
+    Returns that settled block's times (ms), steady state by the rule's definition, or None when
+    it never settled. The untimed runs: `warmup` of them (fewer when they take over WARMUP_S), fewer
+    for a runnable `warmth` has seen (none on the same shapes, where its first block settles it if
+    it is within WARM_SETTLED of the median it settled at then)."""
+    calls = warmth.untimed_calls(run, feeds, warmup) if warmth is not None else warmup
+    steady = warmth.steady_ms(run, feeds) if warmth is not None else None
     start = last = clock()
-    call_s = None  # how long the last warm-up call took: sizes the settling blocks
-    for i in range(warmup):
+    call_s = steady / 1e3 if steady is not None else None  # how long a call takes: sizes the settling blocks
+    for i in range(calls):
         if i and last - start >= WARMUP_S:
             break
         run(feeds)
@@ -110,11 +169,15 @@ def warm_up(run: Run, feeds: Feeds, warmup: int, clock: Clock = time.perf_counte
     start, previous = clock(), None
     size = _settle_block(call_s)
     while clock() - start < WARM_CAP_S:
-        current = float(np.median(_time_block(run, feeds, size, clock)))
+        block = _time_block(run, feeds, size, clock)
+        current = float(np.median(block))
         size = _settle_block(current / 1e3)
         if previous is not None and current >= WARM_SETTLED * previous:
-            return
+            return block
+        if previous is None and steady is not None and WARM_SETTLED * steady <= current <= steady / WARM_SETTLED:
+            return block  # as fast as it was when it last settled: still steady
         previous = current
+    return None
 
 
 def _settle_block(call_s: float | None) -> int:
@@ -188,6 +251,10 @@ def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Opti
         load_average=load,
         unreliable=busy_reason(ms, medians),
     )
+
+
+def _shape_key(feeds: Feeds) -> tuple:
+    return tuple(sorted((name, array.shape, str(array.dtype)) for name, array in feeds.items()))
 
 
 def _load_average() -> float | None:
