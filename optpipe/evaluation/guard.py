@@ -303,8 +303,11 @@ class AccuracyGuard:
         measured = outputs_memo.run_key(model, self.batches, self.threads)
         if measured is None or measured not in memo:
             return
+        started = time.perf_counter()
         published = outputs_memo.published_digest(model, self._scratch() / "published")
         memo.alias(measured, outputs_memo.session_key(published, self.batches, self.threads))
+        outputs_memo.log.debug("guard: final model's outputs filed under its published content (%.2f s)",
+                               time.perf_counter() - started)
 
 
 def fold_guard_verdict(accuracy: Accuracy | None, info: dict) -> Accuracy | None:
