@@ -88,6 +88,8 @@ class ExportPass(Pass[ExportParams]):
 
         exported = onnx.load(str(raw / "model.onnx"))
         opset = next((o.version for o in exported.opset_import if o.domain in ("", "ai.onnx")), params.opset)
+        if opset != params.opset:
+            ctx.log.warning("the %s exporter wrote opset %d (asked: %d)", exporter, opset, params.opset)
         artifact = save_model(exported, ctx.workdir)
         _remove_tree(raw)
         # `opset`: the one the model has (TorchScript writes at most 20), beside the one asked for.
