@@ -31,28 +31,29 @@ MAX_COMBINATIONS = 100_000
 
 def check_searched_values(space: SearchSpace) -> None:
     """A RecipeError naming `stages.STAGE.search.PARAM` (or `.params.PARAM`) for the first bad value."""
-    from optpipe.passes import registry
-
-    known = registry()
-    for stage in space.chain:
-        dims = [d for d in space.dimensions if d.stage == stage and d.param != ENABLED]
-        spec = space.recipe.stages[stage]
-        if dims and spec.pass_name in known:  # an unknown pass is validate_recipe's one line
-            _check_params(stage, spec.params, dims, known[spec.pass_name].Params)
+    for stage, dims, schema in _searched_stages(space):
+        _check_params(stage, space.recipe.stages[stage].params, dims, schema)
     _check_rules(space)
 
 
 def check_trial(space: SearchSpace, trial: Trial) -> None:
     """One proposed trial's params (the driver's check of what MAX_COMBINATIONS left unchecked)."""
+    for stage, dims, schema in _searched_stages(space):
+        if math.prod(len(d.values) for d in dims) > MAX_COMBINATIONS:
+            own = [Dimension(d.stage, d.param, (trial.get(d.key), *d.values)) for d in dims]
+            _check_params(stage, space.recipe.stages[stage].params, own, schema, only_first=True)
+
+
+def _searched_stages(space: SearchSpace):
+    """(stage, its searched params, its pass's Params) for each stage with searched params."""
     from optpipe.passes import registry
 
     known = registry()
     for stage in space.chain:
         dims = [d for d in space.dimensions if d.stage == stage and d.param != ENABLED]
-        spec = space.recipe.stages[stage]
-        if dims and spec.pass_name in known and math.prod(len(d.values) for d in dims) > MAX_COMBINATIONS:
-            own = [Dimension(d.stage, d.param, (trial.get(d.key), *d.values)) for d in dims]
-            _check_params(stage, spec.params, own, known[spec.pass_name].Params, only_first=True)
+        pass_name = space.recipe.stages[stage].pass_name
+        if dims and pass_name in known:  # an unknown pass is validate_recipe's one line
+            yield stage, dims, known[pass_name].Params
 
 
 def _check_params(stage: str, fixed: dict, dims: list[Dimension], schema, only_first: bool = False) -> None:
