@@ -306,3 +306,18 @@ def test_unknown_shapes_are_reported_not_counted_as_zero(tmp_path):
     only_unknown = precision_coverage(model, {"batch": 1})
     assert only_unknown.total_macs == 0 and only_unknown.summary() == "MACs unknown (1 nodes) · weights int8 100%"
     assert "shows the weights' mix" in unknown_shapes_warning(only_unknown)
+
+
+def test_recurrent_ops_are_counted_and_ops_without_a_formula_are_not_free(tmp_path):
+    """LSTM: sequence x batch x (W + R elements); an Einsum (no MAC formula) is reported, not counted as 0."""
+    seq, batch, inp, hid = 7, 2, 12, 20
+    rng = np.random.default_rng(4)
+    inits = [_tensor(rng, (1, 4 * hid, inp), np.float32, "w"), _tensor(rng, (1, 4 * hid, hid), np.float32, "r"),
+             _tensor(rng, (hid, hid), np.float32, "e")]
+    nodes = [helper.make_node("LSTM", ["x", "w", "r"], ["y"], name="lstm", hidden_size=hid),
+             helper.make_node("Einsum", ["y", "e"], ["z"], name="einsum", equation="sdbh,hk->sdbk")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, batch, inp])],
+                   [helper.make_tensor_value_info("z", TensorProto.FLOAT, [seq, 1, batch, hid])], inits, tmp_path, domains=())
+    coverage = precision_coverage(model)
+    assert coverage.total_macs == seq * batch * 4 * hid * (inp + hid) and coverage.macs == {"fp32": 1.0}
+    assert coverage.unknown_ops == {"Einsum": 1} and "no MAC formula" in unknown_shapes_warning(coverage)

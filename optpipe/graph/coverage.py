@@ -32,7 +32,7 @@ log = logging.getLogger("optpipe.coverage")
 #: Ops that compute in integers whatever their neighbours: ORT's QOperator and dynamic forms.
 INTEGER_OPS = {
     "ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul", "QGemm", "QAttention",
-    "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QOrderedMatMul", "QOrderedAttention",
+    "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QOrderedMatMul", "QOrderedAttention", "DynamicQuantizeLSTM",
 }
 #: Ops ORT's quantizer turns into int8 (static QDQ or dynamic): the rest stays float whatever it is told.
 QUANTIZABLE_OPS = {"Conv", "MatMul", "Gemm", "Attention", "ConvTranspose", "EmbedLayerNormalization", "Gather", "LSTM"}
@@ -91,8 +91,9 @@ def precision_coverage(model: onnx.ModelProto, dims: dict[str, int] | None = Non
     `excluded`: node names a quantizer was told to keep in float, so the reason can say so.
     """
     graph = model.graph
-    compute = [node for node in graph.node if node.op_type in MAC_COUNTERS or node.op_type in ATTENTION_CORES]
-    types = infer_shapes(model, dims or {}, known=lambda found: all(node_macs(n, found) is not None for n in compute))
+    compute = [node for node in graph.node if node.op_type in MAC_COUNTERS or node.op_type in ATTENTION_CORES or node.op_type in NO_MAC_FORMULA]
+    counted = [node for node in compute if node.op_type not in NO_MAC_FORMULA]
+    types = infer_shapes(model, dims or {}, known=lambda found: all(node_macs(n, found) is not None for n in counted))
     producers = {out: node for node in graph.node for out in node.output}
     initializers = {init.name: init for init in graph.initializer}
     constants = _constant_tensors(graph)
@@ -143,7 +144,8 @@ def unknown_shapes_warning(coverage: Coverage) -> str | None:
         return None
     ops = ", ".join(f"{n} {op}" for op, n in coverage.unknown_ops.items())
     left = "the precision mix leaves them out" if coverage.total_macs else "the precision column shows the weights' mix"
-    return f"MACs of {coverage.unknown_shapes} compute nodes not counted, their shapes unknown ({ops}): {left}"
+    return (f"MACs of {coverage.unknown_shapes} compute nodes not counted (shapes unknown, or no MAC formula for "
+            f"the op): {ops}; {left}")
 
 
 # --- MACs per op type --------------------------------------------------------------------------
@@ -205,6 +207,21 @@ def _attention_core_macs(node, types):
     return int(batch * seq * seq * (q + v))
 
 
+def _matmul_nbits_macs(node, types):
+    """com.microsoft MatMulNBits: A [..., K] x a 4-bit weight of N columns (attribute N)."""
+    a = _dims(types, node.input[0])
+    return int(np.prod(a, dtype=np.int64) * node_attribute(node, "N", 0)) if a else None
+
+
+def _recurrent_macs(node, types):
+    """LSTM / GRU / RNN / DynamicQuantizeLSTM: every step multiplies the input by W and the state by R,
+    for every direction: sequence x batch x (W's + R's elements), whatever their layout."""
+    x, w, r = (_dims(types, node.input[i]) for i in range(3))
+    if not x or not w or not r:
+        return None
+    return int(x[0] * x[1] * (np.prod(w, dtype=np.int64) + np.prod(r, dtype=np.int64)))
+
+
 def _mha_macs(node, types):
     """com.microsoft MultiHeadAttention / GroupQueryAttention: scores (Q.K) and context (P.V) on
     [B, S, hidden] inputs (already projected: their projections are MatMuls of their own)."""
@@ -224,7 +241,9 @@ MAC_COUNTERS: dict[str, Callable] = {
     "MatMul": _matmul_macs, "MatMulInteger": _matmul_macs, "FusedMatMul": _matmul_macs, "QLinearMatMul": _matmul_macs,
     "DynamicQuantizeMatMul": _matmul_macs, "MatMulIntegerToFloat": _matmul_macs,
     "Gemm": _matmul_macs, "FusedGemm": _matmul_macs, "QGemm": _matmul_macs,
+    "GemmFastGelu": _matmul_macs, "MatMulNBits": _matmul_nbits_macs,
     "Attention": _attention_projection_macs, "QAttention": _attention_projection_macs,
+    "LSTM": _recurrent_macs, "GRU": _recurrent_macs, "RNN": _recurrent_macs, "DynamicQuantizeLSTM": _recurrent_macs,
 }
 #: Fused attention -> MACs of its scores and context, which multiply two activations: every ORT
 #: kernel computes them in float, QAttention's too (only its Q/K/V projection is an int8 GEMM).
@@ -233,10 +252,19 @@ ATTENTION_CORES: dict[str, Callable] = {
     "MultiHeadAttention": _mha_macs, "GroupQueryAttention": _mha_macs,
 }
 CORE_REASON = "attention scores and context: both operands are activations"
+#: Ops with MACs and no formula here (packed, sparse, decoder-cache and ordered attention variants,
+#: Einsum): counted as unknown, so the column says so instead of counting them as free.
+NO_MAC_FORMULA = {
+    "Einsum", "LongformerAttention", "PackedAttention", "PackedMultiHeadAttention", "DecoderAttention",
+    "DecoderMaskedMultiHeadAttention", "DecoderMaskedSelfAttention", "SparseAttention", "PagedAttention",
+    "QOrderedMatMul", "QOrderedAttention", "QOrderedLongformerAttention",
+}
 
 
 def node_macs(node: onnx.NodeProto, types: ValueTypes) -> list[tuple[str, int]] | None:
     """A compute node's MACs as ("gemm" | "core", count) parts; None where a shape is unknown."""
+    if node.op_type in NO_MAC_FORMULA:
+        return None
     parts = []
     for kind, counters in (("gemm", MAC_COUNTERS), ("core", ATTENTION_CORES)):
         counter = counters.get(node.op_type)
@@ -257,6 +285,8 @@ def node_precision(node: onnx.NodeProto, types, producers: dict[str, onnx.NodePr
     type of its output."""
     if node.op_type in INTEGER_OPS:
         return "int8"
+    if node.op_type == "MatMulNBits" and node_attribute(node, "accuracy_level", 0) == 4:
+        return "int8"  # 4-bit weights, activations quantized to int8 (ORT CPU); lower levels compute in float
     operands = [name for name in node.input[:2] if name]
     if operands and all(_dequantized(name, producers) for name in operands):
         return "int8"
@@ -281,6 +311,8 @@ def float_reason(node, initializers, constants, producers, excluded) -> str:
     """Why a compute node's GEMM or convolution is not int8, as far as the graph tells."""
     if node.name and node.name in excluded:
         return "kept in float (excluded by the recipe or the accuracy guard)"
+    if node.op_type == "MatMulNBits":
+        return "4-bit weights dequantized to float (accuracy_level < 4)"
     if node.domain not in ("", "ai.onnx") and node.op_type not in QUANTIZABLE_OPS:
         return "a fused op ORT's quantizer does not handle"
     if node.op_type not in QUANTIZABLE_OPS:
