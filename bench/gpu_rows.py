@@ -1,6 +1,6 @@
 """GPU rows for docs/benchmarks-gpu.md: ONNX Runtime's CUDA execution provider against PyTorch eager on CUDA.
 
-    python bench/gpu_rows.py recipes/minilm.yaml recipes/resnet50.yaml [--dry-run]
+    python bench/gpu_rows.py recipes/minilm-all.yaml recipes/resnet50.yaml [--dry-run]
 
 Each recipe is cut down to its GPU candidates (export, simplify, fp16 and the static
 QDQ int8 stages in TensorRT's form; no sweeps), compiled by optpipe with evaluation on

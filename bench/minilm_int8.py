@@ -1,6 +1,6 @@
 """MiniLM INT8 benchmark: PyTorch eager FP32 vs ORT FP32 vs each INT8 variant, side by side in one process.
 
-    python bench/minilm_int8.py [--recipe recipes/minilm.yaml] [--rounds 20] [--iterations 10]
+    python bench/minilm_int8.py [--recipe recipes/minilm-all.yaml] [--rounds 20] [--iterations 10]
 
 The models are the recipe's stages (built through optpipe's cached pass manager) plus a few
 variants that show what each choice buys. Every model runs batch 1 x sequence 128 on 2
@@ -57,7 +57,7 @@ def main() -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default=str(REPO / "recipes" / "minilm.yaml"))
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "minilm-all.yaml"))
     parser.add_argument("--run-dir", default=str(REPO / "runs" / "bench-minilm-int8"), help="logs of the pass runs")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=20)

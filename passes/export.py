@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check, onnx_outputs
-from optpipe.errors import ModelSourceError, PassError, RecipeError, first_line
+from optpipe.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line
 from optpipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
@@ -19,7 +19,9 @@ from optpipe.recipe import OnnxModel, Recipe
 from optpipe.runtime import eager_runner
 
 
-EXPORTERS = ("dynamo", "torchscript")
+EXPORTERS = ("dynamo", "torchscript")  # `auto`'s order
+DYNAMO_MIN_OPSET = 18
+TORCHSCRIPT_MAX_OPSET = 20  # torch.onnx's TorchScript exporter writes no later opset
 
 
 class ExportParams(SelfCheckParams):
@@ -33,6 +35,14 @@ class ExportParams(SelfCheckParams):
         "eager writes the plain MatMul/Softmax pattern that ORT's `fuse` turns into Attention and int8 into QAttention; "
         "default: the model's own",
     )
+
+    @model_validator(mode="after")
+    def _opset_fits_exporter(self):
+        # Refused with the recipe, before any export: `auto` instead moves on to TorchScript (run()).
+        if self.exporter == "dynamo" and self.opset < DYNAMO_MIN_OPSET:
+            raise ValueError(f"the dynamo exporter needs opset >= {DYNAMO_MIN_OPSET}; set `opset: {DYNAMO_MIN_OPSET}` "
+                             "or higher, or `exporter: torchscript` (or `auto`)")
+        return self
 
 
 class ExportPass(Pass[ExportParams]):
@@ -76,9 +86,14 @@ class ExportPass(Pass[ExportParams]):
             raise PassError(_failure_message(failures, params.exporter))
         import onnx
 
-        artifact = save_model(onnx.load(str(raw / "model.onnx")), ctx.workdir)
+        exported = onnx.load(str(raw / "model.onnx"))
+        opset = next((o.version for o in exported.opset_import if o.domain in ("", "ai.onnx")), params.opset)
+        if opset != params.opset:
+            ctx.log.warning("the %s exporter wrote opset %d (asked: %d)", exporter, opset, params.opset)
+        artifact = save_model(exported, ctx.workdir)
         _remove_tree(raw)
-        info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": params.opset,
+        # `opset`: the one the model has (TorchScript writes at most 20), beside the one asked for.
+        info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": opset, "opset_requested": params.opset,
                 "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention}
         if failures:
             info["fallback"] = {"from": list(failures), "reasons": failures}
@@ -110,7 +125,8 @@ def set_attention(torch_model: TorchModel, implementation: str | None) -> str | 
 
 
 class _ExportFailed(Exception):
-    """One exporter could not produce a model that matches eager; the message says why."""
+    """One exporter could not produce a model that matches eager; the message says why. The next
+    exporter may not share the failure: `auto` moves on to it."""
 
 
 def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, recipe: Recipe, params: ExportParams, raw: Path) -> None:
@@ -127,9 +143,12 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
                 # A trace records one branch of data-dependent control flow: it matches eager on the
                 # trace inputs and is wrong on others, so `auto` must not hand it on as a success.
                 raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch, taken on a tensor's values or shape ({branches[0]})")
-    except (PassError, RecipeError, _ExportFailed):
+    except (_ExportFailed, MemoryError, UserInputError):
+        # MemoryError: the machine's limit, not this exporter's; a user-input error (the model or
+        # recipe itself) the next exporter would share. Ctrl-C is no Exception: it is never caught.
         raise
-    except Exception as exc:  # exporters raise anything; the stage log has the traceback
+    except Exception as exc:  # exporters raise anything (PassError too); the stage log has the traceback
+        _reraise_interrupt(exc)
         logging.getLogger("optpipe.export").debug("%s export traceback", exporter, exc_info=True)
         raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
     try:
@@ -137,6 +156,17 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
     except PassError as exc:
         raise _ExportFailed(f"the exported model does not match PyTorch eager ({exc})") from None
     _check_other_sizes(torch_model, recipe, params, path)
+
+
+def _reraise_interrupt(exc: BaseException) -> None:
+    """A Ctrl-C that the exporter wrapped in its own error (torch.onnx does): the run stops, `auto`
+    does not move on to the next exporter."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, KeyboardInterrupt):
+            raise exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def _check_other_sizes(torch_model: TorchModel, recipe: Recipe, params: ExportParams, path: Path) -> None:
@@ -157,7 +187,9 @@ def _check_other_sizes(torch_model: TorchModel, recipe: Recipe, params: ExportPa
         return
     try:
         numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
-    except (PassError, Exception) as exc:  # ORT may refuse the shape outright
+    except MemoryError:
+        raise
+    except Exception as exc:  # a PassError, or ORT refusing the shape outright
         raise _ExportFailed(
             f"the exported model is wrong at other sizes ({sizes}: {_first_line(exc)[:160]}): forward() likely caches a "
             "shape-dependent tensor (a grid) that the export froze at the trace size"
@@ -231,8 +263,8 @@ def _dynamic_dims(recipe: Recipe) -> dict[str, dict[int, str]]:
 def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> None:
     import torch
 
-    if opset < 18:
-        raise RecipeError("the dynamo exporter needs opset >= 18; set `opset: 18` or higher, or `exporter: torchscript`")
+    if opset < DYNAMO_MIN_OPSET:  # only `auto` gets here (ExportParams refuses it for `exporter: dynamo`)
+        raise _ExportFailed(f"the dynamo exporter needs opset >= {DYNAMO_MIN_OPSET} (asked: {opset})")
     dims = {name: _export_dim(name, d) for name, d in recipe.dims.items()}
     dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(recipe).values())
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
@@ -300,7 +332,7 @@ def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: i
             args,
             str(path),
             dynamo=False,
-            opset_version=min(opset, 20),
+            opset_version=min(opset, TORCHSCRIPT_MAX_OPSET),
             input_names=torch_model.input_names,
             output_names=torch_model.output_names,
             dynamic_axes=dynamic_axes,

@@ -16,7 +16,7 @@ DRY_RUN=0
 PYTHON="${PYTHON:-python}"
 export OPTPIPE_CACHE="${OPTPIPE_CACHE:-$PWD/.optpipe-cache}"
 log="$(mktemp -d)"
-read -ra RECIPES <<<"${GPU_RECIPES:-recipes/minilm.yaml recipes/resnet50.yaml}"
+read -ra RECIPES <<<"${GPU_RECIPES:-recipes/minilm-all.yaml recipes/resnet50.yaml}"
 GPU_TESTS="${GPU_TESTS:-tests/}"
 declare -A rc
 

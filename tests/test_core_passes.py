@@ -77,6 +77,57 @@ def test_auto_export_that_fails_both_ways_gives_both_reasons_and_no_loop(tiny_re
     assert "try `exporter" not in message and "also tries" not in message
 
 
+def _opset(artifact) -> int:
+    return next(o.version for o in artifact.load(with_weights=False).opset_import if o.domain in ("", "ai.onnx"))
+
+
+def test_auto_falls_back_to_torchscript_at_an_opset_dynamo_refuses(tiny_recipe, tmp_path):
+    """opset 17 is below dynamo's 18: auto exports with TorchScript at 17 and says why, instead of stopping."""
+    recipe = load_recipe(tiny_recipe())
+    artifact = run_checked(ExportPass(ExportParams(opset=17)), None, _context(recipe, tmp_path))
+    info = artifact.info
+    assert info["exporter"] == "torchscript" and info["exporter_requested"] == "auto" and info["self_check"]["passed"]
+    assert info["fallback"]["from"] == ["dynamo"] and "needs opset >= 18" in info["fallback"]["reasons"]["dynamo"]
+    assert info["opset"] == info["opset_requested"] == 17 == _opset(artifact)
+
+
+def test_auto_falls_back_when_dynamo_cannot_convert_the_model_and_records_the_opset_written(tiny_recipe, tmp_path):
+    """torch.cdist: dynamo fails to convert it, TorchScript exports it, at most at opset 20 (asked: 21)."""
+    recipe = load_recipe(tiny_recipe({"model": {"factory": "failing_models:build_pairwise_distances", "path": str(TESTS)}}))
+    artifact = run_checked(ExportPass(ExportParams(opset=21)), None, _context(recipe, tmp_path))
+    info = artifact.info
+    assert info["exporter"] == "torchscript" and info["fallback"]["from"] == ["dynamo"], info.get("fallback")
+    assert info["fallback"]["reasons"]["dynamo"].startswith("torch.onnx.export (dynamo):")
+    assert info["opset_requested"] == 21 and info["opset"] == 20 == _opset(artifact)
+    feeds = {"x": np.random.default_rng(3).standard_normal((5, 32)).astype(np.float32)}  # a batch the trace never saw
+    expected = eager_runner(load_torch_model(recipe.model_source()), threads=1)(feeds)["d"]
+    np.testing.assert_allclose(onnx_outputs(artifact.path, feeds)["d"], expected, atol=1e-4)
+
+
+def test_dynamo_asked_for_below_its_opset_is_a_recipe_error(tiny_recipe, cli_run):
+    path = tiny_recipe({"stages": {"export": {"pass": "export", "params": {"exporter": "dynamo", "opset": 17}}}})
+    for command in ("validate", "compile"):
+        result = cli_run(command, str(path))
+        assert result.exit_code == 2, result.output
+        [line] = result.output.strip().splitlines()
+        assert "stages.export.params" in line and "needs opset >= 18" in line
+
+
+def test_auto_does_not_swallow_memory_errors_or_model_errors(tiny_recipe, tmp_path, monkeypatch):
+    from optpipe.passes import export as export_module
+
+    recipe = load_recipe(tiny_recipe())
+    wrapped = RuntimeError("torch.onnx.export failed")  # how torch.onnx reports a Ctrl-C during its export
+    wrapped.__context__ = KeyboardInterrupt()
+    for error in (MemoryError(), KeyboardInterrupt(), wrapped, ModelSourceError("the model's forward() refuses these inputs")):
+        def failing(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(export_module, "_export_dynamo", failing)
+        with pytest.raises(KeyboardInterrupt if error is wrapped else type(error)):
+            ExportPass(ExportParams()).run(None, _context(recipe, tmp_path, f"stage-{id(error)}"))
+
+
 def test_onnx_source_is_imported(tiny_recipe, tmp_path):
     recipe = load_recipe(tiny_recipe())
     exported = ExportPass(ExportParams()).run(None, _context(recipe, tmp_path, "first"))

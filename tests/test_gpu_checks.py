@@ -22,13 +22,13 @@ def test_dry_run_checks_install_tests_and_gpu_rows():
     assert "Would install optpipe" in out  # pip resolved the install spec
     assert "tests collected" in out  # the gpu-marked tests are collected
     # Each recipe cut down to its GPU candidates: no com.microsoft fusion, no dynamic int8, no pruning.
-    assert "minilm: stages export, simplify, int8-static, fp16;" in out
+    assert "minilm-all: stages export, simplify, int8-static, fp16;" in out
     assert "resnet50: stages export, simplify, fp16, int8;" in out
     assert "rows: exit 0" in out
 
 
 def test_dry_run_fails_on_a_broken_command():
-    done = dry_run(GPU_RECIPES="recipes/minilm.yaml recipes/no-such.yaml")
+    done = dry_run(GPU_RECIPES="recipes/minilm-all.yaml recipes/no-such.yaml")
     assert done.returncode != 0 and "rows: exit 1" in done.stdout, done.stdout
 
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from inspect_models import mlp_model, mlp_recipe, save
 from optpipe.cli import cli
-from optpipe.results import Accuracy, Latency, OutputAccuracy, StageResult
+from optpipe.results import Accuracy, Latency, OutputAccuracy, StageResult, TargetResult
 from optpipe.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.reporting.run_report import RunReport
@@ -86,6 +86,31 @@ def test_failed_and_out_of_tolerance_stages_render():
     assert "<code>fp16</code> failed: boom" in html
     assert "int8</code> is out of tolerance" in html
     assert set(plots(html)) == {"dag", "pareto"}  # one latency point per stage: no curves
+
+
+def _targets_html(targets: list[TargetResult]) -> str:
+    stages = [StageResult(name="export", pass_name="export", status="ok", size_bytes=100)]
+    report = RunReport(optpipe_version="dev", recipe="t", created="now", machine={}, evaluation={"batch_sizes": [1]},
+                       reference="export", stages=stages, targets=targets)
+    section = re.search(r"<section><h2>Targets</h2>(.*?)</section>", render_html(report), re.S)
+    return section.group(1) if section else ""
+
+
+def test_targets_show_the_ray_node_that_built_them_and_nothing_for_a_local_build():
+    node = {"host": "gpu-box-7", "cpu": "AMD EPYC 9654", "cores": 16, "gpu": ["NVIDIA L4"], "ray_node": "3f9a0c2b71de"}
+    table = _targets_html([
+        TargetResult(kind="tensorrt", stage="int8", status="ok", path="targets/tensorrt/int8", precision="int8", built_on=node),
+        TargetResult(kind="ort", stage="export", status="failed", reason="no such provider"),  # failed before any node built it
+    ])
+    head = re.findall(r"<th>(.*?)</th>", table)
+    assert head[-1] == "built on"
+    rows = {cells[0]: cells for cells in (re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table)) if cells}
+    assert rows["tensorrt"][-1] == "gpu-box-7 [3f9a0c2b71de] · AMD EPYC 9654 x16 · NVIDIA L4"
+    assert rows["ort"][-1] == "" and "failed: no such provider" in rows["ort"][2]
+    # A local run: the driver built every target, built_on is None, and the page has no such column.
+    local = _targets_html([TargetResult(kind="ort", stage="export", status="ok", path="targets/ort/export")])
+    assert "<code>export</code>" in local and "built on" not in local
+    assert _targets_html([]) == ""
 
 
 @pytest.mark.skipif(not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")), reason="no headless Chromium here")

@@ -127,6 +127,56 @@ def test_cli_big_grid_exits_2_with_one_line(tmp_path, cli_run):
     assert "200 trials" in result.output and "--yes" in result.output and len(result.output.strip().splitlines()) == 1
 
 
+# Each way a searched value can be bad, with the line of the recipe the user must change: the
+# recipe's own `stages.STAGE.search.PARAM`, never a trial stage it expands into (`int8__method-kl...`).
+_PRUNE = {"pass": "prune", "after": "simplify"}
+_INT8 = {"pass": "int8", "after": "prune"}
+BAD_SEARCHED_VALUES = {
+    "unknown choice": ({"int8": {**_INT8, "params": {"mode": "static"}, "search": {"per_channel": [True, False], "method": ["minmax", "kl"]}}},
+                       r"stages\.int8\.search\.method: Input should be 'minmax', 'entropy' or 'percentile' \(got 'kl'\)"),
+    "out of range (a step range)": ({"prune": {**_PRUNE, "params": {"method": "magnitude"}, "search": {"amount": {"min": 0.5, "max": 1.5, "step": 0.5}}}},
+                                    r"stages\.prune\.search\.amount: Input should be less than 1 \(got 1\.0\)"),
+    "wrong type": ({"int8": {**_INT8, "params": {"mode": "dynamic"}, "search": {"reduce_range": [False, "sometimes"]}}},
+                   r"stages\.int8\.search\.reduce_range: Input should be a valid boolean"),
+    "unknown key": ({"int8": {**_INT8, "params": {"mode": "dynamic"}, "search": {"per_chanel": [True, False]}}},
+                    r"stages\.int8\.search\.per_chanel: unknown key \(did you mean 'per_channel'\?\)"),
+    "refused beside a fixed param": ({"prune": {**_PRUNE, "params": {"method": "2:4"}, "search": {"amount": [0.5, 0.3]}}},
+                                     r"stages\.prune\.search\.amount: choice 0\.3 is refused: 2:4 sparsity always removes half"),
+    "refused beside another searched value": ({"prune": {**_PRUNE, "search": {"amount": [0.2, 0.5], "method": ["magnitude", "2:4"]}}},
+                                              r"stages\.prune\.search\.amount: choice 0\.2 is refused beside method='2:4': 2:4 sparsity"),
+    "refused by a recipe rule": ({"int8": {**_INT8, "search": {"mode": ["dynamic", "static"]}}},
+                                 r"stages\.int8\.search\.mode \(choice 'static'\): static int8 calibrates on data"),
+}
+
+
+@pytest.mark.parametrize("strategy", ["grid", "optuna"])
+@pytest.mark.parametrize("case", list(BAD_SEARCHED_VALUES))
+def test_a_bad_searched_value_names_the_recipes_own_line(tmp_path, cli_run, case, strategy):
+    stages, message = BAD_SEARCHED_VALUES[case]
+    data = _recipe_data(**copy.deepcopy(stages))
+    data["evaluate"]["search"] = {"strategy": strategy, "trials": 4, "objectives": ["accuracy", "size"]}
+    path = _write(tmp_path, data)
+    for command in ("validate", "compile"):
+        result = cli_run(command, str(path))
+        assert result.exit_code == 2, (command, result.output)
+        [line] = result.output.strip().splitlines()
+        assert re.search(message, line), (command, line)
+        assert "__" not in line, line  # no expanded trial stage in the message
+    assert not (tmp_path / "run").exists()  # refused before anything ran
+
+
+def test_a_space_too_big_to_check_whole_has_each_proposed_trial_checked(monkeypatch):
+    import optpipe.search.checks as checks
+
+    monkeypatch.setattr(checks, "MAX_COMBINATIONS", 3)  # 2 x 2 choices: only each value beside the others' first
+    data = _recipe_data(int8=None, prune={**_PRUNE, "search": {"amount": [0.5, 0.2], "method": ["magnitude", "2:4"]}})
+    space = SearchSpace(parse_recipe(data, base_dir=REPO / "recipes"))
+    checks.check_searched_values(space)  # (0.2, 2:4) is no probe: not seen before the search
+    with pytest.raises(RecipeError, match=r"^stages\.prune\.search\.(amount: choice 0\.2|method: choice '2:4') is refused beside"):
+        for trial in space.grid():
+            checks.check_trial(space, trial)
+
+
 # --- runs ------------------------------------------------------------------------------------
 
 

@@ -31,7 +31,16 @@ def quiet_polygraphy() -> None:
 def run_onnx(path: Path, batches: list[Feeds], threads: int, providers: list[str] | None = None, session=None) -> Outputs:
     """Outputs of an ONNX model over all batches, through Polygraphy, concatenated along axis 0.
 
-    `session`: an ORT session of `path` already built (the stage's timing session), reused."""
+    `session`: an ORT session of `path` already built (the stage's timing session), reused.
+    The process's outputs memo is asked first (same model bytes, inputs and session settings);
+    the arrays returned are read-only."""
+    from optpipe.evaluation import outputs_memo
+
+    key = outputs_memo.run_key(path, batches, threads, providers, session)
+    return outputs_memo.MEMO.outputs(key, lambda: _run_onnx(path, batches, threads, providers, session), str(path))
+
+
+def _run_onnx(path: Path, batches: list[Feeds], threads: int, providers: list[str] | None, session) -> Outputs:
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator
 

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import onnx
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from optpipe.artifact import save_model
+from optpipe.evaluation import outputs_memo
 from optpipe.evaluation.accuracy import compare, run_onnx
 from optpipe.results import Accuracy, GuardCheck
 
@@ -167,7 +169,9 @@ class AccuracyGuard:
 
     def run(self, excluded: list[str]) -> GuardResult:
         try:
-            return self._run(list(excluded))
+            result = self._run(list(excluded))
+            self._share_outputs(result.model)
+            return result
         finally:
             if self.scratch is not None:
                 shutil.rmtree(self.scratch, ignore_errors=True)  # the cache entry holds only the model
@@ -273,15 +277,37 @@ class AccuracyGuard:
         return self.numerics(proto)
 
     def _path(self, model: Model) -> Path:
+        """A file of the model: saved as an artifact is (same bytes as the pass will publish: the
+        outputs memo then finds the guard's outputs for the stage's evaluation)."""
         if isinstance(model, Path):
             return model
-        if self.scratch is None:
-            self.scratch = Path(tempfile.mkdtemp(prefix="guard-", dir=self.ctx.workdir))
-        path = self.scratch / "measured.onnx"
         copy = onnx.ModelProto()
         copy.CopyFrom(model)  # saving with external data rewrites the proto's initializers in place
-        onnx.save_model(copy, str(path), save_as_external_data=True, location="measured.onnx.data")
-        return path
+        return save_model(copy, self._scratch() / "measured").path
+
+    def _scratch(self) -> Path:
+        if self.scratch is None:
+            self.scratch = Path(tempfile.mkdtemp(prefix="guard-", dir=self.ctx.workdir))
+        return self.scratch
+
+    def _share_outputs(self, model: Model) -> None:
+        """The final model's outputs, which the last measurement computed, filed under the content the
+        published stage will have: a pass saves a converter's file (int8: ORT's quantizer output) again
+        as an artifact, other bytes for the same model, and the stage's evaluation would compute them again.
+
+        Only when the guard measured the model itself (no `numerics`); a proto is already measured in
+        the artifact's layout (`_path`). Costs one load and save of the model (~0.2 s for MiniLM INT8)."""
+        if self.numerics is not None or not isinstance(model, Path):
+            return
+        memo = outputs_memo.MEMO
+        measured = outputs_memo.run_key(model, self.batches, self.threads)
+        if measured is None or measured not in memo:
+            return
+        started = time.perf_counter()
+        published = outputs_memo.published_digest(model, self._scratch() / "published")
+        memo.alias(measured, outputs_memo.session_key(published, self.batches, self.threads))
+        outputs_memo.log.debug("guard: final model's outputs filed under its published content (%.2f s)",
+                               time.perf_counter() - started)
 
 
 def fold_guard_verdict(accuracy: Accuracy | None, info: dict) -> Accuracy | None:

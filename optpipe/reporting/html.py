@@ -17,7 +17,7 @@ from pathlib import Path
 
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, out_of_tolerance, stage_rows, table_note
-from optpipe.results import EAGER, Latency, RunReport, StageResult
+from optpipe.results import EAGER, Latency, RunReport, StageResult, TargetResult
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
 FRONTIER = "#f9a825"
@@ -38,6 +38,7 @@ def render_html(report: RunReport, plots_file: Path | None = None) -> str:
     for title, svg in plots["curves"]:
         sections.append(_section(title, svg + (f"<p class='note'>{html.escape(note)}</p>" if note else "")))
     sections.append(_problems(report))
+    sections.append(_targets(report.targets))
     floats = left_in_float(report.stages)
     if floats:
         sections.append(_section("Left in float by the quantization stages",
@@ -153,6 +154,40 @@ def _problems(report: RunReport) -> str:
         elif s.accuracy and not s.accuracy.within_tolerance:
             items.append(f"<li><code>{html.escape(s.name)}</code> is out of tolerance: {html.escape('; '.join(s.accuracy.violations))}</li>")
     return _section("Problems", "<ul>" + "".join(items) + "</ul>") if items else ""
+
+
+def _targets(targets: list[TargetResult]) -> str:
+    """The artifacts written, as report.md's Targets table; a `built on` column only when some target
+    was built on a Ray node (`built_on` is None for one built by the driver itself: a local run)."""
+    if not targets:
+        return ""
+    remote = any(t.built_on for t in targets)
+    head = ["target", "stage", "status", "precision", "provider", "p50 ms", "artifact"] + (["built on"] if remote else [])
+    rows = []
+    for t in targets:
+        status = t.describe()
+        if t.gpu_check and t.gpu_check.get("warning"):
+            status += f" ⚠ {t.gpu_check['warning']}"
+        colour = {"ok": OK, "failed": FAILED}.get(t.status, OUT)
+        cells = [html.escape(t.kind), f"<code>{html.escape(t.stage)}</code>", f"<span style='color:{colour}'>{html.escape(status)}</span>",
+                 html.escape(t.precision or ""), html.escape(t.provider or ""),
+                 f"{t.headline.p50_ms:.2f}" if t.headline else "", f"<code>{html.escape(t.path)}</code>" if t.path else ""]
+        if remote:
+            cells.append(html.escape(built_on_text(t.built_on)))
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    table = ("<table><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr></thead><tbody>"
+             + "".join(rows) + "</tbody></table>")
+    return _section("Targets", table)
+
+
+def built_on_text(node: dict | None) -> str:
+    """`host [Ray node] · CPU xcores · GPUs` from a target's built_on (optpipe.execution.stage_tasks.node_description)."""
+    if not node:
+        return ""
+    where = str(node.get("host") or "?") + (f" [{node['ray_node']}]" if node.get("ray_node") else "")
+    machine = f"{node['cpu']} x{node.get('cores')}" if node.get("cpu") else ""
+    gpus = ", ".join(node.get("gpu") or [])
+    return " · ".join(part for part in (where, machine, gpus) if part)
 
 
 # --- plots ---------------------------------------------------------------------------------

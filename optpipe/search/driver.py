@@ -15,12 +15,12 @@ from optpipe.execution.fan_out import finish_run, reference_of, targets_on, want
 from optpipe.results import StageResult
 from optpipe.recipe import Recipe
 from optpipe.results import RunReport
+from optpipe.search.checks import check_searched_values, check_trial
 from optpipe.search.report import search_section
 from optpipe.search.space import SearchSpace, Trial
 from optpipe.search.spec import SearchSettings
 from optpipe.search.strategies import make_proposer, resolve_strategy
 from optpipe.search.study import study_path
-from optpipe.validate import validate_recipe
 
 
 @dataclass
@@ -38,7 +38,7 @@ class SearchDriver:
         self.space = SearchSpace(recipe)
         self.settings = recipe.evaluate.search or SearchSettings()
         self.strategy, self.budget = resolve_strategy(self.space, self.settings, yes)
-        _validate_every_value(self.space)
+        check_searched_values(self.space)
         study = study_path(recipe, self.space, self.settings, run_dir) if self.strategy == "optuna" else None
         self.proposer = make_proposer(self.space, self.settings, self.strategy, self.budget, study, settings.force)
         self.task_settings = settings
@@ -71,6 +71,8 @@ class SearchDriver:
         if count == 0 and not resumed:
             return None
         self.pending = self.proposer.ask(count) if count else []
+        for _, trial in self.pending:
+            check_trial(self.space, trial)
         trials = [r.trial for r in self.records] + [t for _, t in self.pending]
         self.expanded, self.leaves = self.space.expand(list(dict.fromkeys(trials)))
         order = execution_order(build_dag(self.expanded.stages))
@@ -146,18 +148,10 @@ class SearchDriver:
         return max(room, 0)
 
 
-def _validate_every_value(space: SearchSpace) -> None:
-    """Each value of each param through its pass's params check, before anything runs."""
-    first = {dim.key: dim.values[0] for dim in space.dimensions}
-    probes = [space.trial({**first, dim.key: value}) for dim in space.dimensions for value in dim.values]
-    recipe, _ = space.expand(list(dict.fromkeys(probes)))
-    validate_recipe(recipe)
-
-
 def describe_search(recipe: Recipe) -> str:
     """`optpipe validate`'s line for a search: its space, strategy and how many trials it would run."""
     space = SearchSpace(recipe)
-    _validate_every_value(space)
+    check_searched_values(space)
     settings = recipe.evaluate.search or SearchSettings()
     strategy, budget = resolve_strategy(space, settings, yes=True)
     runs = min(budget, space.size) if budget else space.size
