@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from helpers_passes import artifact_of, context, graph_recipe, run_model
 from optpipe.errors import RecipeError
 from optpipe.evaluation.verdict import stage_coverage
-from optpipe.graph.coverage import precision_coverage, quantization_warning
+from optpipe.graph.coverage import precision_coverage, quantization_warning, unknown_shapes_warning
 from optpipe.graph.unfuse import unfuse
 from optpipe.passes import registry
 from optpipe.safety.recipe_loading import parse_recipe
@@ -181,3 +181,143 @@ def test_validate_rejects_a_language_model_task_without_its_token_input():
         validate_recipe(recipe)
     validate_recipe(recipe.model_copy(update={"evaluate": recipe.evaluate.model_copy(
         update={"task": recipe.evaluate.task.model_copy(update={"tokens": "ids"})})}))
+
+
+# --- com.microsoft quantized and fused ops: MACs split by where they run ------------------------
+
+HIDDEN, SEQ, HEADS = 32, 24, 4
+MS = "com.microsoft"
+
+
+def _tensor(rng, shape, dtype, name):
+    values = rng.integers(-100, 100, shape) if np.issubdtype(dtype, np.integer) else rng.normal(0, 0.1, shape)
+    return numpy_helper.from_array(np.asarray(values, dtype), name)
+
+
+def _model(nodes, inputs, outputs, inits, tmp_path, domains=(MS,)) -> onnx.ModelProto:
+    """The model as a stage sees it: saved with its weights in external data, loaded without them."""
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    opsets = [helper.make_opsetid("", 17), *(helper.make_opsetid(domain, 1) for domain in domains)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=9)
+    return onnx.load(artifact_of(model, tmp_path / "m").path, load_external_data=False)
+
+
+def qattention_layer(tmp_path) -> onnx.ModelProto:
+    """What `export(attention: eager) -> fuse(transformer: ort) -> int8 dynamic` makes of a BERT layer:
+    QAttention (packed int8 Q/K/V weight) and MatMulInteger for the output projection."""
+    rng = np.random.default_rng(0)
+    inits = [_tensor(rng, (HIDDEN, 3 * HIDDEN), np.int8, "wqkv"), _tensor(rng, (3 * HIDDEN,), np.float32, "bqkv"),
+             numpy_helper.from_array(np.float32(0.01), "wqkv_scale"), numpy_helper.from_array(np.int8(0), "wqkv_zp"),
+             _tensor(rng, (HIDDEN, HIDDEN), np.int8, "wo"), numpy_helper.from_array(np.int8(0), "wo_zp"),
+             numpy_helper.from_array(np.float32(0.01), "wo_scale")]
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xzp"], name="quant_x"),
+        helper.make_node("Mul", ["xs", "wqkv_scale"], ["qkv_scale"], name="scale_qkv"),
+        helper.make_node("QAttention", ["xq", "wqkv", "bqkv", "xs", "wqkv_scale", "", "xzp", "wqkv_zp"], ["ctx"],
+                         name="qattention", domain=MS, num_heads=HEADS),
+        helper.make_node("DynamicQuantizeLinear", ["ctx"], ["cq", "cs", "czp"], name="quant_ctx"),
+        helper.make_node("MatMulInteger", ["cq", "wo", "czp", "wo_zp"], ["o32"], name="out_proj"),
+        helper.make_node("Cast", ["o32"], ["of"], to=TensorProto.FLOAT, name="cast"),
+        helper.make_node("Mul", ["cs", "wo_scale"], ["os"], name="scale_o"),
+        helper.make_node("Mul", ["of", "os"], ["y"], name="dequant"),
+    ]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", HIDDEN])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", HIDDEN])], inits, tmp_path)
+
+
+def test_qattention_int8_share_is_its_projection(tmp_path):
+    coverage = precision_coverage(qattention_layer(tmp_path), {"batch": 2, "sequence": SEQ})
+    projection, out_proj = 2 * SEQ * HIDDEN * 3 * HIDDEN, 2 * SEQ * HIDDEN * HIDDEN
+    scores_context = 2 * SEQ * SEQ * 2 * HIDDEN  # Q.K^T and P.V, both activations: float inside the kernel
+    total = projection + out_proj + scores_context
+    assert coverage.unknown_shapes == 0 and coverage.total_macs == total
+    assert coverage.macs == {"int8": round((projection + out_proj) / total, 4), "fp32": round(scores_context / total, 4)}
+    (core,) = coverage.float_compute
+    assert core.op == "com.microsoft.QAttention" and core.nodes == 1 and "both operands are activations" in core.reason
+    # Weights by stored type: the int8 Q/K/V and output weights, the fp32 Q/K/V bias.
+    int8_weights, bias = 3 * HIDDEN * HIDDEN + HIDDEN * HIDDEN, 3 * HIDDEN
+    assert coverage.weights == {"int8": round(int8_weights / (int8_weights + bias), 4), "fp32": round(bias / (int8_weights + bias), 4)}
+    assert quantization_warning(coverage) is None
+
+
+def test_fp32_attention_counts_all_float(tmp_path):
+    rng = np.random.default_rng(1)
+    inits = [_tensor(rng, (HIDDEN, 3 * HIDDEN), np.float32, "wqkv"), _tensor(rng, (3 * HIDDEN,), np.float32, "bqkv")]
+    nodes = [helper.make_node("Attention", ["x", "wqkv", "bqkv"], ["y"], name="attention", domain=MS, num_heads=HEADS)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", HIDDEN])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", HIDDEN])], inits, tmp_path)
+    coverage = precision_coverage(model, {"sequence": SEQ})
+    projection, scores_context = SEQ * HIDDEN * 3 * HIDDEN, 2 * SEQ * SEQ * HIDDEN
+    assert coverage.total_macs == projection + scores_context
+    assert coverage.macs == {"fp32": 1.0} and coverage.weights == {"fp32": 1.0}
+    reasons = {f.reason: f.mac_share for f in coverage.float_compute}
+    assert reasons == {"not quantized": round(projection / coverage.total_macs, 4),
+                       "attention scores and context: both operands are activations": round(scores_context / coverage.total_macs, 4)}
+
+
+def test_quantized_contrib_matmuls_chain_their_shapes(tmp_path):
+    """Each com.microsoft op feeds the next: a twin that lost a shape would leave every later node unknown.
+    DynamicQuantizeMatMul, QGemm and MatMulIntegerToFloat compute in int8, FusedMatMul (transB) and
+    a plain MatMul in fp32."""
+    k, n, m, p, r, t = 8, 16, 24, 40, 48, 56
+    rng = np.random.default_rng(2)
+    scale, zp = (lambda name: numpy_helper.from_array(np.float32(0.02), name)), (lambda name: numpy_helper.from_array(np.int8(0), name))
+    inits = [_tensor(rng, (k, n), np.int8, "w1"), scale("s1"), zp("z1"), _tensor(rng, (m, n), np.float32, "w2"),
+             _tensor(rng, (m, p), np.int8, "w3"), scale("s3"), zp("z3"), _tensor(rng, (p, r), np.int8, "w4"), scale("s4"), zp("z4"),
+             _tensor(rng, (r, t), np.float32, "w5")]
+    nodes = [
+        helper.make_node("DynamicQuantizeMatMul", ["x", "w1", "s1", "z1"], ["a"], name="dqmm", domain=MS),
+        helper.make_node("FusedMatMul", ["a", "w2"], ["b"], name="fmm", domain=MS, transB=1, alpha=1.0),
+        helper.make_node("DynamicQuantizeLinear", ["b"], ["bq", "bs", "bz"], name="qb"),
+        helper.make_node("QGemm", ["bq", "bs", "bz", "w3", "s3", "z3"], ["c"], name="qgemm", domain=MS),
+        helper.make_node("DynamicQuantizeLinear", ["c"], ["cq", "cs", "cz"], name="qc"),
+        helper.make_node("MatMulIntegerToFloat", ["cq", "w4", "cs", "s4", "cz", "z4"], ["d"], name="mmitf", domain=MS),
+        helper.make_node("Relu", ["d"], ["e"], name="relu"),
+        helper.make_node("MatMul", ["e", "w5"], ["y"], name="head"),
+    ]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", k])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", t])], inits, tmp_path)
+    coverage = precision_coverage(model, {"batch": 3})
+    int8, fp32 = 3 * (k * n + m * p + p * r), 3 * (n * m + r * t)
+    assert coverage.unknown_shapes == 0 and coverage.total_macs == int8 + fp32
+    assert coverage.share("int8") == round(int8 / (int8 + fp32), 4)
+    assert {f.op for f in coverage.float_compute} == {"com.microsoft.FusedMatMul", "MatMul"}
+
+
+def test_unknown_shapes_are_reported_not_counted_as_zero(tmp_path):
+    """An op no shape inference knows (here a custom domain's) hides the shape of the MatMul it feeds:
+    the column and the warnings say so, instead of a mix computed as if that MatMul were free."""
+    rng = np.random.default_rng(3)
+    inits = [_tensor(rng, (HIDDEN, HIDDEN), np.float32, "w1"), _tensor(rng, (HIDDEN, HIDDEN), np.int8, "w2"), numpy_helper.from_array(np.int8(0), "z")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="known"),
+             helper.make_node("Mystery", ["h"], ["m"], name="mystery", domain="com.example"),
+             helper.make_node("DynamicQuantizeLinear", ["m"], ["mq", "ms", "mz"], name="q"),
+             helper.make_node("MatMulInteger", ["mq", "w2", "mz", "z"], ["y"], name="unknown")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", HIDDEN])],
+                   [helper.make_tensor_value_info("y", TensorProto.INT32, ["batch", HIDDEN])], inits, tmp_path, domains=("com.example",))
+    coverage = precision_coverage(model, {"batch": 1})
+    assert coverage.total_macs == HIDDEN * HIDDEN and coverage.unknown_ops == {"MatMulInteger": 1}
+    assert coverage.summary() == "fp32 100% · 1 nodes' MACs unknown"
+    warning = unknown_shapes_warning(coverage)
+    assert "1 compute nodes not counted" in warning and "1 MatMulInteger" in warning
+    # Nothing counted at all: the cell shows the weights' mix and says the MACs are unknown.
+    del model.graph.node[0], model.graph.initializer[0]  # the known MatMul and its weight w1
+    model.graph.node[0].input[0] = "x"
+    only_unknown = precision_coverage(model, {"batch": 1})
+    assert only_unknown.total_macs == 0 and only_unknown.summary() == "MACs unknown (1 nodes) · weights int8 100%"
+    assert "shows the weights' mix" in unknown_shapes_warning(only_unknown)
+
+
+def test_recurrent_ops_are_counted_and_ops_without_a_formula_are_not_free(tmp_path):
+    """LSTM: sequence x batch x (W + R elements); an Einsum (no MAC formula) is reported, not counted as 0."""
+    seq, batch, inp, hid = 7, 2, 12, 20
+    rng = np.random.default_rng(4)
+    inits = [_tensor(rng, (1, 4 * hid, inp), np.float32, "w"), _tensor(rng, (1, 4 * hid, hid), np.float32, "r"),
+             _tensor(rng, (hid, hid), np.float32, "e")]
+    nodes = [helper.make_node("LSTM", ["x", "w", "r"], ["y"], name="lstm", hidden_size=hid),
+             helper.make_node("Einsum", ["y", "e"], ["z"], name="einsum", equation="sdbh,hk->sdbk")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, batch, inp])],
+                   [helper.make_tensor_value_info("z", TensorProto.FLOAT, [seq, 1, batch, hid])], inits, tmp_path, domains=())
+    coverage = precision_coverage(model)
+    assert coverage.total_macs == seq * batch * 4 * hid * (inp + hid) and coverage.macs == {"fp32": 1.0}
+    assert coverage.unknown_ops == {"Einsum": 1} and "no MAC formula" in unknown_shapes_warning(coverage)

@@ -2,6 +2,7 @@
 
 - coverage: the precision mix a stage computes in (optpipe.graph.coverage); a quantization
   stage with most of its MACs still in float warns, naming the op types it could not handle;
+  any stage with compute nodes whose MACs could not be counted (shapes unknown) warns too;
 - input sensitivity: an evaluation set on which the reference barely changes from sample to
   sample makes every accuracy figure meaningless (see optpipe.evaluation.accuracy).
 """
@@ -11,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from optpipe.artifact import ModelArtifact
-from optpipe.graph.coverage import Coverage, precision_coverage, quantization_warning
+from optpipe.graph.coverage import Coverage, precision_coverage, quantization_warning, unknown_shapes_warning
 
 if TYPE_CHECKING:
     from optpipe.cache.store import StageCache
@@ -23,7 +24,7 @@ log = logging.getLogger("optpipe.verdict")
 
 
 #: Bump when precision_coverage's figures change: cached coverages of older formats are not reused.
-COVERAGE_FORMAT = 1
+COVERAGE_FORMAT = 2  # 2: fused attention split (projection / scores and context), QAttention & co. counted
 
 
 def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str,
@@ -47,7 +48,7 @@ def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str
             return None, []
         if cache:
             cache.put_result(key, coverage.model_dump(mode="json"))
-    warnings = []
+    warnings = [w for w in (unknown_shapes_warning(coverage),) if w]
     if pass_name in QUANTIZATION_PASSES:
         warning = quantization_warning(coverage)
         if warning:

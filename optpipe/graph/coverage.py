@@ -5,18 +5,19 @@ This is how a stage shows what it changed: an int8 stage that quantized only the
 a CNN (because `fuse` had turned every Conv into com.microsoft.FusedConv, which ORT's quantizer
 does not know) shows "int8 1% of MACs" instead of a bare "ok".
 
-MACs are counted from tensor shapes. Shapes come from ONNX Runtime's symbolic shape inference
-(it knows the com.microsoft ops: FusedConv, Attention, QAttention, ...), falling back to ONNX's
-own shape inference; symbolic input dims are first fixed to the values given (the recipe's `opt`).
-Neither library counts MACs (onnx-tool and similar do, but not for the contrib ops and not per
-precision), hence the small table of formulas below.
+MACs are counted from tensor shapes (optpipe.graph.shapes: ONNX's and ORT's shape inference, the
+com.microsoft quantized ops given twins they know) at the values given for the symbolic input dims
+(the recipe's `opt`). A node's MACs are split by where they run: a fused attention's Q/K/V
+projection in the node's precision (int8 for QAttention), its scores and context (activation x
+activation) in float, as every ORT kernel computes them. Nodes whose shapes stay unknown are
+counted as such, never as 0. No library counts MACs per precision (onnx-tool and similar count
+totals, and not for the contrib ops), hence the small table of formulas below.
 """
 from __future__ import annotations
 
-import copy
 import logging
 from collections import defaultdict
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -24,13 +25,14 @@ from onnx import TensorProto
 from pydantic import BaseModel, Field
 
 from optpipe.graph.edit import node_attribute
+from optpipe.graph.shapes import ValueTypes, infer_shapes
 
 log = logging.getLogger("optpipe.coverage")
 
 #: Ops that compute in integers whatever their neighbours: ORT's QOperator and dynamic forms.
 INTEGER_OPS = {
     "ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul", "QGemm", "QAttention",
-    "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QOrderedMatMul", "QOrderedAttention",
+    "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QOrderedMatMul", "QOrderedAttention", "DynamicQuantizeLSTM",
 }
 #: Ops ORT's quantizer turns into int8 (static QDQ or dynamic): the rest stays float whatever it is told.
 QUANTIZABLE_OPS = {"Conv", "MatMul", "Gemm", "Attention", "ConvTranspose", "EmbedLayerNormalization", "Gather", "LSTM"}
@@ -59,14 +61,23 @@ class Coverage(BaseModel):
     weight_elements: int
     float_compute: list[FloatCompute] = Field(default_factory=list, description="float compute by op type, most MACs first")
     unknown_shapes: int = Field(0, description="compute nodes whose MACs could not be counted (shape unknown)")
+    unknown_ops: dict[str, int] = Field(default_factory=dict, description="those nodes by op type")
 
     def share(self, precision: str, of: str = "macs") -> float:
         return getattr(self, of).get(precision, 0.0)
 
     def summary(self) -> str:
-        """One cell of the report: the MAC mix, largest first (the weights where no MACs were counted)."""
-        mix = self.macs if self.total_macs else self.weights
-        return " · ".join(f"{p} {v:.0%}" for p, v in mix.items() if v >= 0.005) or "-"
+        """One cell of the report: the MAC mix, largest first; where no MACs were counted, the
+        weights' mix, saying so; compute nodes whose MACs are unknown are counted."""
+        def mix(shares):
+            return " · ".join(f"{p} {v:.0%}" for p, v in shares.items() if v >= 0.005)
+
+        if self.total_macs:
+            unknown = f" · {self.unknown_shapes} nodes' MACs unknown" if self.unknown_shapes else ""
+            return mix(self.macs) + unknown
+        if self.unknown_shapes:
+            return f"MACs unknown ({self.unknown_shapes} nodes) · weights " + (mix(self.weights) or "-")
+        return mix(self.weights) or "-"
 
     def float_ops_text(self, limit: int = 4) -> str:
         return ", ".join(f"{f.op} in {f.precision} ({f.mac_share:.0%}: {f.reason})" for f in self.float_compute[:limit])
@@ -79,30 +90,30 @@ def precision_coverage(model: onnx.ModelProto, dims: dict[str, int] | None = Non
     `dims`: values for the symbolic input dims (unnamed or unlisted ones become 1).
     `excluded`: node names a quantizer was told to keep in float, so the reason can say so.
     """
-    types = _value_types(infer_shapes(model, dims or {}))
     graph = model.graph
+    compute = [node for node in graph.node if node.op_type in MAC_COUNTERS or node.op_type in ATTENTION_CORES or node.op_type in NO_MAC_FORMULA]
+    counted = [node for node in compute if node.op_type not in NO_MAC_FORMULA]
+    types = infer_shapes(model, dims or {}, known=lambda found: all(node_macs(n, found) is not None for n in counted))
     producers = {out: node for node in graph.node for out in node.output}
     initializers = {init.name: init for init in graph.initializer}
     constants = _constant_tensors(graph)
 
     macs: dict[str, int] = defaultdict(int)
-    floats: dict[str, list] = defaultdict(lambda: [0, 0, ""])
-    unknown = 0
-    for node in graph.node:
-        counter = MAC_COUNTERS.get(node.op_type)
-        if counter is None:
+    floats: dict[tuple, list] = defaultdict(lambda: [0, 0])
+    unknown: dict[str, int] = defaultdict(int)
+    for node in compute:
+        parts = node_macs(node, types)
+        if parts is None:
+            unknown[_op_name(node)] += 1
             continue
-        count = counter(node, types)
-        if count is None:
-            unknown += 1
-            continue
-        precision = node_precision(node, types, producers)
-        macs[precision] += count
-        if precision != "int8":
-            entry = floats[(_op_name(node), precision)]
-            entry[0] += 1
-            entry[1] += count
-            entry[2] = entry[2] or float_reason(node, initializers, constants, producers, excluded)
+        for kind, count in parts:
+            precision = attention_core_precision(node, types) if kind == "core" else node_precision(node, types, producers)
+            macs[precision] += count
+            if precision != "int8":
+                reason = CORE_REASON if kind == "core" else float_reason(node, initializers, constants, producers, excluded)
+                entry = floats[(_op_name(node), precision, reason)]
+                entry[0] += 1
+                entry[1] += count
     total = sum(macs.values())
     weights = weight_mix(graph, constants)
     return Coverage(
@@ -112,10 +123,11 @@ def precision_coverage(model: onnx.ModelProto, dims: dict[str, int] | None = Non
         weight_elements=int(sum(weights.values())),
         float_compute=sorted(
             (FloatCompute(op=op, precision=p, nodes=n, mac_share=round(m / total, 4) if total else 0.0, reason=r)
-             for (op, p), (n, m, r) in floats.items()),
+             for (op, p, r), (n, m) in floats.items()),
             key=lambda f: -f.mac_share,
         ),
-        unknown_shapes=unknown,
+        unknown_shapes=sum(unknown.values()),
+        unknown_ops=dict(sorted(unknown.items(), key=lambda kv: -kv[1])),
     )
 
 
@@ -126,84 +138,21 @@ def quantization_warning(coverage: Coverage) -> str | None:
     return (f"only {coverage.share('int8'):.0%} of the MACs are int8; left in float: {coverage.float_ops_text()}")
 
 
-# --- shapes ------------------------------------------------------------------------------------
-
-
-def infer_shapes(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
-    """A copy of `model` with fixed input dims and every shape inference could find."""
-    fixed = copy.deepcopy(model)
-    for value in fixed.graph.input:
-        for dim in value.type.tensor_type.shape.dim:
-            if not dim.HasField("dim_value"):
-                dim.dim_value = int(dims.get(dim.dim_param, 1))
-    del fixed.graph.value_info[:]  # stale value_info from earlier passes would contradict the new dims
-    for node in fixed.graph.node:
-        _as_standard_twin(node)
-    # ONNX's C++ inference first (a ResNet-50 in well under a second); ORT's symbolic inference,
-    # pure Python and ~10x slower, only where a compute node's shapes are still unknown.
-    try:
-        inferred = onnx.shape_inference.infer_shapes(fixed, data_prop=True)
-        if _compute_shapes_known(inferred):
-            return inferred
-    except Exception as exc:
-        log.debug("onnx shape inference failed (%s); trying ORT's symbolic shape inference", exc)
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        inferred = SymbolicShapeInference.infer_shapes(fixed, auto_merge=True, guess_output_rank=True)
-        if inferred is not None:
-            return inferred
-    except Exception as exc:  # it gives up on some graphs (missing weights for a shape constant, ...)
-        log.debug("symbolic shape inference failed (%s); MACs of unknown shapes are not counted", exc)
-    return fixed
-
-
-def _compute_shapes_known(model: onnx.ModelProto) -> bool:
-    types = _value_types(model)
-    return all(MAC_COUNTERS[n.op_type](n, types) is not None for n in model.graph.node if n.op_type in MAC_COUNTERS)
-
-
-#: Fused ops neither shape inference knows, and the standard op with the same output shape.
-#: Their activation attributes are dropped: only the shapes of this copy are used.
-STANDARD_TWINS = {"FusedConv": ("Conv", {"activation", "activation_params"}),
-                  "FusedGemm": ("Gemm", {"activation", "activation_alpha", "activation_beta", "activation_gamma"})}
-
-
-def _as_standard_twin(node: onnx.NodeProto) -> None:
-    twin = STANDARD_TWINS.get(node.op_type) if node.domain == "com.microsoft" else None
-    if twin is None:
-        return
-    op, dropped = twin
-    kept = [attr for attr in node.attribute if attr.name not in dropped]
-    node.op_type, node.domain = op, ""
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    del node.input[3:]  # FusedConv's optional Z (added before the activation) has the output's shape
-
-
-def _value_types(model: onnx.ModelProto) -> dict[str, tuple[int, Optional[list[int]]]]:
-    """Tensor name -> (element type, concrete dims or None where any dim is unknown)."""
-    found = {}
-    graph = model.graph
-    for value in [*graph.input, *graph.value_info, *graph.output]:
-        tensor = value.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim] if tensor.HasField("shape") else None
-        found[value.name] = (tensor.elem_type, None if dims is None or None in dims else dims)
-    for init in graph.initializer:
-        found[init.name] = (init.data_type, list(init.dims))
-    for node in graph.node:
-        if node.op_type == "Constant":
-            for attr in node.attribute:
-                if attr.name == "value":
-                    found[node.output[0]] = (attr.t.data_type, list(attr.t.dims))
-    return found
-
-
-def _dims(types, name: str) -> list[int] | None:
-    return types.get(name, (0, None))[1] if name else None
+def unknown_shapes_warning(coverage: Coverage) -> str | None:
+    """The warning for compute nodes whose MACs could not be counted: the mix shown leaves them out."""
+    if not coverage.unknown_shapes:
+        return None
+    ops = ", ".join(f"{n} {op}" for op, n in coverage.unknown_ops.items())
+    left = "the precision mix leaves them out" if coverage.total_macs else "the precision column shows the weights' mix"
+    return (f"MACs of {coverage.unknown_shapes} compute nodes not counted (shapes unknown, or no MAC formula for "
+            f"the op): {ops}; {left}")
 
 
 # --- MACs per op type --------------------------------------------------------------------------
+
+
+def _dims(types: ValueTypes, name: str) -> list[int] | None:
+    return types.get(name, (0, None))[1] if name else None
 
 
 def _conv_macs(weight_index: int) -> Callable:
@@ -222,7 +171,7 @@ def _conv_transpose_macs(node, types):
 
 
 def _matmul_macs(node, types):
-    """Output elements x the reduced dim (A's last axis)."""
+    """Output elements x the reduced dim (A's last axis, or its first with transA)."""
     a, y = _dims(types, node.input[0]), _dims(types, node.output[0])
     if not a or not y:
         return None
@@ -230,17 +179,52 @@ def _matmul_macs(node, types):
     return int(np.prod(y, dtype=np.int64) * k)
 
 
-def _attention_macs(node, types):
-    """com.microsoft Attention / QAttention: the packed Q/K/V projection plus scores and context."""
+def _qkv_sizes(node, types) -> tuple[list[int], int, int] | None:
+    """Attention / QAttention: the input's [batch, sequence, hidden] and the Q (= K) and V widths of
+    the packed weight [hidden, q + k + v] (equal thirds unless qkv_hidden_sizes says otherwise)."""
     x, w = _dims(types, node.input[0]), _dims(types, node.input[1])
     if not x or not w or len(x) != 3:
         return None
-    batch, seq, hidden = x
-    return int(batch * seq * hidden * w[-1] + 2 * batch * seq * seq * hidden)
+    sizes = node_attribute(node, "qkv_hidden_sizes", None)
+    q, _, v = list(sizes) if sizes else [w[-1] // 3] * 3
+    return x, q, v
+
+
+def _attention_projection_macs(node, types):
+    """Attention / QAttention: the packed Q/K/V projection, input [B, S, hidden] x weight [hidden, q+k+v]."""
+    x, w = _dims(types, node.input[0]), _dims(types, node.input[1])
+    if not x or not w or len(x) != 3:
+        return None
+    return int(np.prod(x, dtype=np.int64) * w[-1])
+
+
+def _attention_core_macs(node, types):
+    """Attention / QAttention: scores Q.K^T (B x S x S x q) and context P.V (B x S x S x v)."""
+    found = _qkv_sizes(node, types)
+    if found is None:
+        return None
+    (batch, seq, _), q, v = found
+    return int(batch * seq * seq * (q + v))
+
+
+def _matmul_nbits_macs(node, types):
+    """com.microsoft MatMulNBits: A [..., K] x a 4-bit weight of N columns (attribute N)."""
+    a = _dims(types, node.input[0])
+    return int(np.prod(a, dtype=np.int64) * node_attribute(node, "N", 0)) if a else None
+
+
+def _recurrent_macs(node, types):
+    """LSTM / GRU / RNN / DynamicQuantizeLSTM: every step multiplies the input by W and the state by R,
+    for every direction: sequence x batch x (W's + R's elements), whatever their layout."""
+    x, w, r = (_dims(types, node.input[i]) for i in range(3))
+    if not x or not w or not r:
+        return None
+    return int(x[0] * x[1] * (np.prod(w, dtype=np.int64) + np.prod(r, dtype=np.int64)))
 
 
 def _mha_macs(node, types):
-    """com.microsoft MultiHeadAttention: scores (Q.K) and context (P.V) on [B, S, hidden] inputs."""
+    """com.microsoft MultiHeadAttention / GroupQueryAttention: scores (Q.K) and context (P.V) on
+    [B, S, hidden] inputs (already projected: their projections are MatMuls of their own)."""
     q = _dims(types, node.input[0])
     k = _dims(types, node.input[1]) if len(node.input) > 1 else None
     if not q or len(q) != 3:
@@ -249,15 +233,47 @@ def _mha_macs(node, types):
     return int(2 * q[0] * q[1] * kv_seq * q[2])
 
 
+#: op -> MACs of its GEMM or convolution (one operand a weight, or both dequantized in QDQ form),
+#: computed in the node's precision (node_precision).
 MAC_COUNTERS: dict[str, Callable] = {
     "Conv": _conv_macs(1), "ConvInteger": _conv_macs(1), "FusedConv": _conv_macs(1), "NhwcConv": _conv_macs(1),
     "QLinearConv": _conv_macs(3), "ConvTranspose": _conv_transpose_macs,
     "MatMul": _matmul_macs, "MatMulInteger": _matmul_macs, "FusedMatMul": _matmul_macs, "QLinearMatMul": _matmul_macs,
     "DynamicQuantizeMatMul": _matmul_macs, "MatMulIntegerToFloat": _matmul_macs,
     "Gemm": _matmul_macs, "FusedGemm": _matmul_macs, "QGemm": _matmul_macs,
-    "Attention": _attention_macs, "QAttention": _attention_macs,
+    "GemmFastGelu": _matmul_macs, "MatMulNBits": _matmul_nbits_macs,
+    "Attention": _attention_projection_macs, "QAttention": _attention_projection_macs,
+    "LSTM": _recurrent_macs, "GRU": _recurrent_macs, "RNN": _recurrent_macs, "DynamicQuantizeLSTM": _recurrent_macs,
+}
+#: Fused attention -> MACs of its scores and context, which multiply two activations: every ORT
+#: kernel computes them in float, QAttention's too (only its Q/K/V projection is an int8 GEMM).
+ATTENTION_CORES: dict[str, Callable] = {
+    "Attention": _attention_core_macs, "QAttention": _attention_core_macs,
     "MultiHeadAttention": _mha_macs, "GroupQueryAttention": _mha_macs,
 }
+CORE_REASON = "attention scores and context: both operands are activations"
+#: Ops with MACs and no formula here (packed, sparse, decoder-cache and ordered attention variants,
+#: Einsum): counted as unknown, so the column says so instead of counting them as free.
+NO_MAC_FORMULA = {
+    "Einsum", "LongformerAttention", "PackedAttention", "PackedMultiHeadAttention", "DecoderAttention",
+    "DecoderMaskedMultiHeadAttention", "DecoderMaskedSelfAttention", "SparseAttention", "PagedAttention",
+    "QOrderedMatMul", "QOrderedAttention", "QOrderedLongformerAttention",
+}
+
+
+def node_macs(node: onnx.NodeProto, types: ValueTypes) -> list[tuple[str, int]] | None:
+    """A compute node's MACs as ("gemm" | "core", count) parts; None where a shape is unknown."""
+    if node.op_type in NO_MAC_FORMULA:
+        return None
+    parts = []
+    for kind, counters in (("gemm", MAC_COUNTERS), ("core", ATTENTION_CORES)):
+        counter = counters.get(node.op_type)
+        if counter is not None:
+            count = counter(node, types)
+            if count is None:
+                return None
+            parts.append((kind, count))
+    return parts
 
 
 # --- precision of a node -----------------------------------------------------------------------
@@ -269,6 +285,8 @@ def node_precision(node: onnx.NodeProto, types, producers: dict[str, onnx.NodePr
     type of its output."""
     if node.op_type in INTEGER_OPS:
         return "int8"
+    if node.op_type == "MatMulNBits" and node_attribute(node, "accuracy_level", 0) == 4:
+        return "int8"  # 4-bit weights, activations quantized to int8 (ORT CPU); lower levels compute in float
     operands = [name for name in node.input[:2] if name]
     if operands and all(_dequantized(name, producers) for name in operands):
         return "int8"
@@ -284,12 +302,17 @@ def _dequantized(name: str, producers: dict[str, onnx.NodeProto]) -> bool:
     return node is not None and node.op_type == "DequantizeLinear"
 
 
+def attention_core_precision(node: onnx.NodeProto, types) -> str:
+    """The float type a fused attention's scores and context run in: its output's (QAttention's is float)."""
+    return FLOAT_NAMES.get(types.get(node.output[0], (0, None))[0], "fp32")
+
+
 def float_reason(node, initializers, constants, producers, excluded) -> str:
-    """Why a compute node is not int8, as far as the graph tells."""
+    """Why a compute node's GEMM or convolution is not int8, as far as the graph tells."""
     if node.name and node.name in excluded:
         return "kept in float (excluded by the recipe or the accuracy guard)"
-    if node.op_type in ("MultiHeadAttention", "GroupQueryAttention"):
-        return "attention scores and context: both operands are activations"
+    if node.op_type == "MatMulNBits":
+        return "4-bit weights dequantized to float (accuracy_level < 4)"
     if node.domain not in ("", "ai.onnx") and node.op_type not in QUANTIZABLE_OPS:
         return "a fused op ORT's quantizer does not handle"
     if node.op_type not in QUANTIZABLE_OPS:
