@@ -161,12 +161,11 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
 def _reraise_interrupt(exc: BaseException) -> None:
     """A Ctrl-C that the exporter wrapped in its own error (torch.onnx does): the run stops, `auto`
     does not move on to the next exporter."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, KeyboardInterrupt):
-            raise exc
-        exc = exc.__cause__ or exc.__context__
+    from optpipe.safety.os_errors import chain
+
+    interrupt = next((link for link in chain(exc) if isinstance(link, KeyboardInterrupt)), None)
+    if interrupt is not None:
+        raise interrupt
 
 
 def _check_other_sizes(torch_model: TorchModel, recipe: Recipe, params: ExportParams, path: Path) -> None:

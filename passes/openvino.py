@@ -105,8 +105,15 @@ class InputCheck:
         self._reference = None
 
     @property
+    def batch_size(self) -> int:
+        """The evaluation's accuracy batch (a model without a batch dim: its fixed one), as the guard's."""
+        from optpipe.evaluation.guard import accuracy_batch
+
+        return accuracy_batch(self.ctx.recipe)
+
+    @property
     def batches(self) -> list[dict[str, np.ndarray]]:
-        return list(self.ctx.eval_set().batches(self.ctx.recipe.evaluate.accuracy_batch))
+        return list(self.ctx.eval_set().batches(self.batch_size))
 
     def reference(self):
         if self._reference is None:
@@ -219,7 +226,7 @@ def _accuracy_controlled(converted, calibration, options, params: OpenVinoParams
 def _subset_cosine(check: InputCheck, picked: list[int], outs: list[dict]) -> float:
     from optpipe.evaluation.accuracy import compare
 
-    size = check.ctx.recipe.evaluate.accuracy_batch
+    size = check.batch_size
     reference = check.reference()
     rows = np.concatenate([np.arange(i * size, i * size + len(next(iter(o.values())))) for i, o in zip(picked, outs)])
     candidate = {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}

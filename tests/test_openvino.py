@@ -121,6 +121,25 @@ def test_int8_guard_reverts_quantizers_until_the_tolerance_holds(tmp_path):
     assert guarded.info["int8"]["quantizers"] < plain.info["int8"]["quantizers"]
 
 
+def test_int8_guard_on_a_model_without_a_batch_dim_checks_one_sample_at_a_time(tmp_path):
+    # A fixed [1, 64] input: the input check and NNCF's accuracy control must feed batches of 1 (the
+    # evaluation's rule for such models), not the recipe's accuracy_batch of 8, which the IR refuses.
+    model = parser.parse_model(MLP.replace("float[N, 64] x", "float[1, 64] x").replace("float[N, 32] y", "float[1, 32] y"))
+    for i, node in enumerate(model.graph.node):
+        node.name = f"node{i}"
+    w1 = RNG.normal(size=(64, 128)).astype(np.float32) / 8
+    w1[0] = 0.0
+    model.graph.initializer.append(numpy_helper.from_array(w1, "w1"))
+    model.graph.initializer.append(numpy_helper.from_array(RNG.normal(size=(128, 32)).astype(np.float32) / 8, "w2"))
+    recipe = graph_recipe([{"name": "x", "shape": [1, 64]}], dims={})
+    x = RNG.uniform(-1, 1, (16, 64)).astype(np.float32)
+    x[:, 0] = 3000.0
+    out = run_pass(artifact_of(model, tmp_path / "in"), recipe, {"x": x}, tmp_path / "ov", precision="int8")
+    guard = out.info["int8"]["guard"]
+    assert [s["method"] for s in guard["steps"]] == ["nncf.quantize", "nncf.quantize_with_accuracy_control"]
+    assert guard["held"] and guard["cosine"] >= 0.99
+
+
 def test_exclude_types_keeps_those_ops_in_float(tmp_path):
     source, recipe, arrays = mlp(tmp_path)
     out = run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8", exclude_types=["MatMul"], guard=False)

@@ -176,3 +176,11 @@ def test_a_compile_with_the_memo_reports_the_same_figures_with_fewer_runs(tiny_r
     # stage), and each int8 stage's evaluation (the guard's final measurement, re-saved as published).
     assert len(runs_without) == 7 and len(runs_with) == 3, (runs_with, runs_without)
     assert memo.hits == 4
+
+
+def test_a_file_that_is_not_onnx_gets_the_runtime_s_own_error_not_the_memo_s(tmp_path, memo):
+    bogus = tmp_path / "model.onnx"
+    bogus.write_bytes(b"not a model")
+    assert outputs_memo.run_key(bogus, batches(), 1) is None
+    with pytest.raises(Exception, match="INVALID_PROTOBUF"):  # ONNX Runtime's, as without the memo
+        accuracy.run_onnx(bogus, batches(), threads=1)

@@ -134,7 +134,7 @@ def run_key(model_path: Path, batches: list[Feeds], threads: int, providers: Opt
     `optpipe.runtime.ort_session(model_path, threads, providers)` builds). None: not memoizable."""
     try:
         return session_key(model_digest(model_path), batches, threads, providers, session)
-    except (OSError, ValueError):  # unreadable files or inputs: run the model, which says what is wrong
+    except Exception:  # noqa: BLE001 - unreadable files, not ONNX, odd inputs: not memoized; running it says what is wrong
         log.debug("outputs memo: no key for %s", model_path, exc_info=True)
         return None
 
