@@ -259,3 +259,13 @@ def test_a_runnable_warmed_on_other_shapes_makes_one_untimed_call_on_a_new_shape
     other = clock.model("other session", steady(4.0))  # another runnable: nothing of the first's warmth
     measure(other, FEEDS, 10, 15, 1, "cpu", adaptive=False, clock=clock, warmth=warmth)
     assert len(clock.log) == 10 + 2 * BLOCK + 15 - BLOCK
+
+
+def test_adaptive_timing_can_stop_at_min_iterations_after_a_short_settled_block():
+    from optpipe.evaluation.latency import WARM_BLOCK_S
+
+    clock = FakeClock()
+    call_ms = 1e3 * WARM_BLOCK_S / 3.5  # settling blocks of 3 runs
+    lat = measure(clock.model("batch 8", steady(call_ms)), FEEDS, 1, 50, 1, "cpu", clock=clock)
+    assert lat.iterations == MIN_ITERATIONS
+    assert len(clock.log) == 1 + 3 + MIN_ITERATIONS  # one untimed call, a first settling block, then the figure: 3 + 5 + 5 + 2

@@ -126,6 +126,10 @@ def measure(
             if progress is not None:
                 progress(done, iterations)
             n = min(BLOCK, iterations - done)
+            if adaptive and done < MIN_ITERATIONS:
+                # Land on MIN_ITERATIONS, the first chance to stop, when the settled block was shorter than
+                # BLOCK (slow calls): 3 + 5 + 5 + 2 runs, not 3 + 5 + 5 + 5. Never a block of one run.
+                n = min(n, max(2, MIN_ITERATIONS - done))
             order = list(runners) if len(blocks["candidate"]) % 2 == 0 else list(reversed(runners))
             for name in order:
                 blocks[name].append(_time_block(runners[name], feeds, n, clock))
