@@ -61,8 +61,9 @@ WARMUP_S = 0.5
 # a 300 ms batch-16 call would otherwise spend 3 s in two blocks of 5.
 WARM_BLOCK_S = 0.5
 # A runnable already warmed on other shapes makes this many untimed calls on a new one (at most
-# `warmup`): MiniLM's ORT sessions took as long on a new batch or sequence length's first call as
-# on the next ones (a session's very first call, 1.7-4x slower, is a fresh runnable's and gets `warmup`).
+# `warmup`). Measured on MiniLM (docs/compile-time.md): a new batch or sequence length's first call
+# took 1.0-1.2x the next ones' in ORT, 1.3-3.5x in OpenVINO, whose second call was already steady; a
+# session's very first call (2.5-3x) is a fresh runnable's and gets `warmup`.
 NEW_SHAPE_CALLS = 1
 
 
