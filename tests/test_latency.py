@@ -127,7 +127,7 @@ def test_a_cpu_hog_thread_makes_the_flag_fire():
     thread = threading.Thread(target=hog, daemon=True)
     thread.start()
     try:
-        lat = measure(run, FEEDS, 2, 30, 1, "cpu", adaptive=False)
+        lat = measure(run, FEEDS, 2, 100, 1, "cpu", adaptive=False)  # 100: at 30 the flag was borderline under load
     finally:
         stop.set()
         thread.join()
