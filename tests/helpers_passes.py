@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper, parser
 
 from optpipe.artifact import ModelArtifact, save_model
 from optpipe.calibration.dataset import SampleSet
@@ -53,3 +54,24 @@ def run_model(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
+
+
+MLP_16_32_8 = """
+<ir_version: 9, opset_import: ["" : 17]>
+mlp (float[N, 16] x) => (float[N, 8] y) {
+  h = MatMul (x, w1)
+  r = Relu (h)
+  y = MatMul (r, w2)
+}
+"""
+
+
+def small_mlp(rng: np.random.Generator) -> onnx.ModelProto:
+    """x[N, 16] -> MatMul 'mm1' -> Relu 'relu' -> MatMul 'mm2' -> y[N, 8], weights drawn from `rng`
+    (2 KB and 1 KB: an artifact keeps them in model.onnx.data, external data)."""
+    model = parser.parse_model(MLP_16_32_8)
+    for node, name in zip(model.graph.node, ["mm1", "relu", "mm2"]):
+        node.name = name
+    model.graph.initializer.append(numpy_helper.from_array(rng.normal(size=(16, 32)).astype(np.float32), "w1"))
+    model.graph.initializer.append(numpy_helper.from_array(rng.normal(size=(32, 8)).astype(np.float32), "w2"))
+    return model

@@ -12,30 +12,15 @@ import pytest
 import yaml
 from onnx import numpy_helper, parser
 
-from helpers_passes import artifact_of, context, graph_recipe
+from helpers_passes import artifact_of, context, graph_recipe, small_mlp
 from optpipe.evaluation.guard import AccuracyGuard, GuardParams, fold_guard_verdict
 from optpipe.pass_base import PassParams
 from optpipe.results import Accuracy, OutputAccuracy
 
 RNG = np.random.default_rng(0)
 
-CHAIN = """
-<ir_version: 9, opset_import: ["" : 20]>
-chain (float[N, 16] x) => (float[N, 8] y) {
-  h = MatMul (x, w1)
-  r = Relu (h)
-  y = MatMul (r, w2)
-}
-"""
-
-
 def chain_model() -> onnx.ModelProto:
-    model = parser.parse_model(CHAIN)
-    for node, name in zip(model.graph.node, ["mm1", "relu", "mm2"]):
-        node.name = name
-    model.graph.initializer.append(numpy_helper.from_array(RNG.normal(size=(16, 32)).astype(np.float32), "w1"))
-    model.graph.initializer.append(numpy_helper.from_array(RNG.normal(size=(32, 8)).astype(np.float32), "w2"))
-    return model
+    return small_mlp(RNG)
 
 
 def ternary_weights(source: onnx.ModelProto, keep_float: list[str]) -> onnx.ModelProto:

@@ -12,33 +12,16 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper, parser
 
+from helpers_passes import small_mlp
 from optpipe.artifact import DATA_FILE, save_model
 from optpipe.evaluation import accuracy, outputs_memo
 from optpipe.evaluation.outputs_memo import OutputsMemo
 
 RUN_ONNX = accuracy._run_onnx  # what really runs a model: the spies count its calls
 
-MLP = """
-<ir_version: 9, opset_import: ["" : 17]>
-mlp (float[N, 16] x) => (float[N, 8] y) {
-  h = MatMul (x, w1)
-  r = Relu (h)
-  y = MatMul (r, w2)
-}
-"""
-
-
 def mlp(seed: int = 0) -> onnx.ModelProto:
-    rng = np.random.default_rng(seed)
-    model = parser.parse_model(MLP)
-    for node, name in zip(model.graph.node, ["mm1", "relu", "mm2"]):
-        node.name = name
-    # 2 KB and 1 KB of weights: both go to model.onnx.data (external data), as in every artifact.
-    model.graph.initializer.append(numpy_helper.from_array(rng.normal(size=(16, 32)).astype(np.float32), "w1"))
-    model.graph.initializer.append(numpy_helper.from_array(rng.normal(size=(32, 8)).astype(np.float32), "w2"))
-    return model
+    return small_mlp(np.random.default_rng(seed))
 
 
 def batches(seed: int = 1, count: int = 2, size: int = 4) -> list[dict[str, np.ndarray]]:
