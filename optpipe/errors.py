@@ -68,6 +68,13 @@ class StageError(OptpipeError):
         self.reason = message
 
 
+class NonFiniteOutputs(OptpipeError):
+    """A stage's model outputs NaN or Inf on the evaluation data: the stage failed (exit 1), since
+    the model, not a key of the recipe, is what produced them."""
+
+    exit_code = 1
+
+
 class PassError(Exception):
     """Raised by a pass when its input or params cannot produce a valid model.
 

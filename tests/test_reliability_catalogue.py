@@ -103,8 +103,10 @@ def _with_eval_data(folder: Path, which: str = "eval", **arrays) -> list[str]:
     return _recipe_file(folder, recipe)
 
 
-def _factory_recipe(folder: Path, inputs: list | None = None, **model) -> list[str]:
+def _factory_recipe(folder: Path, inputs: list | None = None, evaluate_tolerance: bool = False, **model) -> list[str]:
     recipe = onnx_recipe(folder)
+    if evaluate_tolerance:  # an output name only the exported model can refute: caught by the evaluation
+        recipe["evaluate"]["tolerance"] = {"outputs": {"z": {"max_abs": 0.1}}}
     recipe["inputs"] = inputs or recipe["inputs"]
     recipe["model"] = {"factory": "reliability_fixtures:tiny_torch", "path": str(HERE), **model}
     return ["compile", str(write_recipe(folder, recipe)), "--allow-path", str(HERE)]
@@ -468,6 +470,37 @@ ROUND_TWO = {
 
 
 CASES.update(ROUND_TWO)
+
+
+# --- evaluation that fails on the user's input: exit 2 with the key to change, never "a stage failed" ---
+
+
+def _with_task(folder: Path, **task) -> list[str]:
+    return _mutated(folder, _set("evaluate.task", task))
+
+
+def _labelled_eval(folder: Path, labels: np.ndarray) -> list[str]:
+    recipe = onnx_recipe(folder)
+    x = np.random.default_rng(0).standard_normal((len(labels), 16)).astype(np.float32)
+    recipe["data"]["eval"] = {"source": "npz", "path": _npz(folder, x=x, labels=labels), "samples": len(labels)}
+    recipe["evaluate"]["task"] = {"kind": "classification"}
+    return _recipe_file(folder, recipe)
+
+
+EVALUATION_INPUT = {
+    "tolerance for an output the model lacks": (lambda d: _mutated(d, _set("evaluate.tolerance", {"outputs": {"logits": {"cosine_min": 0.9}}})),
+                                                USER, "evaluate.tolerance.outputs: the model has no output 'logits'; its outputs are 'y'"),
+    "stage tolerance for an output the model lacks": (lambda d: _mutated(d, _set("stages.simplify.tolerance", {"outputs": {"z": {"max_abs": 0.1}}})),
+                                                      USER, "stages.simplify.tolerance.outputs: the model has no output 'z'"),
+    "task output the model lacks": (lambda d: _with_task(d, kind="classification", output="scores"), USER, "evaluate.task.output: the model has no output 'scores'"),
+    "detection task on a classifier's output": (lambda d: _with_task(d, kind="detection"), USER, "change evaluate.task.kind"),
+    "labels beyond the output's classes": (lambda d: _labelled_eval(d, np.arange(6) + 3), USER, "data.eval: labels run from 3 to 8, but the task's output has 4 classes"),
+    "negative labels": (lambda d: _labelled_eval(d, np.array([0, 1, -1, 2])), USER, "data.eval: labels run from -1 to 2"),
+    "factory: tolerance for an output the model lacks": (lambda d: _factory_recipe(d, evaluate_tolerance=True), USER, "tolerance.outputs: the model has no output 'z'"),
+}
+
+
+CASES.update(EVALUATION_INPUT)
 
 
 # --- files named model.onnx that are not usable ONNX: refused up front (exit 2), never a failed stage ---

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from helpers_passes import artifact_of, run_model
 from optpipe.calibration.dataset import build_sample_set
-from optpipe.errors import DataError
+from optpipe.errors import DataError, RecipeError, UserInputError
 from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.task_metrics import box_iou, mean_average_precision, nms
 from optpipe.recipe import TaskSpec, Tolerance
@@ -19,6 +19,36 @@ from optpipe.reporting.run_report import build_report, render_markdown
 from optpipe.results import StageResult
 
 TOL = Tolerance(cosine_min=0.99)
+
+
+
+# --- what the user's input cannot carry: UserInputError (the stage fails as the user's, exit 2) ---
+
+
+@pytest.mark.parametrize("labels, words", [(np.array([0, 1, 2, 7, 3]), "from 0 to 7, but the task's output has 5 classes"),
+                                           (np.array([0, -2, 1, 1, 4]), "from -2 to 4")])
+def test_labels_outside_the_classes_name_the_data(labels, words):
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 1, (5, 5))
+    with pytest.raises(DataError, match=words):
+        compare({"logits": logits}, {"logits": logits}, {"x": np.zeros((5, 1))}, TOL, "ref",
+                task=TaskSpec(kind="classification"), labels=labels)
+
+
+@pytest.mark.parametrize("task, words", [(TaskSpec(kind="detection"), "change evaluate.task.kind"),
+                                         (TaskSpec(kind="language-model"), "change evaluate.task.kind"),
+                                         (TaskSpec(kind="classification", output="boxes"), "evaluate.task.output: the model has no output 'boxes'")])
+def test_a_task_the_outputs_cannot_carry_is_the_recipes(task, words):
+    logits = np.random.default_rng(2).normal(0, 1, (4, 6))
+    with pytest.raises(RecipeError, match=words):
+        compare({"scores": logits}, {"scores": logits}, {"x": np.zeros((4, 1))}, TOL, "ref", task=task)
+
+
+def test_a_tolerance_for_a_missing_output_is_the_recipes():
+    y = np.random.default_rng(3).normal(0, 1, (4, 3))
+    tolerance = Tolerance(outputs={"logits": {"max_abs": 0.1}})
+    with pytest.raises(UserInputError, match="tolerance.outputs: the model has no output 'logits'"):
+        compare({"y": y}, {"y": y}, {"x": np.zeros((4, 1))}, tolerance, "ref")
 
 
 # --- classification ----------------------------------------------------------------------------

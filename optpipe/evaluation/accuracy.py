@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from optpipe.errors import RecipeError
 from optpipe.results import Accuracy, OutputAccuracy
 from optpipe.evaluation.cosine import MASK_INPUT, cosine_of_rows, row_cosines, rows_of  # noqa: F401  (re-exported: layerwise, callers of compare)
 from optpipe.evaluation.task_metrics import task_accuracy
@@ -75,6 +76,7 @@ def compare(
     the verdict, with only the tolerance keys the recipe set explicitly beside it. Outputs of
     the reference that barely change across samples make every figure meaningless: warned.
     """
+    check_tolerance_outputs(tolerance, list(reference))
     pairs = _pair_outputs(candidate, reference)
     mask = inputs.get(MASK_INPUT)
     outputs = [_output_accuracy(name, c, r, mask, top1, tolerance.for_output(name)) for name, c, r in pairs]
@@ -130,6 +132,15 @@ def _sensitivity_warnings(outputs: list[OutputAccuracy], task, threshold: float)
     return [f"the reference's outputs barely change across the evaluation samples (spread {worst:.1e} of their magnitude, "
             f"below {threshold:g}): the model ignores its inputs (random weights?) or the samples are alike, "
             "so these accuracy figures mean nothing"]
+
+
+def check_tolerance_outputs(tolerance: Tolerance, outputs: list[str]) -> None:
+    """A per-output tolerance for an output the model does not have would hold nothing to it,
+    silently: the recipe's to fix."""
+    unknown = sorted(set(tolerance.outputs) - set(outputs))
+    if unknown:
+        raise RecipeError(f"tolerance.outputs: the model has no output {', '.join(repr(n) for n in unknown)}; its outputs are "
+                          f"{sorted(outputs)}; fix the name under evaluate.tolerance.outputs (or the stage's tolerance.outputs)")
 
 
 def _pair_outputs(candidate: Outputs, reference: Outputs) -> list[tuple[str, np.ndarray, np.ndarray]]:

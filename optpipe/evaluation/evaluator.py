@@ -19,6 +19,7 @@ from optpipe.evaluation.accuracy import compare, run_callable, run_onnx
 from optpipe.artifact import ModelArtifact
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.evaluation import openvino_runtime
+from optpipe.errors import NonFiniteOutputs
 from optpipe.evaluation.self_check import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import Warmth, measure, warm_for
@@ -188,8 +189,8 @@ class Evaluator:
             candidate = reference(outputs)  # the same model: its outputs are the reference's
         else:
             candidate = outputs()
-        candidate = require_finite(candidate, "it outputs")
-        expected = require_finite(reference(), f"the reference stage '{name}' outputs")
+        candidate = require_finite(candidate, "it outputs", NonFiniteOutputs)
+        expected = require_finite(reference(), f"the reference stage '{name}' outputs", NonFiniteOutputs)
         return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1,
                        task=self.settings.task, labels=self.eval_set.labels,
                        min_input_sensitivity=self.settings.min_input_sensitivity)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from optpipe.errors import DataError, RecipeError
 from optpipe.evaluation.cosine import MASK_INPUT, row_cosines
 from optpipe.recipe import TaskSpec
 from optpipe.results import TaskAccuracy
@@ -22,10 +23,14 @@ from optpipe.results import TaskAccuracy
 
 def task_accuracy(spec: TaskSpec, candidate: dict[str, np.ndarray], reference: dict[str, np.ndarray],
                   inputs: dict[str, np.ndarray], labels: np.ndarray | None = None) -> TaskAccuracy:
-    """`candidate` and `reference` are keyed by the same (the reference's) output names."""
+    """`candidate` and `reference` are keyed by the same (the reference's) output names.
+
+    A task the model's outputs cannot carry (no such output, a shape the task cannot read) and
+    labels outside the output's classes are the recipe's or the data's to fix: RecipeError and
+    DataError, so the stage fails as the user's input (exit 2), not as a broken stage."""
     name = spec.output or next(iter(reference))
     if name not in reference:
-        raise ValueError(f"evaluate.task.output: the model has no output '{name}'; its outputs are {sorted(reference)}")
+        raise RecipeError(f"evaluate.task.output: the model has no output '{name}'; its outputs are {sorted(reference)}")
     cand = np.asarray(candidate[name], dtype=np.float64)
     ref = np.asarray(reference[name], dtype=np.float64)
     result = TASKS[spec.kind](spec, cand, ref, inputs, labels)
@@ -63,6 +68,11 @@ def _in_top_k(scores: np.ndarray, target: np.ndarray, k: int) -> np.ndarray:
 
 def _label_accuracy(result: TaskAccuracy, spec: TaskSpec, cand, ref, labels, k: int) -> None:
     labels = np.asarray(labels).reshape(-1).astype(np.int64)
+    classes = cand.shape[-1]
+    if len(labels) and (labels.min() < 0 or labels.max() >= classes):
+        # Such a label can never be predicted: the accuracy on the labels would be a meaningless 0.
+        raise DataError(f"data.eval: labels run from {labels.min()} to {labels.max()}, but the task's output has {classes} classes "
+                        f"(0..{classes - 1}); fix the labels, or point evaluate.task.output at the classifier's logits")
     if len(labels) != len(cand):
         result.notes.append(f"{len(labels)} labels for {len(cand)} predictions: label accuracy not measured")
         return
@@ -116,7 +126,8 @@ def decode_yolo(output: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray
     """[N, anchors, 4+1+C] (yolov5: objectness times class scores) or [N, 4+C, anchors] (yolov8)
     into xyxy boxes [N, anchors, 4] and per-class scores [N, anchors, C]."""
     if output.ndim != 3:
-        raise ValueError(f"evaluate.task: a detection output is [batch, anchors, values], got shape {output.shape}")
+        raise RecipeError(f"evaluate.task: a detection output is [batch, anchors, values], got shape {output.shape}; "
+                          "set evaluate.task.output to the detection head, or change evaluate.task.kind")
     if layout == "yolov8":
         output = output.transpose(0, 2, 1)
         xywh, scores = output[..., :4], output[..., 4:]
@@ -207,7 +218,8 @@ def language_model(spec: TaskSpec, cand, ref, inputs, labels) -> TaskAccuracy:
     """Logits [N, S, V]: next-token agreement on real tokens; perplexity of the text itself (the
     token at t+1 predicted from position t), for both models."""
     if cand.ndim != 3:
-        raise ValueError(f"evaluate.task: language-model logits are [batch, sequence, vocabulary], got shape {cand.shape}")
+        raise RecipeError(f"evaluate.task: language-model logits are [batch, sequence, vocabulary], got shape {cand.shape}; "
+                          "set evaluate.task.output to the logits, or change evaluate.task.kind")
     mask = inputs.get("attention_mask")
     mask = np.ones(cand.shape[:2], dtype=bool) if mask is None or mask.shape != cand.shape[:2] else mask.astype(bool)
     agreement = float(np.mean((cand.argmax(-1) == ref.argmax(-1))[mask]))

@@ -117,6 +117,7 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
         accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, parts.tolerance_for(result.name))
     except OptpipeError as exc:
         escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
+        result.error_kind = error_kind(exc)  # a task or labels the model cannot carry: the user's (exit 2)
         return _evaluation_failed(result, str(exc), instruments)
     except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
         escalate(exc, evaluator.cache.root)

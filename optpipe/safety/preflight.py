@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from optpipe.errors import DataError
+from optpipe.errors import DataError, RecipeError
 from optpipe.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = N
     from optpipe.safety import onnx_guard
 
     graph = onnx_guard.check_named_parts(path, recipe, "model.onnx")
+    check_output_names(recipe, [o.name for o in graph.graph.output])
     files = [path, *(path.parent / location for location in onnx_guard.external_locations(graph))]
     key = StageCache.key(
         preflight="onnx-source",
@@ -54,6 +55,21 @@ def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = N
     onnx_guard.check_loadable(path, "model.onnx")
     if cache is not None:
         cache.put_result(key, {"passed": str(path)})
+
+
+def check_output_names(recipe: Recipe, outputs: list[str]) -> None:
+    """The outputs the recipe names (per-output tolerances, the task's output) exist in the model:
+    a misspelt name would otherwise hold nothing to its tolerance, or fail every stage's evaluation."""
+    known = ", ".join(repr(n) for n in outputs)
+    places = [("evaluate.tolerance.outputs", recipe.evaluate.tolerance)]
+    places += [(f"stages.{name}.tolerance.outputs", spec.tolerance) for name, spec in recipe.stages.items() if spec.tolerance]
+    for where, tolerance in places:
+        for name in tolerance.outputs:
+            if name not in outputs:
+                raise RecipeError(f"{where}: the model has no output '{name}'; its outputs are {known}; fix the name")
+    task = recipe.evaluate.task
+    if task is not None and task.output is not None and task.output not in outputs:
+        raise RecipeError(f"evaluate.task.output: the model has no output '{task.output}'; its outputs are {known}; fix the name")
 
 
 def _check_data(build, which: str) -> None:
