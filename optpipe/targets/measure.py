@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from optpipe.evaluation.accuracy import compare, run_onnx
 from optpipe.cache.store import StageCache
 from optpipe.evaluation.evaluator import Evaluator
-from optpipe.evaluation.latency import measure
+from optpipe.evaluation.latency import Warmth, measure
 from optpipe.results import Accuracy, Latency
 from optpipe.recipe import Tolerance
 from optpipe.runtime import Feeds, Outputs
@@ -45,7 +45,9 @@ class Measurer:
 
     def latency(self, run: Callable[[Feeds], Outputs], provider: str) -> list[Latency]:
         sizes = self.settings.batch_sizes if self.shapes.batch_dim() else [len(self.batches[0][next(iter(self.batches[0]))])]
+        warmth = Warmth()  # one runner over the batch sizes: after the first, a new shape needs one untimed call
         return [
-            measure(run, self.evaluator.eval_set.first(size), self.settings.warmup, self.settings.iterations, self.settings.threads, provider)
+            measure(run, self.evaluator.eval_set.first(size), self.settings.warmup, self.settings.iterations, self.settings.threads,
+                    provider, warmth=warmth)
             for size in sizes
         ]
