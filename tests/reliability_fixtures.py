@@ -17,7 +17,7 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 from pydantic import Field
 
-from optpipe.artifact import ModelArtifact, write_info
+from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.pass_base import Pass, PassContext, PassParams
 
 HERE = Path(__file__).resolve().parent
@@ -216,6 +216,26 @@ class BuggyPass(Pass):
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         return {}["missing"]
+
+
+class RuntimeBreakPass(Pass):
+    """A pass that breaks the model at run time, not at load: its output goes through a Reshape
+    to rows of 3, which ONNX Runtime refuses on [batch, 4] data. The user's model and data are fine."""
+
+    name = "runbreak"
+
+    def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+        graph = onnx.load(str(model.path)).graph
+        out = graph.output[0]
+        renamed = out.name + "_pre"
+        for node in graph.node:
+            node.output[:] = [renamed if o == out.name else o for o in node.output]
+        graph.initializer.append(numpy_helper.from_array(np.array([-1, 3], np.int64), "rows_of_3"))
+        graph.node.append(helper.make_node("Reshape", [renamed, "rows_of_3"], [out.name]))
+        graph.output[0].CopyFrom(helper.make_tensor_value_info(out.name, TensorProto.FLOAT, None))
+        broken = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        broken.ir_version = 9
+        return save_model(broken, ctx.workdir, {"runbreak": True})
 
 
 class SelfKillPass(Pass):

@@ -66,13 +66,14 @@ def evaluate_stages(
         artifact = ref_stage.model
         evaluator.set_reference(reference, artifact.content_hash(), lambda: evaluator.onnx_outputs(artifact))
 
+    source_check = SourceCheck(parts.source, evaluator)
     results = []
     if parts.evaluate.eager_baseline and not isinstance(parts.source.model, OnnxModel):
         results.append(_evaluate_eager(parts, evaluator, services, instruments))
     for name in order:
         result = stages[name]
         if result.status == "ok":
-            _evaluate_stage(result, parts, evaluator, instruments)
+            _evaluate_stage(result, parts, evaluator, instruments, source_check)
         results.append(result)
     flag_unchanged_stages([stages[name] for name in order], stages, cache)
     if parts.evaluate.sweep:
@@ -104,7 +105,8 @@ def _sweep(results: list[StageResult], parts: EvaluationParts, evaluator: Evalua
         result.evaluation_cached = bool(result.evaluation_cached) and cached
 
 
-def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Evaluator, instruments: Instrument) -> None:
+def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Evaluator, instruments: Instrument,
+                    source_check: "SourceCheck | None" = None) -> None:
     artifact = result.model
     result.hash = artifact.content_hash()
     result.size_bytes = artifact.size_bytes()
@@ -122,6 +124,10 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
     except Exception as exc:  # ORT refusing a graph, a shape mismatch: the stage is unusable, say why
         escalate(exc, evaluator.cache.root)
         logging.getLogger("optpipe").debug("evaluation of %s failed", result.name, exc_info=True)
+        refusal = source_check.refusal() if source_check is not None else None
+        if refusal is not None:  # the user's own model refuses the data too: the data's fault, not the stage's
+            result.error_kind = "input"
+            return _evaluation_failed(result, refusal, instruments)
         return _evaluation_failed(result, f"evaluation failed: {type(exc).__name__}: {first_line(exc)}", instruments)
     result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
     result.warnings += accuracy.warnings if accuracy else []
@@ -149,6 +155,42 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
     result.warnings += accuracy.warnings if accuracy else []
     instruments.after_evaluation(result)
     return result
+
+
+class SourceCheck:
+    """After a stage's model fails on the evaluation data, whether the recipe's own ONNX model
+    fails on the same batches too. If it does, the data (or the recipe's input ranges and dims)
+    do not fit the model, whatever the stage did: the user's input to fix (exit 2), with the
+    runtime's reason. If it runs, the stage broke something: exit 1 as before.
+
+    Asked only after a failure (a run that succeeds pays nothing), at most once per run. A
+    PyTorch model has no such file: its forward() on the recipe's inputs is checked at load."""
+
+    def __init__(self, source: ModelSource, evaluator: Evaluator):
+        self.source, self.evaluator = source, evaluator
+        self._refusal: Optional[str] = None
+        self._asked = False
+
+    def refusal(self) -> Optional[str]:
+        if not self._asked:
+            self._asked = True
+            self._refusal = self._run()
+        return self._refusal
+
+    def _run(self) -> Optional[str]:
+        from optpipe.evaluation.accuracy import run_onnx
+        from optpipe.model_source import onnx_path
+
+        if not isinstance(self.source.model, OnnxModel):
+            return None
+        evaluator = self.evaluator
+        try:
+            run_onnx(onnx_path(self.source), evaluator.accuracy_batches, evaluator.settings.threads, evaluator.providers)
+        except Exception as exc:
+            escalate(exc, evaluator.cache.root)
+            return (f"data.eval: the recipe's own model fails on the evaluation data ({first_line(exc)[:300]}); "
+                    "fix the data, or the inputs' `range` and `dims`, to what the model accepts")
+        return None
 
 
 def _eager_digest(parts: EvaluationParts) -> str:
