@@ -487,8 +487,9 @@ def _labelled_eval(folder: Path, labels: np.ndarray) -> list[str]:
     return _recipe_file(folder, recipe)
 
 
-def _ids_beyond_vocabulary(folder: Path) -> list[str]:
-    """Token ids the model's embedding table (16 rows) does not have: the data does not fit the model."""
+def _ids_beyond_vocabulary(folder: Path, data: bool = True) -> list[str]:
+    """Token ids the model's embedding table (16 rows) does not have: in the eval data (the recipe's
+    `range` fits), or in the synthetic inputs the recipe's `range` builds (caught by preflight)."""
     (folder / "model").mkdir(parents=True, exist_ok=True)
     table = numpy_helper.from_array(np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32), "E")
     axis = numpy_helper.from_array(np.array([1], np.int64), "axis")
@@ -499,8 +500,9 @@ def _ids_beyond_vocabulary(folder: Path) -> list[str]:
     model.ir_version = 9
     onnx.save_model(model, str(folder / "model" / "model.onnx"))
     recipe = onnx_recipe(folder, stages={"export": {"pass": "export"}})
-    recipe["inputs"] = [{"name": "ids", "dtype": "int64", "shape": ["batch", 16]}]
-    recipe["data"]["eval"] = {"source": "npz", "path": _npz(folder, ids=np.full((4, 16), 40, np.int64)), "samples": 4}
+    recipe["inputs"] = [{"name": "ids", "dtype": "int64", "shape": ["batch", 16], "range": [0, 16] if data else [0, 1000]}]
+    if data:
+        recipe["data"]["eval"] = {"source": "npz", "path": _npz(folder, ids=np.full((4, 16), 40, np.int64)), "samples": 4}
     return ["compile", str(write_recipe(folder, recipe))]
 
 
@@ -514,6 +516,8 @@ EVALUATION_INPUT = {
     "labels beyond the output's classes": (lambda d: _labelled_eval(d, np.arange(6) + 3), USER, "data.eval: labels run from 3 to 8, but the task's output has 4 classes"),
     "negative labels": (lambda d: _labelled_eval(d, np.array([0, 1, -1, 2])), USER, "data.eval: labels run from -1 to 2"),
     "eval ids beyond the model's vocabulary": (lambda d: _ids_beyond_vocabulary(d), USER, "data.eval: the recipe's own model fails on the evaluation data"),
+    "synthetic ids beyond the model's vocabulary": (lambda d: _ids_beyond_vocabulary(d, data=False), USER,
+                                                    "inputs: 'model.onnx' fails on inputs built from the recipe's input specs (ids [2, 16])"),
     "a stage breaks the model at run time": (lambda d: _with_model(d, write_linear_onnx, _stage("runbreak")), STAGE, "stage 'bad' failed: evaluation failed"),
     "factory: tolerance for an output the model lacks": (lambda d: _factory_recipe(d, evaluate_tolerance=True), USER, "tolerance.outputs: the model has no output 'z'"),
 }

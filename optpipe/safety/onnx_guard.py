@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import external_data_helper
 
-from optpipe.errors import ModelSourceError, first_line
+from optpipe.errors import ModelSourceError, RecipeError, first_line
 from optpipe.recipe import Recipe
 
 # Above this size a model cannot be serialized as one protobuf (onnx.checker.MAXIMUM_PROTOBUF, 2 GiB).
@@ -176,6 +176,26 @@ def check_runnable(path: Path, where: str) -> None:
             ) from None
         detail = message.split("failed:", 1)[-1].strip()[:300]
         raise ModelSourceError(f"{where}: ONNX Runtime cannot load '{path.name}' ({detail}); export the model again") from None
+
+
+def check_runs_on(path: Path, feeds: dict, where: str = "model.onnx") -> None:
+    """ONNX Runtime runs the model on `feeds` (built from the recipe's input specs); else the
+    specs do not fit the model: RecipeError naming the inputs' range and dims."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the cheapest session: one run
+    options.log_severity_level = 3
+    options.intra_op_num_threads = 1
+    try:
+        ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"]).run(None, feeds)
+    except Exception as exc:  # ORT's own exception types: a Gather index out of range, a Reshape that cannot fit
+        detail = first_line(exc, limit=2000).split("Status Message:", 1)[-1].strip()[:300]
+        shapes = ", ".join(f"{name} {list(value.shape)}" for name, value in feeds.items())
+        raise RecipeError(
+            f"inputs: '{path.name}' fails on inputs built from the recipe's input specs ({shapes}): {detail}; "
+            "set the inputs' `range` and `dims` to what the model accepts"
+        ) from None
 
 
 def check_inputs_match(model: onnx.ModelProto, recipe: Recipe, where: str) -> None:

@@ -50,9 +50,28 @@ def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = N
         files=[(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
         libraries=library_versions(("onnx", "onnxruntime")),
     )
+    if cache is None or not cache.get_result(key):
+        onnx_guard.check_loadable(path, "model.onnx")
+        if cache is not None:
+            cache.put_result(key, {"passed": str(path)})
+    _check_runs_on_recipe_inputs(recipe, path, key, cache)
+
+
+def _check_runs_on_recipe_inputs(recipe: Recipe, path: Path, file_key: str, cache: "StageCache | None") -> None:
+    """The model runs on the inputs the recipe's specs build (the passes' self-checks use the same):
+    an integer `range` past an embedding table, a sequence `dims` past the model's positions, are
+    the recipe's to fix, named here in one line rather than by every stage that meets them.
+    Once per model version and input specs (one inference at the `opt` shape)."""
+    from optpipe.cache.store import StageCache
+    from optpipe.example_inputs import trace_inputs
+    from optpipe.safety import onnx_guard
+
+    shapes = recipe.model_inputs()
+    key = StageCache.key(preflight="onnx-runs", model=file_key, inputs=[s.model_dump(mode="json") for s in shapes.inputs],
+                         dims={name: dim.model_dump(mode="json") for name, dim in shapes.dims.items()})
     if cache is not None and cache.get_result(key):
         return
-    onnx_guard.check_loadable(path, "model.onnx")
+    onnx_guard.check_runs_on(path, trace_inputs(shapes))
     if cache is not None:
         cache.put_result(key, {"passed": str(path)})
 
