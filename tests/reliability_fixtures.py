@@ -85,6 +85,25 @@ def tiny_torch(in_dim: int = 16, out_dim: int = 4):
     return Tiny()
 
 
+def tiny_embedding(vocab: int = 16):
+    """A factory whose forward() looks token ids up in a table of `vocab` rows (ids beyond it fail)."""
+    import torch
+
+    torch.manual_seed(0)
+
+    class Embed(torch.nn.Module):
+        output_names = ["y"]
+
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(vocab, 4)
+
+        def forward(self, ids):
+            return self.table(ids).amax(dim=1)
+
+    return Embed()
+
+
 # --- recipes --------------------------------------------------------------------------------
 
 

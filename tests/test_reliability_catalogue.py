@@ -506,6 +506,19 @@ def _ids_beyond_vocabulary(folder: Path, data: bool = True) -> list[str]:
     return ["compile", str(write_recipe(folder, recipe))]
 
 
+def _factory_ids_beyond_vocabulary(folder: Path) -> list[str]:
+    """A PyTorch model (with its eager baseline) and eval ids past its embedding table: forward()
+    refuses them as ONNX Runtime does, so the data is at fault, in one line."""
+    inputs = [{"name": "ids", "dtype": "int64", "shape": ["batch", 16], "range": [0, 16]}]
+    args = _factory_recipe(folder, inputs=inputs, factory="reliability_fixtures:tiny_embedding")
+    recipe = onnx_recipe(folder)
+    recipe.update(inputs=inputs, model={"factory": "reliability_fixtures:tiny_embedding", "path": str(HERE)})
+    recipe["evaluate"]["eager_baseline"] = True
+    recipe["data"]["eval"] = {"source": "npz", "path": _npz(folder, ids=np.full((4, 16), 40, np.int64)), "samples": 4}
+    write_recipe(folder, recipe)
+    return args
+
+
 EVALUATION_INPUT = {
     "tolerance for an output the model lacks": (lambda d: _mutated(d, _set("evaluate.tolerance", {"outputs": {"logits": {"cosine_min": 0.9}}})),
                                                 USER, "evaluate.tolerance.outputs: the model has no output 'logits'; its outputs are 'y'"),
@@ -518,6 +531,8 @@ EVALUATION_INPUT = {
     "eval ids beyond the model's vocabulary": (lambda d: _ids_beyond_vocabulary(d), USER, "data.eval: the recipe's own model fails on the evaluation data"),
     "synthetic ids beyond the model's vocabulary": (lambda d: _ids_beyond_vocabulary(d, data=False), USER,
                                                     "inputs: 'model.onnx' fails on inputs built from the recipe's input specs (ids [2, 16])"),
+    "factory: eval ids beyond the model's vocabulary": (lambda d: _factory_ids_beyond_vocabulary(d), USER,
+                                                        "data.eval: the recipe's own model fails on the evaluation data"),
     "a stage breaks the model at run time": (lambda d: _with_model(d, write_linear_onnx, _stage("runbreak")), STAGE, "stage 'bad' failed: evaluation failed"),
     "factory: tolerance for an output the model lacks": (lambda d: _factory_recipe(d, evaluate_tolerance=True), USER, "tolerance.outputs: the model has no output 'z'"),
 }

@@ -66,10 +66,10 @@ def evaluate_stages(
         artifact = ref_stage.model
         evaluator.set_reference(reference, artifact.content_hash(), lambda: evaluator.onnx_outputs(artifact))
 
-    source_check = SourceCheck(parts.source, evaluator)
+    source_check = SourceCheck(parts.source, evaluator, services.torch_model)
     results = []
     if parts.evaluate.eager_baseline and not isinstance(parts.source.model, OnnxModel):
-        results.append(_evaluate_eager(parts, evaluator, services, instruments))
+        results.append(_evaluate_eager(parts, evaluator, services, instruments, source_check))
     for name in order:
         result = stages[name]
         if result.status == "ok":
@@ -135,7 +135,8 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
     instruments.after_evaluation(result)
 
 
-def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunServices, instruments: Instrument) -> StageResult:
+def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunServices, instruments: Instrument,
+                    source_check: "SourceCheck") -> StageResult:
     result = StageResult(name=EAGER_STAGE, pass_name="eager", status="ok")
     instruments.before_evaluation(EAGER_STAGE)
     try:
@@ -148,6 +149,11 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
         return result
     except Exception as exc:  # the baseline is informative; its failure must not stop the run
         escalate(exc, evaluator.cache.root)
+        refusal = source_check.refusal()
+        if refusal is not None:  # forward() refuses the evaluation data: the stages meet the same, one line for all
+            result.error_kind = "input"
+            _evaluation_failed(result, refusal, instruments)
+            return result
         _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", instruments)
         return result
     result.accuracy, result.latency, result.memory, result.cached = accuracy, latency, memory, cached
@@ -158,16 +164,14 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
 
 
 class SourceCheck:
-    """After a stage's model fails on the evaluation data, whether the recipe's own ONNX model
-    fails on the same batches too. If it does, the data (or the recipe's input ranges and dims)
-    do not fit the model, whatever the stage did: the user's input to fix (exit 2), with the
-    runtime's reason. If it runs, the stage broke something: exit 1 as before.
+    """After a stage's model fails on the evaluation data, whether the recipe's own model (its
+    ONNX file, or PyTorch eager) fails on the same batches too. If it does, the data (or the
+    recipe's input ranges and dims) do not fit the model, whatever the stage did: the user's
+    input to fix (exit 2), with the runtime's reason. If it runs, the stage broke something:
+    exit 1 as before. Asked only after a failure (a run that succeeds pays nothing), once per run."""
 
-    Asked only after a failure (a run that succeeds pays nothing), at most once per run. A
-    PyTorch model has no such file: its forward() on the recipe's inputs is checked at load."""
-
-    def __init__(self, source: ModelSource, evaluator: Evaluator):
-        self.source, self.evaluator = source, evaluator
+    def __init__(self, source: ModelSource, evaluator: Evaluator, torch_model):
+        self.source, self.evaluator, self.torch_model = source, evaluator, torch_model
         self._refusal: Optional[str] = None
         self._asked = False
 
@@ -181,11 +185,15 @@ class SourceCheck:
         from optpipe.evaluation.accuracy import run_onnx
         from optpipe.model_source import onnx_path
 
-        if not isinstance(self.source.model, OnnxModel):
-            return None
+        from optpipe.evaluation.accuracy import run_callable
+        from optpipe.runtime import eager_runner
+
         evaluator = self.evaluator
         try:
-            run_onnx(onnx_path(self.source), evaluator.accuracy_batches, evaluator.settings.threads, evaluator.providers)
+            if isinstance(self.source.model, OnnxModel):
+                run_onnx(onnx_path(self.source), evaluator.accuracy_batches, evaluator.settings.threads, evaluator.providers)
+            else:
+                run_callable(eager_runner(self.torch_model(), evaluator.settings.threads), evaluator.accuracy_batches)
         except Exception as exc:
             escalate(exc, evaluator.cache.root)
             return (f"data.eval: the recipe's own model fails on the evaluation data ({first_line(exc)[:300]}); "
