@@ -509,14 +509,12 @@ def _ids_beyond_vocabulary(folder: Path, data: bool = True) -> list[str]:
 def _factory_ids_beyond_vocabulary(folder: Path) -> list[str]:
     """A PyTorch model (with its eager baseline) and eval ids past its embedding table: forward()
     refuses them as ONNX Runtime does, so the data is at fault, in one line."""
-    inputs = [{"name": "ids", "dtype": "int64", "shape": ["batch", 16], "range": [0, 16]}]
-    args = _factory_recipe(folder, inputs=inputs, factory="reliability_fixtures:tiny_embedding")
     recipe = onnx_recipe(folder)
-    recipe.update(inputs=inputs, model={"factory": "reliability_fixtures:tiny_embedding", "path": str(HERE)})
+    recipe["inputs"] = [{"name": "ids", "dtype": "int64", "shape": ["batch", 16], "range": [0, 16]}]
+    recipe["model"] = {"factory": "reliability_fixtures:tiny_embedding", "path": str(HERE)}
     recipe["evaluate"]["eager_baseline"] = True
     recipe["data"]["eval"] = {"source": "npz", "path": _npz(folder, ids=np.full((4, 16), 40, np.int64)), "samples": 4}
-    write_recipe(folder, recipe)
-    return args
+    return ["compile", str(write_recipe(folder, recipe)), "--allow-path", str(HERE)]
 
 
 EVALUATION_INPUT = {
