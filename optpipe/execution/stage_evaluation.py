@@ -182,10 +182,8 @@ class SourceCheck:
         return self._refusal
 
     def _run(self) -> Optional[str]:
-        from optpipe.evaluation.accuracy import run_onnx
+        from optpipe.evaluation.accuracy import run_callable, run_onnx
         from optpipe.model_source import onnx_path
-
-        from optpipe.evaluation.accuracy import run_callable
         from optpipe.runtime import eager_runner
 
         evaluator = self.evaluator
