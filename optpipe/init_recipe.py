@@ -59,6 +59,7 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
 
     graph = load_graph(path, "model.onnx")
     initializers = {t.name for t in graph.graph.initializer}
+    vocab = _index_ranges(graph.graph)
     inputs, dims = [], {}
     for value in graph.graph.input:
         if value.name in initializers:
@@ -73,10 +74,24 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
             name = _dim_name(dim.dim_param, value.name, axis)
             dims.setdefault(name, _dim_range(name, axis, dtype))
             shape.append(name)
-        inputs.append(_input_entry(value.name, dtype, shape))
+        extra = {"range": [0, vocab[value.name]]} if value.name in vocab and dtype.startswith("int") else {}
+        inputs.append(_input_entry(value.name, dtype, shape, **extra))
     ops = {node.op_type for node in graph.graph.node}
     kind = "cnn" if "Conv" in ops else "transformer" if ops & {"Attention", "MultiHeadAttention", "Softmax"} else "dense"
     return ModelFacts(path.stem, {"onnx": _relative(path, recipe_dir)}, inputs, _rename_batch(inputs, dims), kind)
+
+
+def _index_ranges(graph) -> dict[str, int]:
+    """Graph inputs that index a weight table (token ids into an embedding: a Gather of an
+    initializer): the table's rows, the exclusive upper end of the ids' `range`. Without it the
+    synthetic ids (0..100 by default) can run past a small vocabulary, which preflight refuses."""
+    rows = {t.name: t.dims[0] for t in graph.initializer if t.dims}
+    ranges: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type == "Gather" and len(node.input) == 2 and node.input[0] in rows:
+            ids = node.input[1]
+            ranges[ids] = min(ranges.get(ids, rows[node.input[0]]), rows[node.input[0]])
+    return ranges
 
 
 def _dim_name(param: str, input_name: str, axis: int) -> str:

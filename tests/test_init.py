@@ -60,7 +60,8 @@ def test_init_from_an_onnx_file_detects_dims_and_dtypes(tmp_path, cli_run, monke
     assert "a transformer recipe, valid" in result.output
     recipe = yaml.safe_load(Path("recipe.yaml").read_text())
     assert recipe["model"] == {"onnx": "encoder.onnx"}
-    assert recipe["inputs"] == [{"name": "ids", "dtype": "int64", "shape": ["batch", "seq"]}]
+    # The ids index a 50-row table: their range is the table's, not the synthetic default 0..100.
+    assert recipe["inputs"] == [{"name": "ids", "dtype": "int64", "shape": ["batch", "seq"], "range": [0, 50]}]
     assert set(recipe["dims"]) == {"batch", "seq"}
     np.savez(tmp_path / "samples.npz", ids=np.random.default_rng(0).integers(0, 50, (8, 16)))
     _fill(Path("recipe.yaml"), {"eval": {"source": "npz", "path": "samples.npz", "samples": 8}},
