@@ -25,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -208,34 +208,10 @@ def _manifest_hashes(folder: Path) -> dict[str, str]:
 def _external_files(path: Path) -> set[str]:
     """The external-data files the model's tensors name (graph, subgraphs, functions, attributes)."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-    model = onnx.load(str(path), load_external_data=False)
-    graphs = [model.graph] + [node for function in model.functions for node in function.node]
-    return {ExternalDataInfo(t).location for t in _tensors(graphs) if uses_external_data(t)}
+    from optpipe.safety.onnx_guard import external_locations
 
-
-def _tensors(items: Iterable) -> Iterator:
-    """Every TensorProto under these graphs or nodes."""
-    import onnx
-
-    for item in items:
-        if isinstance(item, onnx.GraphProto):
-            yield from item.initializer
-            for sparse in item.sparse_initializer:
-                yield from (sparse.values, sparse.indices)
-            yield from _tensors(item.node)
-            continue
-        for attr in item.attribute:  # a NodeProto
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("sparse_tensor"):
-                yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
-            for sparse in attr.sparse_tensors:
-                yield from (sparse.values, sparse.indices)
-            yield from _tensors([attr.g] if attr.HasField("g") else [])
-            yield from _tensors(attr.graphs)
+    return set(external_locations(onnx.load(str(path), load_external_data=False)))
 
 
 def published_digest(model_path: Path, scratch: Path) -> str:
