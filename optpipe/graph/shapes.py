@@ -67,7 +67,8 @@ def shape_copy(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
         inputs = {value.name for value in graph.input}
         graph.input.extend(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
                            for init in absent if init.name not in inputs)
-        kept = [init for init in graph.initializer if not (init.data_location == TensorProto.EXTERNAL and not init.raw_data)]
+        moved = {init.name for init in absent}
+        kept = [init for init in graph.initializer if init.name not in moved]
         del graph.initializer[:]
         graph.initializer.extend(kept)
     elem_types = {init.name: init.data_type for init in model.graph.initializer}
@@ -126,15 +127,14 @@ def _finish(node: onnx.NodeProto, out_type: int, ops: list[onnx.NodeProto], resu
     return [*ops, helper.make_node("Cast", [result], [node.output[0]], to=out_type)]
 
 
-def _fused_conv(node, elem_types):
-    """FusedConv = Conv + activation (+ Z, which has the output's shape)."""
-    return [_twin_node("Conv", list(node.input[:3]), list(node.output), node,
-                       [a for a in node.attribute if not a.name.startswith("activation")])]
+def _without_activation(op: str) -> Callable:
+    """FusedConv = Conv + activation (+ Z, which has the output's shape); FusedGemm = Gemm + activation."""
 
+    def twin(node, elem_types):
+        return [_twin_node(op, list(node.input[:3]), list(node.output), node,
+                           [a for a in node.attribute if not a.name.startswith("activation")])]
 
-def _fused_gemm(node, elem_types):
-    return [_twin_node("Gemm", list(node.input[:3]), list(node.output), node,
-                       [a for a in node.attribute if not a.name.startswith("activation")])]
+    return twin
 
 
 def _fused_matmul(node, elem_types):
@@ -218,7 +218,7 @@ def _qlinear_pool(op: str, attrs: set[str]) -> Callable:
 #: (Attention, MultiHeadAttention, NhwcConv, QLinearAdd, ...) are not here; FusedConv/FusedGemm
 #: are, so that ONNX's much faster inference covers a fused CNN on its own.
 TWINS: dict[str, Callable] = {
-    "FusedConv": _fused_conv, "FusedGemm": _fused_gemm, "FusedMatMul": _fused_matmul,
+    "FusedConv": _without_activation("Conv"), "FusedGemm": _without_activation("Gemm"), "FusedMatMul": _fused_matmul,
     "QGemm": _qgemm, "QAttention": _qattention,
     "DynamicQuantizeMatMul": _matmul_to_float(2), "MatMulIntegerToFloat": _matmul_to_float(2),
     "QLinearSigmoid": _same_as_first, "QLinearLeakyRelu": _same_as_first, "QLinearSoftmax": _same_as_first,
