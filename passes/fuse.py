@@ -20,7 +20,7 @@ from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import SelfCheckParams
-from optpipe.errors import PassError, first_line
+from optpipe.errors import PassError, RecipeError, UserInputError, first_line
 from optpipe.graph.stats import fused_ops as graph_stats_fused_ops
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.pass_base import Pass, PassContext
@@ -94,6 +94,8 @@ def transformer_fusion(model: ModelArtifact, params: FuseParams, ctx: PassContex
     for fuser in fusers:
         try:
             fused, detail = FUSERS[fuser](model, params, ctx)
+        except UserInputError:  # the recipe's values (attention_shape): no other fuser makes them right
+            raise
         except Exception as exc:  # a fuser that cannot handle a graph is a finding, not a crash, under auto
             ctx.log.warning("%s fusion failed", fuser, exc_info=True)
             errors[fuser] = library_failure(exc)
@@ -226,6 +228,12 @@ def attention_shape(params: FuseParams, ctx: PassContext) -> dict:
     found = {"num_heads": int(getattr(config, "num_attention_heads", 0) or 0), "hidden_size": int(getattr(config, "hidden_size", 0) or 0)}
     given = {"num_heads": params.num_heads, "hidden_size": params.hidden_size}
     shape = {key: given[key] or found[key] for key in given}
+    heads, hidden = shape["num_heads"], shape["hidden_size"]
+    if heads and hidden and hidden % heads and any(given.values()):
+        # ORT's fuser asserts it and fails with a bare AssertionError: the recipe's values to fix.
+        named = " and ".join(f"stages.{ctx.stage}.params.{key}" for key, value in given.items() if value)
+        raise RecipeError(f"{named}: {heads} attention heads do not divide the hidden size {hidden}; set the model's own "
+                          f"values, or 0 to take them from its config ({found['num_heads']} heads, hidden size {found['hidden_size']})")
     shape["from"] = "params" if all(given.values()) else "config" if any(found.values()) else "detected"
     return shape
 

@@ -8,6 +8,7 @@ reaches QAttention as its mask_index).
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -126,6 +127,25 @@ def test_fuse_reads_heads_and_hidden_size_from_the_model_folders_config(tmp_path
     # The recipe's own values win over the config's.
     shape = attention_shape(FuseParams(num_heads=2, hidden_size=32), context(recipe, tmp_path / "fuse", padded_inputs()))
     assert (shape["num_heads"], shape["hidden_size"], shape["from"]) == (2, 32, "params")
+
+
+@pytest.mark.parametrize("params, named", [
+    ({"num_heads": 5}, "stages.under-test.params.num_heads: 5 attention heads do not divide the hidden size 32"),
+    ({"num_heads": 3, "hidden_size": 64}, "params.num_heads and stages.under-test.params.hidden_size: 3 attention heads"),
+])
+def test_fuse_heads_that_do_not_divide_the_hidden_size_name_the_params(tmp_path, params, named):
+    # ORT's fuser would fail with a bare AssertionError (exit 1, "try transformer: onnxscript"): the user's values.
+    from optpipe.passes.fuse import attention_shape
+
+    with pytest.raises(RecipeError, match=re.escape(named)):
+        attention_shape(FuseParams(**params), context(tiny_bert_recipe(), tmp_path / "fuse", padded_inputs()))
+
+
+def test_fuse_pass_raises_the_recipe_error_not_a_fuser_failure(chain, tmp_path):
+    # Under the pass's fuser loop too: no other fuser would make the recipe's head count right.
+    recipe, arrays, exported, _, _ = chain
+    with pytest.raises(RecipeError, match="params.num_heads: 5 attention heads"):
+        FusePass(FuseParams(transformer="auto", num_heads=5)).run(exported, context(recipe, tmp_path / "fuse", arrays))
 
 
 def test_fuse_without_a_hugging_face_config_leaves_detection_to_ort(tmp_path):
