@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, write_info
-from optpipe.errors import PassError, first_line
+from optpipe.errors import PassError, RecipeError, first_line
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.results import Accuracy
 from optpipe.pass_base import Pass, PassContext, PassParams
@@ -45,7 +45,8 @@ class OpenVinoParams(PassParams):
     exclude: list[str] = Field(
         default_factory=list, description="int8: node names kept in float (NNCF ignored scope; the converted IR's op names, "
         "which are not always the ONNX node names: names it lacks are ignored, see the stage log)")
-    exclude_types: list[str] = Field(default_factory=list, description="int8: op types kept in float, OpenVINO names (e.g. MatMul)")
+    exclude_types: list[str] = Field(default_factory=list, description="int8: op types kept in float, OpenVINO names (e.g. MatMul; "
+                                     "a type the IR lacks is refused)")
     guard: bool = Field(True, description="int8: hold the stage's tolerance with NNCF's accuracy-controlled quantization")
     max_excluded: int = Field(8, ge=0, description="guard: most quantizers NNCF may revert to float")
 
@@ -144,6 +145,7 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
     """NNCF post-training quantization, then accuracy control when the plain result breaks the tolerance."""
     import nncf
 
+    check_exclude_types(params, converted, ctx.stage)
     calibration = [_model_feeds(b, converted) for b in ctx.calibration_set().batches(1)]
     options = nncf_options(params, model, len(calibration))
     ctx.log.info("nncf.quantize with %s", {k: str(v) for k, v in options.items()})
@@ -173,6 +175,17 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
                   "violations": accuracy.violations, "steps": steps, "not_run": gave_up},
     }
     return quantized, accuracy, details
+
+
+def check_exclude_types(params: OpenVinoParams, converted, stage: str) -> None:
+    """Each `exclude_types` entry is an op type of the converted IR. NNCF's ignored scope is built with
+    validate=False (node names change in conversion), so a misspelt type ('Matmul') would exclude
+    nothing, silently, and the stage would read as the asked-for mix: refused here, naming the types."""
+    present = {op.get_type_name() for op in converted.get_ops()}
+    missing = [name for name in params.exclude_types if name not in present]
+    if missing:
+        raise RecipeError(f"stages.{stage}.params.exclude_types: {', '.join(missing)} is no op type of this model's "
+                          f"OpenVINO IR (names are case-sensitive); its op types: {', '.join(sorted(present))}")
 
 
 def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int) -> dict[str, Any]:

@@ -146,6 +146,13 @@ def test_exclude_types_keeps_those_ops_in_float(tmp_path):
     assert out.info["int8"]["quantizers"] == 0 and out.info["int8_layers"] == 0
 
 
+def test_an_exclude_type_the_ir_lacks_is_refused_not_silently_ignored(tmp_path):
+    # NNCF's ignored scope runs with validate=False: 'Matmul' would exclude nothing and say nothing.
+    source, recipe, arrays = mlp(tmp_path)
+    with pytest.raises(RecipeError, match=r"exclude_types: Matmul is no op type of this model's OpenVINO IR .*MatMul"):
+        run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8", exclude_types=["Matmul"], guard=False)
+
+
 def test_attention_graph_is_quantized_as_a_transformer(tmp_path):
     source, recipe, arrays = attention(tmp_path)
     assert has_attention(source)
