@@ -1,6 +1,6 @@
 """Run inside a loopback-only network and PID namespace (see tests/test_ray_executor.py):
-start a 2-node Ray cluster on 127.0.0.1, run `optpipe compile --executor ray` on it and kill
-that driver after a few stages; rerun it, kill the worker node once it has finished some work
+start a Ray cluster of a head and two worker nodes on 127.0.0.1, run `optpipe compile --executor ray` on it and kill
+that driver after a few stages; rerun it, kill one worker node once it has finished some work
 while the run goes on, and let the run finish. Then a worker with a logical GPU of type
 `testgpu` joins and a plain recipe with targets runs with `--only` (the targets' scheduling).
 
@@ -35,15 +35,17 @@ def main(recipe: str, run_dir: str, cache: str, kill_driver_after: int, kill_wor
     # No token auth: a ~/.ray/auth_token left by any local `ray.init()` would otherwise switch it on
     # for `ray start` but not for every client of this cluster.
     os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")  # this process's ray.init too
-    env = dict(os.environ)
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"]
-    sh(*RAY, "start", "--head", f"--port={PORT}", "--resources={\"benchmark\": 1}", *common, env=env)
-    worker = subprocess.Popen(
-        [*RAY, "start", f"--address=127.0.0.1:{PORT}", "--resources={\"benchmark\": 1, \"worker_node\": 1}", "--block",
-         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    # The head runs no tasks (0 CPUs): two worker nodes share the work, and one of them is killed.
+    # With the head working too, Ray's hybrid scheduler kept the tasks on the driver's node (the
+    # head) until half its CPUs were busy, and in about one run of four the worker got a single
+    # task and was never killed. A spread threshold of 0 sends each task to the least busy node.
+    env = dict(os.environ, RAY_scheduler_spread_threshold="0")
+    sh(*RAY, "start", "--head", f"--port={PORT}", "--node-ip-address=127.0.0.1", "--num-cpus=0", "--include-dashboard=false",
+       "--disable-usage-stats", env=env)
+    worker = _start_worker({"benchmark": 1, "worker_node": 1}, env)
     worker_id = _wait_for_worker()
+    _start_worker({"benchmark": 1, "survivor_node": 1}, env)  # one at a time: two at once may not both join
+    _wait_for_worker("survivor_node")
     compile_cmd = [*OPTPIPE, "compile", recipe, "--executor", "ray", "--address", f"127.0.0.1:{PORT}", "-o", run_dir, "--cache-dir", cache,
                    "--allow-path", allow]
 
@@ -78,16 +80,21 @@ def main(recipe: str, run_dir: str, cache: str, kill_driver_after: int, kill_wor
 def _targets_on_a_gpu_node(recipe: str, run_dir: str, cache: str, allow: str, env: dict) -> dict:
     """3. A worker node with a (logical) GPU of type `testgpu` joins; `--only` compiles a plain
     recipe whose targets ask for that GPU type, for a type no node has, and for no GPU."""
-    subprocess.Popen(
-        [*RAY, "start", f"--address=127.0.0.1:{PORT}", "--resources={\"benchmark\": 1, \"gpu:testgpu\": 1}", "--num-gpus=1",
-         "--block", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    _start_worker({"benchmark": 1, "gpu:testgpu": 1}, env, "--num-gpus=1")
     gpu_node = _wait_for_worker("gpu:testgpu")
     proc = subprocess.run([*OPTPIPE, "compile", recipe, "--executor", "ray", "--address", f"127.0.0.1:{PORT}", "-o", run_dir,
                            "--cache-dir", cache, "--allow-path", allow, "--only", "prune"],
                           env=env, capture_output=True, text=True, timeout=300)
     return {"targets_returncode": proc.returncode, "targets_lines": (proc.stdout + proc.stderr).splitlines(), "gpu_node": gpu_node[:12]}
+
+
+def _start_worker(resources: dict, env: dict, *flags: str) -> subprocess.Popen:
+    """A worker node with 2 CPUs in a session of its own (killing its group kills the node)."""
+    return subprocess.Popen(
+        [*RAY, "start", f"--address=127.0.0.1:{PORT}", f"--resources={json.dumps(resources)}", *flags, "--block",
+         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
 
 
 def _wait_for_worker(resource: str = "worker_node") -> str:

@@ -1,4 +1,4 @@
-"""The Ray executor on a real 2-node cluster, kept on loopback inside a network namespace.
+"""The Ray executor on a real cluster (a head and two worker nodes), kept on loopback inside a network namespace.
 
 Ray's daemons advertise the machine's interface address even with --node-ip-address=127.0.0.1;
 here the cluster and the driver run in `unshare --net` (loopback only) plus a PID namespace,
