@@ -55,7 +55,7 @@ class OpenVinoPass(Pass):
     """Convert to OpenVINO IR (FP32, BF16 or NNCF INT8), measured on OpenVINO's CPU runtime."""
 
     name = "openvino"
-    version = "1"
+    version = "2"  # 2: an exclude_types entry that is no op type of the IR is refused (a cached 1 may hold a stage that excluded nothing)
     Params = OpenVinoParams
     libraries = ("onnx", "openvino", "nncf")
     produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.validate)
