@@ -202,6 +202,46 @@ def test_run_folder_copies_carry_their_manifest_and_are_restored(tmp_path, caplo
     assert "was modified" in caplog.text and verify_run_folder(run) == {"export": None}
 
 
+@pytest.mark.parametrize("cut_at", [1, 2, 3])  # files copied before Ctrl-C: the copy, then the manifest last
+def test_a_publish_cut_short_leaves_the_previous_copy_or_none_never_half_of_one(tmp_path, monkeypatch, cut_at):
+    """Seen in CI: Ctrl-C while the run folder was being written left a stage folder without its
+    manifest, which `cache verify --run` reports as corrupted."""
+    from optpipe.execution import run_folder
+    from optpipe.results import StageResult
+
+    cache = StageCache(tmp_path / "cache")
+    _entry(cache, "k1", payload=b"one" * 512)
+    _entry(cache, "k2", payload=b"two" * 512)
+    run = tmp_path / "run"
+    publish = lambda key, name="export": publish_stage_folders(  # noqa: E731
+        run, [StageResult(name=name, pass_name="export", status="ok").with_model(cache.lookup(key))])
+    publish("k1")
+    before = {p.name: p.read_bytes() for p in (run / "stages" / "export").iterdir()}
+
+    copied = []
+    real_copy = run_folder.copy_file
+
+    def interrupted(src, dst):
+        if len(copied) == cut_at:
+            raise KeyboardInterrupt
+        copied.append(src)
+        real_copy(src, dst)
+
+    monkeypatch.setattr(run_folder, "copy_file", interrupted)
+    for key, name in (("k2", "export"), ("k2", "fresh")):  # replacing a copy, and a first copy
+        copied.clear()
+        with pytest.raises(KeyboardInterrupt):
+            publish(key, name)
+    assert {p.name: p.read_bytes() for p in (run / "stages" / "export").iterdir()} == before
+    assert verify_run_folder(run) == {"export": None}  # no half copy of 'fresh', nor of the hidden staging folders
+    monkeypatch.undo()
+    (run / "stages" / ".export.1-dead.tmp.old").mkdir()  # what a SIGKILL between the two renames leaves
+    publish("k2")
+    assert verify_run_folder(run) == {"export": None}
+    assert b"two" in (run / "stages" / "export" / "model.onnx.data").read_bytes()
+    assert [p.name for p in (run / "stages").iterdir()] == ["export"]  # what the cut publishes left is swept
+
+
 def test_locks_die_with_their_process(tmp_path):
     """A SIGKILLed holder never leaves a lock held: the kernel drops flocks with the process."""
     path = tmp_path / "k.lock"

@@ -3,10 +3,18 @@
 Each copy carries the cache entry's manifest (`entry.json`: every file's hash), so a
 user or `optpipe cache verify --run` can check it. A copy that no longer matches
 its manifest (edited, truncated) is reported and restored from the cache.
+
+A copy is written into a hidden sibling folder and renamed into place: a publish cut
+short (Ctrl-C, SIGKILL, a full disk) leaves the previous copy or none, never half of
+one. The callers hold the run folder's lock, so the next publish may sweep what a cut
+one left.
 """
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import uuid
 from pathlib import Path
 
 from optpipe.artifact import MANIFEST_FILE, copy_file
@@ -18,28 +26,42 @@ log = logging.getLogger("optpipe.run")
 
 def publish_stage_folders(run_dir: Path, results: list[StageResult]) -> None:
     """Each finished stage's model appears under <run>/stages/<name>/ (copied from the cache)."""
+    _sweep_cut_publishes(run_dir / "stages")
     for result in results:
         model = result.model
         if model is None:
             continue
         target = run_dir / "stages" / result.name
         result.artifact = str(target / "model.onnx")
-        if _is_intact_copy(target, model.folder, result.name):
-            continue  # same manifest, every file verified against it: nothing to copy or hash again
-        wanted = {file.name for file in model.files()}
-        for stale in target.glob("*") if target.exists() else []:
-            if stale.name not in wanted and stale.is_file():
-                stale.unlink()
-        # The manifest last: a copy interrupted half way has an old or no manifest, and fails verification.
-        files = sorted(model.files(), key=lambda f: f.name == MANIFEST_FILE)
+        if not _is_intact_copy(target, model.folder, result.name):
+            _replace_folder(target, model.files())
+
+
+def _replace_folder(target: Path, files) -> None:
+    """target's files become `files`, by two renames: the folder is whole before and after either."""
+    staging = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    old = staging.with_name(staging.name + ".old")
+    try:
         for file in files:
-            copy_file(file, target / file.name)
+            copy_file(file, staging / file.name)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(staging, target)
+    finally:
+        for leftover in (staging, old):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _sweep_cut_publishes(stages: Path) -> None:
+    for leftover in stages.glob(".*.tmp*") if stages.is_dir() else []:
+        shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
 
 
 def verify_run_folder(run_dir: Path) -> dict[str, str | None]:
     """Per stage copy in a run folder: None when it matches its manifest, else what is wrong."""
     stages = run_dir / "stages"
-    return {folder.name: verify_entry(folder) for folder in sorted(stages.iterdir()) if folder.is_dir()} if stages.exists() else {}
+    return {folder.name: verify_entry(folder) for folder in sorted(stages.iterdir())
+            if folder.is_dir() and not folder.name.startswith(".")} if stages.exists() else {}
 
 
 def _is_intact_copy(target: Path, source: Path, stage: str) -> bool:
