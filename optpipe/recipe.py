@@ -337,6 +337,24 @@ class Recipe(Strict):
                 raise ValueError(f"evaluate.batch_sizes: {off_grid} not a multiple of {self.dims[batch].multiple_of} (dims.{batch}.multiple_of)")
         return self
 
+    @model_validator(mode="after")
+    def _labels_are_read(self):
+        # Only a classification task reads labels: without one, a labels file would be loaded and
+        # ignored while the user believes top-1 accuracy on it was checked.
+        task = self.evaluate.task
+        for which in ("eval", "calibration"):
+            source = getattr(self.data, which)
+            if source is None or not source.labels:
+                continue
+            if which == "calibration":
+                raise ValueError("data.calibration.labels: calibration reads no labels (only the evaluation set's count); "
+                                 "move them to data.eval.labels, or remove them")
+            if task is None or task.kind != "classification":
+                now = f"evaluate.task is {task.kind}" if task else "evaluate.task is not set"
+                raise ValueError(f"data.eval.labels: only a classification task reads labels, and {now}; set "
+                                 "`evaluate.task: {kind: classification}` to check top-1 against them, or remove data.eval.labels")
+        return self
+
     def model_inputs(self) -> ModelInputs:
         return ModelInputs(tuple(self.inputs), dict(self.dims))
 

@@ -22,6 +22,8 @@ def describe_validation_error(exc: ValidationError, schema: type[BaseModel], dat
     if err["type"] == "missing":
         return f"{where}: required key is missing"
     msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a check across sections: its message names the keys, and the input is the whole recipe
+        return f"{prefix}: {msg}" if prefix else msg
     return f"{where}: {msg} (got {_short(err.get('input'))})"
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import onnx
 import pytest
+import yaml
 from onnx import helper, numpy_helper
 from reliability_fixtures import (
     HERE,
@@ -487,6 +488,15 @@ def _labelled_eval(folder: Path, labels: np.ndarray) -> list[str]:
     return _recipe_file(folder, recipe)
 
 
+def _labels_file(folder: Path, task: dict | None, where: str = "eval") -> list[str]:
+    recipe = onnx_recipe(folder)
+    np.save(folder / "labels.npy", np.zeros(16, dtype=np.int64))
+    recipe["data"].setdefault(where, {})["labels"] = "labels.npy"
+    if task:
+        recipe["evaluate"]["task"] = task
+    return _recipe_file(folder, recipe)
+
+
 def _ids_beyond_vocabulary(folder: Path, data: bool = True) -> list[str]:
     """Token ids the model's embedding table (16 rows) does not have: in the eval data (the recipe's
     `range` fits), or in the synthetic inputs the recipe's `range` builds (caught by preflight)."""
@@ -526,6 +536,10 @@ EVALUATION_INPUT = {
     "detection task on a classifier's output": (lambda d: _with_task(d, kind="detection"), USER, "change evaluate.task.kind"),
     "labels beyond the output's classes": (lambda d: _labelled_eval(d, np.arange(6) + 3), USER, "data.eval: labels run from 3 to 8, but the task's output has 4 classes"),
     "negative labels": (lambda d: _labelled_eval(d, np.array([0, 1, -1, 2])), USER, "data.eval: labels run from -1 to 2"),
+    # A labels file nothing reads: the user would believe top-1 on it was held.
+    "labels without a task": (lambda d: _labels_file(d, None), USER, "data.eval.labels: only a classification task reads labels, and evaluate.task is not set"),
+    "labels for a detector": (lambda d: _labels_file(d, {"kind": "detection"}), USER, "evaluate.task is detection"),
+    "labels on calibration data": (lambda d: _labels_file(d, {"kind": "classification"}, "calibration"), USER, "data.calibration.labels: calibration reads no labels"),
     "eval ids beyond the model's vocabulary": (lambda d: _ids_beyond_vocabulary(d), USER, "data.eval: the recipe's own model fails on the evaluation data"),
     "synthetic ids beyond the model's vocabulary": (lambda d: _ids_beyond_vocabulary(d, data=False), USER,
                                                     "inputs: 'model.onnx' fails on inputs built from the recipe's input specs (ids [2, 16])"),
@@ -650,3 +664,18 @@ def test_bad_input_gets_one_line(case, tmp_path, monkeypatch, capsys, plugin_pas
 def test_the_catalogue_is_large_enough():
     assert len(CASES) >= 25
     assert len(ROUND_TWO) >= 60  # issue 10: its examples plus 30 and more found by attacking the CLI
+
+
+@pytest.mark.parametrize("task", [None, {"kind": "embeddings"}])
+def test_labels_the_data_carries_without_a_classification_task_are_said_to_be_unchecked(task, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = _labelled_eval(tmp_path, np.array([0, 1, 2, 3]))  # an npz `labels` array, read with the data
+    recipe = yaml.safe_load(Path(args[1]).read_text())
+    recipe["evaluate"].pop("task") if task is None else recipe["evaluate"].update(task=task)
+    Path(args[1]).write_text(yaml.safe_dump(recipe))
+    code, out, err = run_main(args, capsys)
+    assert code == 0, err
+    assert "the evaluation data carries labels" in err and "they are not checked" in err, err
+    _labelled_eval(tmp_path, np.array([0, 1, 2, 3]))  # with the classification task: read, and nothing said
+    code, out, err = run_main(args, capsys)
+    assert code == 0 and "carries labels" not in err, err

@@ -7,6 +7,7 @@ runs fail that stage and name it (exit code 1).
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -17,6 +18,7 @@ from optpipe.recipe import Recipe
 if TYPE_CHECKING:
     from optpipe.cache.store import StageCache
 
+log = logging.getLogger("optpipe.recipe")
 _DATA_PREFIX = re.compile(r"^(data(\.\w+)?( source '\w+')?:\s*)")
 
 
@@ -28,6 +30,7 @@ def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], obj
     if onnx_path is not None:
         check_onnx_source(recipe, onnx_path, cache)
     _check_data(eval_set, "eval")
+    _warn_unread_labels(recipe, eval_set)
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
 
@@ -89,6 +92,16 @@ def check_output_names(recipe: Recipe, outputs: list[str]) -> None:
     task = recipe.evaluate.task
     if task is not None and task.output is not None and task.output not in outputs:
         raise RecipeError(f"evaluate.task.output: the model has no output '{task.output}'; its outputs are {known}; fix the name")
+
+
+def _warn_unread_labels(recipe: Recipe, eval_set: Callable[[], object]) -> None:
+    """Labels the data carries by itself (an npz `labels` array, class subfolders) count only for a
+    classification task; a file named in data.eval.labels without one is refused at validation."""
+    task = recipe.evaluate.task
+    if (task is None or task.kind != "classification") and getattr(eval_set(), "labels", None) is not None:
+        now = f"evaluate.task is {task.kind}" if task else "evaluate.task is not set"
+        log.warning("data.eval: the evaluation data carries labels (an npz `labels` array or class subfolders), but %s: "
+                    "they are not checked; set `evaluate.task: {kind: classification}` to hold top-1 on them", now)
 
 
 def _check_data(build, which: str) -> None:
