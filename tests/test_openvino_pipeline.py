@@ -75,6 +75,25 @@ def test_ir_stages_are_rows_of_the_same_report_labelled_with_their_runtime(run):
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ")]
     cells = {row[0].strip("| "): row[column] for row in rows if len(row) == len(headers())}
     assert cells["ov-int8"] == "openvino-cpu f32" and cells["simplify"] == "ort-cpu" and cells["pytorch-eager"] == "pytorch"
+    # The precision column: an IR has no ONNX to count MACs on; the runtime's compute layers per precision.
+    precision = {row[0].strip("| "): row[headers().index("precision (MACs)")] for row in rows if len(row) == len(headers())}
+    layers = sum(int8.info["compute_layer_precisions"].values())
+    assert precision["ov-int8"] == f"int8 {int8.info['int8_layers']}/{layers} layers", precision
+    assert precision["ov-fp32"] == f"fp32 {layers}/{layers} layers", precision
+    assert not int8.warnings and not fp32.warnings
+
+
+def test_an_openvino_int8_stage_that_runs_no_int8_layer_says_so():
+    from optpipe.evaluation.verdict import openvino_int8_warning
+
+    ran = {"precision": "int8", "compute_layer_precisions": {"u8": 3, "f32": 1}, "int8_layers": 3, "int8": {"quantizers": 6}}
+    assert openvino_int8_warning(ran) is None
+    assert openvino_int8_warning({**ran, "precision": "fp32", "int8_layers": 0}) is None  # fp32 asked: nothing to say
+    excluded = {**ran, "compute_layer_precisions": {"f32": 4}, "int8_layers": 0, "int8": {"quantizers": 0}}
+    assert openvino_int8_warning(excluded) == ("asked for int8, but only 0 of 4 compute layers run int8 (NNCF placed 0 "
+                                               "quantizers); the rest run in f32")
+    nothing = {**excluded, "compute_layer_precisions": {}}
+    assert "the model has no MatMul or Convolution layer: nothing was quantized" in openvino_int8_warning(nothing)
 
 
 def test_openvino_target_copies_an_ir_stage_and_measures_a_converted_onnx_stage(run):

@@ -23,6 +23,9 @@ QUANTIZATION_PASSES = ("int8", "nncf", "openvino-int8")
 log = logging.getLogger("optpipe.verdict")
 
 
+#: An OpenVINO int8 stage warns below this share of int8 compute layers (its runtime counts layers, not MACs).
+INT8_LAYER_SHARE_MIN = 0.5
+
 #: Bump when precision_coverage's figures change: cached coverages of older formats are not reused.
 COVERAGE_FORMAT = 2  # 2: fused attention split (projection / scores and context), QAttention & co. counted
 
@@ -34,8 +37,8 @@ def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str
     `cache`: where the figures of a model already counted are kept. Counting needs shape inference
     (ORT's symbolic one imports torch): a cached rerun reads them instead.
     """
-    if not artifact.path.is_file():
-        return None, []  # an OpenVINO IR: its info records the compute layers that run int8 (int8_layers)
+    if not artifact.path.is_file():  # an OpenVINO IR: no ONNX to count MACs on
+        return None, [w for w in (openvino_int8_warning(artifact.info),) if w]
     key = cache.key(coverage=COVERAGE_FORMAT, model=artifact.content_hash(), dims=dims, excluded=sorted(excluded or ())) if cache else None
     hit = cache.get_result(key) if cache else None
     if hit is not None:
@@ -71,6 +74,23 @@ def export_refusal(stage, allow_out_of_tolerance: bool) -> tuple[str | None, lis
                     "or pass --allow-out-of-tolerance"), warnings
         warnings.insert(0, f"'{stage.name}' is out of tolerance: {why}")
     return None, warnings
+
+
+def openvino_int8_warning(info: dict) -> str | None:
+    """An OpenVINO stage asked for int8 whose compiled model runs most of its compute layers
+    (MatMul, Convolution, ...) in float: the runtime's own account (int8_layers), not NNCF's plan."""
+    layers = info.get("compute_layer_precisions")
+    if info.get("precision") != "int8" or layers is None:
+        return None
+    total, int8 = sum(layers.values()), info.get("int8_layers", 0)
+    if not total:
+        return "asked for int8, but the model has no MatMul or Convolution layer: nothing was quantized, it runs in float"
+    if int8 / total >= INT8_LAYER_SHARE_MIN:
+        return None
+    quantizers = (info.get("int8") or {}).get("quantizers")
+    placed = f" (NNCF placed {quantizers} quantizers)" if quantizers is not None else ""
+    return (f"asked for int8, but only {int8} of {total} compute layers run int8{placed}; "
+            f"the rest run in {', '.join(sorted(p for p in layers if p not in ('i8', 'u8')))}")
 
 
 def flag_unchanged_stages(results: list, stages: dict, cache: "StageCache | None" = None) -> None:

@@ -189,10 +189,24 @@ def runtime_label(stage: StageResult) -> str:
 
 
 def _precision(c: RowContext) -> Cell:
-    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning."""
-    if not c.stage.coverage:
+    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning; an OpenVINO IR's
+    compute layers per precision the runtime runs them at (it has no ONNX graph to count MACs on)."""
+    flag = "out" if c.stage.warnings else None
+    if c.stage.coverage:
+        return Cell(c.stage.coverage.summary(), flag)
+    layers = c.stage.info.get("compute_layer_precisions")
+    if not layers:
         return Cell()
-    return Cell(c.stage.coverage.summary(), "out" if c.stage.warnings else None)
+    total = sum(layers.values())
+    by_name: dict[str, int] = {}
+    for runtime, count in layers.items():
+        name = OPENVINO_PRECISIONS.get(runtime, runtime)
+        by_name[name] = by_name.get(name, 0) + count
+    mix = " · ".join(f"{name} {count}/{total}" for name, count in sorted(by_name.items(), key=lambda kv: -kv[1]))
+    return Cell(f"{mix} layers", flag)
+
+
+OPENVINO_PRECISIONS = {"i8": "int8", "u8": "int8", "f32": "fp32", "f16": "fp16", "bf16": "bf16"}
 
 
 def _eager_beside(report: RunReport) -> list[float]:
