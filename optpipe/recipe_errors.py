@@ -46,7 +46,12 @@ def _most_specific(errors: list[dict]) -> dict:
 
 
 def _is_union_tag(part) -> bool:
-    return isinstance(part, str) and (part in MODEL_KINDS or part.startswith("function-"))
+    return isinstance(part, str) and (part in MODEL_KINDS or _is_angle_tag(part) or part.startswith("function-"))
+
+
+def _is_angle_tag(part: str) -> bool:
+    # A discriminated union's tag written `<like-this>` (optpipe.search.spec), not a key of the YAML.
+    return part.startswith("<") and part.endswith(">")
 
 
 def _allowed_keys(schema: type[BaseModel], loc: tuple, data: Any = None) -> set[str]:

@@ -125,12 +125,30 @@ def _check_rules(space: SearchSpace) -> None:
     try:
         validate_recipe(recipe)
     except RecipeError as exc:
-        raise RecipeError(_named_back(str(exc), space, probes, first)) from None
+        # A refusal no searched value escapes (a stage without `after:`) is the stage's own line,
+        # not the first value's: some probe (every stage on) passing alone shows the refusal is a value's.
+        on = [p for p in probes if all(v for k, v in p.values if k.endswith(f".{ENABLED}"))]  # off, a stage passes unchecked
+        blame = any(_passes(space, probe) for probe in on[:_MAX_BLAME_PROBES])
+        raise RecipeError(_named_back(str(exc), space, probes, first, blame_values=blame)) from None
 
 
-def _named_back(message: str, space: SearchSpace, probes: list[Trial], first: dict[str, Any]) -> str:
-    """The refusal with each trial stage's name replaced by its recipe stage's, and its searched value."""
+_MAX_BLAME_PROBES = 200  # validate_recipe takes ~1 ms on a probe: a refusal's wording costs at most ~0.2 s
+
+
+def _passes(space: SearchSpace, probe: Trial) -> bool:
+    try:
+        validate_recipe(space.expand([probe])[0])
+        return True
+    except RecipeError:
+        return False
+
+
+def _named_back(message: str, space: SearchSpace, probes: list[Trial], first: dict[str, Any], blame_values: bool = True) -> str:
+    """The refusal with each trial stage's name replaced by its recipe stage's, and its searched value
+    (`blame_values`: the value made the refusal; else the stage's own line is named)."""
     origins = _trial_stages(space, probes, first)
+    if not blame_values:
+        origins = {name: (stage, None) for name, (stage, _) in origins.items()}
     for name in sorted(origins, key=len, reverse=True):  # the longest first: one name may prefix another
         stage, changed = origins[name]
         line = f"stages.{stage}.search.{changed[0]}" if changed else f"stages.{stage}"

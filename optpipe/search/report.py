@@ -17,7 +17,7 @@ def search_section(driver, report, wall_s: float) -> dict[str, Any]:
     feasible = [] if refused else trial_frontier(trials, objectives, within_tolerance_only=True)
     if report.hardware and report.hardware.get("frontier") == "per node type":
         frontier = [name for name in frontier if name in report.pareto]
-    best = _best(trials)
+    best = _best(trials, feasible, objectives)
     counts: dict[str, int] = {}
     for t in trials:
         counts[t["status"]] = counts.get(t["status"], 0) + 1
@@ -99,13 +99,21 @@ def _trial_row(record, stage) -> dict[str, Any]:
     return row
 
 
-def _best(trials: list[dict]) -> dict | None:
-    """The fastest trial within tolerance (p50 at the first batch size); ties go to the more accurate."""
-    fit = [t for t in trials if t["status"] == "ok" and "p50_ms" in t and t["repeat_of"] is None]
+def _best(trials: list[dict], feasible: list[str], objectives: list[str]) -> dict | None:
+    """The pick among the candidates (the frontier within tolerance): the lowest of the first
+    objective that is a cost (latency: p50 at the first batch size, or size), ties to the more
+    accurate; the most accurate when accuracy is the only objective. Never a point another
+    candidate beats on every objective, and never ranked on an axis the search was not asked
+    to weigh (a noisy p50 must not pick the winner of a search over accuracy and size)."""
+    fit = [t for t in trials if t["stage"] in feasible and t["status"] == "ok" and t["repeat_of"] is None]
     if not fit:
         return None
-    top = min(fit, key=lambda t: (t["p50_ms"], -t.get("cosine", 1.0)))
-    return {"number": top["number"], "stage": top["stage"], "rule": "lowest p50 within tolerance"}
+    axis = next((o for o in objectives if o != "accuracy"), "accuracy")
+    value = {"latency": lambda t: t["p50_ms"], "size": lambda t: float(t.get("size_bytes") or 0),
+             "accuracy": lambda t: -t.get("cosine", 1.0)}[axis]
+    top = min(fit, key=lambda t: (value(t), -t.get("cosine", 1.0)))
+    rule = {"latency": "lowest p50", "size": "smallest", "accuracy": "most accurate"}[axis]
+    return {"number": top["number"], "stage": top["stage"], "rule": f"{rule} on the frontier within tolerance"}
 
 
 def _effects(space, trials: list[dict]) -> dict[str, list[dict]]:

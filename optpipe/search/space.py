@@ -7,10 +7,10 @@ copy of that chain, named after its params (`int8-static__method-entropy__percen
 """
 from __future__ import annotations
 
-import itertools
+import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from optpipe.artifact import sha256_json
 from optpipe.dag import build_dag, execution_order
@@ -61,13 +61,35 @@ class SearchSpace:
 
     @property
     def size(self) -> int:
-        return len(self.grid())
+        """How many distinct points, counted, not listed: a space of 10^8 points is fine for optuna."""
+        return math.prod(len(block) for block in self._blocks())
 
-    def grid(self) -> list[Trial]:
-        """Every distinct point: an optional stage that is off has one point, whatever its params."""
-        keys = [dim.key for dim in self.dimensions]
-        combos = itertools.product(*(dim.values for dim in self.dimensions))
-        return list(dict.fromkeys(self.trial(dict(zip(keys, combo))) for combo in combos))
+    def grid(self) -> Iterator[Trial]:
+        """Every distinct point, lazily, in grid order: an optional stage that is off has one point,
+        whatever its params (it comes after the stage's points that are on)."""
+        for index in range(self.size):
+            yield self.point(index)
+
+    def point(self, index: int) -> Trial:
+        """The grid's `index`-th point (0-based), without listing the ones before it: a budget's
+        seeded sample of a huge grid."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"point {index} of a space of {self.size}")
+        combo = []
+        for block in reversed(self._blocks()):  # mixed radix: the last stage varies fastest
+            index, digit = divmod(index, len(block))
+            combo.append(block[digit])
+        return self._joined(reversed(combo))
+
+    def _blocks(self) -> list["_StagePoints"]:
+        """Per searched stage, its own distinct points, each a dict of its dimension keys."""
+        return [_StagePoints([d for d in self.dimensions if d.stage == stage]) for stage in self.chain]
+
+    def _joined(self, combo) -> Trial:
+        values: dict[str, Any] = {}
+        for part in combo:
+            values.update(part)
+        return Trial(tuple((dim.key, values[dim.key]) for dim in self.dimensions))
 
     def trial(self, params: dict[str, Any]) -> Trial:
         """The canonical trial for `params`: the params of a stage that is off at their first value."""
@@ -142,6 +164,10 @@ def _check(recipe: Recipe, chain: list[str], dims: list[Dimension]) -> None:
         bad = [v for v in dim.values if not isinstance(v, (str, int, float, bool, type(None)))]
         if bad:
             raise RecipeError(f"stages.{dim.stage}.search.{dim.param}: choice {bad[0]!r} is not a plain value (text, number, true/false, null)")
+    first = recipe.stages[chain[0]] if chain else None
+    if first is not None and first.optional and first.after is None and len(chain) > 1:
+        raise RecipeError(f"stages.{chain[0]}.optional: '{chain[0]}' makes the model that '{chain[1]}' and the stages "
+                          f"after it start from, so it cannot be off; make a later stage optional instead")
     if recipe.evaluate.reference in chain:
         raise RecipeError(f"evaluate.reference: '{recipe.evaluate.reference}' is a searched stage; the reference must be one model")
     for i, target in enumerate(recipe.targets):
@@ -160,3 +186,32 @@ def _stage_name(stage: str, parts: list[str]) -> str:
     if len(name) > _MAX_NAME or ".." in name:
         name = f"{stage}__t{sha256_json(parts)[:10]}"
     return name
+
+
+class _StagePoints:
+    """One stage's distinct points as a sequence, indexed without listing them: its params'
+    combinations (in product order, the first param slowest), then, for an optional stage,
+    the one point where it is off (its params at their first values)."""
+
+    def __init__(self, dims: list[Dimension]):
+        self.switch = next((d for d in dims if d.param == ENABLED), None)
+        self.own = [d for d in dims if d.param != ENABLED]
+        self.on = math.prod(len(d.values) for d in self.own)
+
+    def __len__(self) -> int:
+        return self.on + (1 if self.switch else 0)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        point: dict[str, Any] = {}
+        if index == self.on:  # the stage is off
+            point[self.switch.key] = False
+            point.update({d.key: d.values[0] for d in self.own})
+            return point
+        if self.switch:
+            point[self.switch.key] = True
+        for dim in reversed(self.own):
+            index, digit = divmod(index, len(dim.values))
+            point[dim.key] = dim.values[digit]
+        return point

@@ -7,9 +7,9 @@ itself. `evaluate.search` picks the strategy and the budget.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 #: A grid without a budget that would run more trials than this asks for `--yes` first.
 GRID_CONFIRM_LIMIT = 64
@@ -22,8 +22,8 @@ class _Strict(BaseModel):
 class StepRange(_Strict):
     """min, min+step, ..., up to max (included when it falls on a step)."""
 
-    min: float
-    max: float
+    min: float = Field(allow_inf_nan=False)
+    max: float = Field(allow_inf_nan=False)
     step: float = Field(gt=0)
 
     @model_validator(mode="after")
@@ -44,7 +44,26 @@ class StepRange(_Strict):
         return [int(v) for v in values] if whole else values
 
 
-Choices = Union[list[Any], StepRange]
+def _plain(values: list[Any]) -> list[Any]:
+    """A choice is a value a stage name and a cache key can carry: no list or mapping inside."""
+    bad = [v for v in values if not isinstance(v, (str, int, float, bool, type(None)))]
+    if bad:
+        raise ValueError(f"choice {bad[0]!r} is not a plain value (text, number, true/false, null)")
+    return values
+
+
+def _choices_kind(value: Any) -> str:
+    # A mapping is a range, anything else a list: a bad range then says what is wrong with it
+    # (`step: Input should be greater than 0`), not that it is no list.
+    return RANGE_TAG if isinstance(value, dict) or isinstance(value, StepRange) else LIST_TAG
+
+
+#: The union's tags: in angle brackets, so the YAML path an error names leaves them out (optpipe.recipe_errors).
+LIST_TAG, RANGE_TAG = "<choices>", "<range>"
+Choices = Annotated[
+    Union[Annotated[list[Any], AfterValidator(_plain), Tag(LIST_TAG)], Annotated[StepRange, Tag(RANGE_TAG)]],
+    Discriminator(_choices_kind),
+]
 
 
 class SearchSettings(_Strict):

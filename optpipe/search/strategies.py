@@ -34,19 +34,25 @@ def resolve_strategy(space: SearchSpace, settings: SearchSettings, yes: bool) ->
 
 class GridProposer:
     def __init__(self, space: SearchSpace, budget: int | None, seed: int):
-        grid = space.grid()
-        if budget is not None and budget < len(grid):
-            # A seeded sample in grid order: the same trials on every rerun, spread over the space.
-            chosen = set(random.Random(seed).sample(range(len(grid)), budget))
-            grid = [trial for i, trial in enumerate(grid) if i in chosen]
-        self._pending = grid
+        size = space.size
+        if budget is not None and budget < size:
+            # A seeded sample in grid order: the same trials on every rerun, spread over the space
+            # (indices, not points, are sampled: a huge grid is never listed).
+            indices = iter(sorted(random.Random(seed).sample(range(size), budget)))
+            self._pending = (space.point(i) for i in indices)
+        else:
+            self._pending = space.grid()
+        self._next = next(self._pending, None)
 
     def ask(self, count: int) -> list[tuple[Any, Trial]]:
-        batch, self._pending = self._pending[:count], self._pending[count:]
-        return [(None, trial) for trial in batch]
+        batch = []
+        while len(batch) < count and self._next is not None:
+            batch.append((None, self._next))
+            self._next = next(self._pending, None)
+        return batch
 
     def exhausted(self) -> bool:
-        return not self._pending
+        return self._next is None
 
     def close(self) -> None:
         pass

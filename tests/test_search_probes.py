@@ -1,0 +1,121 @@
+"""Search inputs the bundled recipes never use: a space too big to list, choices that are no plain
+value, ranges that are wrong in their own way, a stage that cannot be off, a refusal that is the
+stage's and not a searched value's, and the best trial against the search's own objectives."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from optpipe.errors import RecipeError
+from optpipe.safety.recipe_loading import parse_recipe
+from optpipe.search.driver import describe_search
+from optpipe.search.report import _best, trial_frontier
+from optpipe.search.space import SearchSpace
+from optpipe.search.strategies import GridProposer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _data(stages: dict, search: dict | None = None) -> dict:
+    data = yaml.safe_load((REPO / "recipes" / "tiny-search.yaml").read_text())
+    data["model"]["path"] = str(REPO / "recipes" / "models")
+    data["stages"] = {"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"}, **stages}
+    data["evaluate"]["search"] = search or {"strategy": "grid"}
+    return data
+
+
+def _listed_grid(space: SearchSpace) -> list:
+    """The grid as the plain product of every dimension, a stage that is off collapsed to one point."""
+    keys = [d.key for d in space.dimensions]
+    return list(dict.fromkeys(space.trial(dict(zip(keys, c))) for c in itertools.product(*(d.values for d in space.dimensions))))
+
+
+def test_grid_order_and_points_match_the_listed_product():
+    space = SearchSpace(parse_recipe(_data({
+        "prune": {"pass": "prune", "after": "simplify", "optional": True, "params": {"method": "magnitude"},
+                  "search": {"amount": [0.1, 0.2, 0.3], "round_to": [1, 8]}},
+        "int8": {"pass": "int8", "after": "prune", "optional": True, "params": {"mode": "dynamic"},
+                 "search": {"per_channel": [True, False], "reduce_range": [False, True]}},
+        "fp16": {"pass": "fp16", "after": "int8", "optional": True}})))
+    listed = _listed_grid(space)
+    assert space.size == len(listed) == (3 * 2 + 1) * (2 * 2 + 1) * 2
+    assert list(space.grid()) == listed
+    assert [space.point(i) for i in range(space.size)] == listed
+    with pytest.raises(IndexError):
+        space.point(space.size)
+
+
+def test_a_space_of_a_hundred_million_points_is_counted_not_listed():
+    # 9,999 x 5,000 x 2 points: listing them took 5 GB and over a minute before `validate` answered.
+    data = _data({"prune": {"pass": "prune", "after": "simplify", "params": {"method": "magnitude"},
+                            "search": {"amount": {"min": 0.0001, "max": 0.9999, "step": 0.0001},
+                                       "min_channels": {"min": 1, "max": 5000, "step": 1}}},
+                  "int8": {"pass": "int8", "after": "prune", "params": {"mode": "dynamic"}, "search": {"per_channel": [True, False]}}},
+                 {"strategy": "optuna", "trials": 3})
+    recipe = parse_recipe(data)
+    space = SearchSpace(recipe)
+    assert space.size == 9999 * 5000 * 2
+    assert "optuna over 99990000 points" in describe_search(recipe) and "up to 3 trials" in describe_search(recipe)
+    last = space.point(space.size - 1)
+    assert last.get("prune.amount") == 0.9999 and last.get("prune.min_channels") == 5000 and last.get("int8.per_channel") is False
+    # A budget on such a grid samples indices, the same on every rerun, each a point of the space.
+    first, again = GridProposer(space, budget=5, seed=3), GridProposer(space, budget=5, seed=3)
+    trials = [t for _, t in first.ask(10)]
+    assert len(set(trials)) == 5 and first.exhausted() and trials == [t for _, t in again.ask(10)]
+
+
+@pytest.mark.parametrize("choices, message", [
+    ([[0.2], 0.5], r"stages\.prune\.search\.amount: choice \[0\.2\] is not a plain value"),
+    ([{"a": 1}], r"stages\.prune\.search\.amount: choice \{'a': 1\} is not a plain value"),
+    ({"min": 0.5, "max": 0.1, "step": 0.1}, r"stages\.prune\.search\.amount: expected min <= max"),
+    ({"min": 0.1, "max": 0.5, "step": 0}, r"stages\.prune\.search\.amount\.step: Input should be greater than 0"),
+    ({"min": 0.1, "max": float("inf"), "step": 0.1}, r"stages\.prune\.search\.amount\.max: Input should be a finite number"),
+    ({"min": 0.1, "max": 0.5}, r"stages\.prune\.search\.amount\.step: required key is missing"),
+    ({"min": 0.1, "max": 0.5, "step": 0.1, "stop": 1}, r"stages\.prune\.search\.amount\.stop: unknown key"),
+    (0.2, r"stages\.prune\.search\.amount: Input should be a valid list"),
+])
+def test_bad_choices_name_their_own_problem_in_one_line(choices, message):
+    data = _data({"prune": {"pass": "prune", "after": "simplify", "params": {"method": "magnitude"}, "search": {"amount": choices}}})
+    with pytest.raises(RecipeError, match=message) as caught:
+        SearchSpace(parse_recipe(data))
+    assert "\n" not in str(caught.value) and "<" not in str(caught.value).split(":")[0]
+
+
+def test_the_first_stage_of_the_chain_cannot_be_off_when_stages_start_from_it():
+    data = _data({})
+    data["stages"]["export"]["optional"] = True
+    with pytest.raises(RecipeError, match=r"^stages\.export\.optional: 'export' makes the model that 'simplify'"):
+        SearchSpace(parse_recipe(data))
+
+
+def test_a_refusal_no_searched_value_escapes_names_the_stage_not_a_value():
+    # int8 without `after:` fails whatever per_channel is: the user's line is the stage's.
+    data = _data({"int8": {"pass": "int8", "optional": True, "params": {"mode": "dynamic"}, "search": {"per_channel": [True, False]}}})
+    with pytest.raises(RecipeError, match=r"^stages\.int8: pass 'int8' transforms a model"):
+        describe_search(parse_recipe(data))
+    # ... while a value refused where another passes is still named, even as the first choice.
+    data = _data({"int8": {"pass": "int8", "after": "simplify", "search": {"mode": ["static", "dynamic"]}}})
+    with pytest.raises(RecipeError, match=r"^stages\.int8\.search\.mode \(choice 'static'\): static int8 calibrates"):
+        describe_search(parse_recipe(data))
+
+
+def _row(number: int, stage: str, p50: float, cosine: float, size: int) -> dict:
+    return {"number": number, "stage": stage, "repeat_of": None, "status": "ok", "params": {}, "p50_ms": p50,
+            "cosine": cosine, "size_bytes": size}
+
+
+@pytest.mark.parametrize("objectives, best", [
+    (["latency", "accuracy", "size"], "half"),  # 'pruned' is 1% faster (noise) but half's size and accuracy beat it
+    (["accuracy", "size"], "half"),  # no latency asked: the p50s play no part
+    (["size", "accuracy"], "half"),
+    (["accuracy"], "float"),
+    (["latency", "accuracy"], "float"),  # the three p50s are equal within noise: the most accurate
+])
+def test_the_best_trial_is_a_candidate_ranked_on_the_searchs_objectives(objectives, best):
+    rows = [_row(1, "pruned", 0.0693, 0.97, 4000), _row(2, "half", 0.0700, 0.999, 2000), _row(3, "float", 0.0701, 1.0, 4000)]
+    candidates = trial_frontier(rows, objectives, within_tolerance_only=True)
+    picked = _best(rows, candidates, objectives)
+    assert picked["stage"] == best and best in candidates
