@@ -7,13 +7,17 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # A C++ source location and function signature (ONNX Runtime puts one before its reason):
 # "/onnxruntime_src/.../model_load_utils.h:46 void onnxruntime::...::ValidateOpsetForDomain(...) "
 _CPP_LOCATION = re.compile(r"[\w./-]+\.(?:h|hpp|cc|cpp|cu):\d+\s+(?:[^()\n]*\([^()\n]*\)\s*(?:const\s*)?)?")
+# OpenVINO's lines before its reason: "Exception from src/...cpp:75:", "Check 'false' failed at src/...cpp:151:",
+# "FrontEnd API failed with OpConversionFailure:". Skipped, so the line kept names what went wrong.
+_OPENVINO_PREAMBLE = re.compile(r"^(?:Exception from|Check '.*' failed at|FrontEnd API failed with)\b.*:$")
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """The first non-empty line of an exception's message, without terminal colours."""
     text = _CPP_LOCATION.sub("", _ANSI.sub("", str(exc)))  # so the limit keeps the reason, not the location
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0][:limit] if lines else type(exc).__name__
+    reasons = [line for line in lines if not _OPENVINO_PREAMBLE.match(line)] or lines
+    return reasons[0][:limit] if reasons else type(exc).__name__
 
 
 def one_line(text: str) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import Field
 
 from optpipe.artifact import ModelArtifact, write_info
-from optpipe.errors import PassError, RecipeError, first_line
+from optpipe.errors import DataError, PassError, RecipeError, first_line
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.results import Accuracy
 from optpipe.pass_base import Pass, PassContext, PassParams
@@ -43,19 +43,27 @@ class OpenVinoParams(PassParams):
         None, le=1.0, description="int8: SmoothQuant alpha for MatMul (negative disables); default NNCF's for the model type"
     )
     exclude: list[str] = Field(
-        default_factory=list, description="int8: node names kept in float (NNCF ignored scope; the converted IR's op names, "
-        "which are not always the ONNX node names: names it lacks are ignored, see the stage log)")
+        default_factory=list, description="int8: nodes kept in float: ONNX node names (every IR op converted from the node) "
+        "or the IR's op names; a name that matches nothing is refused")
     exclude_types: list[str] = Field(default_factory=list, description="int8: op types kept in float, OpenVINO names (e.g. MatMul; "
                                      "a type the IR lacks is refused)")
     guard: bool = Field(True, description="int8: hold the stage's tolerance with NNCF's accuracy-controlled quantization")
     max_excluded: int = Field(8, ge=0, description="guard: most quantizers NNCF may revert to float")
 
 
+#: Params that only the int8 path reads: set on an fp32 / bf16 stage, they change nothing (the report says so).
+INT8_ONLY = frozenset({"model_type", "preset", "subset_size", "fast_bias_correction", "smooth_quant_alpha", "exclude",
+                       "exclude_types", "guard", "max_excluded"})
+
+
 class OpenVinoPass(Pass):
     """Convert to OpenVINO IR (FP32, BF16 or NNCF INT8), measured on OpenVINO's CPU runtime."""
 
     name = "openvino"
-    version = "2"  # 2: an exclude_types entry that is no op type of the IR is refused (a cached 1 may hold a stage that excluded nothing)
+    # 2: an exclude_types entry that is no op type of the IR is refused (a cached 1 may hold a stage that excluded nothing)
+    # 3: an exclude entry takes every IR op converted from that ONNX node (a cached 2 kept only the op named exactly so);
+    #    the info records ignored int8-only params and the IR's compute ops
+    version = "3"
     Params = OpenVinoParams
     libraries = ("onnx", "openvino", "nncf")
     produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.validate)
@@ -75,9 +83,14 @@ class OpenVinoPass(Pass):
         try:
             converted = ovr.convert_onnx(model.path)
         except Exception as exc:  # the converter raises assorted errors on ops it cannot translate
-            raise PassError(f"OpenVINO cannot convert this ONNX model: {first_line(exc)}") from None
+            raise PassError(f"OpenVINO cannot convert this ONNX model: {ovr.conversion_failure(exc)}") from None
         check = InputCheck(model, ctx)
         info: dict[str, Any] = {"runtime": ovr.RUNTIME, "precision": params.precision}
+        ignored = sorted(params.model_fields_set & INT8_ONLY) if params.precision != "int8" else []
+        if ignored:
+            # Not refused: a search over precision may keep them set for its int8 points. Said in the report.
+            info["ignored_params"] = ignored
+            ctx.log.warning("precision %s: %s apply only to int8, ignored", params.precision, ", ".join(ignored))
         if params.precision == "int8":
             result, accuracy, info["int8"] = quantize(converted, model, params, ctx, check)
         else:
@@ -87,6 +100,7 @@ class OpenVinoPass(Pass):
         hint = ovr.write_settings(ctx.workdir, params.precision)["hint"]
         compiled = ovr.compile_model(ctx.workdir / ovr.IR_FILE, ctx.recipe.evaluate.threads, hint)
         info.update(ovr.precision_facts(compiled))
+        info["ir_compute_ops"] = sum(op.get_type_name() in ovr.COMPUTE_LAYERS for op in result.get_ops())
         info["output_names"] = ovr.output_names(model.path)
         info["check"] = {"cosine": accuracy.worst_cosine, "held": accuracy.within_tolerance, "violations": accuracy.violations}
         if not accuracy.within_tolerance:
@@ -146,8 +160,8 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
     import nncf
 
     check_exclude_types(params, converted, ctx.stage)
-    calibration = [_model_feeds(b, converted) for b in ctx.calibration_set().batches(1)]
-    options = nncf_options(params, model, len(calibration))
+    calibration = calibration_batches(ctx, converted)
+    options = nncf_options(params, model, len(calibration), exclude_names(params, model, converted, ctx.stage))
     ctx.log.info("nncf.quantize with %s", {k: str(v) for k, v in options.items()})
     with _nncf_logs_to(ctx.log):
         try:
@@ -177,6 +191,46 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
     return quantized, accuracy, details
 
 
+def calibration_batches(ctx: PassContext, converted) -> list[dict[str, np.ndarray]]:
+    """The calibration set in batches the model takes: one sample each, or a model without a batch
+    dim's fixed batch (a trailing partial batch dropped: the model cannot take it)."""
+    from optpipe.evaluation.guard import accuracy_batch
+
+    samples = ctx.calibration_set()
+    size = 1 if ctx.recipe.batch_dim() else accuracy_batch(ctx.recipe)
+    if len(samples) < size:
+        raise DataError(f"data.calibration: {len(samples)} samples, fewer than the model's fixed batch of {size}; "
+                        f"give at least {size} samples")
+    return [_model_feeds(b, converted) for b in samples.batches(size) if len(next(iter(b.values()))) == size]
+
+
+def exclude_names(params: OpenVinoParams, model: ModelArtifact, converted, stage: str) -> list[str]:
+    """`exclude` entries (ONNX node names, or the IR's op names) as the IR op names NNCF's ignored scope takes.
+
+    Conversion renames and splits nodes: ONNX Gemm 'fc' (output 'h') becomes MatMul 'fc/WithoutBiases' + Add
+    'fc', or ops named after the node's output tensor ('h', 'h/...'). NNCF matches exact names, so 'fc' alone
+    would keep the Add in float and quantize the MatMul. An entry takes every op named after the node or its
+    outputs (exactly or as a 'name/' prefix); an entry that names no op is refused, not silently ignored."""
+    if not params.exclude:
+        return []
+    aliases: dict[str, set[str]] = {}
+    for node in model.load(with_weights=False).graph.node:
+        if node.name:
+            aliases[node.name] = {node.name, *node.output}
+    ops = [op.get_friendly_name() for op in converted.get_ops() if op.get_type_name() not in ("Constant", "Parameter", "Result")]
+    names, missing = set(), []
+    for entry in params.exclude:
+        prefixes = aliases.get(entry, {entry})
+        hits = [op for op in ops if op in prefixes or any(op.startswith(p + "/") for p in prefixes)]
+        names.update(hits) if hits else missing.append(entry)
+    if missing:
+        known = sorted(aliases) or sorted(ops)
+        raise RecipeError(f"stages.{stage}.params.exclude: {', '.join(missing)} names no node of this model (its ONNX node "
+                          f"names, or its OpenVINO IR's op names); its nodes: {', '.join(known[:12])}"
+                          + (f" and {len(known) - 12} more (optpipe inspect)" if len(known) > 12 else ""))
+    return sorted(names)
+
+
 def check_exclude_types(params: OpenVinoParams, converted, stage: str) -> None:
     """Each `exclude_types` entry is an op type of the converted IR. NNCF's ignored scope is built with
     validate=False (node names change in conversion), so a misspelt type ('Matmul') would exclude
@@ -188,7 +242,7 @@ def check_exclude_types(params: OpenVinoParams, converted, stage: str) -> None:
                           f"OpenVINO IR (names are case-sensitive); its op types: {', '.join(sorted(present))}")
 
 
-def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int) -> dict[str, Any]:
+def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int, exclude: list[str] = ()) -> dict[str, Any]:
     import nncf
 
     transformer = params.model_type == "transformer" or (params.model_type == "auto" and has_attention(model))
@@ -199,9 +253,9 @@ def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int) -> 
     }
     if params.preset:
         options["preset"] = nncf.QuantizationPreset(params.preset)
-    if params.exclude or params.exclude_types:
-        # validate=False: a name the IR lost in conversion is not an error worth failing the stage for.
-        options["ignored_scope"] = nncf.IgnoredScope(names=list(params.exclude), types=list(params.exclude_types), validate=False)
+    if exclude or params.exclude_types:
+        # Every name and type was matched against the IR already (exclude_names, check_exclude_types).
+        options["ignored_scope"] = nncf.IgnoredScope(names=list(exclude), types=list(params.exclude_types), validate=False)
     if params.smooth_quant_alpha is not None:
         options["advanced_parameters"] = nncf.AdvancedQuantizationParameters(
             smooth_quant_alphas=nncf.AdvancedSmoothQuantParameters(matmul=params.smooth_quant_alpha))

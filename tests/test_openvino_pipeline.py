@@ -32,10 +32,11 @@ def run(tmp_path_factory):
         "ov-fp32": {"pass": "openvino", "after": "simplify"},
         "ov-int8": {"pass": "openvino", "after": "simplify", "params": {"precision": "int8"},
                     "tolerance": {"cosine_min": 0.99}},
+        "ort-int8": {"pass": "int8", "after": "simplify", "params": {"mode": "static"}, "tolerance": {"cosine_min": 0.99}},
     })
     data["evaluate"]["batch_sizes"] = [1, 4]
     data["targets"] = [
-        {"kind": "openvino", "stages": ["ov-int8", "simplify"]},
+        {"kind": "openvino", "stages": ["ov-int8", "simplify", "ort-int8"]},
         {"kind": "triton", "stages": ["ov-int8"], "params": {"platform": "openvino"}},
         {"kind": "ort", "stages": ["ov-fp32"]},
     ]
@@ -168,3 +169,44 @@ def test_bench_runs_ir_stages_on_openvino_beside_plain_openvino(run):
     np.testing.assert_allclose(candidates["optpipe:ov-fp32"](feeds())["logits"], expected, rtol=1e-4, atol=1e-4)
     # Plain OpenVINO takes the CPU's default precision hint (bf16 where the CPU has it): close, not exact.
     np.testing.assert_allclose(candidates[bench.PLAIN_OV](feeds())["logits"], expected, rtol=5e-2, atol=5e-2)
+
+
+def test_openvino_target_labels_a_converted_qdq_stage_by_what_the_runtime_runs(run):
+    # The int8 pass's QDQ ONNX converts to FakeQuantize ops the CPU plugin runs as int8 kernels: the
+    # label is int8 (it said fp32, the converter's default), from the runtime's own layer count.
+    run_dir, report = run
+    converted = target(report, "openvino", "ort-int8")
+    assert converted["status"] == "ok" and converted["details"]["converted_from_onnx"]
+    settings = json.loads((run_dir / converted["path"] / "openvino.json").read_text())
+    assert settings["int8_layers"] > 0 and converted["precision"] == settings["precision"] == "int8"
+    assert target(report, "openvino", "simplify")["precision"] == "fp32"
+
+
+def test_export_of_an_ir_stage_in_an_onnx_format_exits_2_in_one_line(run, tmp_path):
+    run_dir, _ = run
+    result = CliRunner().invoke(cli, ["export", str(run_dir), "--stage", "ov-int8", "--format", "ort", "--to", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "error: --format ort: stage 'ov-int8' is an OpenVINO IR (no ONNX); export it with the openvino target "
+        "or Triton's openvino platform"]
+
+
+def test_export_triton_of_an_ir_stage_picks_the_openvino_backend(run, tmp_path):
+    # The recipe's triton target names its platform; a fresh one (none named) serves the IR with openvino.
+    from optpipe.targets import export_stage
+    from optpipe.targets.loading import load
+
+    run_dir, _ = run
+    recipe = json.loads((run_dir / "recipe.json").read_text())
+    bare = run_dir.parent / "bare-run"
+    if not bare.exists():
+        import shutil
+
+        shutil.copytree(run_dir, bare, symlinks=True)
+        recipe["recipe"]["targets"] = []
+        (bare / "recipe.json").write_text(json.dumps(recipe))
+    result = export_stage(bare, "ov-fp32", "triton", tmp_path)
+    assert result.status == "ok", result.reason
+    assert 'backend: "openvino"' in (tmp_path / result.path / "config.pbtxt").read_text()
+    with pytest.raises(optpipe.errors.TargetError, match="does not exist"):
+        load(tmp_path / "no-such-folder")

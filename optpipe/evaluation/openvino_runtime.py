@@ -91,6 +91,15 @@ def convert_onnx(path: Path):
     return ov.convert_model(str(path))
 
 
+def conversion_failure(exc: BaseException) -> str:
+    """Why convert_model failed, in one line. Its message ends with a summary ("-- No conversion rule
+    found for operations: Det-18"): that names the ops to replace, the lines above it do not."""
+    from optpipe.errors import first_line
+
+    summary = [line.strip()[2:].strip() for line in str(exc).splitlines() if line.strip().startswith("--")]
+    return "; ".join(summary)[:300] if summary else first_line(exc)
+
+
 def save_ir(model, folder: Path) -> Path:
     """Write model.xml + model.bin; weights stay FP32 (no FP16 compression: that is a precision change)."""
     import openvino as ov

@@ -38,7 +38,7 @@ def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str
     (ORT's symbolic one imports torch): a cached rerun reads them instead.
     """
     if not artifact.path.is_file():  # an OpenVINO IR: no ONNX to count MACs on
-        return None, [w for w in (openvino_int8_warning(artifact.info),) if w]
+        return None, [w for w in (openvino_int8_warning(artifact.info), ignored_params_warning(artifact.info)) if w]
     key = cache.key(coverage=COVERAGE_FORMAT, model=artifact.content_hash(), dims=dims, excluded=sorted(excluded or ())) if cache else None
     hit = cache.get_result(key) if cache else None
     if hit is not None:
@@ -83,6 +83,10 @@ def openvino_int8_warning(info: dict) -> str | None:
     if info.get("precision") != "int8" or layers is None:
         return None
     total, int8 = sum(layers.values()), info.get("int8_layers", 0)
+    if not total and info.get("ir_compute_ops"):
+        # At static shapes the CPU plugin may fuse a graph into Snippets subgraphs, which report one precision.
+        return (f"asked for int8, but the CPU plugin runs its {info['ir_compute_ops']} MatMul / Convolution ops inside fused "
+                f"subgraphs it reports at {info.get('inference_precision', 'f32')}: no int8 kernel is confirmed")
     if not total:
         return "asked for int8, but the model has no MatMul or Convolution layer: nothing was quantized, it runs in float"
     if int8 / total >= INT8_LAYER_SHARE_MIN:
@@ -91,6 +95,15 @@ def openvino_int8_warning(info: dict) -> str | None:
     placed = f" (NNCF placed {quantizers} quantizers)" if quantizers is not None else ""
     return (f"asked for int8, but only {int8} of {total} compute layers run int8{placed}; "
             f"the rest run in {', '.join(sorted(p for p in layers if p not in ('i8', 'u8')))}")
+
+
+def ignored_params_warning(info: dict) -> str | None:
+    """Params the stage set that its precision does not read (an OpenVINO fp32 stage with exclude_types):
+    the stage is not the mix the recipe seems to ask for."""
+    ignored = info.get("ignored_params")
+    if not ignored:
+        return None
+    return f"{', '.join(ignored)} apply only to precision int8; this {info.get('precision')} stage ignored them"
 
 
 def flag_unchanged_stages(results: list, stages: dict, cache: "StageCache | None" = None) -> None:

@@ -14,6 +14,7 @@ import logging
 import shutil
 import tempfile
 import traceback
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -205,6 +206,7 @@ def _share_engine(shared: dict[str, Any], work: TargetWork, result: TargetResult
 def run_one(job: TargetJob) -> TargetResult:
     """One target for one stage; its failure is recorded, never raised, so the other targets go on."""
     module, function = BUILDERS[job.spec.kind]
+    job = ir_on_triton(job)
     refusal = _format_refusal(job)
     if refusal:
         return job.result("skipped", refusal)
@@ -274,6 +276,9 @@ def export_stage(
             out_dir=to, root=to, cache_dir=cache.root, providers=measurer.evaluator.providers,
             stage_folder=views, measurer=measurer, extras={"engine_dir": Path(engine_dir)},
         )
+        refusal = _format_refusal(ir_on_triton(job))
+        if refusal:  # the user asked for this format by name: refused (exit 2), not a skipped export that exits 0
+            raise TargetError(f"--format {kind}: {refusal}")
         result = run_one(job)
     write_manifest(to, recipe.name, [result])
     for line in gpu_warnings([result]):
@@ -308,6 +313,14 @@ def _stage_views(run_dir: Path, report) -> Callable[[str], Optional[StageView]]:
         return StageView(name, folder, result)
 
     return view
+
+
+def ir_on_triton(job: TargetJob) -> TargetJob:
+    """A Triton target whose platform the recipe left at its default serves an OpenVINO IR stage with
+    the openvino backend: the only one that reads an IR (an explicit platform is kept, and refused)."""
+    if job.spec.kind != "triton" or not (job.stage.folder / "model.xml").is_file() or "platform" in job.params.model_fields_set:
+        return job
+    return dataclasses.replace(job, params=job.params.model_copy(update={"platform": "openvino"}))
 
 
 def _format_refusal(job: TargetJob) -> str | None:

@@ -9,8 +9,12 @@ def load(path: str | Path, **options: Any):
     """An OpenVINO folder (openvino.json beside model.xml) -> openvino.CompiledModel with the measured
     settings (option: threads); an ORT bundle -> onnxruntime.InferenceSession (options: format, providers)."""
     folder = Path(path)
+    if not folder.exists():
+        from optpipe.errors import TargetError
+
+        raise TargetError(f"'{path}' does not exist; pass the folder a target or `optpipe export` wrote")
     folder = folder.parent if folder.is_file() else folder
-    if (folder / "openvino.json").is_file() and (folder / "model.xml").is_file():
+    if (folder / "model.xml").is_file():  # an IR: load_ir says what is missing, if anything
         from optpipe.targets.openvino import load_ir
 
         return load_ir(folder, **options)

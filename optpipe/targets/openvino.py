@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.artifact import copy_file
-from optpipe.errors import TargetError, first_line
+from optpipe.errors import TargetError
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.targets.base import OpenVinoTargetParams, TargetJob, TargetResult, hash_files, relative
 
@@ -51,11 +51,16 @@ def place_ir(job: TargetJob, folder: Path) -> tuple[dict[str, Any], bool]:
         try:
             ovr.save_ir(ovr.convert_onnx(job.stage.model_path), folder)
         except Exception as exc:  # the converter raises assorted errors on ops it cannot translate
-            raise TargetError(f"OpenVINO cannot convert stage '{job.stage.name}': {first_line(exc)}") from None
+            raise TargetError(f"OpenVINO cannot convert stage '{job.stage.name}': {ovr.conversion_failure(exc)}") from None
         precision, hint, converted = "fp32", "f32", True
         names = ovr.output_names(job.stage.model_path)
     threads = job.settings.evaluate.threads
     compiled = ovr.compile_model(folder / ovr.IR_FILE, threads, hint)
+    facts = ovr.precision_facts(compiled)
+    if converted and facts["int8_layers"]:
+        # A QDQ stage (the int8 pass) converts to FakeQuantize ops the CPU plugin runs as int8 kernels:
+        # the label says what runs, from the runtime's own count, not the converter's default.
+        precision = "int8"
     settings = {
         "format": DEPLOY_FORMAT,
         "runtime": ovr.RUNTIME,
@@ -65,7 +70,7 @@ def place_ir(job: TargetJob, folder: Path) -> tuple[dict[str, Any], bool]:
         "hint": hint,
         "config": ovr.compile_config(threads, hint),
         "output_names": names,
-        **ovr.precision_facts(compiled),
+        **facts,
     }
     (folder / ovr.SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
     return settings, converted
