@@ -119,3 +119,28 @@ def test_the_best_trial_is_a_candidate_ranked_on_the_searchs_objectives(objectiv
     candidates = trial_frontier(rows, objectives, within_tolerance_only=True)
     picked = _best(rows, candidates, objectives)
     assert picked["stage"] == best and best in candidates
+
+
+def test_values_written_alike_stay_two_stages_with_their_own_params():
+    space = SearchSpace(parse_recipe(_data({"int8": {"pass": "int8", "after": "simplify", "params": {"mode": "dynamic"},
+                                                      "search": {"op_types": ["a b", "a-b"]}}})))
+    expanded, leaves = space.expand(list(space.grid()))
+    assert [expanded.stages[leaves[t]].params["op_types"] for t in space.grid()] == ["a b", "a-b"]
+
+    # smooth_quant_alpha: a negative disables SmoothQuant; -0.5 and 0.5 were both `..._alpha-0.5`:
+    # one stage, whose figures were reported for both trials.
+    data = _data({"prune": {"pass": "prune", "after": "simplify", "optional": True, "params": {"method": "magnitude"},
+                            "search": {"amount": [0.2, 0.4]}},
+                  "ov": {"pass": "openvino", "after": "prune", "params": {"precision": "int8"},
+                         "search": {"smooth_quant_alpha": [-0.5, 0.5]}}})
+    space = SearchSpace(parse_recipe(data))
+    expanded, leaves = space.expand(list(space.grid()))
+    assert len(set(leaves.values())) == space.size == 3 * 2
+    assert "ov__prune-off__smooth_quant_alpha--0.5" in expanded.stages  # the sign is in the name
+    for trial, leaf in leaves.items():
+        assert expanded.stages[leaf].params["smooth_quant_alpha"] == trial.get("ov.smooth_quant_alpha")
+        parent = expanded.stages[leaf].after
+        if trial.get("prune.enabled"):
+            assert expanded.stages[parent].params["amount"] == trial.get("prune.amount")
+        else:
+            assert parent == "simplify"

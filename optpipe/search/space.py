@@ -116,8 +116,13 @@ class SearchSpace:
                     continue
                 own = {d.param: trial.get(d.key) for d in self.dimensions if d.stage == stage and d.param != ENABLED}
                 parts += [f"{param}-{_text(value)}" for param, value in own.items()]
+                copy = spec.model_copy(update={"params": {**spec.params, **own}, "after": parent, "search": {}, "optional": False})
                 name = _stage_name(stage, parts)
-                stages[name] = spec.model_copy(update={"params": {**spec.params, **own}, "after": parent, "search": {}, "optional": False})
+                if name in stages and not _same(stages[name], copy):
+                    # Two values written alike (-0.5 and 0.5, 'a b' and 'a-b'): the name alone would
+                    # make two trials one stage, the second's figures read as the first's.
+                    name = f"{stage}__t{sha256_json([parent, [[k, repr(v)] for k, v in own.items()]])[:10]}"
+                stages[name] = copy
                 parent = name
             leaves[trial] = parent
         return recipe.model_copy(update={"stages": stages}), leaves
@@ -177,8 +182,16 @@ def _check(recipe: Recipe, chain: list[str], dims: list[Dimension]) -> None:
 
 
 def _text(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        return "-" + _text(-value)  # the sign kept: -0.5 is not 0.5
     text = _UNSAFE.sub("-", str(value)).strip("-.") or "x"
     return text.replace("..", ".")
+
+
+def _same(a: StageSpec, b: StageSpec) -> bool:
+    """The same stage: same parent, and params equal in value and type (True == 1 in Python)."""
+    typed = lambda spec: {k: (type(v), v) for k, v in spec.params.items()}  # noqa: E731
+    return a.after == b.after and typed(a) == typed(b)
 
 
 def _stage_name(stage: str, parts: list[str]) -> str:
