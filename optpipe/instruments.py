@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, TextIO
 
 from rich.console import Console
+from rich.markup import escape
 
 if TYPE_CHECKING:
     from optpipe.artifact import ModelArtifact
@@ -135,7 +136,8 @@ class ConsoleProgress(Instrument):
     COLOURS = {"ok": "green", "cached": "cyan", "failed": "red", "skipped": "yellow"}
 
     def __init__(self, stream: TextIO | None = None):
-        self.console = Console(file=stream or sys.stderr, highlight=False)
+        # soft_wrap: a line stays one line in a log or a pipe (rich would wrap at 80 columns there).
+        self.console = Console(file=stream or sys.stderr, highlight=False, soft_wrap=True)
         self._status = None
         self._started = 0.0
         self._label = ""
@@ -183,7 +185,8 @@ class ConsoleProgress(Instrument):
         took = time.perf_counter() - self._started
         colour = self.COLOURS.get(status, "white")
         extra = f" — {detail}" if detail else ""
-        self.console.print(f"  [{colour}]{status:>7}[/] {what} ({took:.1f}s){extra}")
+        # escape: a reason quoting a path such as "[/tmp/x]" is text, not rich markup (it raised MarkupError).
+        self.console.print(f"  [{colour}]{status:>7}[/] {escape(what)} ({took:.1f}s){escape(extra)}")
 
 
 class StepRecorder(Instrument):

@@ -63,7 +63,8 @@ class OpenVinoPass(Pass):
     # 2: an exclude_types entry that is no op type of the IR is refused (a cached 1 may hold a stage that excluded nothing)
     # 3: an exclude entry takes every IR op converted from that ONNX node (a cached 2 kept only the op named exactly so);
     #    the info records ignored int8-only params and the IR's compute ops
-    version = "3"
+    # 4: the guard holds the whole tolerance (top-1, max_abs), not the cosine alone
+    version = "4"
     Params = OpenVinoParams
     libraries = ("onnx", "openvino", "nncf")
     produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.validate)
@@ -274,7 +275,7 @@ def _accuracy_controlled(converted, calibration, options, params: OpenVinoParams
         outs = [run(_model_feeds(feeds, converted)) for _, feeds in items]
         # Samples NNCF passes may be a subset: compare them with the matching reference rows.
         picked = [i for i, _ in items]
-        return _subset_cosine(check, picked, outs)
+        return guard_metric(_subset_accuracy(check, picked, outs), ctx.tolerance.cosine_min)
 
     validation = nncf.Dataset(indexed, lambda item: _model_feeds(item[1], converted))
     restorer = nncf.AdvancedAccuracyRestorerParameters(max_num_iterations=params.max_excluded)
@@ -290,7 +291,16 @@ def _accuracy_controlled(converted, calibration, options, params: OpenVinoParams
     return quantized, check(quantized)
 
 
-def _subset_cosine(check: InputCheck, picked: list[int], outs: list[dict]) -> float:
+def guard_metric(accuracy: Accuracy, cosine_min: float) -> float:
+    """The one number NNCF's accuracy control holds (its drop from 1.0 at most 1 - cosine_min): the worst
+    cosine, pushed below cosine_min while any other bound of the tolerance breaks. On cosine alone the
+    guard stopped with the cosine held and top-1 agreement (or max_abs) still out of tolerance."""
+    if accuracy.within_tolerance:
+        return accuracy.worst_cosine
+    return min(accuracy.worst_cosine, cosine_min - 1e-6)
+
+
+def _subset_accuracy(check: InputCheck, picked: list[int], outs: list[dict]) -> Accuracy:
     from optpipe.evaluation.accuracy import compare
 
     size = check.batch_size
@@ -299,7 +309,7 @@ def _subset_cosine(check: InputCheck, picked: list[int], outs: list[dict]) -> fl
     candidate = {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
     expected = {name: array[rows] for name, array in reference.items()}
     inputs = {name: array[rows] for name, array in check.ctx.eval_set().arrays.items()}
-    return compare(candidate, expected, inputs, check.ctx.tolerance, "input").worst_cosine
+    return compare(candidate, expected, inputs, check.ctx.tolerance, "input", check.ctx.recipe.evaluate.top1)
 
 
 def has_attention(model: ModelArtifact) -> bool:

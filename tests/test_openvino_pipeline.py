@@ -18,6 +18,7 @@ from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.runtime import ort_runner, ort_session
 
 from conftest import TINY_RECIPE
+from optpipe.evaluation import openvino_runtime as ovr
 
 
 RECIPES: dict = {}
@@ -135,6 +136,12 @@ def test_triton_openvino_model_parses_and_matches_the_ir(run):
     assert config.instance_group[0].kind == pb.ModelInstanceGroup.KIND_CPU
     assert config.parameters["INFERENCE_NUM_THREADS"].string_value == "1"
     assert config.parameters["NUM_STREAMS"].string_value == "1"
+    # The backend takes HINT_BF16 = YES only (NO fails the model's load); an f32 IR cannot be pinned at f32
+    # there, so the result says at what precision it will be served on this CPU.
+    assert "HINT_BF16" not in config.parameters
+    served = result["details"]["served_inference_precision"]
+    assert served == ovr.default_inference_precision()
+    assert ("warning" in result["details"]) == (served != "f32")
 
 
 def test_onnx_targets_refuse_an_ir_stage_in_one_line(run):

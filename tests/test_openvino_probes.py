@@ -102,3 +102,21 @@ def test_openvino_runtime_errors_keep_their_reason_not_the_cpp_location(tmp_path
     with pytest.raises(Exception) as caught:
         ovr.runner(compiled)({"x": np.zeros((1, 24), np.float32)})
     assert first_line(caught.value).startswith("The input tensor size is not equal to the model input type: got [1,24] expecting [3,24]")
+
+
+def test_the_guard_metric_breaks_while_top1_is_out_of_tolerance_though_the_cosine_holds():
+    # Near-tied logits whose top two swap: cosine ~1, top-1 agreement 0. NNCF's accuracy control,
+    # holding the cosine alone, stopped there with the stage out of tolerance.
+    from optpipe.evaluation.accuracy import compare
+    from optpipe.passes.openvino import guard_metric
+    from optpipe.recipe import Tolerance
+
+    reference = np.tile(np.array([[1.0, 0.999, 0.2, 0.1]], np.float32), (8, 1))
+    swapped = reference[:, [1, 0, 2, 3]]
+    tolerance = Tolerance(cosine_min=0.99, top1_min=0.9)
+    inputs = {"x": RNG.normal(size=(8, 4)).astype(np.float32)}
+    flipped = compare({"logits": swapped}, {"logits": reference}, inputs, tolerance, "input", True)
+    assert flipped.worst_cosine > 0.999 and not flipped.within_tolerance
+    assert guard_metric(flipped, 0.99) < 0.99  # a drop NNCF must repair
+    same = compare({"logits": reference}, {"logits": reference}, inputs, tolerance, "input", True)
+    assert guard_metric(same, 0.99) == same.worst_cosine

@@ -58,3 +58,15 @@ def test_reused_names_each_half():
     assert stage(False, False) is None
     assert stage(True, None) == "cached"  # not evaluated (yet): the pass alone
     assert stage(True, True, status="failed") is None
+
+
+def test_a_progress_line_is_one_line_in_a_pipe_and_its_text_is_never_markup():
+    """Seen: rich wrapped lines at 80 columns in a log (`fp32` / `100%` on two lines), and a reason
+    quoting a path in brackets ("[/tmp/x]") raised MarkupError out of the progress printer."""
+    stream = io.StringIO()
+    progress = ConsoleProgress(stream)
+    failed = StageResult(name="export", pass_name="export", status="failed",
+                         reason="could not read [/tmp/x] " + "and a long explanation " * 8)
+    progress.stage_done(failed)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(failed.reason) and "[/tmp/x]" in lines[0], lines

@@ -126,6 +126,16 @@ def compile_model(model_or_path, threads: int, hint: str = "f32"):
     return core().compile_model(source, "CPU", compile_config(threads, hint))
 
 
+def default_inference_precision() -> str:
+    """The precision the CPU plugin runs float ops at when nothing pins it (bf16 where the CPU has BF16)."""
+    return _precision_name(core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
+
+
+def _precision_name(hint) -> str:
+    name = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
+    return {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}.get(name, name)
+
+
 def inference_precision(compiled) -> str:
     """The precision the plugin runs float ops at (bf16 / f32 / f16), as it reports it."""
     hint = compiled.get_property("INFERENCE_PRECISION_HINT")

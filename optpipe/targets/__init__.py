@@ -231,8 +231,10 @@ def _checked_gpu_type(job: TargetJob, result: TargetResult) -> TargetResult:
 
 
 def gpu_warnings(results: list[TargetResult]) -> list[str]:
-    """One line per target built on another GPU type than its gpu_type (or on none)."""
-    return [f"target {r.kind} for '{r.stage}' {r.gpu_check['warning']}" for r in results if r.gpu_check and r.gpu_check["warning"]]
+    """One line per target built on another GPU type than its gpu_type (or on none), or that will not
+    run at the precision it was measured at (details.warning)."""
+    return ([f"target {r.kind} for '{r.stage}' {r.gpu_check['warning']}" for r in results if r.gpu_check and r.gpu_check["warning"]]
+            + [f"target {r.kind} for '{r.stage}': {r.details['warning']}" for r in results if r.details.get("warning")])
 
 
 def export_stage(

@@ -78,7 +78,7 @@ def write_repository(job: TargetJob) -> TargetResult:
         files=files,
         hash=digest,
         details={"model": name, "platform": config.get("platform") or config["backend"], "max_batch_size": config["max_batch_size"],
-                 "instance_kind": config["instance_group"][0]["kind"]},
+                 "instance_kind": config["instance_group"][0]["kind"], **(served_precision(ir) if ir else {})},
     )
 
 
@@ -147,14 +147,29 @@ def model_config(job: TargetJob, params: TritonParams, name: str, ir: Optional[d
             "execution_mode": "0",  # sequential
         }
     if params.platform == "openvino":
-        # The openvino backend's names for the compile settings the stage was measured with.
+        # The openvino backend's names for the compile settings the stage was measured with. HINT_BF16
+        # takes only YES (any other value fails the model's load, openvino_backend's ParseParameterHelper),
+        # and no parameter pins f32: an f32 IR is served at the CPU plugin's default (served_precision).
         config["parameters"] = {
             "INFERENCE_NUM_THREADS": str(job.settings.evaluate.threads),
             "NUM_STREAMS": "1",
             "PERFORMANCE_HINT": "LATENCY",
-            "HINT_BF16": "YES" if ir and ir["hint"] == "bf16" else "NO",
+            **({"HINT_BF16": "YES"} if ir and ir["hint"] == "bf16" else {}),
         }
     return config
+
+
+def served_precision(ir: dict[str, Any]) -> dict[str, Any]:
+    """What Triton's openvino backend will run float ops at, on this CPU: the stage's bf16 hint, or the
+    plugin's default (bf16 on CPUs with BF16), with a warning when that is not what was measured."""
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    served = "bf16" if ir["hint"] == "bf16" else ovr.default_inference_precision()
+    facts: dict[str, Any] = {"served_inference_precision": served}
+    if served != ir["hint"]:
+        facts["warning"] = (f"Triton's openvino backend has no setting that pins {ir['hint']}: on this CPU it runs float ops at "
+                            f"{served} (its default), not the {ir['hint']} this stage was measured at")
+    return facts
 
 
 def batching_limit(job: TargetJob, params: TritonParams, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> int:
