@@ -163,6 +163,10 @@ def _dimensions(recipe: Recipe, stage: str) -> list[Dimension]:
 
 
 def _check(recipe: Recipe, chain: list[str], dims: list[Dimension]) -> None:
+    for stage in chain:
+        if ENABLED in recipe.stages[stage].search:  # the name of the pseudo-param `optional` adds
+            raise RecipeError(f"stages.{stage}.search.{ENABLED}: no pass has this param; write `optional: true` "
+                              f"to search the stage with and without itself")
     for dim in dims:
         if dim.param in recipe.stages[dim.stage].params:
             raise RecipeError(f"stages.{dim.stage}.search.{dim.param}: also set in params; keep it in one of the two")
