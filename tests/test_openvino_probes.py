@@ -120,3 +120,17 @@ def test_the_guard_metric_breaks_while_top1_is_out_of_tolerance_though_the_cosin
     assert guard_metric(flipped, 0.99) < 0.99  # a drop NNCF must repair
     same = compare({"logits": reference}, {"logits": reference}, inputs, tolerance, "input", True)
     assert guard_metric(same, 0.99) == same.worst_cosine
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"platform": "openvino", "device": "gpu"}, "platform openvino runs on the CPU here"),
+    ({"platform": "tensorrt", "device": "cpu"}, "platform tensorrt runs on GPUs only"),
+])
+def test_a_triton_device_its_platform_cannot_use_is_refused_at_validation(params, message):
+    # It failed as a target after the whole run (exit 1); now validate names the key (exit 2).
+    from optpipe.recipe import TargetSpec
+    from optpipe.targets import target_params
+
+    with pytest.raises(RecipeError, match=rf"^targets.0.params: {message}"):
+        target_params(TargetSpec(kind="triton", params=params), "targets.0.params")
+    assert target_params(TargetSpec(kind="triton", params={"platform": "openvino"}), "targets.0.params").device == "auto"
