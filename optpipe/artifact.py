@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+from onnx import external_data_helper
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -94,14 +96,13 @@ def save_model(model: onnx.ModelProto, folder: Path, info: dict[str, Any] | None
     folder.mkdir(parents=True, exist_ok=True)
     for stale in (folder / MODEL_FILE, folder / DATA_FILE):
         stale.unlink(missing_ok=True)
-    onnx.save_model(
-        model,
-        str(folder / MODEL_FILE),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=DATA_FILE,
-        size_threshold=1024,
-    )
+    # What onnx.save_model(save_as_external_data=True, location=DATA_FILE, size_threshold=1024) does,
+    # less its check that `location` does not exist, which onnx makes against the working directory,
+    # not the model's folder: a user's own model.onnx.data where optpipe runs failed every pass.
+    for tensor in external_data_helper._get_initializer_tensors(model):
+        if tensor.HasField("raw_data") and sys.getsizeof(tensor.raw_data) >= 1024:
+            external_data_helper.set_external_data(tensor, DATA_FILE)
+    onnx.save_model(model, str(folder / MODEL_FILE))  # writes the external tensors beside it
     if not (folder / DATA_FILE).exists():
         (folder / DATA_FILE).write_bytes(b"")  # keep the pair even when every tensor was tiny
     return write_info(folder, info or {})

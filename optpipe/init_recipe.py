@@ -246,6 +246,10 @@ def _probe(net, inputs: list[dict], dims: dict) -> list[str]:
 
 # --- the recipe text -------------------------------------------------------------------------
 
+# Every kind's best CPU candidate (MiniLM 3.95x eager, ResNet-50 5.24x: docs/benchmarks.md).
+OPENVINO_INT8 = ("ov-int8", "openvino", "simplify", {"precision": "int8"},
+                 "OpenVINO IR, int8 by NNCF on the calibration set: the fastest CPU candidate measured (docs/int8.md)")
+
 STAGES = {
     "cnn": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -256,6 +260,7 @@ STAGES = {
         ("fuse", "fuse", "simplify", {"transformer": "off"}, "Conv+BN+activation fusion for ONNX Runtime"),
         ("prune", "prune", "simplify", {"method": "structured", "amount": 0.25},
          "removes 25% of the channels, no fine-tuning: the report shows what it costs"),
+        OPENVINO_INT8,
     ],
     "transformer": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -263,12 +268,14 @@ STAGES = {
         ("fuse", "fuse", "simplify", {}, "attention, layer norm and GELU fusion"),
         ("int8", "int8", "fuse", {"mode": "dynamic"}, "after fuse: dynamic int8 quantizes the fused attention's MatMuls"),
         ("fp16", "fp16", "fuse", {}, "half precision, for GPUs"),
+        OPENVINO_INT8,
     ],
     "dense": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
         ("simplify", "simplify", "export", {}, "constant folding, dead code"),
         ("fp16", "fp16", "simplify", {}, "half precision, for GPUs"),
         ("int8", "int8", "simplify", {"mode": "dynamic"}, "int8 weights, activations quantized at run time"),
+        OPENVINO_INT8,
     ],
 }
 

@@ -321,3 +321,12 @@ def test_recurrent_ops_are_counted_and_ops_without_a_formula_are_not_free(tmp_pa
     coverage = precision_coverage(model)
     assert coverage.total_macs == seq * batch * 4 * hid * (inp + hid) and coverage.macs == {"fp32": 1.0}
     assert coverage.unknown_ops == {"Einsum": 1} and "no MAC formula" in unknown_shapes_warning(coverage)
+
+
+def test_the_mix_reads_largest_first_also_when_read_back_from_the_cache():
+    from optpipe.graph.coverage import Coverage
+
+    made = Coverage(macs={"int8": 0.8, "fp32": 0.2}, weights={"int8": 0.9, "fp32": 0.1}, total_macs=10, weight_elements=10)
+    cached = Coverage.model_validate({**made.model_dump(), "macs": {"fp32": 0.2, "int8": 0.8}})  # the order JSON kept
+    assert list(cached.macs) == ["fp32", "int8"]
+    assert made.summary() == cached.summary() == "int8 80% · fp32 20%"

@@ -144,3 +144,44 @@ def test_values_written_alike_stay_two_stages_with_their_own_params():
             assert expanded.stages[parent].params["amount"] == trial.get("prune.amount")
         else:
             assert parent == "simplify"
+
+
+def test_the_trial_budget_counts_distinct_points_and_a_sampler_stuck_on_tried_ones_stops(tmp_path, monkeypatch):
+    import io
+
+    import optpipe.search.driver as driver_module
+    from optpipe.execution.executors import LocalExecutor, Progress
+    from optpipe.search.runner import compile_recipes
+
+    class _Stuck:
+        """A sampler that proposes one point forever (Optuna's may, on a small categorical space)."""
+
+        def __init__(self, space, *args):
+            self.point = next(space.grid())
+
+        def ask(self, count):
+            return [(None, self.point)] * count
+
+        def tell(self, handle, result):
+            pass
+
+        def exhausted(self):
+            return False
+
+        def resumed(self):
+            return []
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(driver_module, "make_proposer", lambda space, *args: _Stuck(space))
+    data = _data({"int8": {"pass": "int8", "after": "simplify", "params": {"mode": "dynamic"}, "search": {"per_channel": [True, False]}}},
+                 {"strategy": "optuna", "trials": 2})
+    data["output"] = str(tmp_path / "run")
+    data["evaluate"].update(batch_sizes=[1], warmup=1, iterations=3)
+    stream = io.StringIO()
+    [(report, failed)] = compile_recipes([parse_recipe(data)], LocalExecutor(), cache_dir=tmp_path / "cache", progress=Progress(stream))
+    trials = report.search["trials"]
+    assert report.search["stopped"] == f"the sampler proposed only points already tried, {driver_module.REPEAT_LIMIT} in a row"
+    assert len(trials) == 1 + driver_module.REPEAT_LIMIT and [t["repeat_of"] for t in trials[1:]] == [1] * driver_module.REPEAT_LIMIT
+    assert "trial 2 (point 1/2) ok (repeat of trial 1)" in stream.getvalue() and failed == []

@@ -69,8 +69,9 @@ class Coverage(BaseModel):
     def summary(self) -> str:
         """One cell of the report: the MAC mix, largest first; where no MACs were counted, the
         weights' mix, saying so; compute nodes whose MACs are unknown are counted."""
-        def mix(shares):
-            return " · ".join(f"{p} {v:.0%}" for p, v in shares.items() if v >= 0.005)
+        def mix(shares):  # sorted here: a coverage read back from the cache has its keys in JSON's order
+            ranked = sorted(shares.items(), key=lambda kv: (-kv[1], kv[0]))
+            return " · ".join(f"{p} {v:.0%}" for p, v in ranked if v >= 0.005)
 
         if self.total_macs:
             unknown = f" · {self.unknown_shapes} nodes' MACs unknown" if self.unknown_shapes else ""

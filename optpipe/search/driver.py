@@ -17,10 +17,15 @@ from optpipe.recipe import Recipe
 from optpipe.results import RunReport
 from optpipe.search.checks import check_searched_values, check_trial
 from optpipe.search.report import search_section
-from optpipe.search.space import SearchSpace, Trial
+from optpipe.search.space import ENABLED, SearchSpace, Trial
 from optpipe.search.spec import SearchSettings
 from optpipe.search.strategies import make_proposer, resolve_strategy
 from optpipe.search.study import study_path
+
+
+#: A sampler that proposes only points already tried this many times in a row (or the trial
+#: budget's count, if larger) has converged on its space: the search stops there.
+REPEAT_LIMIT = 20
 
 
 @dataclass
@@ -48,6 +53,7 @@ class SearchDriver:
         self.expanded, self.leaves = self.space.expand([])
         self.started: float | None = None
         self.stopped = ""
+        self.repeats_in_a_row = 0
         self._resume(self.proposer.resumed())
 
     def _resume(self, trials: list[Trial]) -> None:
@@ -82,12 +88,10 @@ class SearchDriver:
 
     def absorb(self, progress: Progress) -> None:
         seen = {r.trial: r.number for r in self.records if r.repeat_of is None}
-        total = self.budget or self.space.size
         for record in self.unreported:
             result = self.memo.results.get(record.stage) if record.stage else None
             detail = result_detail(result) if result else "nothing to measure: every searched stage is off"
-            params = ", ".join(f"{k}={v}" for k, v in record.trial.values)
-            progress.line(f"  trial {record.number}/{total} from the saved study: {params} -> {record.stage} — {detail}")
+            progress.line(f"  {self._label(record)} from the saved study: {_shown(record.trial)} -> {record.stage} — {detail}")
         self.unreported = []
         for handle, trial in self.pending:
             stage = self.leaves.get(trial)
@@ -100,10 +104,17 @@ class SearchDriver:
             status = result.status if result else "failed"
             if result is not None and result.accuracy is not None and status == "ok" and not result.accuracy.within_tolerance:
                 status = "out of tolerance"
-            params = ", ".join(f"{k}={v}" for k, v in trial.values)
             again = f" (repeat of trial {record.repeat_of})" if record.repeat_of else ""
-            progress.line(f"  trial {record.number}/{total} {status}{again}: {params} -> {stage} — {detail}")
+            self.repeats_in_a_row = self.repeats_in_a_row + 1 if record.repeat_of else 0
+            progress.line(f"  {self._label(record)} {status}{again}: {_shown(trial)} -> {stage} — {detail}")
         self.pending = []
+
+    def _label(self, record: TrialRecord) -> str:
+        """`trial 7/12`; once Optuna has proposed a point again (measured once, not counted against
+        the budget), `trial 9 (point 7/12)`."""
+        total = self.budget or self.space.size
+        point = len({r.trial for r in self.records[:record.number]})
+        return f"trial {record.number}/{total}" if point == record.number else f"trial {record.number} (point {point}/{total})"
 
     def finish(self, group_by_node: bool, providers: str, progress: Progress, executor=None) -> RunReport:
         wall = time.perf_counter() - (self.started or time.perf_counter())
@@ -133,9 +144,15 @@ class SearchDriver:
         return outside
 
     def _room(self, slots: int) -> int:
-        """How many trials the next round may start (0: the search is over, and why)."""
-        if self.budget is not None and len(self.records) >= self.budget:
+        """How many trials the next round may start (0: the search is over, and why). The trial budget
+        counts distinct points: a point Optuna proposes again costs nothing (its stage is measured
+        once), and `trials: 6` that measured 3 models would not be the search the user paid for."""
+        distinct = len({r.trial for r in self.records})
+        if self.budget is not None and distinct >= self.budget:
             self.stopped = f"budget of {self.budget} trials spent"
+            return 0
+        if self.repeats_in_a_row >= max(REPEAT_LIMIT, self.budget or 0):
+            self.stopped = f"the sampler proposed only points already tried, {self.repeats_in_a_row} in a row"
             return 0
         if self.settings.wall_time_s is not None and time.perf_counter() - self.started >= self.settings.wall_time_s:
             self.stopped = f"wall-time budget of {self.settings.wall_time_s:g}s spent"
@@ -144,8 +161,14 @@ class SearchDriver:
         if self.proposer.exhausted() or unique >= self.space.size and self.strategy == "optuna":
             self.stopped = "every point of the space tried"
             return 0
-        room = slots if self.budget is None else min(slots, self.budget - len(self.records))
+        room = slots if self.budget is None else min(slots, self.budget - distinct)
         return max(room, 0)
+
+
+def _shown(trial: Trial) -> str:
+    """A trial's params as progress shows them: those of a stage that is off played no part."""
+    off = {key.rsplit(".", 1)[0] for key, value in trial.values if key.endswith(f".{ENABLED}") and value is False}
+    return ", ".join(f"{k}={v}" for k, v in trial.values if k.rsplit(".", 1)[0] not in off or k.endswith(f".{ENABLED}"))
 
 
 def describe_search(recipe: Recipe) -> str:
