@@ -120,3 +120,59 @@ def test_the_guard_metric_breaks_while_top1_is_out_of_tolerance_though_the_cosin
     assert guard_metric(flipped, 0.99) < 0.99  # a drop NNCF must repair
     same = compare({"logits": reference}, {"logits": reference}, inputs, tolerance, "input", True)
     assert guard_metric(same, 0.99) == same.worst_cosine
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"platform": "openvino", "device": "gpu"}, "platform openvino runs on the CPU here"),
+    ({"platform": "tensorrt", "device": "cpu"}, "platform tensorrt runs on GPUs only"),
+])
+def test_a_triton_device_its_platform_cannot_use_is_refused_at_validation(params, message):
+    # It failed as a target after the whole run (exit 1); now validate names the key (exit 2).
+    from optpipe.recipe import TargetSpec
+    from optpipe.targets import target_params
+
+    with pytest.raises(RecipeError, match=rf"^targets.0.params: {message}"):
+        target_params(TargetSpec(kind="triton", params=params), "targets.0.params")
+    assert target_params(TargetSpec(kind="triton", params={"platform": "openvino"}), "targets.0.params").device == "auto"
+
+
+def test_an_fp32_conversion_that_computes_something_else_is_refused_naming_the_ort_only_ops(tmp_path):
+    # OpenVINO converts ONNX Runtime's contrib ops without error yet, for a BERT after the fuse pass
+    # (MultiHeadAttention, SkipLayerNormalization, FusedGemm), computed cosine 0.69 in FP32: the int8
+    # stage built on it read 'ok'. Here the input has a contrib op and the "conversion" is another model.
+    from optpipe.passes.openvino import InputCheck, check_conversion
+
+    model = parser.parse_model("""
+    <ir_version: 9, opset_import: ["" : 17, "com.microsoft" : 1]>
+    g (float[N, 24] x) => (float[N, 24] y) {
+      y = com.microsoft.Gelu (x)
+    }""")
+    source = artifact_of_unchecked(model, tmp_path / "in")
+    other = artifact_of(parser.parse_model(GEMMS.split("{")[0] .replace("float[B, 10] y", "float[B, 24] y") + "{ y = Neg (x) }"),
+                        tmp_path / "other")
+    recipe = graph_recipe([{"name": "x", "shape": ["N", 24]}], dims={"N": {"min": 1, "opt": 4, "max": 32}})
+    arrays = {"x": RNG.uniform(-1, 1, (16, 24)).astype(np.float32)}
+    check = InputCheck(source, context(recipe, tmp_path / "ov", arrays))
+    with pytest.raises(PassError, match=r"^OpenVINO's FP32 conversion does not compute what the input ONNX does "
+                                        r"\(output 'y' cosine .*its ONNX Runtime-only ops \(com.microsoft:Gelu\)"):
+        check_conversion(ovr.convert_onnx(other.path), source, check)
+    assert check_conversion(ovr.convert_onnx(source.path), source, check).within_tolerance  # its own conversion holds
+
+
+def artifact_of_unchecked(model, folder):
+    from optpipe.artifact import save_model
+
+    return save_model(model, folder)  # onnx.checker does not know com.microsoft ops
+
+
+def test_fused_attention_ops_make_the_graph_a_transformer(tmp_path):
+    from optpipe.passes.openvino import has_attention
+
+    model = parser.parse_model("""
+    <ir_version: 9, opset_import: ["" : 17, "com.microsoft" : 1]>
+    g (float[N, T, 32] q, float[N, T, 32] k, float[N, T, 32] v) => (float[N, T, 32] y) {
+      y = com.microsoft.MultiHeadAttention <num_heads = 4> (q, k, v)
+    }""")
+    assert has_attention(artifact_of_unchecked(model, tmp_path / "mha"))
+    source, _, _ = gemms(tmp_path)
+    assert not has_attention(source)

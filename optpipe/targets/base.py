@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Union
 
 import onnx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optpipe.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
 from optpipe.results import StageResult, TargetResult, TargetStatus
@@ -54,6 +54,15 @@ class TritonParams(TargetParams):
     max_queue_delay_us: int = Field(100, ge=0, description="how long Triton may wait to fill a batch")
     max_batch_size: Optional[int] = Field(None, ge=0, description="default: the batch dim's max from the recipe")
     model_name: str = Field("{recipe}_{stage}", description="model folder name; {recipe} and {stage} are filled in")
+
+    @model_validator(mode="after")
+    def _device_fits_platform(self):
+        # Refused at validation (exit 2), not as a failed target after the whole run.
+        if self.platform == "openvino" and self.device == "gpu":
+            raise ValueError("platform openvino runs on the CPU here (optpipe measures OpenVINO on the CPU); set device: cpu or auto")
+        if self.platform == "tensorrt" and self.device == "cpu":
+            raise ValueError("platform tensorrt runs on GPUs only; set device: gpu or auto, or platform: onnxruntime")
+        return self
 
 
 class OpenVinoTargetParams(TargetParams):
