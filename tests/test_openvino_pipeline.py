@@ -217,3 +217,19 @@ def test_export_triton_of_an_ir_stage_picks_the_openvino_backend(run, tmp_path):
     assert 'backend: "openvino"' in (tmp_path / result.path / "config.pbtxt").read_text()
     with pytest.raises(optpipe.errors.TargetError, match="does not exist"):
         load(tmp_path / "no-such-folder")
+
+
+def test_an_ir_converted_from_a_stage_within_tolerance_that_breaks_it_fails_and_is_removed(run, tmp_path, monkeypatch):
+    # A BERT's fuse stage (ORT contrib ops) converted to an IR at cosine 0.69: the target read 'ok'.
+    from optpipe.targets import export_stage
+    from optpipe.targets import openvino as ov_target
+
+    run_dir, report = run
+    held = report.stage("simplify").accuracy
+    broken = held.model_copy(update={"within_tolerance": False, "violations": ["output 'logits' cosine 0.6933 < 0.999"]})
+    monkeypatch.setattr(ov_target, "measure_ir", lambda job, folder, settings: (broken, []))
+    result = export_stage(run_dir, "simplify", "openvino", tmp_path)
+    assert result.status == "failed"
+    assert result.reason.startswith("OpenVINO's conversion of stage 'simplify' does not compute what its ONNX does "
+                                    "(output 'logits' cosine 0.6933 < 0.999)")
+    assert not list(tmp_path.rglob("model.xml"))

@@ -29,6 +29,14 @@ def write_ir(job: TargetJob) -> TargetResult:
     accuracy, latency = (stage.accuracy, stage.latency) if stage and not measured_here else (None, [])
     if measured_here and params.evaluate and job.measurer is not None:
         accuracy, latency = measure_ir(job, folder, settings)
+        if accuracy is not None and stage and stage.accuracy and stage.accuracy.within_tolerance and not accuracy.within_tolerance:
+            # The stage held its tolerance in ONNX Runtime; the IR does not: the conversion changed what it computes
+            # (ORT's contrib ops after the fuse pass convert without error, wrongly). Failed, not an 'ok' row,
+            # and the wrong IR is not left where a deployment could pick it up.
+            for name in (ovr.IR_FILE, ovr.WEIGHTS_FILE, ovr.SETTINGS_FILE):
+                (folder / name).unlink(missing_ok=True)
+            raise TargetError(f"OpenVINO's conversion of stage '{job.stage.name}' does not compute what its ONNX does "
+                              f"({'; '.join(accuracy.violations)}); convert a stage without ONNX Runtime-only ops (e.g. simplify, not fuse)")
     files, digest = hash_files(folder)
     return job.result(
         "ok", path=relative(folder, job.root), precision=settings["precision"], provider=ovr.PROVIDER,
