@@ -185,3 +185,27 @@ def test_the_trial_budget_counts_distinct_points_and_a_sampler_stuck_on_tried_on
     assert report.search["stopped"] == f"the sampler proposed only points already tried, {driver_module.REPEAT_LIMIT} in a row"
     assert len(trials) == 1 + driver_module.REPEAT_LIMIT and [t["repeat_of"] for t in trials[1:]] == [1] * driver_module.REPEAT_LIMIT
     assert "trial 2 (point 1/2) ok (repeat of trial 1)" in stream.getvalue() and failed == []
+
+
+def test_searching_enabled_is_refused_for_optional():
+    # `enabled` is the pseudo-param of `optional: true`; searched by hand it made two trials of one model.
+    data = _data({"int8": {"pass": "int8", "after": "simplify", "params": {"mode": "dynamic"}, "search": {"enabled": [True, False]}}})
+    with pytest.raises(RecipeError, match=r"^stages\.int8\.search\.enabled: no pass has this param; write `optional: true`"):
+        SearchSpace(parse_recipe(data))
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_optuna_cannot_take_is_a_recipe_error(seed):
+    # numpy refused it mid-run: 'internal error: ValueError: Seed must be between 0 and 2**32 - 1'.
+    with pytest.raises(RecipeError, match=r"evaluate\.search\.seed: Input should be (greater|less) than or equal to"):
+        parse_recipe(_data({}, {"strategy": "optuna", "trials": 2, "seed": seed}))
+
+
+def test_a_grid_budget_samples_a_space_past_2_to_the_63():
+    ranges = {p: {"min": 1, "max": 10_000, "step": 1} for p in ("max_excluded", "rank_samples", "guard_trials", "calibration_batch")}
+    data = _data({"int8": {"pass": "int8", "after": "simplify", "search": {**ranges, "percentile": {"min": 90, "max": 99.999, "step": 0.001}}}},
+                 {"strategy": "grid", "trials": 4})
+    space = SearchSpace(parse_recipe(data))
+    assert space.size == 10_000 ** 4 * 9_999 + 10_000 ** 4  # 99.999 falls on a step: 10,000 percentiles
+    trials = [t for _, t in GridProposer(space, budget=4, seed=0).ask(4)]
+    assert len(set(trials)) == 4 and all(1 <= t.get("int8.max_excluded") <= 10_000 for t in trials)

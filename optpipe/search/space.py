@@ -62,7 +62,7 @@ class SearchSpace:
     @property
     def size(self) -> int:
         """How many distinct points, counted, not listed: a space of 10^8 points is fine for optuna."""
-        return math.prod(len(block) for block in self._blocks())
+        return math.prod(block.count for block in self._blocks())
 
     def grid(self) -> Iterator[Trial]:
         """Every distinct point, lazily, in grid order: an optional stage that is off has one point,
@@ -77,7 +77,7 @@ class SearchSpace:
             raise IndexError(f"point {index} of a space of {self.size}")
         combo = []
         for block in reversed(self._blocks()):  # mixed radix: the last stage varies fastest
-            index, digit = divmod(index, len(block))
+            index, digit = divmod(index, block.count)
             combo.append(block[digit])
         return self._joined(reversed(combo))
 
@@ -163,6 +163,10 @@ def _dimensions(recipe: Recipe, stage: str) -> list[Dimension]:
 
 
 def _check(recipe: Recipe, chain: list[str], dims: list[Dimension]) -> None:
+    for stage in chain:
+        if ENABLED in recipe.stages[stage].search:  # the name of the pseudo-param `optional` adds
+            raise RecipeError(f"stages.{stage}.search.{ENABLED}: no pass has this param; write `optional: true` "
+                              f"to search the stage with and without itself")
     for dim in dims:
         if dim.param in recipe.stages[dim.stage].params:
             raise RecipeError(f"stages.{dim.stage}.search.{dim.param}: also set in params; keep it in one of the two")
@@ -202,7 +206,7 @@ def _stage_name(stage: str, parts: list[str]) -> str:
 
 
 class _StagePoints:
-    """One stage's distinct points as a sequence, indexed without listing them: its params'
+    """One stage's distinct points, indexed without listing them: its params'
     combinations (in product order, the first param slowest), then, for an optional stage,
     the one point where it is off (its params at their first values)."""
 
@@ -211,11 +215,12 @@ class _StagePoints:
         self.own = [d for d in dims if d.param != ENABLED]
         self.on = math.prod(len(d.values) for d in self.own)
 
-    def __len__(self) -> int:
+    @property
+    def count(self) -> int:  # not __len__: Python's len() stops at 2**63
         return self.on + (1 if self.switch else 0)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        if not 0 <= index < len(self):
+        if not 0 <= index < self.count:
             raise IndexError(index)
         point: dict[str, Any] = {}
         if index == self.on:  # the stage is off

@@ -77,7 +77,8 @@ class SearchSettings(_Strict):
     )
     trials: Optional[int] = Field(None, ge=1, description="budget: at most this many trials")
     wall_time_s: Optional[float] = Field(None, gt=0, description="budget: start no new trial after this many seconds")
-    seed: int = Field(0, description="sampler seed (and grid order when the budget cuts the grid)")
+    # Optuna's samplers seed numpy, which takes 0 .. 2**32 - 1 only (else an error mid-run).
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="sampler seed (and grid order when the budget cuts the grid)")
 
     @model_validator(mode="after")
     def _unique_objectives(self):

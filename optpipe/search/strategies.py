@@ -3,6 +3,7 @@ Optuna's multi-objective samplers (TPE, NSGA-II) through its ask/tell interface.
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ class GridProposer:
         if budget is not None and budget < size:
             # A seeded sample in grid order: the same trials on every rerun, spread over the space
             # (indices, not points, are sampled: a huge grid is never listed).
-            indices = iter(sorted(random.Random(seed).sample(range(size), budget)))
+            indices = iter(sorted(_sample(random.Random(seed), size, budget)))
             self._pending = (space.point(i) for i in indices)
         else:
             self._pending = space.grid()
@@ -62,6 +63,17 @@ class GridProposer:
 
     def tell(self, handle: Any, result: StageResult | None) -> None:
         pass
+
+
+def _sample(rng: random.Random, size: int, count: int) -> list[int]:
+    """`count` distinct indices of range(size). random.sample takes len(range), which overflows past
+    2**63 points (five searched params of 10,000 values): there, draws until `count` differ."""
+    if size <= sys.maxsize:
+        return rng.sample(range(size), count)
+    chosen: set[int] = set()
+    while len(chosen) < count:
+        chosen.add(rng.randrange(size))
+    return list(chosen)
 
 
 class OptunaProposer:
