@@ -29,14 +29,7 @@ def write_ir(job: TargetJob) -> TargetResult:
     accuracy, latency = (stage.accuracy, stage.latency) if stage and not measured_here else (None, [])
     if measured_here and params.evaluate and job.measurer is not None:
         accuracy, latency = measure_ir(job, folder, settings)
-        if accuracy is not None and stage and stage.accuracy and stage.accuracy.within_tolerance and not accuracy.within_tolerance:
-            # The stage held its tolerance in ONNX Runtime; the IR does not: the conversion changed what it computes
-            # (ORT's contrib ops after the fuse pass convert without error, wrongly). Failed, not an 'ok' row,
-            # and the wrong IR is not left where a deployment could pick it up.
-            for name in (ovr.IR_FILE, ovr.WEIGHTS_FILE, ovr.SETTINGS_FILE):
-                (folder / name).unlink(missing_ok=True)
-            raise TargetError(f"OpenVINO's conversion of stage '{job.stage.name}' does not compute what its ONNX does "
-                              f"({'; '.join(accuracy.violations)}); convert a stage without ONNX Runtime-only ops (e.g. simplify, not fuse)")
+        check_conversion(job, folder, accuracy)
     files, digest = hash_files(folder)
     return job.result(
         "ok", path=relative(folder, job.root), precision=settings["precision"], provider=ovr.PROVIDER,
@@ -82,6 +75,28 @@ def place_ir(job: TargetJob, folder: Path) -> tuple[dict[str, Any], bool]:
     }
     (folder / ovr.SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
     return settings, converted
+
+
+def check_conversion(job: TargetJob, folder: Path, accuracy) -> None:
+    """The stage held its tolerance in ONNX Runtime; an IR converted from it that does not has had what it
+    computes changed (ORT's contrib ops after the fuse pass convert without error, wrongly: a BERT came out
+    at cosine 0.69). Failed, not an 'ok' row, and the IR is removed where a deployment could pick it up."""
+    stage = job.stage.result
+    if accuracy is None or not (stage and stage.accuracy and stage.accuracy.within_tolerance) or accuracy.within_tolerance:
+        return
+    for name in (ovr.IR_FILE, ovr.WEIGHTS_FILE, ovr.SETTINGS_FILE):
+        (folder / name).unlink(missing_ok=True)
+    raise TargetError(f"OpenVINO's conversion of stage '{job.stage.name}' does not compute what its ONNX does "
+                      f"({'; '.join(accuracy.violations)}); convert a stage without ONNX Runtime-only ops (e.g. simplify, not fuse)")
+
+
+def measure_accuracy(job: TargetJob, folder: Path, names: list[str] | None):
+    """The IR in `folder` (compiled with the deployed settings) against the reference stage."""
+    from optpipe.evaluation.accuracy import run_callable
+
+    compiled = ovr.compile_model(folder / ovr.IR_FILE, job.settings.evaluate.threads)
+    run = ovr.runner(compiled, names)
+    return job.measurer.accuracy(run_callable(run, job.measurer.batches), job.settings.tolerance_for(job.stage.name))
 
 
 def measure_ir(job: TargetJob, folder: Path, settings: dict[str, Any]):

@@ -67,13 +67,13 @@ def write_repository(job: TargetJob) -> TargetResult:
     files, digest = hash_files(folder)
     source = engine or job.stage.result
     if ir and ir["converted"]:
-        source = None  # the stage's numbers are ONNX Runtime's, not this IR's: the openvino target measures it
+        source = None  # the stage's numbers are ONNX Runtime's, not this IR's: its accuracy was measured here, its latency by the openvino target
     return job.result(
         "ok",
         path=relative(folder, job.root),
         precision=engine.precision if engine else (ir["precision"] if ir else precision_of(job.stage.graph)),
         provider=(engine.provider if engine else ("openvino-cpu" if ir else (source.headline.provider if source and source.headline else None))),
-        accuracy=source.accuracy if source else None,
+        accuracy=source.accuracy if source else (ir.get("accuracy") if ir else None),
         latency=source.latency if source else [],
         files=files,
         hash=digest,
@@ -118,6 +118,14 @@ def openvino_model(job: TargetJob, version_dir: Path) -> dict[str, Any]:
     (version_dir / "openvino.json").unlink()  # Triton reads the config.pbtxt parameters, not this file
     settings["io"] = openvino.ir_io_specs(version_dir, settings.get("output_names"))
     settings["converted"] = converted
+    if converted and job.measurer is not None:
+        # The stage's numbers are ONNX Runtime's: the IR's accuracy is measured here (a conversion can change it).
+        settings["accuracy"] = openvino.measure_accuracy(job, version_dir, settings.get("output_names"))
+        try:
+            openvino.check_conversion(job, version_dir, settings["accuracy"])
+        except TargetError:
+            shutil.rmtree(version_dir.parent)  # no half model (a config-less folder) left in the repository
+            raise
     return settings
 
 
