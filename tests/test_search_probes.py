@@ -209,3 +209,22 @@ def test_a_grid_budget_samples_a_space_past_2_to_the_63():
     assert space.size == 10_000 ** 4 * 9_999 + 10_000 ** 4  # 99.999 falls on a step: 10,000 percentiles
     trials = [t for _, t in GridProposer(space, budget=4, seed=0).ask(4)]
     assert len(set(trials)) == 4 and all(1 <= t.get("int8.max_excluded") <= 10_000 for t in trials)
+
+
+@pytest.mark.parametrize("which", ["its own", "a wider space's source"])
+def test_a_study_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, which):
+    import optuna
+    from filelock import FileLock
+
+    from optpipe.errors import OptpipeError
+    from optpipe.search.study import open_study
+
+    space = SearchSpace(parse_recipe(_data({"int8": {"pass": "int8", "after": "simplify", "params": {"mode": "dynamic"},
+                                                      "search": {"per_channel": [True, False]}}})))
+    own, other = tmp_path / "abc-new.journal", tmp_path / "abc-old.journal"
+    broken = own if which == "its own" else other
+    broken.write_text("not json{\n")  # edited by hand, or cut by a broken disk: was an internal error
+    sampler = optuna.samplers.TPESampler(seed=0)
+    with pytest.raises(OptpipeError, match=rf"^{broken}: the saved Optuna study cannot be read \(\w+: .*\); delete it"):
+        open_study(optuna, own, "abc", space, ["minimize", "maximize"], sampler, fresh=False)
+    assert FileLock(str(own) + ".driver.lock").acquire(timeout=0)  # released: a rerun is not told another drives it

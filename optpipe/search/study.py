@@ -21,7 +21,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from optpipe.artifact import sha256_json
-from optpipe.errors import OptpipeError
+from optpipe.errors import OptpipeError, first_line
 from optpipe.recipe import Recipe
 
 STUDY_NAME = "optpipe"
@@ -56,12 +56,36 @@ def open_study(optuna, path: Path, recipe_key: str, space, directions: list[str]
     if fresh:  # --force: the trials are recomputed, so is the study
         path.unlink(missing_ok=True)
     new = not path.exists()
-    storage = JournalStorage(JournalFileBackend(str(path)))
-    study = optuna.create_study(study_name=STUDY_NAME, storage=storage, directions=directions, sampler=sampler, load_if_exists=True)
-    if new and not fresh:
-        _import_wider(optuna, study, path, recipe_key, space)
-    _requeue_interrupted(optuna, study)
+    reading = path
+    try:
+        storage = JournalStorage(JournalFileBackend(str(path)))
+        study = optuna.create_study(study_name=STUDY_NAME, storage=storage, directions=directions, sampler=sampler, load_if_exists=True)
+        if new and not fresh:
+            reading = None  # the recipe's other studies: _import_wider names the one it reads
+            _import_wider(optuna, study, path, recipe_key, space)
+        _requeue_interrupted(optuna, study)
+    except _Unreadable as exc:
+        lock.release()
+        raise OptpipeError(_unreadable(exc.path, exc.__cause__)) from None
+    except Exception as exc:  # noqa: BLE001  (whatever Optuna's reader raises on a file it cannot parse)
+        lock.release()
+        if reading is None:
+            raise
+        raise OptpipeError(_unreadable(reading, exc)) from None
     return study, lock
+
+
+class _Unreadable(Exception):
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.path = path
+
+
+def _unreadable(path: Path, exc: BaseException | None) -> str:
+    """A study log cut or edited by hand (a torn disk, a text editor): the user's file, one line."""
+    reason = first_line(exc) if exc is not None else "unreadable"
+    return (f"{path}: the saved Optuna study cannot be read ({type(exc).__name__}: {reason}); delete it to start "
+            f"the search's study afresh (its finished trials stay in the cache), or rerun with --force")
 
 
 def finished_trials(optuna, study) -> list:
@@ -89,9 +113,13 @@ def _import_wider(optuna, study, path: Path, recipe_key: str, space) -> None:
     for other in sorted(path.parent.glob(f"{recipe_key}-*.journal")):
         if other == path:
             continue
-        old = optuna.load_study(study_name=STUDY_NAME, storage=JournalStorage(JournalFileBackend(str(other))))
+        try:
+            old = optuna.load_study(study_name=STUDY_NAME, storage=JournalStorage(JournalFileBackend(str(other))))
+            finished = finished_trials(optuna, old)
+        except Exception as exc:  # noqa: BLE001  (as in open_study)
+            raise _Unreadable(other) from exc
         points = set()
-        for trial in finished_trials(optuna, old):
+        for trial in finished:
             inside = set(trial.params) == set(distributions) and all(
                 _member(trial.params[key], dist.choices) for key, dist in distributions.items())
             point = space.trial(trial.params) if inside else None
