@@ -54,9 +54,10 @@ def check_data_needs(recipe: Recipe, passes: dict[str, Pass]) -> None:
         return
     for name, pass_ in passes.items():
         if getattr(pass_, "needs_calibration", False):
+            what, fix = getattr(pass_, "calibration_use", ("static int8", "set `params: {mode: dynamic}`"))
             raise RecipeError(
-                f"stages.{name}: static int8 calibrates on data, and the recipe has no `data.calibration`; "
-                "add `data: {calibration: {source: ..., path: ...}}` or set `params: {mode: dynamic}`"
+                f"stages.{name}: {what} calibrates on data, and the recipe has no `data.calibration`; "
+                f"add `data: {{calibration: {{source: ..., path: ...}}}}` or {fix}"
             )
 
 

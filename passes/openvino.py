@@ -70,6 +70,13 @@ class OpenVinoPass(Pass):
     libraries = ("onnx", "openvino", "nncf")
     produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.validate)
 
+    #: What calibrates and the other way out, for `optpipe validate` when the recipe has no data.calibration.
+    calibration_use = ("OpenVINO int8 (NNCF)", "set `params: {precision: fp32}`")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.params.precision == "int8"  # type: ignore[attr-defined]
+
     def fingerprint(self, ctx: PassContext) -> dict:
         params: OpenVinoParams = self.params  # type: ignore[assignment]
         # The data sets the pass reads (calibration, evaluation) join the stage's key by themselves (PassContext.data_used).

@@ -176,3 +176,16 @@ def test_fused_attention_ops_make_the_graph_a_transformer(tmp_path):
     assert has_attention(artifact_of_unchecked(model, tmp_path / "mha"))
     source, _, _ = gemms(tmp_path)
     assert not has_attention(source)
+
+
+def test_an_int8_openvino_stage_without_calibration_data_is_refused_at_validation():
+    # It passed `optpipe validate` and failed at compile time, after its ancestors ran.
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.validate import validate_recipe
+
+    data = {"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}],
+            "stages": {"export": {"pass": "export"}, "ov": {"pass": "openvino", "after": "export", "params": {"precision": "int8"}}}}
+    with pytest.raises(RecipeError, match=r"^stages.ov: OpenVINO int8 \(NNCF\) calibrates on data, .* or set `params: \{precision: fp32\}`"):
+        validate_recipe(parse_recipe(data))
+    data["stages"]["ov"]["params"] = {"precision": "bf16"}
+    validate_recipe(parse_recipe(data))  # fp32 / bf16 read no calibration data
