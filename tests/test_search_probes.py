@@ -228,3 +228,17 @@ def test_a_study_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, which):
     with pytest.raises(OptpipeError, match=rf"^{broken}: the saved Optuna study cannot be read \(\w+: .*\); delete it"):
         open_study(optuna, own, "abc", space, ["minimize", "maximize"], sampler, fresh=False)
     assert FileLock(str(own) + ".driver.lock").acquire(timeout=0)  # released: a rerun is not told another drives it
+
+
+def test_a_target_without_stages_emits_the_search_s_candidates():
+    from types import SimpleNamespace
+
+    from optpipe.targets import default_target_stages
+
+    # The run's own frontier weighs p50 too: in a search over accuracy and size it held a trial
+    # 8% faster by noise (and the unsearched export), which the targets then built.
+    search = {"frontier": ["int8__off", "simplify", "prune__0.5"], "frontier_within_tolerance": ["int8__off", "simplify"]}
+    report = SimpleNamespace(search=search, pareto=["export", "simplify", "prune__0.2", "int8__off"])
+    assert default_target_stages(report) == ["int8__off", "simplify"]
+    assert default_target_stages(SimpleNamespace(search=None, pareto=["export"])) == ["export"]
+    assert default_target_stages(SimpleNamespace(search={**search, "frontier_within_tolerance": []}, pareto=["export"])) == []

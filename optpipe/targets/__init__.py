@@ -180,13 +180,22 @@ def gpu_type_resource(gpu_type: str) -> str:
     return f"gpu:{gpu_type}"
 
 
+def default_target_stages(report: RunReport) -> list[str]:
+    """What a target without `stages` emits: the run's Pareto frontier; for a search, the search's
+    candidates (its frontier within tolerance, on the objectives the user chose), not a frontier
+    that also weighs what the search was told to ignore (a p50 in a search over accuracy and size)."""
+    if report.search is not None:
+        return list(report.search.get("frontier_within_tolerance") or [])
+    return list(report.pareto)
+
+
 def _works_of_kind(settings: TargetSettings, report: RunReport, kind: str) -> tuple[list[TargetWork], list[TargetResult]]:
     works, skipped = [], []
     for index, spec in enumerate(settings.targets):
         if spec.kind != kind:
             continue
         target_params(spec, f"targets.{index}.params")
-        stages = spec.stages or list(report.pareto)
+        stages = spec.stages or default_target_stages(report)
         if not stages:
             skipped.append(TargetResult(kind=spec.kind, stage="", status="skipped", reason=(
                 f"no stage is on the Pareto frontier (none finished within tolerance); name stages in targets.{index}.stages")))
