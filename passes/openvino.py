@@ -139,7 +139,12 @@ class InputCheck:
 
     @property
     def batches(self) -> list[dict[str, np.ndarray]]:
-        return list(self.ctx.eval_set().batches(self.batch_size))
+        size, samples = self.batch_size, self.ctx.eval_set()
+        if not self.ctx.recipe.batch_dim() and len(samples) % size:
+            # The IR (and ONNX Runtime) refuse a partial batch of a fixed-batch model: the data's fault, said so.
+            raise DataError(f"data.eval: {len(samples)} samples do not fill whole batches of the model's fixed batch {size}; "
+                            f"give a multiple of {size}")
+        return list(samples.batches(size))
 
     def reference(self):
         if self._reference is None:

@@ -189,3 +189,12 @@ def test_an_int8_openvino_stage_without_calibration_data_is_refused_at_validatio
         validate_recipe(parse_recipe(data))
     data["stages"]["ov"]["params"] = {"precision": "bf16"}
     validate_recipe(parse_recipe(data))  # fp32 / bf16 read no calibration data
+
+
+def test_evaluation_data_that_cannot_fill_a_fixed_batch_is_the_datas_fault_not_an_internal_error(tmp_path):
+    from optpipe.errors import DataError
+
+    source, recipe, arrays = gemms(tmp_path, batch=3)
+    arrays = {"x": arrays["x"][:10]}  # 10 samples, batches of 3
+    with pytest.raises(DataError, match=r"^data.eval: 10 samples do not fill whole batches of the model's fixed batch 3"):
+        run_pass(source, recipe, arrays, tmp_path / "ov")
