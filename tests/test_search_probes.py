@@ -302,3 +302,11 @@ def test_a_combination_refused_past_validation_is_a_failed_trial_and_the_search_
     assert refused["reason"].startswith("stages.prune.search.") and "refused beside" in refused["reason"]
     assert trials[(0.5, "2:4")]["status"] in ("ok", "out of tolerance") and trials[(0.3, "magnitude")]["status"] == "ok"
     assert "failed: prune.amount=0.3, prune.method=2:4 -> None — stages.prune.search." in stream.getvalue()
+
+
+def test_validate_of_a_big_unbudgeted_grid_says_compile_will_ask_for_yes():
+    data = _data({"prune": {"pass": "prune", "after": "simplify", "params": {"method": "magnitude"},
+                            "search": {"amount": {"min": 0.01, "max": 0.9, "step": 0.01}}}})
+    assert describe_search(parse_recipe(data)).endswith("90 trials (more than 64: `optpipe compile` asks for --yes)")
+    data["evaluate"]["search"]["trials"] = 70
+    assert "asks for --yes" not in describe_search(parse_recipe(data))

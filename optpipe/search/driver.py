@@ -19,7 +19,7 @@ from optpipe.results import RunReport
 from optpipe.search.checks import check_searched_values, check_trial
 from optpipe.search.report import search_section
 from optpipe.search.space import ENABLED, SearchSpace, Trial
-from optpipe.search.spec import SearchSettings
+from optpipe.search.spec import GRID_CONFIRM_LIMIT, SearchSettings
 from optpipe.search.strategies import make_proposer, resolve_strategy
 from optpipe.search.study import study_path
 
@@ -201,5 +201,7 @@ def describe_search(recipe: Recipe) -> str:
     strategy, budget = resolve_strategy(space, settings, yes=True)
     runs = min(budget, space.size) if budget else space.size
     wall = f", at most {settings.wall_time_s:g}s" if settings.wall_time_s else ""
+    if strategy == "grid" and budget is None and not settings.wall_time_s and space.size > GRID_CONFIRM_LIMIT:
+        wall += f" (more than {GRID_CONFIRM_LIMIT}: `optpipe compile` asks for --yes)"
     return (f"search: {strategy} over {space.size} points ({', '.join(f'{k}: {len(v)}' for k, v in space.describe().items())}); "
             f"{'up to ' if strategy == 'optuna' or settings.wall_time_s else ''}{runs} trials{wall}")
