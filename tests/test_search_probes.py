@@ -68,7 +68,7 @@ def test_a_space_of_a_hundred_million_points_is_counted_not_listed():
 
 
 @pytest.mark.parametrize("choices, message", [
-    ([[0.2], 0.5], r"stages\.prune\.search\.amount: choice \[0\.2\] is not a plain value"),
+    ([[[0.2]], 0.5], r"stages\.prune\.search\.amount: choice \[\[0\.2\]\] is not a plain value or a list of them"),
     ([{"a": 1}], r"stages\.prune\.search\.amount: choice \{'a': 1\} is not a plain value"),
     ({"min": 0.5, "max": 0.1, "step": 0.1}, r"stages\.prune\.search\.amount: expected min <= max"),
     ({"min": 0.1, "max": 0.5, "step": 0}, r"stages\.prune\.search\.amount\.step: Input should be greater than 0"),
@@ -242,3 +242,37 @@ def test_a_target_without_stages_emits_the_search_s_candidates():
     assert default_target_stages(report) == ["int8__off", "simplify"]
     assert default_target_stages(SimpleNamespace(search=None, pareto=["export"])) == ["export"]
     assert default_target_stages(SimpleNamespace(search={**search, "frontier_within_tolerance": []}, pareto=["export"])) == []
+
+
+def test_a_list_param_is_searched_over_lists_by_a_resumed_optuna_study(tmp_path):
+    # The "FP16: blocked ops": op_block_list takes a list; each choice is one list.
+    import io
+    import json
+
+    from optpipe.execution.executors import LocalExecutor, Progress
+    from optpipe.search.runner import compile_recipes
+
+    blocked = [[], ["MatMul"], ["Gemm", "MatMul"]]
+    data = _data({"fp16": {"pass": "fp16", "after": "simplify", "params": {"guard": False},
+                           "search": {"op_block_list": blocked}}}, {"strategy": "optuna", "trials": 3, "seed": 1})
+    data["output"] = str(tmp_path / "run")
+    data["evaluate"].update(batch_sizes=[1], warmup=1, iterations=3)
+    recipe = parse_recipe(data)
+    assert "op_block_list: 3" in describe_search(recipe)
+    expanded, leaves = SearchSpace(recipe).expand(list(SearchSpace(recipe).grid()))
+    assert sorted(leaves.values()) == ["fp16__op_block_list-Gemm-MatMul", "fp16__op_block_list-MatMul", "fp16__op_block_list-none"]
+
+    def run():
+        stream = io.StringIO()
+        [(report, failed)] = compile_recipes([recipe], LocalExecutor(), cache_dir=tmp_path / "cache", progress=Progress(stream))
+        return report, failed, stream.getvalue()
+
+    report, failed, _ = run()
+    trials = report.search["trials"]
+    assert failed == [] and sorted(t["params"]["fp16.op_block_list"] for t in trials if t["repeat_of"] is None) == sorted(blocked)
+    stored = json.loads((tmp_path / "run" / "report.json").read_text())["stages"]
+    for trial in trials:  # each trial's stage ran the pass with its own list
+        stage = next(s for s in stored if s["name"] == trial["stage"])
+        assert stage["status"] == "ok" and stage["info"]["op_block_list"] == sorted(trial["params"]["fp16.op_block_list"])
+    again, _, progress = run()  # the saved study's list choices come back as lists
+    assert [t["params"] for t in again.search["trials"]] == [t["params"] for t in trials] and "from the saved study" in progress

@@ -72,12 +72,17 @@ def _dominates(a: dict, b: dict) -> bool:
     return no_worse and better
 
 
+def _data(value: Any) -> Any:
+    """A list choice (a tuple in the space, to be hashable) as the list report.json holds."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _trial_row(record, stage) -> dict[str, Any]:
     off = {key.rsplit(".", 1)[0] for key, value in record.trial.values if key.endswith(".enabled") and value is False}
     row: dict[str, Any] = {
         "number": record.number,
         # The params of a stage that is off played no part: they are left out.
-        "params": {k: v for k, v in record.trial.values if k.rsplit(".", 1)[0] not in off or k.endswith(".enabled")},
+        "params": {k: _data(v) for k, v in record.trial.values if k.rsplit(".", 1)[0] not in off or k.endswith(".enabled")},
         "stage": record.stage,
         "repeat_of": record.repeat_of,
         "status": "failed",
@@ -124,14 +129,14 @@ def _effects(space, trials: list[dict]) -> dict[str, list[dict]]:
     for dim in space.dimensions:
         rows = []
         for value in dim.values:
-            group = [t for t in unique if t["params"].get(dim.key) == value]
+            group = [t for t in unique if t["params"].get(dim.key) == _data(value)]
             if not group:
                 continue
             ok = [t for t in group if t["status"] == "ok"]
             cosines = [t["cosine"] for t in group if "cosine" in t]
             latencies = [t["p50_ms"] for t in ok if "p50_ms" in t]
             rows.append({
-                "value": value,
+                "value": _data(value),
                 "trials": len(group),
                 "within_tolerance": len(ok),
                 "best_p50_ms": min(latencies) if latencies else None,

@@ -7,6 +7,7 @@ copy of that chain, named after its params (`int8-static__method-entropy__percen
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -27,11 +28,23 @@ _MAX_NAME = 120
 class Dimension:
     stage: str
     param: str
-    values: tuple[Any, ...]
+    values: tuple[Any, ...]  # a list choice is held as a tuple: a trial is hashable
 
     @property
     def key(self) -> str:
         return f"{self.stage}.{self.param}"
+
+    def optuna_choices(self) -> list[Any]:
+        """The values as Optuna's categorical takes them: it stores only None, bool, int, float and
+        str, so a list choice is its JSON text."""
+        return [_optuna_value(v) for v in self.values]
+
+    def from_optuna(self, choice: Any) -> Any:
+        return next((v for v in self.values if _optuna_value(v) == choice and type(_optuna_value(v)) is type(choice)), choice)
+
+
+def _optuna_value(value: Any) -> Any:
+    return json.dumps(list(value)) if isinstance(value, tuple) else value
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,10 @@ class SearchSpace:
             values.update(part)
         return Trial(tuple((dim.key, values[dim.key]) for dim in self.dimensions))
 
+    def from_optuna(self, params: dict[str, Any]) -> Trial:
+        """The trial for an Optuna trial's params (list choices come back as their JSON text)."""
+        return self.trial({dim.key: dim.from_optuna(params[dim.key]) for dim in self.dimensions})
+
     def trial(self, params: dict[str, Any]) -> Trial:
         """The canonical trial for `params`: the params of a stage that is off at their first value."""
         off = {dim.stage for dim in self.dimensions if dim.param == ENABLED and not params[dim.key]}
@@ -128,7 +145,7 @@ class SearchSpace:
         return recipe.model_copy(update={"stages": stages}), leaves
 
     def describe(self) -> dict[str, list[Any]]:
-        return {dim.key: list(dim.values) for dim in self.dimensions}
+        return {dim.key: [list(v) if isinstance(v, tuple) else v for v in dim.values] for dim in self.dimensions}
 
 
 def _searched_chain(recipe: Recipe) -> list[str]:
@@ -157,7 +174,7 @@ def _dimensions(recipe: Recipe, stage: str) -> list[Dimension]:
     spec: StageSpec = recipe.stages[stage]
     dims = [Dimension(stage, ENABLED, (True, False))] if spec.optional else []
     for param, choices in spec.search.items():
-        values = tuple(dict.fromkeys(choice_values(choices)))  # order kept, repeats dropped
+        values = tuple(dict.fromkeys(tuple(v) if isinstance(v, list) else v for v in choice_values(choices)))  # order kept, repeats dropped
         dims.append(Dimension(stage, param, values))
     return dims
 
@@ -170,9 +187,6 @@ def _check(recipe: Recipe, chain: list[str], dims: list[Dimension]) -> None:
     for dim in dims:
         if dim.param in recipe.stages[dim.stage].params:
             raise RecipeError(f"stages.{dim.stage}.search.{dim.param}: also set in params; keep it in one of the two")
-        bad = [v for v in dim.values if not isinstance(v, (str, int, float, bool, type(None)))]
-        if bad:
-            raise RecipeError(f"stages.{dim.stage}.search.{dim.param}: choice {bad[0]!r} is not a plain value (text, number, true/false, null)")
     first = recipe.stages[chain[0]] if chain else None
     if first is not None and first.optional and first.after is None and len(chain) > 1:
         raise RecipeError(f"stages.{chain[0]}.optional: '{chain[0]}' makes the model that '{chain[1]}' and the stages "
@@ -186,6 +200,8 @@ def _check(recipe: Recipe, chain: list[str], dims: list[Dimension]) -> None:
 
 
 def _text(value: Any) -> str:
+    if isinstance(value, tuple):  # a list choice: its items, or `none` for the empty list
+        return "-".join(_text(v) for v in value) or "none"
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
         return "-" + _text(-value)  # the sign kept: -0.5 is not 0.5
     text = _UNSAFE.sub("-", str(value)).strip("-.") or "x"

@@ -103,14 +103,14 @@ class OptunaProposer:
 
     def resumed(self) -> list[Trial]:
         """The trials a saved study had finished, in order: the first trials of this run."""
-        return [self.space.trial(t.params) for t in finished_trials(self.optuna, self.study)]
+        return [self.space.from_optuna(t.params) for t in finished_trials(self.optuna, self.study)]
 
     def ask(self, count: int) -> list[tuple[Any, Trial]]:
         batch = []
         for _ in range(count):
             handle = self.study.ask()
-            params = {dim.key: handle.suggest_categorical(dim.key, list(dim.values)) for dim in self.space.dimensions}
-            batch.append((handle, self.space.trial(params)))
+            params = {dim.key: handle.suggest_categorical(dim.key, dim.optuna_choices()) for dim in self.space.dimensions}
+            batch.append((handle, self.space.from_optuna(params)))
         return batch
 
     def exhausted(self) -> bool:

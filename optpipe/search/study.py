@@ -108,7 +108,7 @@ def _import_wider(optuna, study, path: Path, recipe_key: str, space) -> None:
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    distributions = {dim.key: CategoricalDistribution(list(dim.values)) for dim in space.dimensions}
+    distributions = {dim.key: CategoricalDistribution(dim.optuna_choices()) for dim in space.dimensions}
     seen: set[Any] = set()
     for other in sorted(path.parent.glob(f"{recipe_key}-*.journal")):
         if other == path:
@@ -122,7 +122,7 @@ def _import_wider(optuna, study, path: Path, recipe_key: str, space) -> None:
         for trial in finished:
             inside = set(trial.params) == set(distributions) and all(
                 _member(trial.params[key], dist.choices) for key, dist in distributions.items())
-            point = space.trial(trial.params) if inside else None
+            point = space.from_optuna(trial.params) if inside else None
             if point is None or point in seen:  # a point an earlier study gave already (its repeats are kept)
                 continue
             points.add(point)
