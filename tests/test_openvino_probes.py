@@ -78,6 +78,8 @@ def test_int8_only_params_on_an_fp32_stage_are_recorded_and_warned(tmp_path):
     out = run_pass(source, recipe, arrays, tmp_path / "ov", exclude_types=["MatMul"], guard=False)
     assert out.info["ignored_params"] == ["exclude_types", "guard"]
     assert ignored_params_warning(out.info) == "exclude_types, guard apply only to precision int8; this fp32 stage ignored them"
+    assert ignored_params_warning({"precision": "bf16", "ignored_params": ["subset_size"]}) == \
+        "subset_size applies only to precision int8; this bf16 stage ignored it"
     plain = run_pass(source, recipe, arrays, tmp_path / "plain")
     assert "ignored_params" not in plain.info and ignored_params_warning(plain.info) is None
 

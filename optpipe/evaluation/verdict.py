@@ -103,7 +103,8 @@ def ignored_params_warning(info: dict) -> str | None:
     ignored = info.get("ignored_params")
     if not ignored:
         return None
-    return f"{', '.join(ignored)} apply only to precision int8; this {info.get('precision')} stage ignored them"
+    verb, them = ("applies", "it") if len(ignored) == 1 else ("apply", "them")
+    return f"{', '.join(ignored)} {verb} only to precision int8; this {info.get('precision')} stage ignored {them}"
 
 
 def flag_unchanged_stages(results: list, stages: dict, cache: "StageCache | None" = None) -> None:
