@@ -162,7 +162,7 @@ def test_the_trial_budget_counts_distinct_points_and_a_sampler_stuck_on_tried_on
         def ask(self, count):
             return [(None, self.point)] * count
 
-        def tell(self, handle, result):
+        def tell(self, handle, result, refused=None):
             pass
 
         def exhausted(self):
@@ -276,3 +276,37 @@ def test_a_list_param_is_searched_over_lists_by_a_resumed_optuna_study(tmp_path)
         assert stage["status"] == "ok" and stage["info"]["op_block_list"] == sorted(trial["params"]["fp16.op_block_list"])
     again, _, progress = run()  # the saved study's list choices come back as lists
     assert [t["params"] for t in again.search["trials"]] == [t["params"] for t in trials] and "from the saved study" in progress
+
+
+def test_a_combination_refused_past_validation_is_a_failed_trial_and_the_search_goes_on(tmp_path, monkeypatch):
+    import io
+
+    from optpipe.execution.executors import LocalExecutor, Progress
+    from optpipe.search import checks
+    from optpipe.search.runner import compile_recipes
+
+    # Past MAX_COMBINATIONS only each value beside the others' first is checked before the run:
+    # (0.3, 2:4) is first seen when the grid proposes it. It stopped the compile (exit 2, no report).
+    monkeypatch.setattr(checks, "MAX_COMBINATIONS", 3)
+    data = _data({"prune": {"pass": "prune", "after": "simplify", "search": {"amount": [0.5, 0.3], "method": ["magnitude", "2:4"]}}})
+    data["output"] = str(tmp_path / "run")
+    data["evaluate"].update(batch_sizes=[1], warmup=1, iterations=3)
+    recipe = parse_recipe(data)
+    describe_search(recipe)  # valid as far as validation looks
+    stream = io.StringIO()
+    [(report, failed)] = compile_recipes([recipe], LocalExecutor(), cache_dir=tmp_path / "cache", progress=Progress(stream))
+    trials = {(t["params"]["prune.amount"], t["params"]["prune.method"]): t for t in report.search["trials"]}
+    assert len(trials) == 4 and failed == []
+    refused = trials[(0.3, "2:4")]
+    assert refused["status"] == "failed" and refused["stage"] is None
+    assert refused["reason"].startswith("stages.prune.search.") and "refused beside" in refused["reason"]
+    assert trials[(0.5, "2:4")]["status"] in ("ok", "out of tolerance") and trials[(0.3, "magnitude")]["status"] == "ok"
+    assert "failed: prune.amount=0.3, prune.method=2:4 -> None — stages.prune.search." in stream.getvalue()
+
+
+def test_validate_of_a_big_unbudgeted_grid_says_compile_will_ask_for_yes():
+    data = _data({"prune": {"pass": "prune", "after": "simplify", "params": {"method": "magnitude"},
+                            "search": {"amount": {"min": 0.01, "max": 0.9, "step": 0.01}}}})
+    assert describe_search(parse_recipe(data)).endswith("90 trials (more than 64: `optpipe compile` asks for --yes)")
+    data["evaluate"]["search"]["trials"] = 70
+    assert "asks for --yes" not in describe_search(parse_recipe(data))

@@ -25,7 +25,8 @@ from optpipe.validate import validate_recipe
 
 #: A stage whose searched params make more combinations than this has each value checked beside
 #: the others' first values only (pydantic takes ~10 µs a combination: this bounds it to ~1 s);
-#: a combination refused beyond it is then found by check_trial when the search proposes it.
+#: a combination refused beyond it is then found by check_trial when the search proposes it,
+#: and is a failed trial.
 MAX_COMBINATIONS = 100_000
 
 
@@ -37,7 +38,8 @@ def check_searched_values(space: SearchSpace) -> None:
 
 
 def check_trial(space: SearchSpace, trial: Trial) -> None:
-    """One proposed trial's params (the driver's check of what MAX_COMBINATIONS left unchecked)."""
+    """One proposed trial's params (the driver's check of what MAX_COMBINATIONS left unchecked):
+    a RecipeError the driver records as the trial's failure."""
     for stage, dims, schema in _searched_stages(space):
         if math.prod(len(d.values) for d in dims) > MAX_COMBINATIONS:
             own = [Dimension(d.stage, d.param, (trial.get(d.key), *d.values)) for d in dims]

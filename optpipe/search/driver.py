@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.dag import build_dag, execution_order
+from optpipe.errors import RecipeError
 from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail
 from optpipe.execution.stage_tasks import TaskSettings
 from optpipe.execution.fan_out import finish_run, reference_of, targets_on, wants_eager
@@ -18,7 +19,7 @@ from optpipe.results import RunReport
 from optpipe.search.checks import check_searched_values, check_trial
 from optpipe.search.report import search_section
 from optpipe.search.space import ENABLED, SearchSpace, Trial
-from optpipe.search.spec import SearchSettings
+from optpipe.search.spec import GRID_CONFIRM_LIMIT, SearchSettings
 from optpipe.search.strategies import make_proposer, resolve_strategy
 from optpipe.search.study import study_path
 
@@ -34,6 +35,7 @@ class TrialRecord:
     trial: Trial
     stage: str | None  # the trial's last stage in the expanded recipe
     repeat_of: int | None = None  # optuna may propose a point again: measured once, listed once
+    refused: str | None = None  # its params refused together (checks.check_trial): failed, never run
 
 
 class SearchDriver:
@@ -54,6 +56,7 @@ class SearchDriver:
         self.started: float | None = None
         self.stopped = ""
         self.repeats_in_a_row = 0
+        self.refused: dict[Trial, str] = {}
         self._resume(self.proposer.resumed())
 
     def _resume(self, trials: list[Trial]) -> None:
@@ -61,10 +64,12 @@ class SearchDriver:
         if not trials:
             self.unreported: list[TrialRecord] = []
             return
-        self.expanded, self.leaves = self.space.expand(list(dict.fromkeys(trials)))
+        for trial in trials:
+            self._check(trial)
+        self.expanded, self.leaves = self.space.expand([t for t in dict.fromkeys(trials) if t not in self.refused])
         seen: dict[Trial, int] = {}
         for trial in trials:
-            record = TrialRecord(len(self.records) + 1, trial, self.leaves.get(trial), seen.get(trial))
+            record = TrialRecord(len(self.records) + 1, trial, self.leaves.get(trial), seen.get(trial), self.refused.get(trial))
             seen.setdefault(trial, record.number)
             self.records.append(record)
         self.unreported = list(self.records)
@@ -78,8 +83,8 @@ class SearchDriver:
             return None
         self.pending = self.proposer.ask(count) if count else []
         for _, trial in self.pending:
-            check_trial(self.space, trial)
-        trials = [r.trial for r in self.records] + [t for _, t in self.pending]
+            self._check(trial)
+        trials = [t for t in [r.trial for r in self.records] + [t for _, t in self.pending] if t not in self.refused]
         self.expanded, self.leaves = self.space.expand(list(dict.fromkeys(trials)))
         order = execution_order(build_dag(self.expanded.stages))
         new = [name for name in order if name not in self.memo.results]
@@ -90,17 +95,18 @@ class SearchDriver:
         seen = {r.trial: r.number for r in self.records if r.repeat_of is None}
         for record in self.unreported:
             result = self.memo.results.get(record.stage) if record.stage else None
-            detail = result_detail(result) if result else "nothing to measure: every searched stage is off"
+            detail = _detail(result, record.refused)
             progress.line(f"  {self._label(record)} from the saved study: {_shown(record.trial)} -> {record.stage} — {detail}")
         self.unreported = []
         for handle, trial in self.pending:
-            stage = self.leaves.get(trial)
+            refused = self.refused.get(trial)
+            stage = None if refused else self.leaves.get(trial)
             result = self.memo.results.get(stage) if stage else None
-            self.proposer.tell(handle, result)
-            record = TrialRecord(len(self.records) + 1, trial, stage, seen.get(trial))
+            self.proposer.tell(handle, result, refused)
+            record = TrialRecord(len(self.records) + 1, trial, stage, seen.get(trial), refused)
             seen.setdefault(trial, record.number)
             self.records.append(record)
-            detail = result_detail(result) if result else "nothing to measure: every searched stage is off"
+            detail = _detail(result, refused)
             status = result.status if result else "failed"
             if result is not None and result.accuracy is not None and status == "ok" and not result.accuracy.within_tolerance:
                 status = "out of tolerance"
@@ -108,6 +114,16 @@ class SearchDriver:
             self.repeats_in_a_row = self.repeats_in_a_row + 1 if record.repeat_of else 0
             progress.line(f"  {self._label(record)} {status}{again}: {_shown(trial)} -> {stage} — {detail}")
         self.pending = []
+
+    def _check(self, trial: Trial) -> None:
+        """A trial whose params its pass refuses together (beyond what validation could list) is a
+        failed trial with that one line, never run: like any failed trial, it does not stop the search."""
+        if trial in self.refused:
+            return
+        try:
+            check_trial(self.space, trial)
+        except RecipeError as exc:
+            self.refused[trial] = str(exc)
 
     def _label(self, record: TrialRecord) -> str:
         """`trial 7/12`; once Optuna has proposed a point again (measured once, not counted against
@@ -165,6 +181,12 @@ class SearchDriver:
         return max(room, 0)
 
 
+def _detail(result: StageResult | None, refused: str | None) -> str:
+    if refused:
+        return refused
+    return result_detail(result) if result else "nothing to measure: every searched stage is off"
+
+
 def _shown(trial: Trial) -> str:
     """A trial's params as progress shows them: those of a stage that is off played no part."""
     off = {key.rsplit(".", 1)[0] for key, value in trial.values if key.endswith(f".{ENABLED}") and value is False}
@@ -179,5 +201,7 @@ def describe_search(recipe: Recipe) -> str:
     strategy, budget = resolve_strategy(space, settings, yes=True)
     runs = min(budget, space.size) if budget else space.size
     wall = f", at most {settings.wall_time_s:g}s" if settings.wall_time_s else ""
+    if strategy == "grid" and budget is None and not settings.wall_time_s and space.size > GRID_CONFIRM_LIMIT:
+        wall += f" (more than {GRID_CONFIRM_LIMIT}: `optpipe compile` asks for --yes)"
     return (f"search: {strategy} over {space.size} points ({', '.join(f'{k}: {len(v)}' for k, v in space.describe().items())}); "
             f"{'up to ' if strategy == 'optuna' or settings.wall_time_s else ''}{runs} trials{wall}")

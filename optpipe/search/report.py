@@ -88,6 +88,8 @@ def _trial_row(record, stage) -> dict[str, Any]:
         "status": "failed",
         "reason": "every searched stage is off and the chain starts at the model: nothing to measure",
     }
+    if record.refused:
+        row["reason"] = record.refused
     if stage is None:
         return row
     row.update(status=stage.status, reason=stage.reason, cached=stage.cached, evaluation_cached=stage.evaluation_cached,

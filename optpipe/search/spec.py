@@ -50,6 +50,8 @@ PLAIN = (str, int, float, bool, type(None))
 def _plain(values: list[Any]) -> list[Any]:
     """A choice is a value a stage name and a cache key can carry: a plain value, or a list of
     them for a list param (fp16's op_block_list: the ops kept in float); no mapping, no nesting."""
+    if not values:
+        raise ValueError("no choices; list at least one value")
     bad = [v for v in values if not (isinstance(v, PLAIN) or isinstance(v, list) and all(isinstance(x, PLAIN) for x in v))]
     if bad:
         raise ValueError(f"choice {bad[0]!r} is not a plain value or a list of them (text, number, true/false, null)")

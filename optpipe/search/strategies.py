@@ -61,7 +61,7 @@ class GridProposer:
     def resumed(self) -> list[Trial]:
         return []  # a grid is the same on every rerun: its finished trials are cache hits
 
-    def tell(self, handle: Any, result: StageResult | None) -> None:
+    def tell(self, handle: Any, result: StageResult | None, refused: str | None = None) -> None:
         pass
 
 
@@ -116,10 +116,10 @@ class OptunaProposer:
     def exhausted(self) -> bool:
         return False
 
-    def tell(self, handle: Any, result: StageResult | None) -> None:
-        values = objective_values(result, self.objectives)
+    def tell(self, handle: Any, result: StageResult | None, refused: str | None = None) -> None:
+        values = None if refused else objective_values(result, self.objectives)
         if values is None:
-            reason = (result.reason or result.status) if result is not None else "nothing to measure"
+            reason = refused or ((result.reason or result.status) if result is not None else "nothing to measure")
             handle.set_user_attr(FAILED_ATTR, reason or "no latency")  # failed for a reason, not interrupted
             self.study.tell(handle, state=self.optuna.trial.TrialState.FAIL)
             return
