@@ -65,7 +65,8 @@ class OpenVinoPass(Pass):
     #    the info records ignored int8-only params and the IR's compute ops
     # 4: the guard holds the whole tolerance (top-1, max_abs), not the cosine alone
     # 5: an FP32 conversion that breaks the tolerance is refused; fused attention ops make the graph a transformer
-    version = "5"
+    # 6: a smooth_quant_alpha NNCF ignores (no transformer) is recorded
+    version = "6"
     Params = OpenVinoParams
     libraries = ("onnx", "openvino", "nncf")
     produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.validate)
@@ -98,11 +99,15 @@ class OpenVinoPass(Pass):
         ignored = sorted(params.model_fields_set & INT8_ONLY) if params.precision != "int8" else []
         if ignored:
             # Not refused: a search over precision may keep them set for its int8 points. Said in the report.
-            info["ignored_params"] = ignored
+            info["ignored_params"], info["ignored_why"] = ignored, "only to precision int8"
             ctx.log.warning("precision %s: %s apply only to int8, ignored", params.precision, ", ".join(ignored))
         accuracy = check_conversion(converted, model, check)
         if params.precision == "int8":
             result, accuracy, info["int8"] = quantize(converted, model, params, ctx, check)
+            if params.smooth_quant_alpha is not None and info["int8"]["options"]["model_type"] != "transformer":
+                # NNCF runs SmoothQuant for its TRANSFORMER model type only: the alpha changed nothing (measured).
+                info["ignored_params"], info["ignored_why"] = ["smooth_quant_alpha"], "only to model_type transformer"
+                ctx.log.warning("smooth_quant_alpha ignored: NNCF applies SmoothQuant to transformer models only")
         else:
             result = converted
             if params.precision != "fp32":

@@ -200,3 +200,11 @@ def test_evaluation_data_that_cannot_fill_a_fixed_batch_is_the_datas_fault_not_a
     arrays = {"x": arrays["x"][:10]}  # 10 samples, batches of 3
     with pytest.raises(DataError, match=r"^data.eval: 10 samples do not fill whole batches of the model's fixed batch 3"):
         run_pass(source, recipe, arrays, tmp_path / "ov")
+
+
+def test_a_smooth_quant_alpha_nncf_ignores_on_a_model_without_attention_is_said(tmp_path):
+    # NNCF runs SmoothQuant for its TRANSFORMER model type only: on this MLP the alpha gave the same bytes.
+    source, recipe, arrays = gemms(tmp_path)
+    out = run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8", guard=False, smooth_quant_alpha=0.5)
+    assert ignored_params_warning(out.info) == \
+        "smooth_quant_alpha applies only to model_type transformer; this int8 stage ignored it"

@@ -104,7 +104,8 @@ def ignored_params_warning(info: dict) -> str | None:
     if not ignored:
         return None
     verb, them = ("applies", "it") if len(ignored) == 1 else ("apply", "them")
-    return f"{', '.join(ignored)} {verb} only to precision int8; this {info.get('precision')} stage ignored {them}"
+    why = info.get("ignored_why", "only to precision int8")
+    return f"{', '.join(ignored)} {verb} {why}; this {info.get('precision')} stage ignored {them}"
 
 
 def flag_unchanged_stages(results: list, stages: dict, cache: "StageCache | None" = None) -> None:
