@@ -96,6 +96,9 @@ def test_a_refusal_no_searched_value_escapes_names_the_stage_not_a_value():
     data = _data({"int8": {"pass": "int8", "optional": True, "params": {"mode": "dynamic"}, "search": {"per_channel": [True, False]}}})
     with pytest.raises(RecipeError, match=r"^stages\.int8: pass 'int8' transforms a model"):
         describe_search(parse_recipe(data))
+    data = _data({"prune": {"pass": "prunee", "after": "simplify", "search": {"amount": [0.2, 0.5]}}})
+    with pytest.raises(RecipeError, match=r"^stages\.prune\.pass: unknown pass 'prunee' \(did you mean 'prune'\?\)"):
+        describe_search(parse_recipe(data))  # the key kept: it was `stages.prune: unknown pass`
     # ... while a value refused where another passes is still named, even as the first choice.
     data = _data({"int8": {"pass": "int8", "after": "simplify", "search": {"mode": ["static", "dynamic"]}}})
     with pytest.raises(RecipeError, match=r"^stages\.int8\.search\.mode \(choice 'static'\): static int8 calibrates"):

@@ -153,9 +153,11 @@ def _named_back(message: str, space: SearchSpace, probes: list[Trial], first: di
         origins = {name: (stage, None) for name, (stage, _) in origins.items()}
     for name in sorted(origins, key=len, reverse=True):  # the longest first: one name may prefix another
         stage, changed = origins[name]
-        line = f"stages.{stage}.search.{changed[0]}" if changed else f"stages.{stage}"
-        value = f" (choice {changed[1]!r})" if changed else ""
-        message = re.sub(rf"stages\.{re.escape(name)}(\.params)?(\.[\w.]+)?(?=:)", f"{line}{value}", message)
+        if changed:  # the searched value's line, in place of the trial stage's param
+            line = f"stages.{stage}.search.{changed[0]} (choice {changed[1]!r})"
+            message = re.sub(rf"stages\.{re.escape(name)}(\.params)?(\.[\w.]+)?(?=:)", lambda _: line, message)
+        else:  # the stage's own line: its key (`.pass`, `.params.X`) kept
+            message = re.sub(rf"stages\.{re.escape(name)}(?=[.:])", lambda _: f"stages.{stage}", message)
         message = message.replace(f"'{name}'", f"'{stage}'")
     return message
 
