@@ -20,3 +20,13 @@ def test_two_recipes_in_one_command_each_get_their_report(tiny_recipe, cli_run, 
 def test_output_with_several_recipes_is_a_user_error(tiny_recipe, cli_run, tmp_path):
     result = cli_run("compile", str(tiny_recipe(name="a.yaml")), str(tiny_recipe(name="b.yaml")), "-o", str(tmp_path / "x"))
     assert result.exit_code == 2 and "--output names one run folder" in result.output
+
+
+def test_two_recipes_writing_one_run_folder_is_a_user_error(tiny_recipe, cli_run, tmp_path):
+    # The second's report replaced the first's, and the command said ok.
+    first = tiny_recipe(name="a.yaml", output=str(tmp_path / "run"))
+    second = tiny_recipe({"stages": {"simplify": None}}, name="b.yaml", output=str(tmp_path / "run"))
+    result = cli_run("compile", str(first), str(second))
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert f"recipes 1 ('tiny') and 2 ('tiny') both write to {tmp_path / 'run'}; give each its own `output`" in result.output
+    assert not (tmp_path / "run" / "report.json").exists()

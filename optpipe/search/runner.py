@@ -32,6 +32,7 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     progress = progress or Progress(show_recipe=len(recipes) > 1)
     drivers = []
     folders = [RunPaths.for_run(recipe, output, cache_dir) for recipe in recipes]  # all refused before any work
+    _distinct_run_folders(recipes, [paths.run_dir for paths in folders])
     for recipe, paths in zip(recipes, folders):
         run_dir, cache = paths.run_dir, paths.cache_dir
         settings = settings_for(recipe, cache, run_dir, force, providers, remote_cache, storage_options)
@@ -50,6 +51,18 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     progress.line(f"done: {len(reports)} recipe{'s' if len(reports) != 1 else ''}, {stages} stages, "
                   f"wall {time.perf_counter() - started:.1f}s")
     return reports
+
+
+def _distinct_run_folders(recipes: list[Recipe], run_dirs: list[Path]) -> None:
+    """Two recipes writing one run folder would leave only the last one's report, silently."""
+    seen: dict[Path, int] = {}
+    for i, run_dir in enumerate(run_dirs):
+        key = run_dir.resolve()
+        if key in seen:
+            first = seen[key]
+            raise OptpipeError(f"recipes {first + 1} ('{recipes[first].name}') and {i + 1} ('{recipes[i].name}') both write to "
+                               f"{run_dir}; give each its own `output`")
+        seen[key] = i
 
 
 def _run(drivers: list, executor: Executor, progress: Progress, group_by_node: bool, providers: str) -> list:
