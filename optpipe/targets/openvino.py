@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from optpipe.artifact import copy_file
 from optpipe.errors import TargetError
 from optpipe.evaluation import openvino_runtime as ovr
@@ -86,8 +88,12 @@ def check_conversion(job: TargetJob, folder: Path, accuracy) -> None:
         return
     for name in (ovr.IR_FILE, ovr.WEIGHTS_FILE, ovr.SETTINGS_FILE):
         (folder / name).unlink(missing_ok=True)
-    raise TargetError(f"OpenVINO's conversion of stage '{job.stage.name}' does not compute what its ONNX does "
-                      f"({'; '.join(accuracy.violations)}); convert a stage without ONNX Runtime-only ops (e.g. simplify, not fuse)")
+    graph = onnx.load(str(job.stage.model_path), load_external_data=False).graph
+    contrib = sorted({f"{n.domain}:{n.op_type}" for n in graph.node if n.domain not in ("", "ai.onnx")})
+    cause = (f"; its ONNX Runtime-only ops ({', '.join(contrib)}) are the likely cause: convert a stage without them "
+             "(e.g. simplify, not fuse)") if contrib else ""
+    raise TargetError(f"OpenVINO's conversion of stage '{job.stage.name}' breaks the tolerance the stage held in ONNX Runtime "
+                      f"({'; '.join(accuracy.violations)}){cause}")
 
 
 def measure_accuracy(job: TargetJob, folder: Path, names: list[str] | None):
