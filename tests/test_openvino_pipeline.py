@@ -119,6 +119,9 @@ def test_load_compiles_the_ir_with_the_measured_settings(run):
     got = compiled(feeds())[0]
     expected = ort_runner(ort_session(run_dir / "stages" / "simplify" / "model.onnx", threads=1))(feeds())["logits"]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert int(optpipe.load(folder, threads=2).get_property("INFERENCE_NUM_THREADS")) == 2
+    with pytest.raises(optpipe.errors.TargetError, match="takes `threads` only; got providers"):
+        optpipe.load(folder, providers="cpu")
 
 
 def test_triton_openvino_model_parses_and_matches_the_ir(run):

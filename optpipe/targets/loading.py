@@ -15,7 +15,12 @@ def load(path: str | Path, **options: Any):
         raise TargetError(f"'{path}' does not exist; pass the folder a target or `optpipe export` wrote")
     folder = folder.parent if folder.is_file() else folder
     if (folder / "model.xml").is_file():  # an IR: load_ir says what is missing, if anything
+        from optpipe.errors import TargetError
         from optpipe.targets.openvino import load_ir
+
+        unknown = sorted(set(options) - {"threads"})
+        if unknown:  # an ORT bundle's options (providers, format) mean nothing to an IR
+            raise TargetError(f"optpipe.load of an OpenVINO folder takes `threads` only; got {', '.join(unknown)}")
 
         return load_ir(folder, **options)
     from optpipe.targets.ort_bundle import load_bundle
