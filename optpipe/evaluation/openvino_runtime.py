@@ -11,6 +11,8 @@ openvino is imported inside the functions: `import optpipe` must not pay for it.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
@@ -88,7 +90,23 @@ def convert_onnx(path: Path):
     """ONNX -> ov.Model, through the documented converter (openvino.convert_model)."""
     import openvino as ov
 
-    return ov.convert_model(str(path))
+    with _root_logger_kept():
+        return ov.convert_model(str(path))
+
+
+@contextlib.contextmanager
+def _root_logger_kept():
+    """convert_model sets the root logger to ERROR (with its own filter and handler) and puts it
+    back only when the conversion succeeds: after one failed conversion every later warning of
+    the run (other stages', the report's) was dropped. Kept here with logging's public API."""
+    root = logging.getLogger()
+    level, filters, handlers = root.level, list(root.filters), list(root.handlers)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        root.filters = filters
+        root.handlers = handlers
 
 
 def conversion_failure(exc: BaseException) -> str:
