@@ -313,3 +313,21 @@ def test_validate_of_a_big_unbudgeted_grid_says_compile_will_ask_for_yes():
     assert describe_search(parse_recipe(data)).endswith("90 trials (more than 64: `optpipe compile` asks for --yes)")
     data["evaluate"]["search"]["trials"] = 70
     assert "asks for --yes" not in describe_search(parse_recipe(data))
+
+
+def test_the_search_ranks_accuracy_by_the_task_metric_the_verdict_uses():
+    from optpipe.results import Accuracy, Latency, OutputAccuracy, StageResult, TaskAccuracy
+    from optpipe.search.strategies import objective_values
+
+    # With a task, cosine and top-1 disagree: 'smooth' keeps cosine 0.999 but flips 10% of the
+    # top-1 labels; 'sharp' has cosine 0.98 and flips 2%. The verdict and the run's frontier use top-1.
+    rows = [{**_row(1, "smooth", 1.0, 0.999, 1000), "error": 0.10}, {**_row(2, "sharp", 1.0, 0.98, 1000), "error": 0.02}]
+    assert trial_frontier(rows, ["accuracy", "size"], within_tolerance_only=True) == ["sharp"]
+    assert _best(rows, ["sharp"], ["accuracy", "size"])["stage"] == "sharp"
+
+    out = OutputAccuracy.model_construct(name="logits", cosine_mean=0.999)
+    task = TaskAccuracy.model_construct(kind="classification", metrics={"top1_agreement": 0.9})
+    accuracy = Accuracy.model_construct(reference="export", samples=8, outputs=[out], within_tolerance=True, task=task)
+    latency = Latency.model_construct(batch_size=1, p50_ms=1.0)
+    result = StageResult.model_construct(name="smooth", pass_name="int8", status="ok", accuracy=accuracy, latency=[latency], size_bytes=10)
+    assert objective_values(result, ["accuracy", "latency"]) == [pytest.approx(0.9), 1.0]

@@ -79,7 +79,7 @@ class SearchSettings(_Strict):
     sampler: Literal["tpe", "nsga2"] = Field("tpe", description="optuna: TPE or NSGA-II (multi-objective)")
     objectives: list[Literal["latency", "accuracy", "size"]] = Field(
         default_factory=lambda: ["latency", "accuracy"], min_length=1,
-        description="optuna: minimise latency (p50, first batch size) and size, maximise accuracy (worst cosine)",
+        description="optuna: minimise latency (p50, first batch size) and size, maximise accuracy (the task's headline metric where the recipe names a task, else the worst cosine)",
     )
     trials: Optional[int] = Field(None, ge=1, description="budget: at most this many trials")
     wall_time_s: Optional[float] = Field(None, gt=0, description="budget: start no new trial after this many seconds")

@@ -132,7 +132,7 @@ def objective_values(result: StageResult | None, objectives: list[str]) -> list[
         return None
     values = {
         "latency": result.latency[0].p50_ms,
-        "accuracy": result.accuracy.worst_cosine if result.accuracy else 1.0,
+        "accuracy": 1.0 - result.accuracy.error if result.accuracy else 1.0,  # the task's metric where there is one
         "size": float(result.size_bytes or 0),
     }
     return [values[o] for o in objectives]
