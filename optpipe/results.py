@@ -99,6 +99,8 @@ class Latency(BaseModel):
     sweep_value: Optional[int] = Field(None, description="the swept dim's value at this point")
     spread: Optional[float] = Field(None, description="run-to-run spread: (max - min) / p50 of the per-block medians")
     load_average: Optional[float] = Field(None, description="the machine's 1-minute load average while timed")
+    others_cpu: Optional[float] = Field(
+        None, description="share of this process's CPUs that other processes used while timed (Linux; None elsewhere or when too short to tell)")
     unreliable: Optional[str] = Field(None, description="why the machine looked busy while this was timed (tail, spread); None if steady")
     eager_p50_ms: Optional[float] = Field(None, description="PyTorch eager p50 timed interleaved with this figure, same inputs")
     eager_p90_ms: Optional[float] = Field(None, description="PyTorch eager p90 timed interleaved with this figure")

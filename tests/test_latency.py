@@ -1,11 +1,13 @@
 """Latency protocol: eager timed interleaved, busy-machine flags, adaptive stopping (fake clocks and a real hog)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 
 import numpy as np
+import pytest
 
 from optpipe.evaluation.latency import BLOCK, MIN_ITERATIONS, Warmth, busy_reason, measure, median_is_tight
 from optpipe.results import Latency
@@ -269,3 +271,40 @@ def test_adaptive_timing_can_stop_at_min_iterations_after_a_short_settled_block(
     lat = measure(clock.model("batch 8", steady(call_ms)), FEEDS, 1, 50, 1, "cpu", clock=clock)
     assert lat.iterations == MIN_ITERATIONS
     assert len(clock.log) == 1 + 3 + MIN_ITERATIONS  # one untimed call, a first settling block, then the figure: 3 + 5 + 5 + 2
+
+
+def test_a_steady_slowdown_from_other_processes_is_flagged_from_their_cpu_time():
+    """Two processes spinning on this machine's cores: the timings stay steady (no tail, no
+    spread), but the kernel's count of the CPU time they took flags the figure."""
+    import subprocess
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        time.sleep(0.2)
+
+        def run(feeds):
+            end = time.perf_counter() + 0.002
+            while time.perf_counter() < end:
+                pass
+            return {}
+
+        lat = measure(run, FEEDS, 2, 400, 1, "cpu", adaptive=False)  # ~1 s: long enough to count
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    if lat.others_cpu is None:
+        pytest.skip("no /proc/stat here: only the timing's shape can judge")
+    assert lat.others_cpu > 0.4 and "other processes took" in lat.unreliable, lat
+
+
+def test_other_processes_share_is_the_busy_time_they_added_over_the_cpus_offered():
+    from optpipe.evaluation.cpu_contention import CpuSnapshot, others_share
+
+    start = CpuSnapshot(wall_s=100.0, busy_s=50.0, own_s=10.0, cpus=2)
+    # 2 s on 2 CPUs = 4 CPU-seconds offered; 3 busy, 2 of them ours: others took 1 = 25%.
+    assert others_share(start, CpuSnapshot(wall_s=102.0, busy_s=53.0, own_s=12.0, cpus=2)) == 0.25
+    assert others_share(start, CpuSnapshot(wall_s=100.2, busy_s=53.0, own_s=10.0, cpus=2)) is None  # too short
+    assert others_share(None, start) is None
+    assert busy_reason(np.full(30, 5.0), [5.0, 5.0, 5.0], others_cpu=0.1) is None
+    assert "other processes took 60%" in busy_reason(np.full(30, 5.0), [5.0, 5.0, 5.0], others_cpu=0.6)

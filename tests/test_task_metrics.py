@@ -76,7 +76,8 @@ def test_classification_against_labels_and_reference():
 def _recipe(tmp_path, data: dict, inputs=None):
     return parse_recipe(
         {"model": {"onnx": "m.onnx"}, "inputs": inputs or [{"name": "x", "shape": ["batch", 4]}],
-         "dims": {"batch": {"min": 1, "opt": 1, "max": 8}}, "stages": {"export": {"pass": "export"}}, "data": {"eval": data}},
+         "dims": {"batch": {"min": 1, "opt": 1, "max": 8}}, "stages": {"export": {"pass": "export"}}, "data": {"eval": data},
+         "evaluate": {"task": {"kind": "classification"}}},  # the task that reads labels (a labels file needs one)
         base_dir=tmp_path,
     )
 

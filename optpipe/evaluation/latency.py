@@ -9,8 +9,10 @@ minutes apart on a shared machine (a small CNN once showed "812x faster than
 eager" because eager alone was timed while the machine was busy).
 
 Each figure says whether the machine was busy while it was timed: a long tail
-(p90/p50) or per-block medians that disagree (run-to-run spread) mark it
-`unreliable`, with the reason, and the report marks the speed-up computed from it.
+(p90/p50), per-block medians that disagree (run-to-run spread), or other processes
+taking a quarter of its CPUs meanwhile (a steady slowdown, which the first two miss;
+see optpipe.evaluation.cpu_contention) mark it `unreliable`, with the reason, and
+the report marks the speed-up computed from it.
 
 Timing stops early once the median is known well enough (its 95% confidence
 interval, from order statistics, within CI_TARGET of it for every timed runnable):
@@ -36,6 +38,7 @@ from weakref import WeakKeyDictionary
 
 import numpy as np
 
+from optpipe.evaluation import cpu_contention
 from optpipe.results import Latency
 from optpipe.runtime import Feeds, Outputs, pinned_threads
 
@@ -50,6 +53,9 @@ CI_TARGET = 0.03  # stop when the median's 95% interval is within ±3% of it
 # past 1.6 and 0.5. A figure beyond either is flagged, not dropped.
 BUSY_TAIL = 1.5  # p90 / p50
 BUSY_SPREAD = 0.5  # (max - min) / median of the per-block medians
+# Other processes' share of this process's CPUs while it timed (optpipe.evaluation.cpu_contention).
+# Quiet, this machine's background stayed under 5%; one busy process on one of its two cores is 50%.
+BUSY_OTHERS = 0.25
 # Warm-up runs until a block is no faster than the one before (caches, lazy initialisation, JIT kernels).
 WARM_SETTLED = 0.9  # a block at least 10% faster than the previous means still warming up
 WARM_CAP_S = 3.0  # give up waiting for it to settle after this long (the busy flags then tell)
@@ -114,7 +120,7 @@ def measure(
     warmth = warmth if warmth is not None else Warmth()
     runners = {"candidate": run} | ({"baseline": baseline} if baseline is not None else {})
     blocks: dict[str, list[np.ndarray]] = {name: [] for name in runners}
-    load = _load_average()
+    load, cpu_start = _load_average(), cpu_contention.snapshot()
     with pinned_threads(threads):
         settled = {name: warm_up(fn, feeds, warmup, clock, warmth) for name, fn in runners.items()}
         if all(block is not None for block in settled.values()):
@@ -145,9 +151,10 @@ def measure(
         steady = float(np.median(np.concatenate(blocks[name]))) if settled[name] is not None else None
         warmth.record(fn, feeds, steady)
     load = max(load, _load_average()) if load is not None else None
-    latency = _summarise(blocks["candidate"], feeds, provider, load)
+    others = cpu_contention.others_share(cpu_start, cpu_contention.snapshot())
+    latency = _summarise(blocks["candidate"], feeds, provider, load, others)
     if baseline is not None:
-        eager = _summarise(blocks["baseline"], feeds, "baseline", load)
+        eager = _summarise(blocks["baseline"], feeds, "baseline", load, others)
         reasons = [r for r in (latency.unreliable, eager.unreliable and f"eager beside it: {eager.unreliable}") if r]
         latency = latency.model_copy(update={
             "eager_p50_ms": eager.p50_ms, "eager_p90_ms": eager.p90_ms, "unreliable": "; ".join(reasons) or None})
@@ -212,12 +219,15 @@ def median_is_tight(times: np.ndarray, target: float = CI_TARGET) -> bool:
     return median > 0 and (ordered[hi] - ordered[lo]) / 2 <= target * median
 
 
-def busy_reason(times_ms: np.ndarray, block_medians: list[float]) -> str | None:
-    """Why these timings say the machine was busy, or None when they look steady."""
+def busy_reason(times_ms: np.ndarray, block_medians: list[float], others_cpu: float | None = None) -> str | None:
+    """Why these timings (or the CPU time other processes took meanwhile) say the machine was busy,
+    or None when they look steady."""
     p50 = float(np.percentile(times_ms, 50))
     if p50 <= 0:
         return None
     reasons = []
+    if others_cpu is not None and others_cpu > BUSY_OTHERS:
+        reasons.append(f"other processes took {others_cpu:.0%} of its CPUs > {BUSY_OTHERS:.0%}")
     tail = float(np.percentile(times_ms, 90)) / p50
     if tail > BUSY_TAIL:
         reasons.append(f"p90/p50 {tail:.2f} > {BUSY_TAIL}")
@@ -237,7 +247,8 @@ def _time_block(run: Run, feeds: Feeds, n: int, clock: Clock) -> np.ndarray:
     return times * 1e3
 
 
-def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Optional[float]) -> Latency:
+def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Optional[float],
+               others_cpu: Optional[float] = None) -> Latency:
     ms = np.concatenate(blocks)
     medians = [float(np.median(b)) for b in blocks]
     batch = len(next(iter(feeds.values())))
@@ -254,7 +265,8 @@ def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Opti
         provider=provider,
         spread=(max(medians) - min(medians)) / p50 if len(medians) >= 2 and p50 > 0 else None,
         load_average=load,
-        unreliable=busy_reason(ms, medians),
+        others_cpu=others_cpu,
+        unreliable=busy_reason(ms, medians, others_cpu),
     )
 
 
