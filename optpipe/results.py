@@ -29,6 +29,9 @@ class OutputAccuracy(BaseModel):
     input_sensitivity: Optional[float] = Field(
         None, description="the reference's spread across samples relative to its magnitude; near 0: the output hardly depends on the input"
     )
+    equal_share: Optional[float] = Field(
+        None, description="an integer or boolean output (class ids, token ids, masks): the share of its elements equal to the reference's"
+    )
 
 
 class TaskAccuracy(BaseModel):

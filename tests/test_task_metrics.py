@@ -310,3 +310,26 @@ def test_the_pass_guard_judges_by_the_task_metric(tmp_path):
     guard = out.info["guard"]
     # int8 keeps the row cosine far above 0.9, but a perfect class agreement on 64 x 8 anchors it does not.
     assert guard["cosine"] > 0.99 and guard["held"] is False
+
+
+def test_an_integer_output_is_held_by_equality_not_cosine():
+    """Class ids of detections: 2 of 200 flipped keep the cosine at 0.999, yet two predictions changed."""
+    rng = np.random.default_rng(0)
+    ref = rng.integers(1, 10, (20, 10)).astype(np.int64)  # 20 samples, 10 detections' class ids each
+    cand = ref.copy()
+    cand[0, :2] = cand[0, :2] % 9 + 1
+    inputs = {"x": np.zeros((20, 1))}
+    flipped = compare({"cls": cand}, {"cls": ref}, inputs, TOL, "ref")
+    out = flipped.outputs[0]
+    assert out.cosine_mean > 0.99 and out.equal_share == 0.99
+    assert flipped.within_tolerance  # 99% equal meets cosine_min 0.99 as its bound
+    worse = cand.copy()
+    worse[1:4, :2] = worse[1:4, :2] % 9 + 1
+    failed = compare({"cls": worse}, {"cls": ref}, inputs, TOL, "ref")
+    assert failed.outputs[0].cosine_mean > 0.99 and not failed.within_tolerance
+    assert any("(integers) equals the reference in 96.0%" in v for v in failed.violations), failed.violations
+    # top1_min sets the bound; a numeric tolerance (integer pixel values) means closeness, not equality.
+    assert not compare({"cls": cand}, {"cls": ref}, inputs, Tolerance(top1_min=1.0), "ref").within_tolerance
+    assert compare({"cls": worse}, {"cls": ref}, inputs, Tolerance(cosine_min=0.99, max_abs=9), "ref").within_tolerance
+    floats = compare({"y": worse.astype(np.float32)}, {"y": ref.astype(np.float32)}, inputs, TOL, "ref")
+    assert floats.outputs[0].equal_share is None and floats.within_tolerance  # float outputs: cosine, as before

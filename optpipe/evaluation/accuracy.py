@@ -152,6 +152,7 @@ def _pair_outputs(candidate: Outputs, reference: Outputs) -> list[tuple[str, np.
 
 
 def _output_accuracy(name: str, cand: np.ndarray, ref: np.ndarray, mask, top1: bool | None, tol: Tolerance) -> OutputAccuracy:
+    discrete = np.asarray(ref).dtype.kind in "iub"  # class ids, token ids, masks: equal or not
     cand = np.asarray(cand, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     if cand.shape != ref.shape:
@@ -172,6 +173,7 @@ def _output_accuracy(name: str, cand: np.ndarray, ref: np.ndarray, mask, top1: b
         finite=finite,
         beyond_tolerance=_beyond(diff, ref, tol),
         input_sensitivity=input_sensitivity(ref),
+        equal_share=float(np.mean(cand == ref)) if discrete and cand.size else None,
     )
 
 
@@ -196,6 +198,7 @@ def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explic
             continue
         if tol.cosine_min is not None and out.cosine_mean < tol.cosine_min:
             found.append(f"output '{out.name}' cosine {out.cosine_mean:.4f} < {tol.cosine_min}")
+        found += _unequal_integers(out, tol)
         if tol.rtol is not None:
             if out.beyond_tolerance:
                 found.append(f"output '{out.name}': {out.beyond_tolerance:.1%} of elements beyond max_abs {tol.max_abs or 0} "
@@ -205,6 +208,20 @@ def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explic
         if tol.top1_min is not None and out.top1 is not None and out.top1 < tol.top1_min:
             found.append(f"output '{out.name}' top-1 agreement {out.top1:.3f} < {tol.top1_min}")
     return found
+
+
+def _unequal_integers(out: OutputAccuracy, tol: Tolerance) -> list[str]:
+    """An integer output is held by equality: the cosine of class ids [3, 7, 2] and [3, 7, 5] is
+    0.97, so ids that flip on one sample in a hundred read as cosine 0.9997. Its share of equal
+    elements must reach the cosine bound (or top1_min, where set), unless the recipe asks for
+    numeric closeness on it (max_abs, rtol: e.g. integer pixel values)."""
+    bound = tol.top1_min if tol.top1_min is not None else tol.cosine_min
+    if out.equal_share is None or bound is None or tol.max_abs is not None or tol.rtol is not None:
+        return []
+    if out.equal_share >= bound:
+        return []
+    return [f"output '{out.name}' (integers) equals the reference in {out.equal_share:.1%} of its elements < {bound:g}"
+            " (an integer output is held by equality, not cosine)"]
 
 
 def _polygraphy_match(pairs, tol: Tolerance) -> bool | None:

@@ -28,8 +28,8 @@ from optpipe.results import Accuracy, Latency, Memory
 from optpipe.recipe import EvaluateSpec, ModelInputs, Tolerance
 from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
 
-EVAL_FORMAT = 5  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
-# 5: sweeps measured and cached apart from the headline
+EVAL_FORMAT = 6  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
+# 5: sweeps measured and cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU time
 #: Settings that shape only the sweep curves: not part of the headline's cache key.
 SWEEP_SETTINGS = {"sweep", "sweep_iterations", "sweep_stages"}
 #: Settings that shape no figure (a search's strategy or budget, the Ray resources, the eager baseline
