@@ -190,7 +190,8 @@ def _detail(result: StageResult | None, refused: str | None) -> str:
 def _shown(trial: Trial) -> str:
     """A trial's params as progress shows them: those of a stage that is off played no part."""
     off = {key.rsplit(".", 1)[0] for key, value in trial.values if key.endswith(f".{ENABLED}") and value is False}
-    return ", ".join(f"{k}={v}" for k, v in trial.values if k.rsplit(".", 1)[0] not in off or k.endswith(f".{ENABLED}"))
+    return ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in trial.values
+                     if k.rsplit(".", 1)[0] not in off or k.endswith(f".{ENABLED}"))
 
 
 def describe_search(recipe: Recipe) -> str:
