@@ -305,6 +305,7 @@ def test_a_combination_refused_past_validation_is_a_failed_trial_and_the_search_
     assert refused["reason"].startswith("stages.prune.search.") and "refused beside" in refused["reason"]
     assert trials[(0.5, "2:4")]["status"] in ("ok", "out of tolerance") and trials[(0.3, "magnitude")]["status"] == "ok"
     assert "failed: prune.amount=0.3, prune.method=2:4 -> None — stages.prune.search." in stream.getvalue()
+    assert "| 0.3 | 2:4 | — (not run) | failed |" in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_validate_of_a_big_unbudgeted_grid_says_compile_will_ask_for_yes():

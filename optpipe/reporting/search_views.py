@@ -22,7 +22,7 @@ def render_search_markdown(search: dict | None, hardware: dict | None = None) ->
     for t in search["trials"]:
         status = t["status"] + (f" (repeat of {t['repeat_of']})" if t.get("repeat_of") else "")
         lines.append("| " + " | ".join([
-            str(t["number"]), *[str(t["params"].get(k, "—")) for k in keys], f"`{t['stage']}`", status,
+            str(t["number"]), *[str(t["params"].get(k, "—")) for k in keys], f"`{t['stage']}`" if t["stage"] else "— (not run)", status,
             _f(t.get("p50_ms"), ".3f"), _f(t.get("cosine"), ".5f"), _f(t["size_bytes"] / 1e3 if t.get("size_bytes") else None, ".1f"),
             "★" if t["stage"] in search["frontier"] else "",
         ]) + " |")
@@ -102,7 +102,7 @@ def render_trials_text(report) -> str:
         mark = " *frontier*" if t["stage"] in search["frontier"] else ""
         best = " *best*" if search.get("best") and search["best"]["number"] == t["number"] else ""
         reason = f" ({t['reason']})" if t["status"] != "ok" and t.get("reason") else ""
-        lines.append(f"  trial {t['number']:>3} {t['status']}{reason}: {params} -> {t['stage']}  {figures}{mark}{best}")
+        lines.append(f"  trial {t['number']:>3} {t['status']}{reason}: {params} -> {t['stage'] or '(not run)'}  {figures}{mark}{best}")
     return "\n".join(lines)
 
 
