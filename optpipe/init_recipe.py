@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -31,6 +31,7 @@ class ModelFacts:
     dims: dict[str, dict[str, int]]
     kind: str  # cnn | transformer | dense
     notes: list[str] = field(default_factory=list)
+    task: Optional[str] = None  # evaluate.task.kind, where the model says what it is for
 
 
 def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
@@ -78,7 +79,9 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
         inputs.append(_input_entry(value.name, dtype, shape, **extra))
     ops = {node.op_type for node in graph.graph.node}
     kind = "cnn" if "Conv" in ops else "transformer" if ops & {"Attention", "MultiHeadAttention", "Softmax"} else "dense"
-    return ModelFacts(path.stem, {"onnx": _relative(path, recipe_dir)}, inputs, _rename_batch(inputs, dims), kind)
+    outputs = [[d.dim_value if d.HasField("dim_value") else None for d in o.type.tensor_type.shape.dim] for o in graph.graph.output]
+    return ModelFacts(path.stem, {"onnx": _relative(path, recipe_dir)}, inputs, _rename_batch(inputs, dims), kind,
+                      task=_classifier_task(kind, outputs))
 
 
 def _index_ranges(graph) -> dict[str, int]:
@@ -151,19 +154,35 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
     if task == "causal-lm":
         model["outputs"] = ["logits"]
+    verdict_task = HF_VERDICT_TASKS.get(task)
     if "image_size" in config or "num_channels" in config:
         size = config.get("image_size", 224)
         size = size if isinstance(size, int) else size[0]
         inputs = [_input_entry("pixel_values", "float32", ["batch", config.get("num_channels", 3), size, size])]
         dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
         kind = "transformer" if config.get("model_type", "") not in ("resnet", "convnext", "regnet", "mobilenet_v2") else "cnn"
-        return ModelFacts(folder.name, model, inputs, dims, kind)
+        return ModelFacts(folder.name, model, inputs, dims, kind, task=verdict_task)
     names = _tokenizer_inputs(folder)
     vocab = int(config.get("vocab_size", 30000))
     longest = int(config.get("max_position_embeddings", config.get("n_positions", 512)))
     inputs = [_input_entry(n, "int64", ["batch", "sequence"], **({"range": [0, vocab]} if n == "input_ids" else {})) for n in names]
     dims = {"batch": {"min": 1, "opt": 1, "max": 16}, "sequence": {"min": 1, "opt": min(128, longest), "max": min(512, longest)}}
-    return ModelFacts(folder.name, model, inputs, dims, "transformer")
+    return ModelFacts(folder.name, model, inputs, dims, "transformer", task=verdict_task)
+
+
+# Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
+# checks the predictions (top-1, next token), which cosine alone lets flip.
+HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classification": "classification",
+                    "audio-classification": "classification", "causal-lm": "language-model"}
+
+
+def _classifier_task(kind: str, output_shapes: list[list]) -> Optional[str]:
+    """A CNN with one [batch, classes] output (10 classes or more) is an image classifier: its verdict
+    checks top-1 agreement. Other models' [batch, n] outputs may be regressions: no task guessed."""
+    if kind != "cnn" or len(output_shapes) != 1:
+        return None
+    shape = output_shapes[0]
+    return "classification" if len(shape) == 2 and isinstance(shape[1], int) and shape[1] >= 10 else None
 
 
 def _tokenizer_inputs(folder: Path) -> list[str]:
@@ -218,16 +237,18 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     names = {type(m).__name__ for m in net.modules()}
     attention = any("Attention" in n or "Transformer" in n for n in names)
     kind = "transformer" if attention else "cnn" if any(isinstance(m, torch.nn.Conv2d) for m in net.modules()) else "dense"
-    notes += _probe(net, inputs, dims)
+    probe_notes, output_shapes = _probe(net, inputs, dims)
+    notes += probe_notes
     model: dict[str, Any] = {"factory": spec}
     origin = getattr(module, "__file__", None)
     if origin and Path(origin).resolve().is_relative_to(Path.cwd().resolve()):
         model["path"] = _relative(Path.cwd(), recipe_dir)  # compile finds the module from the recipe's folder
-    return ModelFacts(func_name, model, inputs, dims, kind, notes)
+    return ModelFacts(func_name, model, inputs, dims, kind, notes, task=_classifier_task(kind, output_shapes))
 
 
-def _probe(net, inputs: list[dict], dims: dict) -> list[str]:
-    """Run forward once on the guessed inputs: a note when it does not take them."""
+def _probe(net, inputs: list[dict], dims: dict) -> tuple[list[str], list[list]]:
+    """Run forward once on the guessed inputs: a note when it does not take them, and the shapes of
+    the tensors it returned."""
     import numpy as np
     import torch
 
@@ -238,10 +259,11 @@ def _probe(net, inputs: list[dict], dims: dict) -> list[str]:
                      else torch.from_numpy(np.random.default_rng(0).normal(size=shape).astype(np.float32)))
     try:
         with torch.no_grad():
-            net.eval()(*args)
+            out = net.eval()(*args)
     except Exception as exc:  # a guessed shape the model does not take: the user fixes `inputs`
-        return [f"forward() did not take the guessed input ({first_line(exc)[:120]}); fix `inputs`"]
-    return []
+        return [f"forward() did not take the guessed input ({first_line(exc)[:120]}); fix `inputs`"], []
+    outputs = out if isinstance(out, (tuple, list)) else [out]
+    return [], [list(t.shape) for t in outputs if isinstance(t, torch.Tensor)]
 
 
 # --- the recipe text -------------------------------------------------------------------------
@@ -280,6 +302,10 @@ STAGES = {
 }
 
 
+TASK_WHY = {"classification": "the verdict also holds top-1 agreement (cosine alone lets classes flip)",
+            "language-model": "the verdict also holds next-token agreement (cosine alone lets tokens flip)"}
+
+
 def render_recipe(facts: ModelFacts, source: str) -> str:
     """The recipe as commented YAML."""
     flow = _flow
@@ -298,6 +324,7 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
         lines.append(f"  {name}: {flow(entry)}  # {why}")
     lines += ["evaluate:",
               "  tolerance: {cosine_min: 0.99}  # per-output agreement with the export",
+              *([f"  task: {{kind: {facts.task}}}  # {TASK_WHY[facts.task]}"] if facts.task else []),
               "  batch_sizes: [1]",
               "  threads: 2",
               f"output: runs/{facts.name}", ""]

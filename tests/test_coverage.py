@@ -330,3 +330,19 @@ def test_the_mix_reads_largest_first_also_when_read_back_from_the_cache():
     cached = Coverage.model_validate({**made.model_dump(), "macs": {"fp32": 0.2, "int8": 0.8}})  # the order JSON kept
     assert list(cached.macs) == ["fp32", "int8"]
     assert made.summary() == cached.summary() == "int8 80% · fp32 20%"
+
+
+def test_an_lm_head_fused_with_its_transposed_embedding_is_counted_at_its_own_size(tmp_path):
+    """GPT-2 after fuse: logits = FusedMatMul(hidden [1, 128, 64], embedding [500, 64], transB). ORT's
+    symbolic inference (reached here through a SkipLayerNormalization) took the Einsum twin to a
+    [500, 128, 500] output: 2e9 MACs for a 12e6-MAC model, and 'fp32 100%' for an int8 stage."""
+    batch, seq, hidden, vocab = 1, 128, 64, 500
+    rng = np.random.default_rng(4)
+    inits = [_tensor(rng, (vocab, hidden), np.float32, "wte"), _tensor(rng, (hidden,), np.float32, "gamma"),
+             _tensor(rng, (hidden,), np.float32, "beta")]
+    nodes = [helper.make_node("SkipLayerNormalization", ["x", "x", "gamma", "beta"], ["h"], name="ln", domain=MS),
+             helper.make_node("FusedMatMul", ["h", "wte"], ["logits"], name="head", domain=MS, transB=1, alpha=1.0)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", hidden])],
+                   [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", vocab])], inits, tmp_path)
+    coverage = precision_coverage(model, {"batch": batch, "sequence": seq})
+    assert coverage.unknown_shapes == 0 and coverage.total_macs == batch * seq * hidden * vocab

@@ -27,7 +27,7 @@ log = logging.getLogger("optpipe.verdict")
 INT8_LAYER_SHARE_MIN = 0.5
 
 #: Bump when precision_coverage's figures change: cached coverages of older formats are not reused.
-COVERAGE_FORMAT = 2  # 2: fused attention split (projection / scores and context), QAttention & co. counted
+COVERAGE_FORMAT = 3  # 2: fused attention split (projection / scores and context), QAttention & co. counted; 3: FusedMatMul on a rank-2 weight
 
 
 def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str,

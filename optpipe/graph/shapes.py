@@ -71,11 +71,11 @@ def shape_copy(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
         kept = [init for init in graph.initializer if init.name not in moved]
         del graph.initializer[:]
         graph.initializer.extend(kept)
-    elem_types = {init.name: init.data_type for init in model.graph.initializer}
+    weights = {init.name: init for init in model.graph.initializer}  # dims and type only are read
     nodes = []
     for node in graph.node:
         twin = TWINS.get(node.op_type) if node.domain == "com.microsoft" else None
-        nodes.extend(twin(node, elem_types) if twin else [node])
+        nodes.extend(twin(node, weights) if twin else [node])
     del graph.node[:]
     graph.node.extend(nodes)
     return fixed
@@ -117,9 +117,9 @@ def _as_float(name: str, node: onnx.NodeProto) -> tuple[str, onnx.NodeProto]:
     return out, helper.make_node("Cast", [name], [out], to=TensorProto.FLOAT)
 
 
-def _output_type(name: str, elem_types: dict[str, int], default: int) -> int:
+def _output_type(name: str, weights: dict[str, TensorProto], default: int) -> int:
     """A quantized op's output type is its output zero point's (or scale's): an initializer, usually."""
-    return elem_types.get(name, default) if name else default
+    return weights[name].data_type if name in weights else default
 
 
 def _finish(node: onnx.NodeProto, out_type: int, ops: list[onnx.NodeProto], result: str) -> list[onnx.NodeProto]:
@@ -130,30 +130,39 @@ def _finish(node: onnx.NodeProto, out_type: int, ops: list[onnx.NodeProto], resu
 def _without_activation(op: str) -> Callable:
     """FusedConv = Conv + activation (+ Z, which has the output's shape); FusedGemm = Gemm + activation."""
 
-    def twin(node, elem_types):
+    def twin(node, weights):
         return [_twin_node(op, list(node.input[:3]), list(node.output), node,
                            [a for a in node.attribute if not a.name.startswith("activation")])]
 
     return twin
 
 
-def _fused_matmul(node, elem_types):
+def _fused_matmul(node, weights):
     """FusedMatMul = alpha * op(A) @ op(B), transA/transB on the last two axes: an Einsum says that
-    for any rank. transBatchA/B (batch axes moved) have no such twin: left unknown."""
+    for any rank. transBatchA/B (batch axes moved) have no such twin: left unknown.
+    A rank-2 weight B (an LM head's tied embedding) gets MatMul(A, Transpose(B)) instead: ORT's
+    symbolic inference took the Einsum of A [1, 128, 64] and B [500, 64] to [500, 128, 500]."""
     trans = {a.name: a.i for a in node.attribute}
     if trans.get("transBatchA") or trans.get("transBatchB"):
         return [node]
+    weight = weights.get(node.input[1])
+    if not trans.get("transA") and weight is not None and len(weight.dims) == 2:
+        if not trans.get("transB"):
+            return [_twin_node("MatMul", list(node.input[:2]), list(node.output), node)]
+        flipped = f"{node.input[1]}__twin_t_{node.output[0]}"
+        return [helper.make_node("Transpose", [node.input[1]], [flipped], perm=[1, 0]),
+                _twin_node("MatMul", [node.input[0], flipped], list(node.output), node)]
     a = "...ji" if trans.get("transA") else "...ij"
     b = "...kj" if trans.get("transB") else "...jk"
     return [_twin_node("Einsum", list(node.input[:2]), list(node.output), node,
                        [helper.make_attribute("equation", f"{a},{b}->...ik")])]
 
 
-def _qgemm(node, elem_types):
+def _qgemm(node, weights):
     """QGemm(A, a_scale, a_zp, B, b_scale, b_zp, C, y_scale, y_zp): Y is float without y_scale."""
     (a, cast_a), (b, cast_b) = _as_float(node.input[0], node), _as_float(node.input[3], node)
     quantized_out = len(node.input) > 7 and bool(node.input[7])
-    out_type = _output_type(node.input[8] if len(node.input) > 8 else "", elem_types, TensorProto.UINT8) if quantized_out else TensorProto.FLOAT
+    out_type = _output_type(node.input[8] if len(node.input) > 8 else "", weights, TensorProto.UINT8) if quantized_out else TensorProto.FLOAT
     gemm = _twin_node("Gemm", [a, b], [f"{node.output[0]}__twin"], node, _attrs(node, {"transA", "transB", "alpha"}))
     return _finish(node, out_type, [cast_a, cast_b, gemm], gemm.output[0])
 
@@ -162,7 +171,7 @@ def _matmul_to_float(scale_index: int) -> Callable:
     """DynamicQuantizeMatMul(A float, B int8, ...) and MatMulIntegerToFloat(A int8, B int8, a_scale, ...):
     a float MatMul's shape, in the type of the scale at `scale_index` (b_scale, a_scale: the output's)."""
 
-    def twin(node, elem_types):
+    def twin(node, weights):
         casts, operands = [], []
         for name in node.input[:2]:
             operand, cast = _as_float(name, node)
@@ -170,12 +179,12 @@ def _matmul_to_float(scale_index: int) -> Callable:
             operands.append(operand)
         matmul = _twin_node("MatMul", operands, [f"{node.output[0]}__twin"], node)
         scale = node.input[scale_index] if len(node.input) > scale_index else ""
-        return _finish(node, _output_type(scale, elem_types, TensorProto.FLOAT), [*casts, matmul], matmul.output[0])
+        return _finish(node, _output_type(scale, weights, TensorProto.FLOAT), [*casts, matmul], matmul.output[0])
 
     return twin
 
 
-def _qattention(node, elem_types):
+def _qattention(node, weights):
     """QAttention(input, weight, bias, input_scale, weight_scale, mask_index, input_zp, weight_zp, past):
     ORT's float Attention on the same shapes."""
     (x, cast_x), (w, cast_w) = _as_float(node.input[0], node), _as_float(node.input[1], node)
@@ -188,13 +197,13 @@ def _qattention(node, elem_types):
     return [cast_x, cast_w, attention]
 
 
-def _same_as_first(node, elem_types):
+def _same_as_first(node, weights):
     """Element-wise QLinear ops of one operand (QLinearSigmoid, QLinearLeakyRelu, QLinearSoftmax):
     the output has the input's shape and quantized type."""
     return [_twin_node("Identity", [node.input[0]], [node.output[0]], node)]
 
 
-def _qlinear_concat(node, elem_types):
+def _qlinear_concat(node, weights):
     """QLinearConcat(Y_scale, Y_zp, X1, x1_scale, x1_zp, X2, ...)."""
     return [_twin_node("Concat", list(node.input[2::3]), [node.output[0]], node, _attrs(node, {"axis"}))]
 
@@ -203,12 +212,12 @@ def _qlinear_pool(op: str, attrs: set[str]) -> Callable:
     """QLinearAveragePool / QLinearGlobalAveragePool(X, x_scale, x_zp, y_scale, y_zp) in NCHW;
     channels_last has no standard twin: left unknown."""
 
-    def twin(node, elem_types):
+    def twin(node, weights):
         if any(a.name == "channels_last" and a.i for a in node.attribute):
             return [node]
         x, cast = _as_float(node.input[0], node)
         pool = _twin_node(op, [x], [f"{node.output[0]}__twin"], node, _attrs(node, attrs))
-        out_type = _output_type(node.input[4] if len(node.input) > 4 else "", elem_types, TensorProto.UINT8)
+        out_type = _output_type(node.input[4] if len(node.input) > 4 else "", weights, TensorProto.UINT8)
         return _finish(node, out_type, [cast, pool], pool.output[0])
 
     return twin
