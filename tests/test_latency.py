@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -108,33 +107,6 @@ def test_median_interval_and_busy_reason_directly():
     assert not median_is_tight(np.full(3, 5.0))  # too few runs to bound the median
     assert busy_reason(np.full(30, 5.0), [5.0, 5.0, 5.0]) is None
     assert "spread" in busy_reason(np.full(30, 5.0), [5.0, 5.0, 9.0])
-
-
-def test_a_cpu_hog_thread_makes_the_flag_fire():
-    """A real hog: a pure-Python busy thread takes the GIL for whole switch intervals while a ~1 ms run waits."""
-    stop = threading.Event()
-
-    def hog():
-        while not stop.is_set():
-            pass
-
-    def run(feeds):
-        end = time.perf_counter() + 0.001
-        while time.perf_counter() < end:
-            pass
-        return {}
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)
-    thread = threading.Thread(target=hog, daemon=True)
-    thread.start()
-    try:
-        lat = measure(run, FEEDS, 2, 100, 1, "cpu", adaptive=False)  # 100: at 30 the flag was borderline under load
-    finally:
-        stop.set()
-        thread.join()
-        sys.setswitchinterval(interval)
-    assert lat.unreliable, lat
 
 
 def test_old_results_without_the_new_fields_still_load():
@@ -278,7 +250,7 @@ def test_a_steady_slowdown_from_other_processes_is_flagged_from_their_cpu_time()
     spread), but the kernel's count of the CPU time they took flags the figure."""
     import subprocess
 
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(len(os.sched_getaffinity(0)))]  # one per core it may use
     try:
         time.sleep(0.2)
 
