@@ -208,3 +208,21 @@ def test_a_smooth_quant_alpha_nncf_ignores_on_a_model_without_attention_is_said(
     out = run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8", guard=False, smooth_quant_alpha=0.5)
     assert ignored_params_warning(out.info) == \
         "smooth_quant_alpha applies only to model_type transformer; this int8 stage ignored it"
+
+
+def test_an_int8_stage_on_a_broken_conversion_is_refused_before_any_node_is_excluded(tmp_path, monkeypatch):
+    """The FP32 conversion is checked only when the int8 result breaks the tolerance (an int8 result
+    within it vouches for the conversion); then, before NNCF's accuracy control tries to mend by
+    excluding nodes what no exclusion can mend, and never an 'ok' stage."""
+    from optpipe.passes import openvino as ov_pass
+
+    source, recipe, arrays = gemms(tmp_path)
+    wrong = ov_pass.ovr.convert_onnx(gemms(tmp_path / "other")[0].path)  # other weights: computes something else
+    converted = []
+    real = ov_pass.ovr.convert_onnx
+    monkeypatch.setattr(ov_pass.ovr, "convert_onnx", lambda path: converted.append(path) or wrong)
+    with pytest.raises(PassError, match=r"^OpenVINO's FP32 conversion does not compute what the input ONNX does"):
+        run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8")
+    monkeypatch.setattr(ov_pass.ovr, "convert_onnx", real)
+    held = run_pass(source, recipe, arrays, tmp_path / "ov-ok", precision="int8")
+    assert held.info["int8"]["guard"]["held"] and [s["method"] for s in held.info["int8"]["guard"]["steps"]] == ["nncf.quantize"]
