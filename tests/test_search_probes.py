@@ -332,3 +332,9 @@ def test_the_search_ranks_accuracy_by_the_task_metric_the_verdict_uses():
     latency = Latency.model_construct(batch_size=1, p50_ms=1.0)
     result = StageResult.model_construct(name="smooth", pass_name="int8", status="ok", accuracy=accuracy, latency=[latency], size_bytes=10)
     assert objective_values(result, ["accuracy", "latency"]) == [pytest.approx(0.9), 1.0]
+
+
+def test_a_sampler_beside_a_grid_is_refused_not_ignored():
+    with pytest.raises(RecipeError, match=r"evaluate\.search: sampler: nsga2 samples only with strategy optuna"):
+        parse_recipe(_data({}, {"strategy": "grid", "sampler": "nsga2"}))
+    assert parse_recipe(_data({}, {"strategy": "auto", "sampler": "nsga2"}))  # auto may pick optuna: kept

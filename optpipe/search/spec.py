@@ -92,6 +92,14 @@ class SearchSettings(_Strict):
             raise ValueError(f"objectives listed twice: {self.objectives}")
         return self
 
+    @model_validator(mode="after")
+    def _sampler_needs_optuna(self):
+        # A grid samples nothing: a sampler written beside it was ignored without a word.
+        if self.strategy == "grid" and "sampler" in self.model_fields_set:
+            raise ValueError(f"sampler: {self.sampler} samples only with strategy optuna (a grid runs its points); "
+                             "remove sampler, or set strategy: optuna")
+        return self
+
 
 def normalize_settings(value: Any) -> Any:
     """`search: optuna` is short for `search: {strategy: optuna}`."""
