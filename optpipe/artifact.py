@@ -87,16 +87,16 @@ class ModelArtifact:
         return cls(folder=folder, info=info)
 
 
-def _initializers(graph: onnx.GraphProto):
-    """Every initializer, those of subgraphs (If / Loop / Scan bodies) too, as onnx's conversion walks them."""
-    yield from graph.initializer
+def all_graphs(graph: onnx.GraphProto):
+    """`graph` and every subgraph in it (If / Loop / Scan bodies), depth first."""
+    yield graph
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _initializers(attr.g)
+                yield from all_graphs(attr.g)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for sub in attr.graphs:
-                    yield from _initializers(sub)
+                    yield from all_graphs(sub)
 
 
 def save_model(model: onnx.ModelProto, folder: Path, info: dict[str, Any] | None = None) -> ModelArtifact:
@@ -111,7 +111,7 @@ def save_model(model: onnx.ModelProto, folder: Path, info: dict[str, Any] | None
     # What onnx.save_model(save_as_external_data=True, location=DATA_FILE, size_threshold=1024) does,
     # less its check that `location` does not exist, which onnx makes against the working directory,
     # not the model's folder: a user's own model.onnx.data where optpipe runs failed every pass.
-    for tensor in _initializers(model.graph):
+    for tensor in (init for sub in all_graphs(model.graph) for init in sub.initializer):  # as onnx's conversion walks them
         if tensor.HasField("raw_data") and sys.getsizeof(tensor.raw_data) >= 1024:
             external_data_helper.set_external_data(tensor, DATA_FILE)
     onnx.save_model(model, str(folder / MODEL_FILE))  # writes the external tensors beside it

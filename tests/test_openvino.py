@@ -190,21 +190,3 @@ def test_no_onnx_pass_may_follow_an_openvino_stage():
     }
     with pytest.raises(RecipeError, match="stages.int8: stage 'ov' produces openvino-ir"):
         validate_recipe(parse_recipe(data))
-
-
-def test_a_failed_conversion_leaves_the_root_logger_as_it_was(tmp_path):
-    """openvino.convert_model left the root logger at ERROR after a failure: every later warning of
-    the run was dropped (found when tests after an unconvertible model lost their warnings)."""
-    import logging
-
-    model = parser.parse_model("""
-    <ir_version: 9, opset_import: ["" : 18]>
-    det (float[N, 3, 3] x) => (float[N] y) {
-      y = Det (x)
-    }""")
-    source = artifact_of(model, tmp_path / "in")
-    root = logging.getLogger()
-    before = root.level, list(root.filters), list(root.handlers)
-    with pytest.raises(Exception):
-        ovr.convert_onnx(source.path)
-    assert (root.level, root.filters, root.handlers) == before

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import external_data_helper
 
+from optpipe.artifact import all_graphs
 from optpipe.errors import ModelSourceError, RecipeError, first_line
 from optpipe.recipe import Recipe
 
@@ -256,11 +257,4 @@ def _inside(root: Path, location: str) -> Path | None:
 
 
 def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from _all_nodes(sub)
+    return (node for sub in all_graphs(graph) for node in sub.node)
