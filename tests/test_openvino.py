@@ -13,7 +13,8 @@ from helpers_passes import artifact_of, context, graph_recipe, run_model
 from optpipe.artifact import ModelArtifact
 from optpipe.errors import PassError, RecipeError
 from optpipe.evaluation import openvino_runtime as ovr
-from optpipe.passes.openvino import OpenVinoParams, OpenVinoPass, has_attention
+from optpipe.passes._openvino_nncf import has_attention
+from optpipe.passes.openvino import OpenVinoParams, OpenVinoPass
 
 RNG = np.random.default_rng(0)
 

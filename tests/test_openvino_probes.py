@@ -127,7 +127,7 @@ def test_the_guard_metric_breaks_while_top1_is_out_of_tolerance_though_the_cosin
     # Near-tied logits whose top two swap: cosine ~1, top-1 agreement 0. NNCF's accuracy control,
     # holding the cosine alone, stopped there with the stage out of tolerance.
     from optpipe.evaluation.accuracy import compare
-    from optpipe.passes.openvino import guard_metric
+    from optpipe.passes._openvino_nncf import guard_metric
     from optpipe.recipe import Tolerance
 
     reference = np.tile(np.array([[1.0, 0.999, 0.2, 0.1]], np.float32), (8, 1))
@@ -185,7 +185,7 @@ def artifact_of_unchecked(model, folder):
 
 
 def test_fused_attention_ops_make_the_graph_a_transformer(tmp_path):
-    from optpipe.passes.openvino import has_attention
+    from optpipe.passes._openvino_nncf import has_attention
 
     model = parser.parse_model("""
     <ir_version: 9, opset_import: ["" : 17, "com.microsoft" : 1]>
