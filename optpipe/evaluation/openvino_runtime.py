@@ -26,6 +26,10 @@ IR_FILE = "model.xml"
 WEIGHTS_FILE = "model.bin"
 #: Beside the IR: the compile settings it was measured with (part of the stage's content hash).
 SETTINGS_FILE = "openvino.json"
+#: The runtime precisions a compiled layer reports (rt_info runtimePrecision), as the report names them;
+#: i8 and u8 are int8 kernels.
+PRECISION_NAMES = {"i8": "int8", "u8": "int8", "f32": "fp32", "f16": "fp16", "bf16": "bf16"}
+INT8_PRECISIONS = tuple(p for p, name in PRECISION_NAMES.items() if name == "int8")
 #: The label every OpenVINO measurement carries in Latency.provider (ORT's rows say CPUExecutionProvider).
 PROVIDER = "openvino-cpu"
 RUNTIME = "openvino"
@@ -193,7 +197,7 @@ def precision_facts(compiled) -> dict[str, Any]:
     return {
         "inference_precision": inference_precision(compiled),
         "compute_layer_precisions": compute,
-        "int8_layers": sum(n for p, n in compute.items() if p in ("i8", "u8")),
+        "int8_layers": sum(n for p, n in compute.items() if p in INT8_PRECISIONS),
     }
 
 

@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from optpipe.artifact import ModelArtifact
+from optpipe.evaluation.openvino_runtime import INT8_PRECISIONS
 from optpipe.graph.coverage import Coverage, precision_coverage, quantization_warning, unknown_shapes_warning
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def openvino_int8_warning(info: dict) -> str | None:
     quantizers = (info.get("int8") or {}).get("quantizers")
     placed = f" (NNCF placed {quantizers} quantizers)" if quantizers is not None else ""
     return (f"asked for int8, but only {int8} of {total} compute layers run int8{placed}; "
-            f"the rest run in {', '.join(sorted(p for p in layers if p not in ('i8', 'u8')))}")
+            f"the rest run in {', '.join(sorted(p for p in layers if p not in INT8_PRECISIONS))}")
 
 
 def ignored_params_warning(info: dict) -> str | None:

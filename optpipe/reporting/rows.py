@@ -12,6 +12,7 @@ from statistics import median
 from typing import Callable, Literal, Optional
 
 from optpipe.evaluation.latency import BUSY_SPREAD
+from optpipe.evaluation.openvino_runtime import PRECISION_NAMES
 from optpipe.results import Accuracy, RunReport, StageResult
 
 Tone = Optional[Literal["ok", "out", "failed"]]
@@ -200,13 +201,10 @@ def _precision(c: RowContext) -> Cell:
     total = sum(layers.values())
     by_name: dict[str, int] = {}
     for runtime, count in layers.items():
-        name = OPENVINO_PRECISIONS.get(runtime, runtime)
+        name = PRECISION_NAMES.get(runtime, runtime)
         by_name[name] = by_name.get(name, 0) + count
     mix = " · ".join(f"{name} {count}/{total}" for name, count in sorted(by_name.items(), key=lambda kv: -kv[1]))
     return Cell(f"{mix} layers", flag)
-
-
-OPENVINO_PRECISIONS = {"i8": "int8", "u8": "int8", "f32": "fp32", "f16": "fp16", "bf16": "bf16"}
 
 
 def _eager_beside(report: RunReport) -> list[float]:
