@@ -41,12 +41,12 @@ PY
 step "install"
 if [ "$DRY_RUN" = 1 ]; then
   # The spec pip would install, resolved against what is already here: no download, nothing changed.
-  "$PYTHON" -m pip install --dry-run --no-deps -e '.[dev]' >"$log/install.txt" 2>&1
+  "$PYTHON" -m pip install --disable-pip-version-check --dry-run --no-deps -e '.[dev]' >"$log/install.txt" 2>&1
   rc[install]=$?
 elif [ "${SKIP_INSTALL:-0}" = 1 ]; then
   echo "skipped (SKIP_INSTALL=1)"; rc[install]=0
 else
-  timeout 150 "$PYTHON" -m pip install -q -e '.[dev]' >"$log/install.txt" 2>&1
+  timeout 150 "$PYTHON" -m pip install --disable-pip-version-check -q -e '.[dev]' >"$log/install.txt" 2>&1
   rc[install]=$?
 fi
 tail -n 2 "$log/install.txt" 2>/dev/null
