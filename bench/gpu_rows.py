@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 def gpu_plan(path: Path):
     """The recipe cut down to its GPU candidates, evaluated at batch 1 only, without sweeps."""
     from optpipe.safety.recipe_loading import load_recipe
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     recipe = load_recipe(path)
     keep = {name: spec for name, spec in recipe.stages.items() if _is_gpu_stage(spec)}
@@ -94,7 +94,7 @@ def gpu_providers() -> list[str]:
     """CUDA EP when a device is there; TensorRT EP first only when its libraries actually load."""
     import onnxruntime as ort
 
-    from optpipe.runtime import cuda_available
+    from optpipe.core.runtime import cuda_available
 
     available = ort.get_available_providers()
     if "CUDAExecutionProvider" not in available or not cuda_available():
@@ -117,7 +117,7 @@ def tensorrt_loads() -> bool:
 def bench_gpu(recipe, providers: list[str], args) -> dict:
     import onnxruntime as ort
 
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
 
     started = time.perf_counter()
     report = compile_recipe(recipe, RunOptions(providers="cuda"))
@@ -176,7 +176,7 @@ def _feeds(recipe) -> dict[str, np.ndarray]:
 def _eager_cuda(recipe):
     import torch
 
-    from optpipe.model_source import load_torch_model
+    from optpipe.source.model_source import load_torch_model
 
     if not torch.cuda.is_available():
         return None

@@ -33,7 +33,7 @@ EXTRA_STAGES = [
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from optpipe.recipe import StageSpec
+    from optpipe.recipe.schema import StageSpec
     from optpipe.safety.recipe_loading import load_recipe
 
     recipe = load_recipe(args.recipe)
@@ -71,10 +71,10 @@ def parse_args() -> argparse.Namespace:
 def build_stages(recipe, run_dir: str):
     """Every stage of the recipe through the cached pass manager (no evaluation phase)."""
     from optpipe.cache.store import StageCache, default_cache_dir
-    from optpipe.dag import execution_order
+    from optpipe.plan.dag import execution_order
     from optpipe.execution.services import RunServices
-    from optpipe.pipeline import PassManager, RunOptions
-    from optpipe.validate import validate_recipe
+    from optpipe.execution.pipeline import PassManager, RunOptions
+    from optpipe.plan.validate import validate_recipe
 
     graph, passes = validate_recipe(recipe)
     cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
@@ -108,7 +108,7 @@ def eager_runner(torch_model, threads: int):
 def ort_runner(path: Path, threads: int):
     import onnxruntime as ort
 
-    from optpipe.runtime import session_options
+    from optpipe.core.runtime import session_options
 
     options = session_options(threads)  # ORT_ENABLE_ALL, sequential, `threads` intra-op threads
     # No spin-waiting: an idle session's spinning workers took the cores from the other models in

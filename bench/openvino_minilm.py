@@ -40,7 +40,7 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     from optpipe.evaluation import openvino_runtime as ovr
-    from optpipe.recipe import StageSpec
+    from optpipe.recipe.schema import StageSpec
     from optpipe.safety.recipe_loading import load_recipe
 
     recipe = load_recipe(args.recipe)

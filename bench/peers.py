@@ -30,8 +30,8 @@ class PeerUnavailable(Exception):
 
 def peer_models(recipe) -> dict[str, tuple[str, Path | str]]:
     """name -> (what, ONNX path, or the reason there is none): each peer's documented recipe for this model."""
-    from optpipe.model_source import hf_folder
-    from optpipe.recipe import HFModel
+    from optpipe.source.model_source import hf_folder
+    from optpipe.recipe.schema import HFModel
 
     if not isinstance(recipe.model, HFModel):
         return {"peers": ("Optimum, Olive", "not run: they take Hugging Face model folders with weights")}

@@ -66,7 +66,7 @@ def candidates(dense: onnx.ModelProto, amount: float) -> dict[str, tuple[onnx.Mo
 def measure(models: dict, batch: int, threads: int, warmup: int, iterations: int) -> dict[str, np.ndarray]:
     import onnxruntime as ort
 
-    from optpipe.runtime import pinned_threads, session_options
+    from optpipe.core.runtime import pinned_threads, session_options
 
     x = np.random.default_rng(0).normal(size=(batch, 3, 224, 224)).astype(np.float32)
     sessions = {

@@ -69,7 +69,7 @@ def run_in_own_process(recipe: Path, args) -> dict:
 
 
 def bench_recipe(recipe_path: Path, args) -> dict:
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
 
     recipe = load_recipe(recipe_path)
@@ -135,13 +135,13 @@ def isa_flags() -> str:
 
 def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[str, Callable], list[dict]]:
     """Runnables and their report rows: eager, plain ORT on the exported model, every finished stage."""
-    from optpipe.runtime import eager_runner, ort_runner, session_options
+    from optpipe.core.runtime import eager_runner, ort_runner, session_options
 
     candidates: dict[str, Callable] = {}
     rows: list[dict] = []
     eager = report.stage(EAGER)
     if eager is not None and eager.status == "ok":
-        from optpipe.model_source import load_torch_model
+        from optpipe.source.model_source import load_torch_model
 
         candidates[EAGER] = eager_runner(load_torch_model(recipe.model_source()), threads)
         rows.append(_row(EAGER, "PyTorch eager FP32", eager))
@@ -200,7 +200,7 @@ def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, row
     from peers import peer_models
 
     from optpipe.evaluation.accuracy import compare, run_onnx
-    from optpipe.runtime import ort_runner, session_options
+    from optpipe.core.runtime import ort_runner, session_options
 
     reference = run_dir / "stages" / (report.reference or "") / "model.onnx"
     batches = None
@@ -267,7 +267,7 @@ def evaluation_feeds(recipe, batch: int) -> dict[str, np.ndarray]:
 
 
 def interleaved_timings(candidates: dict[str, Callable], feeds, threads: int, rounds: int, iterations: int, warmup: int) -> dict[str, list[float]]:
-    from optpipe.runtime import pinned_threads
+    from optpipe.core.runtime import pinned_threads
 
     times: dict[str, list[float]] = {name: [] for name in candidates}
     with pinned_threads(threads):

@@ -12,10 +12,10 @@ from typing import Iterator
 
 import numpy as np
 
-from optpipe.artifact import sha256_file, sha256_json
+from optpipe.core.artifact import sha256_file, sha256_json
 from optpipe.calibration.labels import labels_fingerprint, split_labels
 from optpipe.calibration.sources import load_samples, source_path
-from optpipe.recipe import DataSource, ModelSource
+from optpipe.recipe.schema import DataSource, ModelSource
 
 DATASETS = "datasets"
 SAMPLES_FILE = "samples.npz"
@@ -51,7 +51,7 @@ def sample_set_key(source: DataSource, model: ModelSource) -> str:
         content = {str(p.relative_to(path)) if path.is_dir() else "file": sha256_file(p) for p in files}
     tokenizer = None
     if source.source == "text":
-        from optpipe.model_source import source_fingerprint
+        from optpipe.source.model_source import source_fingerprint
 
         tokenizer = source_fingerprint(model)
     return sha256_json(

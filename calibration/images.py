@@ -27,8 +27,8 @@ from typing import Literal, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from optpipe.errors import DataError
-from optpipe.recipe import DataSource, InputSpec, ModelSource, describe_validation_error
+from optpipe.core.errors import DataError
+from optpipe.recipe.schema import DataSource, InputSpec, ModelSource, describe_validation_error
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
 Size = Union[int, tuple[int, int]]

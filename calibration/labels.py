@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from optpipe.errors import DataError
-from optpipe.recipe import DataSource, ModelSource
+from optpipe.core.errors import DataError
+from optpipe.recipe.schema import DataSource, ModelSource
 
 LABELS = "labels"
 LABELS_KEY = "__labels__"  # the name inside a cached sample set
@@ -48,7 +48,7 @@ def labels_fingerprint(source: DataSource, model: ModelSource) -> str | None:
     """The labels file's content hash: new labels make a new sample set."""
     if not source.labels:
         return None
-    from optpipe.artifact import sha256_file
+    from optpipe.core.artifact import sha256_file
 
     return sha256_file(_labels_path(source, model))
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from optpipe.artifact import sha256_json
+from optpipe.core.artifact import sha256_json
 from optpipe.cache.store import library_versions
 
 RANGES_FORMAT = 1

@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from optpipe.calibration.dataset import SampleSet
-from optpipe.errors import DataError, OptpipeError
+from optpipe.core.errors import DataError, OptpipeError
 
 Feeds = dict[str, np.ndarray]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from optpipe.calibration.labels import attach_labels, class_folders, load_class_folders
-from optpipe.errors import DataError, first_line
-from optpipe.example_inputs import synthetic_inputs
-from optpipe.recipe import DataSource, ModelSource
+from optpipe.core.errors import DataError, first_line
+from optpipe.recipe.example_inputs import synthetic_inputs
+from optpipe.recipe.schema import DataSource, ModelSource
 
 
 def load_samples(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
@@ -98,7 +98,7 @@ def _synthetic(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
 
 def _text(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     """Lines of a text file through the model's own tokenizer, padded to the `opt` sequence length."""
-    from optpipe.model_source import hf_folder
+    from optpipe.source.model_source import hf_folder
 
     tokenizer_folder = hf_folder(model)  # before importing transformers: a model without a tokenizer fails fast
     from transformers import AutoTokenizer

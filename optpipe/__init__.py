@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["compile_recipe", "load_recipe", "load", "RunOptions", "RunReport"]
 
 if TYPE_CHECKING:
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
     from optpipe.reporting.run_report import RunReport
     from optpipe.targets.loading import load
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     # Lazy: `import optpipe` stays cheap; torch and onnxruntime load only when a run needs them.
     if name in ("compile_recipe", "RunOptions"):
-        from optpipe import pipeline
+        from optpipe.execution import pipeline
 
         return getattr(pipeline, name)
     if name == "load_recipe":

@@ -1,6 +1,6 @@
 """The passes, one module each. A new pass is a new module here; nothing else changes.
 
-Each module defines one subclass of `optpipe.pass_base.Pass`; the registry finds
+Each module defines one subclass of `optpipe.pass_infra.pass_base.Pass`; the registry finds
 it by import, so heavy libraries must be imported inside `run`, not at the top.
 Passes from other packages register through the `optpipe.passes` entry-point
 group, through OPTPIPE_PLUGINS (comma-separated module names), or at run time
@@ -45,7 +45,7 @@ import pkgutil
 from functools import lru_cache
 from importlib import metadata
 
-from optpipe.pass_base import Pass
+from optpipe.pass_infra.pass_base import Pass
 
 _registered: dict[str, type[Pass]] = {}
 
@@ -75,7 +75,7 @@ def registry() -> dict[str, type[Pass]]:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            from optpipe.errors import OptpipeError
+            from optpipe.core.errors import OptpipeError
 
             raise OptpipeError(f"{PLUGINS_ENV}: cannot import pass module '{module_name}' ({exc}); fix the variable") from None
         for obj in vars(module).values():

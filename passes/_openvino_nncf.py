@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from optpipe.artifact import ModelArtifact
-from optpipe.errors import DataError, PassError, RecipeError, first_line
+from optpipe.core.artifact import ModelArtifact
+from optpipe.core.errors import DataError, PassError, RecipeError, first_line
 from optpipe.evaluation import openvino_runtime as ovr
-from optpipe.results import Accuracy
+from optpipe.core.results import Accuracy
 
 if TYPE_CHECKING:
-    from optpipe.pass_base import PassContext
+    from optpipe.pass_infra.pass_base import PassContext
     from optpipe.passes.openvino import InputCheck, OpenVinoParams
 
 

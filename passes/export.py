@@ -8,15 +8,15 @@ from typing import Literal, Optional
 import numpy as np
 from pydantic import Field, model_validator
 
-from optpipe.artifact import ModelArtifact, save_model, write_info
+from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check, onnx_outputs
-from optpipe.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line
-from optpipe.example_inputs import trace_inputs
+from optpipe.core.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line
+from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
-from optpipe.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
-from optpipe.pass_base import Pass, PassContext
-from optpipe.recipe import OnnxModel, Recipe
-from optpipe.runtime import eager_runner
+from optpipe.source.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
+from optpipe.pass_infra.pass_base import Pass, PassContext
+from optpipe.recipe.schema import OnnxModel, Recipe
+from optpipe.core.runtime import eager_runner
 
 
 EXPORTERS = ("dynamo", "torchscript")  # `auto`'s order
@@ -172,7 +172,7 @@ def _check_other_sizes(torch_model: TorchModel, recipe: Recipe, params: ExportPa
     """The export against eager with every non-batch dynamic dim at its `min`: a model that caches a
     shape-dependent tensor in forward (a detector's grid) can be exported with it frozen at the trace
     size, right at that size and wrong at every other."""
-    from optpipe.example_inputs import synthetic_inputs
+    from optpipe.recipe.example_inputs import synthetic_inputs
 
     batch = recipe.batch_dim()
     moved = {name: dim.min for name, dim in recipe.dims.items() if name != batch and dim.min != trace_size(dim)}
@@ -359,7 +359,7 @@ def _remove_tree(path: Path) -> None:
 
 def _first_line(exc: BaseException) -> str:
     """The root cause's first line: exporters wrap the useful message in generic ones."""
-    from optpipe.errors import first_line
+    from optpipe.core.errors import first_line
 
     while exc.__cause__ is not None:
         exc = exc.__cause__

@@ -6,13 +6,13 @@ from typing import Optional
 import onnx
 from pydantic import Field
 
-from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.errors import PassError, first_line
+from optpipe.core.artifact import ModelArtifact, save_model, write_info
+from optpipe.core.errors import PassError, first_line
 from optpipe.evaluation.fp16_numerics import emulate_fp16
 from optpipe.evaluation.guard import MAX_EXCLUDED_ALIASES, AccuracyGuard, GuardParams
 from optpipe.graph.edit import name_unnamed_nodes, topologically_sorted
 from optpipe.graph.stats import graph_stats
-from optpipe.pass_base import Pass, PassContext, PassParams
+from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 
 # The converter's names for the Cast it puts after a kept (FP32) node's output.
 _KEPT_OUTPUT_SUFFIX = "_cast_to_fp16"

@@ -18,12 +18,12 @@ from typing import Literal
 import onnx
 from pydantic import Field
 
-from optpipe.artifact import ModelArtifact, save_model, write_info
+from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import SelfCheckParams
-from optpipe.errors import PassError, RecipeError, UserInputError, first_line
+from optpipe.core.errors import PassError, RecipeError, UserInputError, first_line
 from optpipe.graph.stats import fused_ops as graph_stats_fused_ops
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
-from optpipe.pass_base import Pass, PassContext
+from optpipe.pass_infra.pass_base import Pass, PassContext
 
 ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")
 
@@ -242,14 +242,14 @@ def hf_config(ctx: PassContext):
     """The recipe model's transformers config (its folder's config.json, or the recipe's `hf_config`); None for
     other models. transformers' own reader, so architectures that name the fields otherwise (DistilBERT's
     n_heads/dim) map onto num_attention_heads/hidden_size."""
-    from optpipe.recipe import HFConfigModel, HFModel
+    from optpipe.recipe.schema import HFConfigModel, HFModel
 
     spec = ctx.recipe.model
     if not isinstance(spec, (HFModel, HFConfigModel)):
         return None
     from transformers import AutoConfig
 
-    from optpipe.model_source import hf_folder
+    from optpipe.source.model_source import hf_folder
 
     try:
         if isinstance(spec, HFConfigModel):

@@ -26,15 +26,15 @@ import numpy as np
 import onnx
 from pydantic import Field
 
-from optpipe.artifact import ModelArtifact, save_model, write_info
+from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.calibration.ranges import CalibrationCache, ranges_key
 from optpipe.calibration.readers import ort_calibration_reader
-from optpipe.errors import PassError, first_line
+from optpipe.core.errors import PassError, first_line
 from optpipe.evaluation.guard import AccuracyGuard, GuardParams
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.graph.quant_prep import needs_preparation, prepare_for_quantizer
-from optpipe.pass_base import Pass, PassContext, PassParams
+from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
 DYNAMIC_OPS = ["MatMul", "Gemm", "Conv", "Attention"]  # never Gather: int8 embedding tables cost accuracy for no speed

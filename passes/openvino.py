@@ -24,11 +24,11 @@ from typing import Any, Literal, Optional
 import numpy as np
 from pydantic import Field
 
-from optpipe.artifact import ModelArtifact, write_info
-from optpipe.errors import DataError, PassError
+from optpipe.core.artifact import ModelArtifact, write_info
+from optpipe.core.errors import DataError, PassError
 from optpipe.evaluation import openvino_runtime as ovr
-from optpipe.results import Accuracy
-from optpipe.pass_base import Pass, PassContext, PassParams
+from optpipe.core.results import Accuracy
+from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 from optpipe.passes._openvino_nncf import quantize
 
 class OpenVinoParams(PassParams):
@@ -71,7 +71,7 @@ class OpenVinoPass(Pass):
     version = "6"
     Params = OpenVinoParams
     libraries = ("onnx", "openvino", "nncf")
-    produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.validate)
+    produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.plan.validate)
 
     #: What calibrates and the other way out, for `optpipe validate` when the recipe has no data.calibration.
     calibration_use = ("OpenVINO int8 (NNCF)", "set `params: {precision: fp32}`")

@@ -9,12 +9,12 @@ import onnx
 from onnx import numpy_helper
 from pydantic import Field, model_validator
 
-from optpipe.artifact import ModelArtifact, save_model, write_info
+from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import SelfCheckParams
-from optpipe.errors import PassError, first_line
+from optpipe.core.errors import PassError, first_line
 from optpipe.graph.edit import name_unnamed_nodes
 from optpipe.graph.stats import graph_stats
-from optpipe.pass_base import Pass, PassContext
+from optpipe.pass_infra.pass_base import Pass, PassContext
 
 WEIGHT_OPS = ("Conv", "MatMul", "Gemm")
 
@@ -90,7 +90,7 @@ def resolved_round_to(params: PruneParams, ctx: PassContext) -> int:
     """round_to as a number: `auto` is the vector width of the recipe's targets on this machine."""
     if params.round_to != "auto":
         return int(params.round_to)
-    from optpipe.simd import channel_multiple
+    from optpipe.hardware.simd import channel_multiple
 
     return channel_multiple([target.kind for target in ctx.recipe.targets])
 

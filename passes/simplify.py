@@ -5,11 +5,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from optpipe.artifact import ModelArtifact, save_model, write_info
+from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import SelfCheckParams
-from optpipe.errors import PassError
+from optpipe.core.errors import PassError
 from optpipe.graph.stats import graph_stats, op_changes
-from optpipe.pass_base import Pass, PassContext
+from optpipe.pass_infra.pass_base import Pass, PassContext
 
 
 class SimplifyParams(SelfCheckParams):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 from onnx import numpy_helper
 
-from optpipe.artifact import ModelArtifact, save_model
+from optpipe.core.artifact import ModelArtifact, save_model
 from optpipe.evaluation.self_check import SelfCheckParams
-from optpipe.pass_base import Pass, PassContext, PassParams
+from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 
 
 class StrayParams(PassParams):

@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, parser
 
-from optpipe.artifact import ModelArtifact, save_model
+from optpipe.core.artifact import ModelArtifact, save_model
 from optpipe.calibration.dataset import SampleSet
-from optpipe.pass_base import PassContext
-from optpipe.recipe import Tolerance
+from optpipe.pass_infra.pass_base import PassContext
+from optpipe.recipe.schema import Tolerance
 from optpipe.safety.recipe_loading import parse_recipe
 
 

@@ -17,8 +17,8 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 from pydantic import Field
 
-from optpipe.artifact import ModelArtifact, save_model, write_info
-from optpipe.pass_base import Pass, PassContext, PassParams
+from optpipe.core.artifact import ModelArtifact, save_model, write_info
+from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 
 HERE = Path(__file__).resolve().parent
 PLUGIN = "reliability_fixtures"

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from optpipe.artifact import DATA_FILE, save_model
+from optpipe.core.artifact import DATA_FILE, save_model
 
 
 def test_a_data_file_in_the_working_directory_is_not_the_stage_s(tmp_path, monkeypatch):

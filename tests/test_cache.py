@@ -7,9 +7,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from optpipe.artifact import save_model
+from optpipe.core.artifact import save_model
 from optpipe.cache.store import StageCache, verify_entry
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import load_recipe
 
 

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import load_recipe
 
 #: Libraries a cached rerun has no use for: the model (torch, transformers), the plots (matplotlib),

@@ -15,7 +15,7 @@ from optpipe.calibration.readers import (
     sample_batches,
     tensorrt_calibrator,
 )
-from optpipe.errors import DataError, OptpipeError
+from optpipe.core.errors import DataError, OptpipeError
 
 RNG = np.random.default_rng(0)
 
@@ -106,10 +106,10 @@ def recipe_with_calibration(tmp_path, model_path, int8_params):
 
 def run_stages(recipe, cache_root, run_dir):
     from optpipe.cache.store import StageCache
-    from optpipe.dag import execution_order
+    from optpipe.plan.dag import execution_order
     from optpipe.execution.services import RunServices
-    from optpipe.pipeline import PassManager, RunOptions
-    from optpipe.validate import validate_recipe
+    from optpipe.execution.pipeline import PassManager, RunOptions
+    from optpipe.plan.validate import validate_recipe
 
     graph, passes = validate_recipe(recipe)
     cache = StageCache(cache_root)

@@ -9,14 +9,14 @@ import onnx
 import pytest
 
 from optpipe.evaluation.self_check import onnx_outputs
-from optpipe.errors import ModelSourceError, PassError
+from optpipe.core.errors import ModelSourceError, PassError
 from optpipe.execution.stage_runner import run_checked
-from optpipe.pass_base import PassContext
+from optpipe.pass_infra.pass_base import PassContext
 from optpipe.passes.export import ExportParams, ExportPass
 from optpipe.passes.simplify import SimplifyParams, SimplifyPass
-from optpipe.model_source import load_torch_model
+from optpipe.source.model_source import load_torch_model
 from optpipe.safety.recipe_loading import load_recipe
-from optpipe.runtime import eager_runner
+from optpipe.core.runtime import eager_runner
 
 TESTS = Path(__file__).resolve().parent
 

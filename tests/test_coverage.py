@@ -9,13 +9,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
-from optpipe.errors import RecipeError
+from optpipe.core.errors import RecipeError
 from optpipe.evaluation.verdict import stage_coverage
 from optpipe.graph.coverage import precision_coverage, quantization_warning, unknown_shapes_warning
 from optpipe.graph.unfuse import unfuse
 from optpipe.passes import registry
 from optpipe.safety.recipe_loading import parse_recipe
-from optpipe.validate import validate_recipe
+from optpipe.plan.validate import validate_recipe
 
 SIZE = 16
 
@@ -110,7 +110,7 @@ def test_quantization_left_in_float_warns_naming_the_op(cnn_setup):
     assert quantization_warning(precision_coverage(exported.load(), {"batch": 1})) is not None
     # The report shows the column, the warning and what was left in float, and why.
     from optpipe.reporting.run_report import build_report, render_markdown
-    from optpipe.results import StageResult
+    from optpipe.core.results import StageResult
 
     stage = StageResult(name="int8", pass_name="int8", status="ok", coverage=coverage, warnings=warnings)
     text = render_markdown(build_report(recipe, [stage]))

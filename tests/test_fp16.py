@@ -37,7 +37,7 @@ def overflow_case(tmp_path):
 def run_pass(params: dict, source, recipe, arrays, workdir):
     ctx = context(recipe, workdir, arrays)
     Fp16Pass(Fp16Params(**params)).run(source, ctx)
-    from optpipe.artifact import ModelArtifact
+    from optpipe.core.artifact import ModelArtifact
 
     return ModelArtifact.open(workdir)
 
@@ -115,7 +115,7 @@ def test_guard_stops_at_its_limit_and_says_so(tmp_path):
 
 
 def test_unknown_node_in_block_list_is_a_clear_error(tmp_path):
-    from optpipe.errors import PassError
+    from optpipe.core.errors import PassError
 
     source, recipe, arrays = overflow_case(tmp_path)
     with pytest.raises(PassError, match="node_block_list"):

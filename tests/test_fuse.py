@@ -6,7 +6,7 @@ import onnx
 from onnx import numpy_helper, parser
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
-from optpipe.artifact import ModelArtifact
+from optpipe.core.artifact import ModelArtifact
 from optpipe.execution.stage_runner import run_checked
 from optpipe.graph.stats import op_histogram
 from optpipe.passes.fuse import FuseParams, FusePass

@@ -14,8 +14,8 @@ from onnx import numpy_helper, parser
 
 from helpers_passes import artifact_of, context, graph_recipe, small_mlp
 from optpipe.evaluation.guard import AccuracyGuard, GuardParams, fold_guard_verdict
-from optpipe.pass_base import PassParams
-from optpipe.results import Accuracy, OutputAccuracy
+from optpipe.pass_infra.pass_base import PassParams
+from optpipe.core.results import Accuracy, OutputAccuracy
 
 RNG = np.random.default_rng(0)
 
@@ -138,7 +138,7 @@ def tiny_logits_recipe(tmp_path, fp16_params: dict, weight_scales=(1e-4, 1e-5), 
 
 @pytest.mark.parametrize("params", [{"guard": False}, {"max_excluded": 0}], ids=["guard-off", "guard-gives-up"])
 def test_tiny_logits_fp16_is_out_of_tolerance_in_the_report_with_both_figures(tmp_path, cache_dir, params):
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
 
     report = compile_recipe(load_recipe(tiny_logits_recipe(tmp_path, params)), RunOptions(cache_dir=cache_dir))
@@ -155,7 +155,7 @@ def test_tiny_logits_fp16_is_out_of_tolerance_in_the_report_with_both_figures(tm
 
 
 def test_tiny_logits_fp16_guard_on_keeps_the_tiny_matmul_in_fp32(tmp_path, cache_dir):
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
 
     report = compile_recipe(load_recipe(tiny_logits_recipe(tmp_path, {})), RunOptions(cache_dir=cache_dir))
@@ -168,7 +168,7 @@ def test_a_guard_out_on_max_abs_names_max_abs_not_the_cosine_that_held(tmp_path,
     # Logits of ~1e3 (as a detector's pixel boxes): FP16 storage rounds them by ~0.5 (measured max abs
     # ~1-2), a direction error far too small to move the cosine off 1.0000. The tolerance's max_abs
     # is the criterion that fails, and the verdict must say so, with the figure and its limit.
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
 
     recipe = tiny_logits_recipe(tmp_path, {"max_excluded": 0}, weight_scales=(10.0, 10.0),

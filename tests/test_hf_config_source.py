@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optpipe.errors import ModelSourceError, RecipeError
+from optpipe.core.errors import ModelSourceError, RecipeError
 from optpipe.safety.recipe_loading import parse_recipe
 
 TINY_BERT = {"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
@@ -24,7 +24,7 @@ def recipe(model: dict):
 
 
 def test_builds_the_architecture_with_seeded_random_weights():
-    from optpipe.model_source import load_torch_model, source_fingerprint
+    from optpipe.source.model_source import load_torch_model, source_fingerprint
 
     spec = recipe({"hf_config": TINY_BERT, "seed": 3})
     first, second = load_torch_model(spec.model_source()), load_torch_model(spec.model_source())
@@ -42,7 +42,7 @@ def test_config_without_model_type_is_a_recipe_error():
 
 
 def test_text_data_without_a_tokenizer_says_what_to_add():
-    from optpipe.model_source import hf_folder
+    from optpipe.source.model_source import hf_folder
 
     with pytest.raises(ModelSourceError, match="model.tokenizer"):
         hf_folder(recipe({"hf_config": TINY_BERT}).model_source())

@@ -6,7 +6,7 @@ import pytest
 
 from optpipe.calibration.dataset import build_sample_set
 from optpipe.calibration.sources import load_samples
-from optpipe.errors import DataError
+from optpipe.core.errors import DataError
 from optpipe.safety.recipe_loading import parse_recipe
 
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"]

@@ -9,15 +9,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from inspect_models import mlp_model, mlp_recipe, save
 from optpipe.cli import cli
-from optpipe.errors import RecipeError, RunFolderError
+from optpipe.core.errors import RecipeError, RunFolderError
 from optpipe.evaluation.evaluator import resize_dim
 from optpipe.graph.stats import describe_graph, graph_diff
 from optpipe.reporting.inspection import diff_stages, open_run, parse_stage_ref, stage_handle
-from optpipe.instruments import StepRecorder
+from optpipe.pass_infra.instruments import StepRecorder
 from optpipe.evaluation.layerwise import compare_layers
 from optpipe.evaluation.memory import PeakMemory
-from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import Tolerance
+from optpipe.execution.pipeline import RunOptions, compile_recipe
+from optpipe.recipe.schema import Tolerance
 from optpipe.safety.recipe_loading import parse_recipe
 
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from optpipe.cli import cli
 from optpipe.reporting.inspection import diff_stages, stage_handle
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import parse_recipe
 
 pytestmark = pytest.mark.slow

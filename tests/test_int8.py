@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, numpy_helper, parser
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
-from optpipe.artifact import ModelArtifact
+from optpipe.core.artifact import ModelArtifact
 from optpipe.passes.int8 import Int8Params, Int8Pass
 
 RNG = np.random.default_rng(0)
@@ -178,9 +178,9 @@ def test_user_exclusions_are_kept_in_float(tmp_path):
 
 
 def test_unknown_method_is_a_recipe_error():
-    from optpipe.errors import RecipeError
+    from optpipe.core.errors import RecipeError
     from optpipe.safety.recipe_loading import parse_recipe
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     recipe = parse_recipe(
         {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from optpipe.evaluation.latency import BLOCK, MIN_ITERATIONS, Warmth, busy_reason, measure, median_is_tight
-from optpipe.results import Latency
+from optpipe.core.results import Latency
 
 FEEDS = {"x": np.zeros((2, 3), dtype=np.float32)}
 
@@ -123,7 +123,7 @@ def pytest_approx(value, rel):
 
 def test_report_speedup_uses_the_eager_figure_timed_beside_the_stage_and_marks_busy_ones():
     from optpipe.reporting.run_report import stage_table
-    from optpipe.results import RunReport, StageResult
+    from optpipe.core.results import RunReport, StageResult
 
     def lat(p50, eager=None, busy=None):
         return [Latency(batch_size=1, shape={"x": [1]}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1 / p50,

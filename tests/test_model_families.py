@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from optpipe.errors import ModelSourceError
+from optpipe.core.errors import ModelSourceError
 from optpipe.evaluation.self_check import onnx_outputs
-from optpipe.model_source import load_torch_model
+from optpipe.source.model_source import load_torch_model
 from optpipe.execution.stage_runner import run_checked
-from optpipe.pass_base import PassContext
+from optpipe.pass_infra.pass_base import PassContext
 from optpipe.passes.export import ExportParams, ExportPass
 from optpipe.safety.recipe_loading import parse_recipe
-from optpipe.runtime import eager_runner
+from optpipe.core.runtime import eager_runner
 
 TESTS = Path(__file__).resolve().parent
 TINY_GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 32}
@@ -146,7 +146,7 @@ def test_a_gpt2_decoder_fuses_attention_and_keeps_its_size(tmp_path):
 
 def test_a_grid_frozen_at_the_trace_size_is_caught_at_another_size(tmp_path):
     """The cached grid is a constant in the graph: right at the trace size, wrong at every other."""
-    from optpipe.errors import PassError
+    from optpipe.core.errors import PassError
 
     recipe = _recipe(_factory("grid_head"), [{"name": "image", "shape": [1, 3, "size", "size"]}],
                      {"size": {"min": 8, "opt": 16, "max": 32}})
@@ -156,7 +156,7 @@ def test_a_grid_frozen_at_the_trace_size_is_caught_at_another_size(tmp_path):
 
 def test_the_report_says_which_exporter_succeeded_and_why_the_first_failed():
     from optpipe.reporting.run_report import export_fallbacks
-    from optpipe.results import StageResult
+    from optpipe.core.results import StageResult
 
     info = {"exporter": "torchscript", "fallback": {"from": ["dynamo"], "reasons": {"dynamo": "Cannot view a tensor"}}}
     stages = [StageResult(name="export", pass_name="export", status="ok", info=info),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from optpipe.errors import DataError, RecipeError
+from optpipe.core.errors import DataError, RecipeError
 from optpipe.safety.recipe_loading import parse_recipe
 
 TESTS = Path(__file__).resolve().parent
@@ -57,7 +57,7 @@ def test_mean_with_the_wrong_channel_count_is_one_sentence():
 
 
 def test_a_grayscale_cnn_compiles_on_grayscale_photos(tmp_path):
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
 
     recipe = _recipe(
         [{"name": "image", "shape": ["batch", 1, 32, 32]}],
@@ -98,8 +98,8 @@ def test_data_off_the_multiple_is_a_readable_data_error():
 
 def test_dynamo_export_knows_the_multiple_and_keeps_the_dim_name(tmp_path):
     from optpipe.evaluation.self_check import onnx_outputs
-    from optpipe.model_source import load_torch_model
-    from optpipe.pass_base import PassContext
+    from optpipe.source.model_source import load_torch_model
+    from optpipe.pass_infra.pass_base import PassContext
     from optpipe.passes.export import ExportParams, ExportPass
 
     recipe = _recipe(IMAGE_HW, dims={"size": {"min": 32, "opt": 64, "max": 128, "multiple_of": 32}},
@@ -120,7 +120,7 @@ def test_dynamo_export_knows_the_multiple_and_keeps_the_dim_name(tmp_path):
 
 def test_unquoted_off_reaches_a_string_mode_as_off():
     from optpipe.passes.fuse import FuseParams
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     stages = yaml.safe_load("fuse: {pass: fuse, params: {transformer: off, generic: off}}")
     assert stages["fuse"]["params"]["transformer"] is False  # what YAML 1.1 makes of it
@@ -135,7 +135,7 @@ def test_unquoted_off_reaches_a_string_mode_as_off():
 
 
 def test_round_to_auto_is_the_targets_vector_width(monkeypatch):
-    from optpipe import simd
+    from optpipe.hardware import simd
 
     monkeypatch.setattr(simd, "_cpu_flags", lambda: {"sse4_2", "avx", "avx2", "avx512f"})
     assert simd.channel_multiple([]) == 16
@@ -147,7 +147,7 @@ def test_round_to_auto_is_the_targets_vector_width(monkeypatch):
 
 def test_a_pruned_stage_slower_than_its_parent_is_flagged():
     from optpipe.evaluation.speed_verdict import slower_than_parent
-    from optpipe.results import Latency, StageResult
+    from optpipe.core.results import Latency, StageResult
 
     def stage(name, p50, parent=None, **info):
         latency = Latency(batch_size=1, shape={}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1 / p50,

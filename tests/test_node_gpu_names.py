@@ -1,5 +1,5 @@
 """Where a figure was measured (StageResult.measured_on) names its GPUs through the same reader
-as a target's gpu_type check (optpipe.runtime.cuda_device_names): one answer per node."""
+as a target's gpu_type check (optpipe.core.runtime.cuda_device_names): one answer per node."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ def test_measured_on_and_gpu_type_read_the_same_names(tmp_path, monkeypatch):
     import ctypes
 
     from optpipe.execution import stage_tasks
-    from optpipe.runtime import cuda_device_names
+    from optpipe.core.runtime import cuda_device_names
     from optpipe.targets import gpu_type
 
     real_cdll = ctypes.CDLL

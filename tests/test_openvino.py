@@ -10,8 +10,8 @@ import pytest
 from onnx import numpy_helper, parser
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
-from optpipe.artifact import ModelArtifact
-from optpipe.errors import PassError, RecipeError
+from optpipe.core.artifact import ModelArtifact
+from optpipe.core.errors import PassError, RecipeError
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.passes._openvino_nncf import has_attention
 from optpipe.passes.openvino import OpenVinoParams, OpenVinoPass
@@ -181,7 +181,7 @@ def test_bf16_is_a_hint_on_the_same_ir_and_recorded(tmp_path):
 
 def test_no_onnx_pass_may_follow_an_openvino_stage():
     from optpipe.safety.recipe_loading import parse_recipe
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     data = {
         "model": {"onnx": "m.onnx"},

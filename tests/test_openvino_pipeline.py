@@ -13,9 +13,9 @@ from google.protobuf import text_format
 
 import optpipe
 from optpipe.cli import cli
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import parse_recipe
-from optpipe.runtime import ort_runner, ort_session
+from optpipe.core.runtime import ort_runner, ort_session
 
 from conftest import TINY_RECIPE
 from optpipe.evaluation import openvino_runtime as ovr
@@ -120,7 +120,7 @@ def test_load_compiles_the_ir_with_the_measured_settings(run):
     expected = ort_runner(ort_session(run_dir / "stages" / "simplify" / "model.onnx", threads=1))(feeds())["logits"]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     assert int(optpipe.load(folder, threads=2).get_property("INFERENCE_NUM_THREADS")) == 2
-    with pytest.raises(optpipe.errors.TargetError, match="takes `threads` only; got providers"):
+    with pytest.raises(optpipe.core.errors.TargetError, match="takes `threads` only; got providers"):
         optpipe.load(folder, providers="cpu")
 
 
@@ -218,7 +218,7 @@ def test_export_triton_of_an_ir_stage_picks_the_openvino_backend(run, tmp_path):
     result = export_stage(bare, "ov-fp32", "triton", tmp_path)
     assert result.status == "ok", result.reason
     assert 'backend: "openvino"' in (tmp_path / result.path / "config.pbtxt").read_text()
-    with pytest.raises(optpipe.errors.TargetError, match="does not exist"):
+    with pytest.raises(optpipe.core.errors.TargetError, match="does not exist"):
         load(tmp_path / "no-such-folder")
 
 

@@ -8,8 +8,8 @@ import pytest
 from onnx import numpy_helper, parser
 
 from helpers_passes import artifact_of, context, graph_recipe
-from optpipe.artifact import ModelArtifact
-from optpipe.errors import PassError, RecipeError, first_line
+from optpipe.core.artifact import ModelArtifact
+from optpipe.core.errors import PassError, RecipeError, first_line
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.evaluation.verdict import ignored_params_warning, openvino_int8_warning
 from optpipe.passes.openvino import OpenVinoParams, OpenVinoPass
@@ -128,7 +128,7 @@ def test_the_guard_metric_breaks_while_top1_is_out_of_tolerance_though_the_cosin
     # holding the cosine alone, stopped there with the stage out of tolerance.
     from optpipe.evaluation.accuracy import compare
     from optpipe.passes._openvino_nncf import guard_metric
-    from optpipe.recipe import Tolerance
+    from optpipe.recipe.schema import Tolerance
 
     reference = np.tile(np.array([[1.0, 0.999, 0.2, 0.1]], np.float32), (8, 1))
     swapped = reference[:, [1, 0, 2, 3]]
@@ -147,7 +147,7 @@ def test_the_guard_metric_breaks_while_top1_is_out_of_tolerance_though_the_cosin
 ])
 def test_a_triton_device_its_platform_cannot_use_is_refused_at_validation(params, message):
     # It failed as a target after the whole run (exit 1); now validate names the key (exit 2).
-    from optpipe.recipe import TargetSpec
+    from optpipe.recipe.schema import TargetSpec
     from optpipe.targets import target_params
 
     with pytest.raises(RecipeError, match=rf"^targets.0.params: {message}"):
@@ -179,7 +179,7 @@ def test_an_fp32_conversion_that_computes_something_else_is_refused_naming_the_o
 
 
 def artifact_of_unchecked(model, folder):
-    from optpipe.artifact import save_model
+    from optpipe.core.artifact import save_model
 
     return save_model(model, folder)  # onnx.checker does not know com.microsoft ops
 
@@ -200,7 +200,7 @@ def test_fused_attention_ops_make_the_graph_a_transformer(tmp_path):
 def test_an_int8_openvino_stage_without_calibration_data_is_refused_at_validation():
     # It passed `optpipe validate` and failed at compile time, after its ancestors ran.
     from optpipe.safety.recipe_loading import parse_recipe
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     data = {"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}],
             "stages": {"export": {"pass": "export"}, "ov": {"pass": "openvino", "after": "export", "params": {"precision": "int8"}}}}
@@ -211,7 +211,7 @@ def test_an_int8_openvino_stage_without_calibration_data_is_refused_at_validatio
 
 
 def test_evaluation_data_that_cannot_fill_a_fixed_batch_is_the_datas_fault_not_an_internal_error(tmp_path):
-    from optpipe.errors import DataError
+    from optpipe.core.errors import DataError
 
     source, recipe, arrays = gemms(tmp_path, batch=3)
     arrays = {"x": arrays["x"][:10]}  # 10 samples, batches of 3

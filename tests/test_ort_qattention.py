@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 
 from helpers_passes import context
-from optpipe.errors import RecipeError
+from optpipe.core.errors import RecipeError
 from optpipe.evaluation.accuracy import compare, run_onnx
 from optpipe.execution.stage_runner import run_checked
 from optpipe.graph.stats import op_histogram
-from optpipe.model_source import TorchModel, load_torch_model
+from optpipe.source.model_source import TorchModel, load_torch_model
 from optpipe.passes.export import ExportParams, ExportPass, set_attention
 from optpipe.passes.fuse import FuseParams, FusePass
 from optpipe.passes.int8 import Int8Params, Int8Pass
-from optpipe.runtime import eager_runner
+from optpipe.core.runtime import eager_runner
 from optpipe.safety.recipe_loading import parse_recipe
 
 LAYERS, HEADS, HIDDEN, SEQ = 2, 2, 32, 16

@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 from helpers_passes import small_mlp
-from optpipe.artifact import DATA_FILE, save_model
+from optpipe.core.artifact import DATA_FILE, save_model
 from optpipe.evaluation import accuracy, outputs_memo
 from optpipe.evaluation.outputs_memo import OutputsMemo
 
@@ -81,7 +81,7 @@ def test_whatever_can_change_the_numbers_is_a_miss(tmp_path, memo, change):
 
 
 def test_a_prebuilt_session_keys_like_the_one_run_onnx_builds(tmp_path, memo):
-    from optpipe.runtime import ort_session
+    from optpipe.core.runtime import ort_session
 
     artifact = save_model(mlp(), tmp_path / "a")
     accuracy.run_onnx(artifact.path, batches(), threads=1)
@@ -127,7 +127,7 @@ def test_a_value_bigger_than_the_cap_is_not_kept_and_the_oldest_goes_first(tmp_p
 # --- a compile: the same figures, fewer runs --------------------------------------------------
 
 def _compile(tiny_recipe, tmp_path, monkeypatch, memo: OutputsMemo, name: str):
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
 
     onnx.save_model(mlp(), str(tmp_path / "mlp.onnx"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from optpipe.passes import registry
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import load_recipe
 
 TESTS = Path(__file__).resolve().parent

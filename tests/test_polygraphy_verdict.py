@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from optpipe.evaluation import accuracy
-from optpipe.recipe import Tolerance
+from optpipe.recipe.schema import Tolerance
 
 
 def outputs(scale: float):

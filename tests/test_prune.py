@@ -8,7 +8,7 @@ import pytest
 from onnx import helper, numpy_helper, parser
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
-from optpipe.artifact import ModelArtifact
+from optpipe.core.artifact import ModelArtifact
 from optpipe.passes.prune import PruneParams, PrunePass
 from optpipe.graph.sparsity import is_two_four, two_four
 
@@ -154,7 +154,7 @@ def test_structured_prune_keeps_the_most_important_neurons(tmp_path):
 
 
 def test_nothing_sound_to_prune_is_a_clear_error(tmp_path):
-    from optpipe.errors import PassError
+    from optpipe.core.errors import PassError
 
     model = parser.parse_model(
         """

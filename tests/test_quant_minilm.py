@@ -18,11 +18,11 @@ RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "minilm-all.yaml"
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
     from optpipe.cache.store import StageCache, default_cache_dir
-    from optpipe.dag import execution_order
+    from optpipe.plan.dag import execution_order
     from optpipe.execution.services import RunServices
-    from optpipe.pipeline import PassManager, RunOptions
+    from optpipe.execution.pipeline import PassManager, RunOptions
     from optpipe.safety.recipe_loading import load_recipe
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     recipe = load_recipe(RECIPE)
     graph, passes = validate_recipe(recipe)

@@ -18,7 +18,7 @@ import yaml
 from optpipe.execution.executors import LocalExecutor, Progress
 from optpipe.search.runner import compile_recipes
 from optpipe.safety.recipe_loading import load_recipe
-from optpipe.results import RunReport
+from optpipe.core.results import RunReport
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = ["unshare", "--net", "--pid", "--fork", "--mount-proc"]

@@ -5,11 +5,11 @@ import io
 
 import pytest
 
-from optpipe.errors import OptpipeError, RecipeError
+from optpipe.core.errors import OptpipeError, RecipeError
 from optpipe.execution.executors import Plan, Progress, RunMemo
 from optpipe.execution.ray_executor import RayExecutor, evaluation_resources
 from optpipe.execution.stage_tasks import TaskSettings
-from optpipe.recipe import EvaluateSpec, TargetSpec
+from optpipe.recipe.schema import EvaluateSpec, TargetSpec
 from optpipe.safety.recipe_loading import load_recipe
 from optpipe.targets import target_resources
 
@@ -132,7 +132,7 @@ def test_evaluate_providers_reach_onnxruntime(monkeypatch, caplog):
     """On a machine with CUDA and TensorRT providers (faked), the recipe's choice picks the session's providers."""
     import onnxruntime as ort
 
-    from optpipe import runtime
+    from optpipe.core import runtime
     from optpipe.evaluation.evaluator import Evaluator
 
     monkeypatch.setattr(ort, "get_available_providers",

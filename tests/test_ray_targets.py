@@ -6,11 +6,11 @@ import io
 
 import pytest
 
-from optpipe.errors import RecipeError
+from optpipe.core.errors import RecipeError
 from optpipe.execution.executors import LocalExecutor, Progress
 from optpipe.execution.ray_targets import RayTargets
-from optpipe.recipe import TargetSpec
-from optpipe.results import TargetResult
+from optpipe.recipe.schema import TargetSpec
+from optpipe.core.results import TargetResult
 from optpipe.safety.recipe_loading import load_recipe
 from optpipe.search.runner import compile_recipes
 from optpipe.targets import TargetWork, target_resources
@@ -141,7 +141,7 @@ def _named_recipe(name: str):
 
 
 def test_a_stage_resource_no_node_has_names_the_flag(tiny_recipe, tmp_path):
-    from optpipe.errors import OptpipeError
+    from optpipe.core.errors import OptpipeError
     from optpipe.execution.executors import Plan
     from optpipe.execution.ray_executor import RayExecutor
     from optpipe.execution.stage_tasks import TaskSettings

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from optpipe.errors import RecipeError
+from optpipe.core.errors import RecipeError
 from optpipe.safety.recipe_loading import load_recipe
-from optpipe.validate import validate_recipe
+from optpipe.plan.validate import validate_recipe
 
 
 def _error_line(result) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx.parser
 
-from optpipe.example_inputs import synthetic_inputs
+from optpipe.recipe.example_inputs import synthetic_inputs
 from optpipe.execution.stage_evaluation import EvaluationParts
-from optpipe.recipe import DimRange, EvaluateSpec, InputSpec, ModelInputs, Tolerance
+from optpipe.recipe.schema import DimRange, EvaluateSpec, InputSpec, ModelInputs, Tolerance
 from optpipe.safety.recipe_loading import parse_recipe
 
 SHAPES = ModelInputs(
@@ -45,7 +45,7 @@ def test_the_recipe_delegates_to_its_parts(tmp_path):
 
 
 def test_the_evaluator_runs_on_its_parts_alone(tmp_path):
-    from optpipe.artifact import save_model
+    from optpipe.core.artifact import save_model
     from optpipe.cache.store import StageCache
     from optpipe.calibration.dataset import SampleSet
     from optpipe.evaluation.evaluator import Evaluator

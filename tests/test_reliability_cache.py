@@ -16,7 +16,7 @@ from optpipe.cache import admin as cache_admin
 from optpipe.cache.store import StageCache, sweep_leftovers, verify_entry
 from optpipe.calibration.dataset import DATASETS, SAMPLES_FILE, build_sample_set
 from optpipe.cache.locking import hold_exclusive, hold_shared, release
-from optpipe.recipe import DataSource
+from optpipe.recipe.schema import DataSource
 from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.execution.run_folder import publish_stage_folders, verify_run_folder
 
@@ -186,7 +186,7 @@ def test_gc_waits_for_nobody_and_skips_an_entry_being_computed(tmp_path):
 
 
 def test_run_folder_copies_carry_their_manifest_and_are_restored(tmp_path, caplog):
-    from optpipe.results import StageResult
+    from optpipe.core.results import StageResult
 
     cache = StageCache(tmp_path / "cache")
     _entry(cache, "k1", payload=b"w" * 2048)
@@ -207,7 +207,7 @@ def test_a_publish_cut_short_leaves_the_previous_copy_or_none_never_half_of_one(
     """Seen in CI: Ctrl-C while the run folder was being written left a stage folder without its
     manifest, which `cache verify --run` reports as corrupted."""
     from optpipe.execution import run_folder
-    from optpipe.results import StageResult
+    from optpipe.core.results import StageResult
 
     cache = StageCache(tmp_path / "cache")
     _entry(cache, "k1", payload=b"one" * 512)

@@ -323,7 +323,7 @@ def _special_file_as(folder: Path, make, where: str) -> list[str]:
 
 def _finished_run(folder: Path) -> None:
     """A compiled run (in-process, quietly) for the commands that read one."""
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
 
     write_linear_onnx(folder / "model")

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reliability_fixtures import onnx_recipe
 
-from optpipe.errors import OptpipeError
+from optpipe.core.errors import OptpipeError
 from optpipe.safety.recipe_loading import load_recipe
-from optpipe.validate import validate_recipe
+from optpipe.plan.validate import validate_recipe
 
 SCALARS = (
     st.none() | st.booleans() | st.integers(-(10**9), 10**9) | st.floats(allow_nan=True, allow_infinity=True)

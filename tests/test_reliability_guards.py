@@ -11,8 +11,8 @@ from reliability_fixtures import onnx_recipe, tiny_torch, write_linear_onnx, wri
 
 from optpipe.safety import onnx_guard
 from optpipe.safety.checkpoints import load_checkpoint
-from optpipe.errors import ModelSourceError, RecipeError
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.core.errors import ModelSourceError, RecipeError
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 
 

@@ -26,8 +26,8 @@ from reliability_fixtures import HERE, onnx_recipe, run_main, write_linear_onnx,
 from optpipe.cache.admin import list_entries
 from optpipe.cache.folder import MARKER, CacheFolderError, is_marked
 from optpipe.cache.store import StageCache, default_cache_dir, verify_entry
-from optpipe.errors import RecipeError
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.core.errors import RecipeError
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 from optpipe.safety.resource_bounds import available_cores
 

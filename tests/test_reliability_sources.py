@@ -222,7 +222,7 @@ def test_the_fan_out_path_exits_2_too(tmp_path, monkeypatch, capsys):
 def test_an_input_error_beside_a_stage_failure_exits_1():
     """Something beyond the input broke as well: exit 1, and both lines."""
     from optpipe.cli.failures import failure_lines
-    from optpipe.results import StageResult
+    from optpipe.core.results import StageResult
 
     bad_source = StageResult(name="export", pass_name="export", status="failed", reason="model.checkpoint: x", error_kind="input")
     broken = StageResult(name="int8", pass_name="int8", status="failed", reason="quantizer failed (log: l)", error_kind="stage")
@@ -237,7 +237,7 @@ def test_the_kind_survives_pickling_for_ray():
     """Ray pickles a task's StageResult back to the driver."""
     import cloudpickle
 
-    from optpipe.results import StageResult
+    from optpipe.core.results import StageResult
 
     result = StageResult(name="export", pass_name="export", status="failed", reason="r", error_kind="input")
     for dumps, loads in ((pickle.dumps, pickle.loads), (cloudpickle.dumps, cloudpickle.loads)):

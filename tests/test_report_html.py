@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from inspect_models import mlp_model, mlp_recipe, save
 from optpipe.cli import cli
-from optpipe.results import Accuracy, Latency, OutputAccuracy, StageResult, TargetResult
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.core.results import Accuracy, Latency, OutputAccuracy, StageResult, TargetResult
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.reporting.run_report import RunReport
 from optpipe.reporting.html import render_html

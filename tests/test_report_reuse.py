@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 import json
 
-from optpipe.instruments import ConsoleProgress
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.pass_infra.instruments import ConsoleProgress
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.reporting.run_report import stage_table
-from optpipe.results import StageResult
+from optpipe.core.results import StageResult
 from optpipe.safety.recipe_loading import load_recipe
 
 

@@ -11,7 +11,7 @@ from optpipe.reporting import rows
 from optpipe.reporting.html import render_html
 from optpipe.reporting.rows import Cell, Column
 from optpipe.reporting.run_report import pareto_frontier, render_markdown, stage_table
-from optpipe.results import Accuracy, GuardCheck, Latency, OutputAccuracy, RunReport, StageResult, TargetResult
+from optpipe.core.results import Accuracy, GuardCheck, Latency, OutputAccuracy, RunReport, StageResult, TargetResult
 
 
 def latency(p50: float, batch: int = 1, sweep: str | None = None) -> Latency:

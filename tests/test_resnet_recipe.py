@@ -8,7 +8,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "resnet50.yaml"
 
 def test_resnet50_recipe_validates_with_its_stages():
     from optpipe.safety.recipe_loading import load_recipe
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     recipe = load_recipe(RECIPE)
     graph, passes = validate_recipe(recipe)

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from optpipe.errors import RecipeError
+from optpipe.core.errors import RecipeError
 from optpipe.execution.executors import LocalExecutor, Progress
 from optpipe.search.runner import compile_recipes
 from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 from optpipe.search.space import SearchSpace
-from optpipe.search.spec import StepRange
+from optpipe.recipe.search_spec import StepRange
 from optpipe.search.strategies import resolve_strategy
-from optpipe.search.spec import SearchSettings
+from optpipe.recipe.search_spec import SearchSettings
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SEARCH = REPO / "recipes" / "tiny-search.yaml"
@@ -251,7 +251,7 @@ def test_optuna_nsga2_within_a_trial_budget_is_repeatable(tmp_path, cache_dir):
 
 
 def _measured(name: str, p50: float, size: int, cpu: str):
-    from optpipe.results import Latency, StageResult
+    from optpipe.core.results import Latency, StageResult
 
     lat = Latency(batch_size=1, shape={}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1 / p50,
                   iterations=3, provider="CPUExecutionProvider")
@@ -261,7 +261,7 @@ def _measured(name: str, p50: float, size: int, cpu: str):
 
 def test_one_frontier_across_kinds_of_machine_is_refused_unless_grouped():
     from optpipe.execution.fan_out import frontier_by_hardware
-    from optpipe.results import RunReport
+    from optpipe.core.results import RunReport
 
     def report():
         stages = [_measured("a", 1.0, 100, "Xeon"), _measured("b", 2.0, 50, "Xeon"), _measured("c", 0.5, 100, "EPYC")]

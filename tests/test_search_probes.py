@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from optpipe.errors import RecipeError
+from optpipe.core.errors import RecipeError
 from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.search.driver import describe_search
 from optpipe.search.report import _best, trial_frontier
@@ -219,7 +219,7 @@ def test_a_study_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, which):
     import optuna
     from filelock import FileLock
 
-    from optpipe.errors import OptpipeError
+    from optpipe.core.errors import OptpipeError
     from optpipe.search.study import open_study
 
     space = SearchSpace(parse_recipe(_data({"int8": {"pass": "int8", "after": "simplify", "params": {"mode": "dynamic"},
@@ -317,7 +317,7 @@ def test_validate_of_a_big_unbudgeted_grid_says_compile_will_ask_for_yes():
 
 
 def test_the_search_ranks_accuracy_by_the_task_metric_the_verdict_uses():
-    from optpipe.results import Accuracy, Latency, OutputAccuracy, StageResult, TaskAccuracy
+    from optpipe.core.results import Accuracy, Latency, OutputAccuracy, StageResult, TaskAccuracy
     from optpipe.search.strategies import objective_values
 
     # With a task, cosine and top-1 disagree: 'smooth' keeps cosine 0.999 but flips 10% of the

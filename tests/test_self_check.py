@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optpipe.errors import PassError
+from optpipe.core.errors import PassError
 from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.self_check import SelfCheckParams, numeric_check
 from optpipe.passes import registry
-from optpipe.pipeline import RunOptions, compile_recipe
-from optpipe.recipe import Tolerance
+from optpipe.execution.pipeline import RunOptions, compile_recipe
+from optpipe.recipe.schema import Tolerance
 from optpipe.safety.recipe_loading import load_recipe
 
 TESTS = Path(__file__).resolve().parent

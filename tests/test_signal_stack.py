@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from optpipe import signal_stack
+from optpipe.core import signal_stack
 
 ov = pytest.importorskip("openvino")
 

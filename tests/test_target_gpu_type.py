@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from optpipe.runtime import cuda_device_names
+from optpipe.core.runtime import cuda_device_names
 from optpipe.targets import gpu_type as gpu_type_module
 from optpipe.targets.gpu_type import check_gpu_type, gpu_type_matches
 

@@ -12,11 +12,11 @@ from click.testing import CliRunner
 from google.protobuf import text_format
 
 import optpipe
-from optpipe.artifact import sha256_file
+from optpipe.core.artifact import sha256_file
 from optpipe.cli import cli
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import load_recipe
-from optpipe.runtime import ort_runner, ort_session
+from optpipe.core.runtime import ort_runner, ort_session
 from optpipe.targets.model_facts import io_specs
 from optpipe.targets.tensorrt import tensorrt_missing
 from optpipe.targets.triton import TRITON_TYPES

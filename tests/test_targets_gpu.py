@@ -9,8 +9,8 @@ import onnx
 import pytest
 from google.protobuf import text_format
 
-from optpipe.artifact import save_model
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.core.artifact import save_model
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import load_recipe, parse_recipe
 from tensorrt_gpu import requires_tensorrt_gpu
 

@@ -13,9 +13,9 @@ import pytest
 from google.protobuf import text_format
 
 import optpipe
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import load_recipe
-from optpipe.runtime import ort_runner, ort_session
+from optpipe.core.runtime import ort_runner, ort_session
 from optpipe.targets.tensorrt import tensorrt_missing
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,9 @@ import pytest
 from google.protobuf import text_format
 from onnx import helper, numpy_helper
 
-from optpipe.artifact import save_model
-from optpipe.errors import RecipeError, TargetError
-from optpipe.recipe import TargetSpec
+from optpipe.core.artifact import save_model
+from optpipe.core.errors import RecipeError, TargetError
+from optpipe.recipe.schema import TargetSpec
 from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.targets import target_settings, validate_targets
 from optpipe.targets.base import StageView, TargetJob, TensorRTParams, TritonParams

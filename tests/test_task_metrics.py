@@ -10,13 +10,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from helpers_passes import artifact_of, run_model
 from optpipe.calibration.dataset import build_sample_set
-from optpipe.errors import DataError, RecipeError, UserInputError
+from optpipe.core.errors import DataError, RecipeError, UserInputError
 from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.task_metrics import box_iou, mean_average_precision, nms
-from optpipe.recipe import TaskSpec, Tolerance
+from optpipe.recipe.schema import TaskSpec, Tolerance
 from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.reporting.run_report import build_report, render_markdown
-from optpipe.results import StageResult
+from optpipe.core.results import StageResult
 
 TOL = Tolerance(cosine_min=0.99)
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from onnx import numpy_helper
 
-from optpipe.artifact import save_model
-from optpipe.pass_base import Pass, PassParams
+from optpipe.core.artifact import save_model
+from optpipe.pass_infra.pass_base import Pass, PassParams
 from optpipe.passes import register_pass, unregister_pass
-from optpipe.pipeline import RunOptions, compile_recipe
+from optpipe.execution.pipeline import RunOptions, compile_recipe
 from optpipe.safety.recipe_loading import load_recipe
 
 

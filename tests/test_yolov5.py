@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_recipe_is_valid_and_uses_the_detection_metric():
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     recipe = load_recipe(REPO / "recipes" / "yolov5s.yaml")
     validate_recipe(recipe)
@@ -48,8 +48,8 @@ def test_outputs_depend_on_the_image(nano):
 
 def test_a_reduced_variant_exports_with_sizes_that_are_multiples_of_32(tmp_path):
     from optpipe.evaluation.self_check import onnx_outputs
-    from optpipe.model_source import load_torch_model
-    from optpipe.pass_base import PassContext
+    from optpipe.source.model_source import load_torch_model
+    from optpipe.pass_infra.pass_base import PassContext
     from optpipe.passes.export import ExportParams, ExportPass
 
     recipe = parse_recipe({

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from optpipe.artifact import MANIFEST_FILE
+from optpipe.core.artifact import MANIFEST_FILE
 from optpipe.cache.folder import is_entry_name
 from optpipe.cache.store import RESULTS, SERVICE_DIRS, discard, read_result, sweep_leftovers, verify_entry
-from optpipe.errors import OptpipeError
+from optpipe.core.errors import OptpipeError
 from optpipe.cache.locking import exclusive_nowait, release
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)

@@ -23,7 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from optpipe.artifact import MANIFEST_FILE, sha256_json
+from optpipe.core.artifact import MANIFEST_FILE, sha256_json
 from optpipe.cache.store import StageCache, read_result, verify_entry
 
 log = logging.getLogger("optpipe.cache.backends")

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from optpipe.errors import OptpipeError
+from optpipe.core.errors import OptpipeError
 
 MARKER = "CACHEDIR.TAG"
 SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"

@@ -31,7 +31,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from optpipe.artifact import INFO_FILE, MANIFEST_FILE, ModelArtifact, content_hash, sha256_file, sha256_json, write_text_atomic
+from optpipe.core.artifact import INFO_FILE, MANIFEST_FILE, ModelArtifact, content_hash, sha256_file, sha256_json, write_text_atomic
 from optpipe.cache.folder import SERVICE_DIRS, CacheFolderError, prepare_cache_folder
 from optpipe.cache.locking import exclusive_nowait, hold_exclusive, hold_shared, release
 

@@ -42,7 +42,7 @@ def ls_command(root: Path, kind: str | None) -> None:
 def gc_command(root: Path, older_than: str | None, max_size: str | None, dry_run: bool) -> None:
     """Prune entries by age and size; entries a running compile uses are kept."""
     from optpipe.cache.admin import collect_garbage, human_size, parse_age, parse_size
-    from optpipe.errors import OptpipeError
+    from optpipe.core.errors import OptpipeError
 
     if older_than is None and max_size is None:
         raise OptpipeError("cache gc: give --older-than AGE and/or --max-size SIZE")

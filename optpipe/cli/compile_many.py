@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
-from optpipe.errors import OptpipeError
-from optpipe.recipe import Recipe
-from optpipe.run_paths import RunPaths
+from optpipe.core.errors import OptpipeError
+from optpipe.recipe.schema import Recipe
+from optpipe.recipe.run_paths import RunPaths
 
 
 def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str | None, output: Path | None, force: bool,
@@ -24,7 +24,7 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
         raise OptpipeError("--only runs one recipe's stage and its ancestors; it does not combine with searches "
                            "or several recipes")
     if only is not None:  # an unknown stage is one line before any Ray instance starts
-        from optpipe.dag import build_dag, only_order
+        from optpipe.plan.dag import build_dag, only_order
 
         only_order(build_dag(recipes[0].stages), only)
     if remote_cache:

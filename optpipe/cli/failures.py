@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from optpipe.results import StageResult, TargetResult
+from optpipe.core.results import StageResult, TargetResult
 
 STAGE_FAILED, USER_INPUT = 1, 2
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from optpipe.errors import RecipeError
+from optpipe.core.errors import RecipeError
 
 
 @click.command("init")
@@ -14,10 +14,10 @@ from optpipe.errors import RecipeError
 @click.option("--force", is_flag=True, help="overwrite an existing recipe file")
 def init_command(model: str, output: Path | None, force: bool) -> None:
     """Write a recipe for MODEL: an .onnx file, a Hugging Face model folder, or module:factory."""
-    from optpipe.dag import execution_order
-    from optpipe.init_recipe import FILL_IN, inspect_path, render_recipe
+    from optpipe.plan.dag import execution_order
+    from optpipe.authoring.init_recipe import FILL_IN, inspect_path, render_recipe
     from optpipe.safety.recipe_loading import load_recipe
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     recipe_dir = (output.parent if output else Path.cwd())
     facts = inspect_path(model, recipe_dir)

@@ -63,7 +63,7 @@ def diff_command(first: str, second: str, third: str | None, layers: bool, sampl
     optpipe diff RUN_A:STAGE RUN_B:STAGE
     """
     from optpipe.reporting import inspection, inspection_text
-    from optpipe.recipe import Tolerance
+    from optpipe.recipe.schema import Tolerance
 
     if third is not None:
         run = Path(first)
@@ -91,7 +91,7 @@ def report_command(run: Path) -> None:
 
 
 def _parent_handle(handle):
-    from optpipe.errors import RunFolderError
+    from optpipe.core.errors import RunFolderError
     from optpipe.reporting.inspection import stage_handle
 
     parent = handle.result.parent

@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 
 from optpipe.cli.cache_commands import cache_group
-from optpipe.errors import OptpipeError
+from optpipe.core.errors import OptpipeError
 
 
 class OptpipeGroup(click.Group):
@@ -101,11 +101,11 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
                     allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...], executor: str, address: str | None, yes: bool,
                     group_by_node: bool, remote_cache: str | None) -> None:
     """Run RECIPE: every stage, its evaluation, the report (several recipes: all of them, together)."""
-    from optpipe.instruments import ConsoleProgress
-    from optpipe.pipeline import RunOptions, compile_recipe
+    from optpipe.pass_infra.instruments import ConsoleProgress
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
     from optpipe.safety.recipe_loading import load_recipe
     from optpipe.reporting.run_report import stage_table
-    from optpipe.run_paths import RunPaths
+    from optpipe.recipe.run_paths import RunPaths
     from optpipe.search.space import SearchSpace
 
     loaded = [load_recipe(path, allow_paths, allow_factories) for path in recipes]
@@ -137,10 +137,10 @@ def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool,
 @click.option("--allow-factory", "allow_factories", multiple=True, metavar="MODULE", help=FACTORY_HELP)
 def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...]) -> None:
     """Check RECIPE without running it."""
-    from optpipe.dag import execution_order
-    from optpipe.run_paths import RunPaths
+    from optpipe.plan.dag import execution_order
+    from optpipe.recipe.run_paths import RunPaths
     from optpipe.safety.recipe_loading import load_recipe
-    from optpipe.validate import validate_recipe
+    from optpipe.plan.validate import validate_recipe
 
     parsed = load_recipe(recipe, allow_paths, allow_factories)
     RunPaths.for_run(parsed)
@@ -161,7 +161,7 @@ def validate_command(recipe: Path, allow_paths: tuple[Path, ...], allow_factorie
 
 def _validate_onnx_source(parsed) -> None:
     """An ONNX model file gets the checks a compile's preflight gives it: a lying file is not 'valid'."""
-    from optpipe.model_source import onnx_path
+    from optpipe.source.model_source import onnx_path
     from optpipe.safety.preflight import check_onnx_source
 
     path = onnx_path(parsed.model_source())

@@ -14,12 +14,12 @@ from typing import Callable
 
 import numpy as np
 
-from optpipe.errors import RecipeError
-from optpipe.results import Accuracy, OutputAccuracy
+from optpipe.core.errors import RecipeError
+from optpipe.core.results import Accuracy, OutputAccuracy
 from optpipe.evaluation.cosine import MASK_INPUT, cosine_of_rows, row_cosines, rows_of  # noqa: F401  (re-exported: layerwise, callers of compare)
 from optpipe.evaluation.task_metrics import task_accuracy
-from optpipe.recipe import TaskSpec, Tolerance
-from optpipe.runtime import Feeds, Outputs
+from optpipe.recipe.schema import TaskSpec, Tolerance
+from optpipe.core.runtime import Feeds, Outputs
 
 
 
@@ -45,7 +45,7 @@ def _run_onnx(path: Path, batches: list[Feeds], threads: int, providers: list[st
     from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.comparator import Comparator
 
-    from optpipe.runtime import ort_session
+    from optpipe.core.runtime import ort_session
 
     quiet_polygraphy()
     runner = OnnxrtRunner(session if session is not None else ort_session(path, threads, providers), name="candidate")

@@ -16,17 +16,17 @@ from typing import Callable
 
 import numpy as np
 from optpipe.evaluation.accuracy import compare, run_callable, run_onnx
-from optpipe.artifact import ModelArtifact
+from optpipe.core.artifact import ModelArtifact
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.evaluation import openvino_runtime
-from optpipe.errors import NonFiniteOutputs
+from optpipe.core.errors import NonFiniteOutputs
 from optpipe.evaluation.self_check import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import Warmth, measure, warm_for
 from optpipe.evaluation.memory import PeakMemory
-from optpipe.results import Accuracy, Latency, Memory
-from optpipe.recipe import EvaluateSpec, ModelInputs, Tolerance
-from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
+from optpipe.core.results import Accuracy, Latency, Memory
+from optpipe.recipe.schema import EvaluateSpec, ModelInputs, Tolerance
+from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
 
 EVAL_FORMAT = 6  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
 # 5: sweeps measured and cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU time

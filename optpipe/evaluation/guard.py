@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import onnx
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from optpipe.artifact import save_model
+from optpipe.core.artifact import save_model
 from optpipe.evaluation import outputs_memo
 from optpipe.evaluation.accuracy import compare, run_onnx
-from optpipe.results import Accuracy, GuardCheck
+from optpipe.core.results import Accuracy, GuardCheck
 
 if TYPE_CHECKING:
-    from optpipe.artifact import ModelArtifact
+    from optpipe.core.artifact import ModelArtifact
     from optpipe.evaluation.error_attribution import NodeBlame
-    from optpipe.pass_base import PassContext
+    from optpipe.pass_infra.pass_base import PassContext
 
 Model = Union[onnx.ModelProto, Path]
 Convert = Callable[[list[str]], Model]

@@ -39,8 +39,8 @@ from weakref import WeakKeyDictionary
 import numpy as np
 
 from optpipe.evaluation import cpu_contention
-from optpipe.results import Latency
-from optpipe.runtime import Feeds, Outputs, pinned_threads
+from optpipe.core.results import Latency
+from optpipe.core.runtime import Feeds, Outputs, pinned_threads
 
 Run = Callable[[Feeds], Outputs]
 Clock = Callable[[], float]

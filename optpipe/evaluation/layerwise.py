@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from optpipe.evaluation.cosine import MASK_INPUT, row_cosines
-from optpipe.errors import RunFolderError, first_line
-from optpipe.recipe import Tolerance
-from optpipe.runtime import Feeds, Outputs
+from optpipe.core.errors import RunFolderError, first_line
+from optpipe.recipe.schema import Tolerance
+from optpipe.core.runtime import Feeds, Outputs
 
 #: Nodes whose outputs are not activations worth comparing.
 CONSTANT_OPS = {"Constant", "ConstantOfShape", "Shape", "Size"}
@@ -152,7 +152,7 @@ def _run_with_outputs(model, names: list[str], feeds: Feeds, threads: int, label
     from polygraphy.backend.onnx import ModifyOutputs
 
     from optpipe.evaluation.accuracy import quiet_polygraphy
-    from optpipe.runtime import session_options
+    from optpipe.core.runtime import session_options
 
     import onnxruntime as ort
 

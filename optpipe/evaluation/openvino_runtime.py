@@ -1,6 +1,6 @@
 """OpenVINO as a CPU engine: ONNX -> IR, compiled with the settings every stage is measured with.
 
-The latency protocol matches ONNX Runtime's rows (optpipe.runtime): `threads` inference
+The latency protocol matches ONNX Runtime's rows (optpipe.core.runtime): `threads` inference
 threads, one stream and one infer request (`PERFORMANCE_HINT: LATENCY`), so the figures
 are comparable row by row. The inference precision is pinned to f32 unless a stage asks
 for bf16: on a CPU with AVX-512 BF16 but no AMX, OpenVINO's default hint (bf16) was
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from optpipe.runtime import Feeds, Outputs
+from optpipe.core.runtime import Feeds, Outputs
 
 IR_FILE = "model.xml"
 WEIGHTS_FILE = "model.bin"
@@ -116,7 +116,7 @@ def _root_logger_kept():
 def conversion_failure(exc: BaseException) -> str:
     """Why convert_model failed, in one line. Its message ends with a summary ("-- No conversion rule
     found for operations: Det-18"): that names the ops to replace, the lines above it do not."""
-    from optpipe.errors import first_line
+    from optpipe.core.errors import first_line
 
     summary = [line.strip()[2:].strip() for line in str(exc).splitlines() if line.strip().startswith("--")]
     return "; ".join(summary)[:300] if summary else first_line(exc)

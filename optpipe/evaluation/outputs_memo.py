@@ -29,8 +29,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from optpipe.artifact import DATA_FILE, MANIFEST_FILE, MODEL_FILE, content_hash, sha256_file, sha256_json
-from optpipe.runtime import Feeds, Outputs
+from optpipe.core.artifact import DATA_FILE, MANIFEST_FILE, MODEL_FILE, content_hash, sha256_file, sha256_json
+from optpipe.core.runtime import Feeds, Outputs
 
 log = logging.getLogger("optpipe.memo")
 
@@ -131,7 +131,7 @@ def freeze(outputs: Outputs) -> Outputs:
 def run_key(model_path: Path, batches: list[Feeds], threads: int, providers: Optional[list[str]] = None,
             session=None) -> Optional[str]:
     """The memo key of `model_path`'s outputs on `batches` under this ONNX Runtime session (or the one
-    `optpipe.runtime.ort_session(model_path, threads, providers)` builds). None: not memoizable."""
+    `optpipe.core.runtime.ort_session(model_path, threads, providers)` builds). None: not memoizable."""
     try:
         return session_key(model_digest(model_path), batches, threads, providers, session)
     except Exception:  # noqa: BLE001 - unreadable files, not ONNX, odd inputs: not memoized; running it says what is wrong
@@ -152,7 +152,7 @@ def session_key(model: str, batches: list[Feeds], threads: int, providers: Optio
 def session_signature(threads: int, providers: Optional[list[str]] = None, session=None) -> dict:
     """What of an ORT session can change the numbers: its providers and its options (read from
     `session` when given, else from the options `ort_session` would build)."""
-    from optpipe.runtime import session_options
+    from optpipe.core.runtime import session_options
 
     if session is not None:
         options, providers = session.get_session_options(), session.get_providers()
@@ -219,7 +219,7 @@ def published_digest(model_path: Path, scratch: Path) -> str:
     rewrites the file (other external-data layout, other names): saved that way into `scratch`, hashed."""
     import onnx
 
-    from optpipe.artifact import save_model
+    from optpipe.core.artifact import save_model
 
     artifact = save_model(onnx.load(str(model_path)), scratch)
     return model_digest(artifact.path)

@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 from pydantic import Field
 
-from optpipe.errors import DataError, PassError, first_line
+from optpipe.core.errors import DataError, PassError, first_line
 from optpipe.evaluation.accuracy import compare
-from optpipe.example_inputs import trace_inputs
-from optpipe.instruments import Instrument, StageInfo
-from optpipe.pass_base import PassParams
-from optpipe.recipe import OnnxModel, Tolerance
-from optpipe.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session
+from optpipe.recipe.example_inputs import trace_inputs
+from optpipe.pass_infra.instruments import Instrument, StageInfo
+from optpipe.pass_infra.pass_base import PassParams
+from optpipe.recipe.schema import OnnxModel, Tolerance
+from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session
 
 if TYPE_CHECKING:
-    from optpipe.artifact import ModelArtifact
+    from optpipe.core.artifact import ModelArtifact
 
 EAGER = "pytorch-eager"
 INPUT = "input"

@@ -6,7 +6,7 @@ would hide it. Differences within the report's latency noise are not flagged.
 """
 from __future__ import annotations
 
-from optpipe.results import StageResult
+from optpipe.core.results import StageResult
 
 LATENCY_NOISE = 0.05  # the Pareto frontier's noise band (reporting.run_report)
 

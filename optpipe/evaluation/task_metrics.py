@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from optpipe.errors import DataError, RecipeError
+from optpipe.core.errors import DataError, RecipeError
 from optpipe.evaluation.cosine import MASK_INPUT, row_cosines
-from optpipe.recipe import TaskSpec
-from optpipe.results import TaskAccuracy
+from optpipe.recipe.schema import TaskSpec
+from optpipe.core.results import TaskAccuracy
 
 
 def task_accuracy(spec: TaskSpec, candidate: dict[str, np.ndarray], reference: dict[str, np.ndarray],

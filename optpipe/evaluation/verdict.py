@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from optpipe.artifact import ModelArtifact
+from optpipe.core.artifact import ModelArtifact
 from optpipe.evaluation.openvino_runtime import INT8_PRECISIONS
 from optpipe.graph.coverage import Coverage, precision_coverage, quantization_warning, unknown_shapes_warning
 

@@ -13,11 +13,11 @@ import contextlib
 from pathlib import Path
 from typing import Optional
 
-from optpipe.artifact import DATA_FILE, INFO_FILE, MANIFEST_FILE, MODEL_FILE, ModelArtifact, write_info
+from optpipe.core.artifact import DATA_FILE, INFO_FILE, MANIFEST_FILE, MODEL_FILE, ModelArtifact, write_info
 from optpipe.cache.store import verify_entry
-from optpipe.errors import PassError
+from optpipe.core.errors import PassError
 from optpipe.execution.services import LogWriter
-from optpipe.pass_base import Pass, PassContext
+from optpipe.pass_infra.pass_base import Pass, PassContext
 
 #: What a published stage folder may hold (the cache adds its manifest when publishing).
 ARTIFACT_FILES = frozenset({MODEL_FILE, DATA_FILE, INFO_FILE})
@@ -54,7 +54,7 @@ def accept_output(pass_name: str, returned: object, workdir: Path, produces: str
             )
     for required in FORMAT_FILES[produces]:
         if not (workdir / required).is_file():
-            raise PassError(f"pass '{pass_name}' wrote no {required}; save the result with optpipe.artifact.save_model")
+            raise PassError(f"pass '{pass_name}' wrote no {required}; save the result with optpipe.core.artifact.save_model")
     return write_info(workdir, returned.info)
 
 

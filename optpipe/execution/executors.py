@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from optpipe.execution.stage_tasks import TaskSettings, evaluate, node_description, run_stage
-from optpipe.results import StageResult
-from optpipe.recipe import Recipe
+from optpipe.core.results import StageResult
+from optpipe.recipe.schema import Recipe
 
 
 @dataclass

@@ -9,13 +9,13 @@ from typing import Callable
 
 from filelock import FileLock
 
-from optpipe.dag import build_dag, only_order
+from optpipe.plan.dag import build_dag, only_order
 from optpipe.execution.executors import Plan, Progress, RunMemo
 from optpipe.execution.stage_tasks import TaskSettings, hardware_class
-from optpipe.results import RunReport, StageResult
-from optpipe.recipe import OnnxModel, Recipe
+from optpipe.core.results import RunReport, StageResult
+from optpipe.recipe.schema import OnnxModel, Recipe
 from optpipe.reporting.run_report import build_report, pareto_frontier, write_report
-from optpipe.validate import validate_recipe
+from optpipe.plan.validate import validate_recipe
 
 
 class PlainDriver:

@@ -9,9 +9,9 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-from optpipe.errors import RunInterrupted
-from optpipe.instruments import Instrument, StageInfo
-from optpipe.results import StageResult
+from optpipe.core.errors import RunInterrupted
+from optpipe.pass_infra.instruments import Instrument, StageInfo
+from optpipe.core.results import StageResult
 
 
 class KeptTracker(Instrument):

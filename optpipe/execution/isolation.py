@@ -24,9 +24,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from optpipe.artifact import ModelArtifact
-from optpipe.errors import OptpipeError, PassCrashed, PassError, StageOutOfMemory, StageTimeout, UserInputError, first_line
-from optpipe.pass_base import Pass, PassContext
+from optpipe.core.artifact import ModelArtifact
+from optpipe.core.errors import OptpipeError, PassCrashed, PassError, StageOutOfMemory, StageTimeout, UserInputError, first_line
+from optpipe.pass_infra.pass_base import Pass, PassContext
 
 POLL_S = 0.1
 GRACE_S = 2.0  # between SIGTERM and SIGKILL when stopping a worker

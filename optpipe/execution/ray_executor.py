@@ -16,12 +16,12 @@ import socket
 import time
 from typing import Any
 
-from optpipe.errors import OptpipeError, first_line
+from optpipe.core.errors import OptpipeError, first_line
 from optpipe.execution.executors import Plan, Progress, outcome_label, result_detail, result_label
 from optpipe.execution.ray_targets import RayTargets, ray_options as _ray_resources, ray_start_flags
 from optpipe.execution.stage_tasks import evaluate, node_description, run_stage
-from optpipe.recipe import GPU_PROVIDERS, EvaluateSpec
-from optpipe.runtime import requested_providers
+from optpipe.recipe.schema import GPU_PROVIDERS, EvaluateSpec
+from optpipe.core.runtime import requested_providers
 
 BENCHMARK = "benchmark"
 # A task whose worker or node dies is retried on another node (Ray's own retry); an error the
@@ -111,7 +111,7 @@ class RayExecutor:
 
     def _collect(self, waiting: dict, progress: Progress) -> None:
         """Take results as they finish: one progress line each, with the node that ran it."""
-        from optpipe.results import StageResult
+        from optpipe.core.results import StageResult
 
         ray = self.ray
         pending = list(waiting)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from optpipe.errors import first_line
+from optpipe.core.errors import first_line
 from optpipe.execution.executors import Progress
 from optpipe.execution.stage_tasks import TaskSettings, build_target
-from optpipe.recipe import Recipe
-from optpipe.results import TargetResult
+from optpipe.recipe.schema import Recipe
+from optpipe.core.results import TargetResult
 
 RECHECK_S = 5.0  # how often waiting target tasks are checked against the live nodes' resources
 

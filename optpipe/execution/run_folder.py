@@ -17,9 +17,9 @@ import shutil
 import uuid
 from pathlib import Path
 
-from optpipe.artifact import MANIFEST_FILE, copy_file
+from optpipe.core.artifact import MANIFEST_FILE, copy_file
 from optpipe.cache.store import verify_entry
-from optpipe.results import StageResult
+from optpipe.core.results import StageResult
 
 log = logging.getLogger("optpipe.run")
 

@@ -10,10 +10,10 @@ from typing import Callable
 
 from optpipe.cache.store import StageCache
 from optpipe.calibration.dataset import SampleSet, build_sample_set
-from optpipe.errors import DataError
-from optpipe.model_source import load_torch_model
-from optpipe.pass_base import PassContext
-from optpipe.recipe import DataSets, ModelSource, Recipe
+from optpipe.core.errors import DataError
+from optpipe.source.model_source import load_torch_model
+from optpipe.pass_infra.pass_base import PassContext
+from optpipe.recipe.schema import DataSets, ModelSource, Recipe
 
 
 class RunServices:

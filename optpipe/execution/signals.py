@@ -16,7 +16,7 @@ import traceback
 
 import click
 
-from optpipe.errors import RunInterrupted, first_line
+from optpipe.core.errors import RunInterrupted, first_line
 
 DEBUG_ENV = "OPTPIPE_DEBUG"
 _received: list[int] = []

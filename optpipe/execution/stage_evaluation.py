@@ -14,16 +14,16 @@ from typing import Mapping, Optional
 
 from optpipe.cache.store import StageCache
 from optpipe.execution.interrupt import escalate
-from optpipe.errors import OptpipeError, first_line
+from optpipe.core.errors import OptpipeError, first_line
 from optpipe.evaluation.evaluator import Evaluator
 from optpipe.evaluation.guard import fold_guard_verdict
 from optpipe.evaluation.verdict import flag_unchanged_stages, stage_coverage
 from optpipe.execution.services import RunServices
-from optpipe.instruments import Instrument
-from optpipe.model_source import source_fingerprint
-from optpipe.recipe import EvaluateSpec, ModelSource, OnnxModel, Recipe, Tolerance
-from optpipe.results import StageResult, error_kind
-from optpipe.signal_stack import restore_signal_stack
+from optpipe.pass_infra.instruments import Instrument
+from optpipe.source.model_source import source_fingerprint
+from optpipe.recipe.schema import EvaluateSpec, ModelSource, OnnxModel, Recipe, Tolerance
+from optpipe.core.results import StageResult, error_kind
+from optpipe.core.signal_stack import restore_signal_stack
 
 EAGER_STAGE = "pytorch-eager"
 
@@ -183,8 +183,8 @@ class SourceCheck:
 
     def _run(self) -> Optional[str]:
         from optpipe.evaluation.accuracy import run_callable, run_onnx
-        from optpipe.model_source import onnx_path
-        from optpipe.runtime import eager_runner
+        from optpipe.source.model_source import onnx_path
+        from optpipe.core.runtime import eager_runner
 
         evaluator = self.evaluator
         try:

@@ -11,19 +11,19 @@ import time
 import traceback
 from pathlib import Path
 
-from optpipe.artifact import ModelArtifact, write_info
+from optpipe.core.artifact import ModelArtifact, write_info
 from optpipe.cache.store import StageCache, library_versions
-from optpipe.errors import OptpipeError, PassError, StageOutOfMemory, first_line
+from optpipe.core.errors import OptpipeError, PassError, StageOutOfMemory, first_line
 from optpipe.evaluation.self_check import NumericSelfCheck, self_check_fingerprint
 from optpipe.execution.contract import run_pass
 from optpipe.execution.interrupt import InterruptWatch, escalate
 from optpipe.execution.isolation import memory_message, run_pass_isolated
 from optpipe.execution.services import RunServices, make_pass_context, stage_logger
-from optpipe.instruments import Instrument, Instruments, StageInfo
-from optpipe.pass_base import Pass, PassContext
-from optpipe.recipe import Recipe
-from optpipe.results import ErrorKind, StageResult, error_kind
-from optpipe.signal_stack import restore_signal_stack
+from optpipe.pass_infra.instruments import Instrument, Instruments, StageInfo
+from optpipe.pass_infra.pass_base import Pass, PassContext
+from optpipe.recipe.schema import Recipe
+from optpipe.core.results import ErrorKind, StageResult, error_kind
+from optpipe.core.signal_stack import restore_signal_stack
 
 KEY_FORMAT = 2
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.cache.backends import open_cache
-from optpipe.results import StageResult
-from optpipe.runtime import cuda_device_names  # the one reader of GPU names, as targets/gpu_type.py uses
-from optpipe.recipe import Recipe
+from optpipe.core.results import StageResult
+from optpipe.core.runtime import cuda_device_names  # the one reader of GPU names, as targets/gpu_type.py uses
+from optpipe.recipe.schema import Recipe
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: T
     """The stage's result, its model a cache hit or its pass run and published; `parent` is its parent's result."""
     from optpipe.execution.services import RunServices
     from optpipe.execution.stage_runner import StageRunner
-    from optpipe.instruments import Instruments
-    from optpipe.validate import validate_recipe
+    from optpipe.pass_infra.instruments import Instruments
+    from optpipe.plan.validate import validate_recipe
 
     spec = recipe.stages[name]
     if parent is not None and parent.status != "ok":
@@ -61,7 +61,7 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     first when `eager`), each result stamped with the node that measured it."""
     from optpipe.execution.services import RunServices
     from optpipe.execution.stage_evaluation import EvaluationParts, evaluate_stages
-    from optpipe.instruments import Instruments
+    from optpipe.pass_infra.instruments import Instruments
 
     cache = settings.open_cache()
     evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, out_of_tolerance, stage_rows, table_note
-from optpipe.results import EAGER, Latency, RunReport, StageResult, TargetResult
+from optpipe.core.results import EAGER, Latency, RunReport, StageResult, TargetResult
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
 FRONTIER = "#f9a825"
@@ -64,7 +64,7 @@ def _plots(report: RunReport, plots_file: Path | None) -> dict:
     plots = {"dag": _dag_svg(report), "pareto": _pareto_svg(report),
              "curves": [(title, _curves_svg(curves, title)) for title, curves in _latency_curves(report)]}
     if plots_file is not None:
-        from optpipe.artifact import write_text_atomic
+        from optpipe.core.artifact import write_text_atomic
 
         try:
             write_text_atomic(plots_file, json.dumps({"digest": digest, "plots": plots}))

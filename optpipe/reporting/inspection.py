@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from optpipe.errors import RunFolderError
+from optpipe.core.errors import RunFolderError
 from optpipe.graph.stats import graph_diff
-from optpipe.recipe import Tolerance
-from optpipe.results import Latency, StageResult
+from optpipe.recipe.schema import Tolerance
+from optpipe.core.results import Latency, StageResult
 from optpipe.evaluation import openvino_runtime
 from optpipe.reporting.run_access import (  # noqa: F401  (re-exported: the CLI and the pipeline read them here)
     SAMPLE_INPUTS_COUNT, SAMPLE_INPUTS_FILE, StageHandle, open_run, parse_stage_ref, sample_inputs, save_sample_inputs,

@@ -13,7 +13,7 @@ from typing import Callable, Literal, Optional
 
 from optpipe.evaluation.latency import BUSY_SPREAD
 from optpipe.evaluation.openvino_runtime import PRECISION_NAMES
-from optpipe.results import Accuracy, RunReport, StageResult
+from optpipe.core.results import Accuracy, RunReport, StageResult
 
 Tone = Optional[Literal["ok", "out", "failed"]]
 

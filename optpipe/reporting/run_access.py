@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from optpipe.errors import RunFolderError
+from optpipe.core.errors import RunFolderError
 from optpipe.graph.stats import describe_graph
-from optpipe.results import RunReport, StageResult
+from optpipe.core.results import RunReport, StageResult
 
 #: A few evaluation samples saved in the run folder, so a layer-wise comparison uses real inputs.
 SAMPLE_INPUTS_FILE = "eval_inputs.npz"
@@ -70,7 +70,7 @@ def stage_handle(run_dir: str | Path, name: str, report: RunReport | None = None
     report = report or open_run(run_dir)
     result = report.stage(name)
     if result is None:
-        from optpipe.recipe import suggest
+        from optpipe.recipe.schema import suggest
 
         names = ", ".join(s.name for s in report.stages)
         raise RunFolderError(f"run '{run_dir}' has no stage '{name}'{suggest(name, [s.name for s in report.stages])}; its stages are: {names}")

@@ -1,5 +1,5 @@
 """The run report: built from the stage results, written as report.json (the data, schema in
-optpipe/results.py), report.md (this module's view) and report.html (reporting/html.py).
+optpipe/core/results.py), report.md (this module's view) and report.html (reporting/html.py).
 
 The Pareto frontier is taken over (latency at the first batch size, accuracy
 error = 1 - worst mean cosine, size on disk) among ONNX stages that finished
@@ -14,12 +14,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from optpipe.artifact import write_text_atomic
+from optpipe.core.artifact import write_text_atomic
 from optpipe.evaluation.speed_verdict import slower_than_parent
-from optpipe.recipe import Recipe
+from optpipe.recipe.schema import Recipe
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
-from optpipe.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
+from optpipe.core.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
 
 def build_report(recipe: Recipe, stages: list[StageResult]) -> RunReport:
     """The report of one compile: its stages, their Pareto frontier, the machine and settings."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from optpipe.errors import ModelSourceError, first_line
+from optpipe.core.errors import ModelSourceError, first_line
 
 STATE_KEYS = ("state_dict", "model_state_dict", "model")
 

@@ -22,9 +22,9 @@ import numpy as np
 import onnx
 from onnx import external_data_helper
 
-from optpipe.artifact import all_graphs
-from optpipe.errors import ModelSourceError, RecipeError, first_line
-from optpipe.recipe import Recipe
+from optpipe.core.artifact import all_graphs
+from optpipe.core.errors import ModelSourceError, RecipeError, first_line
+from optpipe.recipe.schema import Recipe
 
 # Above this size a model cannot be serialized as one protobuf (onnx.checker.MAXIMUM_PROTOBUF, 2 GiB).
 PROTOBUF_LIMIT = onnx.checker.MAXIMUM_PROTOBUF

@@ -13,7 +13,7 @@ import errno
 from pathlib import Path
 from typing import Iterator
 
-from optpipe.errors import OptpipeError
+from optpipe.core.errors import OptpipeError
 
 # Errors no stage can work around: the run stops with exit 2.
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}

@@ -12,13 +12,13 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from optpipe.errors import DataError, RecipeError
-from optpipe.recipe import Recipe
+from optpipe.core.errors import DataError, RecipeError
+from optpipe.recipe.schema import Recipe
 
 if TYPE_CHECKING:
     from optpipe.cache.store import StageCache
 
-log = logging.getLogger("optpipe.recipe")
+log = logging.getLogger("optpipe.recipe.schema")
 _DATA_PREFIX = re.compile(r"^(data(\.\w+)?( source '\w+')?:\s*)")
 
 
@@ -66,7 +66,7 @@ def _check_runs_on_recipe_inputs(recipe: Recipe, path: Path, file_key: str, cach
     the recipe's to fix, named here in one line rather than by every stage that meets them.
     Once per model version and input specs (one inference at the `opt` shape)."""
     from optpipe.cache.store import StageCache
-    from optpipe.example_inputs import trace_inputs
+    from optpipe.recipe.example_inputs import trace_inputs
     from optpipe.safety import onnx_guard
 
     shapes = recipe.model_inputs()

@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from optpipe.errors import RecipeError
-from optpipe.recipe import FactoryModel, HFModel, OnnxModel, Recipe
+from optpipe.core.errors import RecipeError
+from optpipe.recipe.schema import FactoryModel, HFModel, OnnxModel, Recipe
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 MAX_RECIPE_BYTES = 1 << 20

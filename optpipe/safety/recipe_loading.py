@@ -1,4 +1,4 @@
-"""Loading a recipe: a YAML file read safely, parsed into the schema (optpipe/recipe.py), then
+"""Loading a recipe: a YAML file read safely, parsed into the schema (optpipe/recipe/schema.py), then
 checked by the guards beside it (recipe_guard.py: paths, factories, names; resource_bounds.py:
 sizes). Here, not in recipe.py, so that the schema imports nothing that imports it back."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from optpipe.errors import RecipeError
-from optpipe.recipe import Recipe, describe_validation_error
+from optpipe.core.errors import RecipeError
+from optpipe.recipe.schema import Recipe, describe_validation_error
 from optpipe.safety.recipe_guard import MAX_RECIPE_BYTES, check_factory, check_names, check_paths, check_yaml_budget
 from optpipe.safety.resource_bounds import check_resources
 from optpipe.safety.yaml_loader import load_yaml

@@ -23,10 +23,10 @@ import os
 
 import numpy as np
 
-from optpipe.errors import RecipeError
-from optpipe.recipe import InputSpec, Recipe
+from optpipe.core.errors import RecipeError
+from optpipe.recipe.schema import InputSpec, Recipe
 
-log = logging.getLogger("optpipe.recipe")
+log = logging.getLogger("optpipe.recipe.schema")
 
 
 def available_cores() -> int:

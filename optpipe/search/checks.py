@@ -6,7 +6,7 @@ Two checks:
 - a stage's params: each combination of its own searched values with its fixed params through
   its pass's Params (pydantic), so a value refused alone (type, range, unknown key) and a value
   refused beside another (prune's `method: 2:4` with `amount: 0.3`) are both found;
-- the recipe's other rules (optpipe.validate: data a pass needs, DAG, targets) on the probe
+- the recipe's other rules (optpipe.plan.validate: data a pass needs, DAG, targets) on the probe
   trials, each searched value once, with a refusal's trial stage named back as the recipe's.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from optpipe.errors import RecipeError
-from optpipe.recipe import describe_validation_error
+from optpipe.core.errors import RecipeError
+from optpipe.recipe.schema import describe_validation_error
 from optpipe.search.space import ENABLED, Dimension, SearchSpace, Trial
-from optpipe.validate import validate_recipe
+from optpipe.plan.validate import validate_recipe
 
 #: A stage whose searched params make more combinations than this has each value checked beside
 #: the others' first values only (pydantic takes ~10 µs a combination: this bounds it to ~1 s);

@@ -8,18 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from optpipe.dag import build_dag, execution_order
-from optpipe.errors import RecipeError
+from optpipe.plan.dag import build_dag, execution_order
+from optpipe.core.errors import RecipeError
 from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail
 from optpipe.execution.stage_tasks import TaskSettings
 from optpipe.execution.fan_out import finish_run, reference_of, targets_on, wants_eager
-from optpipe.results import StageResult
-from optpipe.recipe import Recipe
-from optpipe.results import RunReport
+from optpipe.core.results import StageResult
+from optpipe.recipe.schema import Recipe
+from optpipe.core.results import RunReport
 from optpipe.search.checks import check_searched_values, check_trial
 from optpipe.search.report import search_section
 from optpipe.search.space import ENABLED, SearchSpace, Trial
-from optpipe.search.spec import GRID_CONFIRM_LIMIT, SearchSettings
+from optpipe.recipe.search_spec import GRID_CONFIRM_LIMIT, SearchSettings
 from optpipe.search.strategies import make_proposer, resolve_strategy
 from optpipe.search.study import study_path
 

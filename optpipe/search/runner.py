@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from optpipe.errors import OptpipeError
+from optpipe.core.errors import OptpipeError
 from optpipe.execution.executors import Executor, Progress, settings_for
 from optpipe.execution.fan_out import PlainDriver
 from optpipe.execution.stage_tasks import TaskSettings
-from optpipe.recipe import Recipe
-from optpipe.results import RunReport, StageResult
-from optpipe.run_paths import RunPaths
+from optpipe.recipe.schema import Recipe
+from optpipe.core.results import RunReport, StageResult
+from optpipe.recipe.run_paths import RunPaths
 from optpipe.search.driver import SearchDriver
 from optpipe.search.space import SearchSpace
 
@@ -85,7 +85,7 @@ def _run(drivers: list, executor: Executor, progress: Progress, group_by_node: b
 def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
     """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
     from optpipe.execution.services import RunServices
-    from optpipe.model_source import onnx_path
+    from optpipe.source.model_source import onnx_path
     from optpipe.safety.preflight import preflight
 
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it

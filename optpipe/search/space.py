@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from optpipe.artifact import sha256_json
-from optpipe.dag import build_dag, execution_order
-from optpipe.errors import RecipeError
-from optpipe.recipe import Recipe, StageSpec
-from optpipe.search.spec import choice_values
+from optpipe.core.artifact import sha256_json
+from optpipe.plan.dag import build_dag, execution_order
+from optpipe.core.errors import RecipeError
+from optpipe.recipe.schema import Recipe, StageSpec
+from optpipe.recipe.search_spec import choice_values
 
 ENABLED = "enabled"  # the pseudo-param of an optional stage: searched with (True) and without (False)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from optpipe.errors import RecipeError
-from optpipe.results import StageResult
+from optpipe.core.errors import RecipeError
+from optpipe.core.results import StageResult
 from optpipe.search.space import SearchSpace, Trial
-from optpipe.search.spec import GRID_CONFIRM_LIMIT, SearchSettings
+from optpipe.recipe.search_spec import GRID_CONFIRM_LIMIT, SearchSettings
 from optpipe.search.study import FAILED_ATTR, finished_trials, open_study
 
 DIRECTIONS = {"latency": "minimize", "accuracy": "maximize", "size": "minimize"}

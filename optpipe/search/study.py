@@ -20,9 +20,9 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from optpipe.artifact import sha256_json
-from optpipe.errors import OptpipeError, first_line
-from optpipe.recipe import Recipe
+from optpipe.core.artifact import sha256_json
+from optpipe.core.errors import OptpipeError, first_line
+from optpipe.recipe.schema import Recipe
 
 STUDY_NAME = "optpipe"
 FAILED_ATTR = "failed"  # set on a trial that failed for a reason; a FAIL without it was interrupted

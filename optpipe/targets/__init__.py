@@ -21,11 +21,11 @@ from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
-from optpipe.errors import OptpipeError, RecipeError, TargetError, first_line
-from optpipe.instruments import Instrument
-from optpipe.recipe import Recipe, TargetSpec, describe_validation_error
+from optpipe.core.errors import OptpipeError, RecipeError, TargetError, first_line
+from optpipe.pass_infra.instruments import Instrument
+from optpipe.recipe.schema import Recipe, TargetSpec, describe_validation_error
 from optpipe.safety.recipe_loading import parse_recipe
-from optpipe.results import RunReport
+from optpipe.core.results import RunReport
 from optpipe.targets.base import PARAMS, StageView, TargetJob, TargetParams, TargetResult, TargetSettings
 from optpipe.targets.manifest import write_manifest
 
@@ -260,7 +260,7 @@ def export_stage(
     params for that kind of target are used where the recipe has one.
     """
     from optpipe.cache.store import StageCache
-    from optpipe.run_paths import RunPaths
+    from optpipe.recipe.run_paths import RunPaths
     from optpipe.targets.measure import Measurer
 
     if kind not in BUILDERS:

@@ -2,7 +2,7 @@
 
 A target turns one finished stage (its folder under `<run>/stages/<name>/` and its row of
 the report) into an artifact a serving stack loads as is. Its result is data
-(optpipe.results.TargetResult): status ("ok", "skipped", "failed") and the reason apart, the files with their hashes, and the
+(optpipe.core.results.TargetResult): status ("ok", "skipped", "failed") and the reason apart, the files with their hashes, and the
 precision, accuracy and latency that belong to the artifact, with the provider that
 measured them.
 """
@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Uni
 import onnx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from optpipe.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
-from optpipe.results import StageResult, TargetResult, TargetStatus
-from optpipe.recipe import EvaluateSpec, ModelInputs, TargetSpec, Tolerance
+from optpipe.core.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
+from optpipe.core.results import StageResult, TargetResult, TargetStatus
+from optpipe.recipe.schema import EvaluateSpec, ModelInputs, TargetSpec, Tolerance
 
 if TYPE_CHECKING:
     from optpipe.calibration.dataset import SampleSet

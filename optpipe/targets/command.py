@@ -19,7 +19,7 @@ from optpipe.targets import KINDS
 @click.option("--allow-out-of-tolerance", is_flag=True, help="export a stage that broke its accuracy tolerance (warns)")
 def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Path | None, allow_out_of_tolerance: bool) -> None:
     """Write STAGE of the finished run RUN_DIR as an ORT bundle, TensorRT engine, Triton repository or OpenVINO IR."""
-    from optpipe.errors import TargetError
+    from optpipe.core.errors import TargetError
     from optpipe.targets import export_stage
 
     if to.exists() and not to.is_dir():
@@ -35,9 +35,9 @@ def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Pa
 
 def check_verdict(run_dir: Path, stage: str, allow_out_of_tolerance: bool) -> None:
     """Refuse an out-of-tolerance stage unless allowed; print the warnings its report carries."""
-    from optpipe.errors import TargetError
+    from optpipe.core.errors import TargetError
     from optpipe.evaluation.verdict import export_refusal
-    from optpipe.results import RunReport
+    from optpipe.core.results import RunReport
 
     if not (run_dir / "report.json").is_file():
         return  # export_stage says what is wrong with the folder

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from optpipe.runtime import cuda_device_names
+from optpipe.core.runtime import cuda_device_names
 
 
 def check_gpu_type(gpu_type: str, builds_engine: bool, names: Optional[list[str]] = None) -> dict:

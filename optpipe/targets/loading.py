@@ -10,12 +10,12 @@ def load(path: str | Path, **options: Any):
     settings (option: threads); an ORT bundle -> onnxruntime.InferenceSession (options: format, providers)."""
     folder = Path(path)
     if not folder.exists():
-        from optpipe.errors import TargetError
+        from optpipe.core.errors import TargetError
 
         raise TargetError(f"'{path}' does not exist; pass the folder a target or `optpipe export` wrote")
     folder = folder.parent if folder.is_file() else folder
     if (folder / "model.xml").is_file():  # an IR: load_ir says what is missing, if anything
-        from optpipe.errors import TargetError
+        from optpipe.core.errors import TargetError
         from optpipe.targets.openvino import load_ir
 
         unknown = sorted(set(options) - {"threads"})

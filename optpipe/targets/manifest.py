@@ -6,7 +6,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from optpipe.results import TargetResult
+from optpipe.core.results import TargetResult
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 2  # 2: status and reason apart

@@ -13,9 +13,9 @@ from optpipe.evaluation.accuracy import compare, run_onnx
 from optpipe.cache.store import StageCache
 from optpipe.evaluation.evaluator import Evaluator
 from optpipe.evaluation.latency import Warmth, measure
-from optpipe.results import Accuracy, Latency
-from optpipe.recipe import Tolerance
-from optpipe.runtime import Feeds, Outputs
+from optpipe.core.results import Accuracy, Latency
+from optpipe.recipe.schema import Tolerance
+from optpipe.core.runtime import Feeds, Outputs
 from optpipe.targets.base import StageView, TargetSettings
 
 

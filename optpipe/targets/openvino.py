@@ -14,8 +14,8 @@ from typing import Any
 
 import onnx
 
-from optpipe.artifact import copy_file
-from optpipe.errors import TargetError
+from optpipe.core.artifact import copy_file
+from optpipe.core.errors import TargetError
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.targets.base import OpenVinoTargetParams, TargetJob, TargetResult, hash_files, relative
 

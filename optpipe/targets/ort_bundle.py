@@ -13,16 +13,16 @@ from typing import Any, Optional
 
 import numpy as np
 
-from optpipe.artifact import MODEL_FILE
-from optpipe.errors import TargetError, first_line
-from optpipe.runtime import cuda_available, session_options
+from optpipe.core.artifact import MODEL_FILE
+from optpipe.core.errors import TargetError, first_line
+from optpipe.core.runtime import cuda_available, session_options
 from optpipe.targets.base import OrtParams, TargetJob, TargetResult, copy_model, hash_files, relative
 from optpipe.targets.model_facts import io_specs, precision_of
 
 SETTINGS_FILE = "session.json"
 ORT_FILE = "model.ort"
 SETTINGS_FORMAT = 1
-# The optimization level ort_session() measured every stage with (optpipe.runtime).
+# The optimization level ort_session() measured every stage with (optpipe.core.runtime).
 MEASURED_OPTIMIZATION = "all"
 # The ORT converter's own choice: NCHWc layouts bake in one CPU's vector width.
 NOT_PORTABLE_OPTIMIZERS = ["NchwcTransformer"]

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from optpipe.errors import TargetError
+from optpipe.core.errors import TargetError
 from optpipe.targets import tensorrt
 from optpipe.targets.base import TargetJob, TargetResult, TritonParams, copy_model, hash_files, relative
 from optpipe.targets.model_facts import TensorSpec, io_specs, precision_of

@@ -22,8 +22,8 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
-from optpipe.artifact import copy_file
-from optpipe.errors import TargetError
+from optpipe.core.artifact import copy_file
+from optpipe.core.errors import TargetError
 from optpipe.targets.base import TargetJob, TargetResult, TensorRTParams, copy_model, hash_files, relative
 from optpipe.targets.tensorrt.build import build_engine
 from optpipe.targets.tensorrt.commands import CALIBRATION_INPUTS, PLAN_FILE, SCRIPT_FILE, build_script, polygraphy_command, trtexec_command, write_calibration_inputs

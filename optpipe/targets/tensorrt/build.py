@@ -5,7 +5,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from optpipe.artifact import sha256_json
+from optpipe.core.artifact import sha256_json
 from optpipe.evaluation.accuracy import quiet_polygraphy
 from optpipe.targets.base import TargetJob, hash_files
 from optpipe.targets.tensorrt.plan import BuildPlan

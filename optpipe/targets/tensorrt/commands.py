@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from optpipe.artifact import MODEL_FILE
+from optpipe.core.artifact import MODEL_FILE
 from optpipe.targets.base import TargetJob
 from optpipe.targets.tensorrt.plan import BuildPlan
 from optpipe.targets.tensorrt.probe import TrtFeatures

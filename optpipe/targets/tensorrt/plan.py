@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from optpipe.errors import TargetError
+from optpipe.core.errors import TargetError
 from optpipe.targets.base import TargetJob, TensorRTParams
 from optpipe.targets.model_facts import info_says_2to4, io_specs, microsoft_ops, precision_of, sparse_2to4_layers
 from optpipe.targets.tensorrt.probe import TrtFeatures

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from optpipe.runtime import cuda_available
+from optpipe.core.runtime import cuda_available
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from optpipe.artifact import ModelArtifact
+from optpipe.core.artifact import ModelArtifact
 
 if TYPE_CHECKING:
     from optpipe.calibration.dataset import SampleSet
-    from optpipe.model_source import TorchModel
-    from optpipe.recipe import Recipe, Tolerance
+    from optpipe.source.model_source import TorchModel
+    from optpipe.recipe.schema import Recipe, Tolerance
 
 
 class PassParams(BaseModel):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from optpipe.errors import DataError, first_line
-from optpipe.recipe import InputSpec, ModelInputs
+from optpipe.core.errors import DataError, first_line
+from optpipe.recipe.schema import InputSpec, ModelInputs
 
 
 def synthetic_inputs(shapes: ModelInputs, seed: int = 0, **dim_overrides: int) -> dict[str, np.ndarray]:

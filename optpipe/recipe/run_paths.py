@@ -7,7 +7,7 @@ from pathlib import Path
 
 from optpipe.cache.folder import check_apart
 from optpipe.cache.store import default_cache_dir
-from optpipe.recipe import Recipe
+from optpipe.recipe.schema import Recipe
 
 
 @dataclass(frozen=True)

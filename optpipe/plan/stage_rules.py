@@ -8,9 +8,9 @@ only, so it must run before `fuse`: prune after fuse fails on the model, not on 
 """
 from __future__ import annotations
 
-from optpipe.errors import RecipeError
-from optpipe.pass_base import Pass
-from optpipe.recipe import Recipe, suggest
+from optpipe.core.errors import RecipeError
+from optpipe.pass_infra.pass_base import Pass
+from optpipe.recipe.schema import Recipe, suggest
 
 #: pass -> passes that must not run before it on its path from the root, and why.
 MUST_PRECEDE = {

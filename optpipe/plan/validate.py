@@ -4,11 +4,11 @@ from __future__ import annotations
 import networkx as nx
 from pydantic import ValidationError
 
-from optpipe.dag import build_dag
-from optpipe.errors import RecipeError
-from optpipe.pass_base import Pass
-from optpipe.recipe import Recipe, describe_validation_error, suggest
-from optpipe.stage_rules import check_stage_rules
+from optpipe.plan.dag import build_dag
+from optpipe.core.errors import RecipeError
+from optpipe.pass_infra.pass_base import Pass
+from optpipe.recipe.schema import Recipe, describe_validation_error, suggest
+from optpipe.plan.stage_rules import check_stage_rules
 from optpipe.targets import validate_targets
 
 

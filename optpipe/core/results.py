@@ -11,9 +11,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, PrivateAttr
 
-from optpipe.artifact import ModelArtifact
+from optpipe.core.artifact import ModelArtifact
 
-from optpipe.errors import OptpipeError, PassCrashed, UserInputError
+from optpipe.core.errors import OptpipeError, PassCrashed, UserInputError
 from optpipe.graph.coverage import Coverage
 
 

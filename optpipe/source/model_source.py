@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from optpipe.artifact import sha256_file
-from optpipe.errors import DataError, ModelSourceError, first_line
-from optpipe.example_inputs import example_inputs
-from optpipe.recipe import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
+from optpipe.core.artifact import sha256_file
+from optpipe.core.errors import DataError, ModelSourceError, first_line
+from optpipe.recipe.example_inputs import example_inputs
+from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
 
 
 @dataclass
@@ -195,7 +195,7 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
     inference tensors, which export cannot save for backward."""
     import torch
 
-    from optpipe.model_outputs import flat_module, named_leaves, pick_outputs
+    from optpipe.source.model_outputs import flat_module, named_leaves, pick_outputs
 
     sample = example_inputs(source, batch=1)
     args = [torch.from_numpy(sample[s.name]) for s in source.inputs]

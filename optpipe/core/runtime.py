@@ -99,7 +99,7 @@ def _fell_back(requested: str, chosen: str, gpu: bool) -> None:
     import logging
 
     why = "ONNX Runtime here has no TensorRT provider" if gpu else "ONNX Runtime here has no usable CUDA device"
-    logging.getLogger("optpipe.runtime").warning(
+    logging.getLogger("optpipe.core.runtime").warning(
         f"evaluate.providers: {requested}, but {why}; evaluating with {chosen} (the report's provider column says so)")
 
 

@@ -14,7 +14,7 @@ class Strict(BaseModel):
 
 
 # Hugging Face tasks, named as Optimum's exporter names them (plus short aliases); each maps to
-# a transformers Auto class in optpipe.model_source.
+# a transformers Auto class in optpipe.source.model_source.
 HF_TASKS = (
     "feature-extraction", "sequence-classification", "text-classification", "token-classification",
     "question-answering", "fill-mask", "masked-lm", "causal-lm", "text-generation",

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
-from optpipe.errors import ModelSourceError, first_line
+from optpipe.core.errors import ModelSourceError, first_line
 
 FILL_IN = "FILL-IN"
 

@@ -19,23 +19,23 @@ import networkx as nx
 from filelock import FileLock
 
 from optpipe.cache.store import StageCache
-from optpipe.dag import only_order
+from optpipe.plan.dag import only_order
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
-from optpipe.model_source import onnx_path
+from optpipe.source.model_source import onnx_path
 from optpipe.execution.stage_evaluation import EAGER_STAGE, EvaluationParts, evaluate_stages  # noqa: F401  (EAGER_STAGE: public name)
 from optpipe.execution.stage_runner import StageRunner
-from optpipe.instruments import Instrument, Instruments
-from optpipe.pass_base import Pass
-from optpipe.recipe import Recipe
-from optpipe.run_paths import RunPaths
-from optpipe.results import StageResult
+from optpipe.pass_infra.instruments import Instrument, Instruments
+from optpipe.pass_infra.pass_base import Pass
+from optpipe.recipe.schema import Recipe
+from optpipe.recipe.run_paths import RunPaths
+from optpipe.core.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
 from optpipe.safety.os_errors import folder_errors
 from optpipe.targets import run_targets, target_settings, write_recipe_snapshot
-from optpipe.validate import validate_recipe
+from optpipe.plan.validate import validate_recipe
 
 
 @dataclass

@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.markup import escape
 
 if TYPE_CHECKING:
-    from optpipe.artifact import ModelArtifact
-    from optpipe.pass_base import Pass, PassContext
-    from optpipe.results import StageResult, TargetResult
+    from optpipe.core.artifact import ModelArtifact
+    from optpipe.pass_infra.pass_base import Pass, PassContext
+    from optpipe.core.results import StageResult, TargetResult
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Mapping, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from optpipe.errors import RecipeError
-from optpipe.search.spec import Choices, SearchSettings, normalize_settings
+from optpipe.core.errors import RecipeError
+from optpipe.recipe.search_spec import Choices, SearchSettings, normalize_settings
 
 # Beyond these a run does not finish in any useful time (memory is bounded in safety/resource_bounds.py).
 MAX_SAMPLES = 100_000
@@ -22,8 +22,8 @@ MAX_ITERATIONS = 100_000
 DTYPES = ("float32", "float16", "int64", "int32", "int8", "uint8", "bool")
 GPU_PROVIDERS = ("cuda", "tensorrt")  # evaluate.providers that evaluate on a GPU
 
-from optpipe.recipe_errors import _suggest, describe_validation_error, suggest  # noqa: F401  (the last two re-exported)
-from optpipe.recipe_models import (  # noqa: F401  (re-exported: recipes name these)
+from optpipe.recipe.error_lines import _suggest, describe_validation_error, suggest  # noqa: F401  (the last two re-exported)
+from optpipe.recipe.model_specs import (  # noqa: F401  (re-exported: recipes name these)
     MODEL_KINDS, FactoryModel, HFConfigModel, HFModel, ModelSpec, OnnxModel, Strict, TorchSource, TorchvisionModel,
 )
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from optpipe.errors import ModelSourceError
+from optpipe.core.errors import ModelSourceError
 
 
 def named_leaves(value: Any, prefix: str = "") -> list[tuple[str, Any]]:

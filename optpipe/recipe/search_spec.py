@@ -64,7 +64,7 @@ def _choices_kind(value: Any) -> str:
     return RANGE_TAG if isinstance(value, dict) or isinstance(value, StepRange) else LIST_TAG
 
 
-#: The union's tags: in angle brackets, so the YAML path an error names leaves them out (optpipe.recipe_errors).
+#: The union's tags: in angle brackets, so the YAML path an error names leaves them out (optpipe.recipe.error_lines).
 LIST_TAG, RANGE_TAG = "<choices>", "<range>"
 Choices = Annotated[
     Union[Annotated[list[Any], AfterValidator(_plain), Tag(LIST_TAG)], Annotated[StepRange, Tag(RANGE_TAG)]],

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from optpipe.errors import OptpipeError, RecipeError
-from optpipe.recipe import StageSpec, suggest
+from optpipe.core.errors import OptpipeError, RecipeError
+from optpipe.recipe.schema import StageSpec, suggest
 
 
 def build_dag(stages: dict[str, StageSpec]) -> nx.DiGraph:

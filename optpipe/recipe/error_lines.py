@@ -6,7 +6,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from optpipe.recipe_models import MODEL_KINDS
+from optpipe.recipe.model_specs import MODEL_KINDS
 
 
 def describe_validation_error(exc: ValidationError, schema: type[BaseModel], data: Any, prefix: str = "") -> str:
@@ -50,7 +50,7 @@ def _is_union_tag(part) -> bool:
 
 
 def _is_angle_tag(part: str) -> bool:
-    # A discriminated union's tag written `<like-this>` (optpipe.search.spec), not a key of the YAML.
+    # A discriminated union's tag written `<like-this>` (optpipe.recipe.search_spec), not a key of the YAML.
     return part.startswith("<") and part.endswith(">")
 
 

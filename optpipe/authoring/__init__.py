@@ -1,0 +1,1 @@
+"""Writing recipes: `optpipe init` makes a starting recipe from a model."""

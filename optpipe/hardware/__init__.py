@@ -1,0 +1,1 @@
+"""Facts about the CPU the compile runs on: its vector width, and the features that change kernels and numerics."""
