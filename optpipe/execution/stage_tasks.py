@@ -44,7 +44,7 @@ def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: T
     spec = recipe.stages[name]
     if parent is not None and parent.status != "ok":
         return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
-                           reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0)
+                           reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0, not_run=parent.not_run)
     _, passes = validate_recipe(recipe)
     cache = settings.open_cache()
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
