@@ -14,6 +14,7 @@ from pathlib import Path
 from optpipe.core.artifact import ModelArtifact, write_info
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.core.errors import OptpipeError, PassError, StageOutOfMemory, first_line
+from optpipe.hardware.cpu_features import engine_target
 from optpipe.evaluation.self_check import NumericSelfCheck, self_check_fingerprint
 from optpipe.execution.contract import run_pass
 from optpipe.execution.interrupt import InterruptWatch, escalate
@@ -131,7 +132,10 @@ def run_checked(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> M
 
 def stage_key(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> str:
     """The key of everything a stage's output depends on, except the data sets its pass reads."""
+    # The CPU class only where the pass declares its output depends on it: other keys stay as they were.
+    cpu = {"cpu": engine_target(pass_.isa_engine).key()} if pass_.isa_dependent else {}
     return StageCache.key(
+        **cpu,
         format=KEY_FORMAT,
         input=model.content_hash() if model else None,
         pass_name=pass_.name,

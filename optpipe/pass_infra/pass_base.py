@@ -143,6 +143,12 @@ class Pass(ABC, Generic[P]):
     produces: ClassVar[str] = "onnx"
     #: What to try when the numeric self-check fails (passes whose params inherit SelfCheckParams).
     check_hint: ClassVar[str] = ""
+    #: True where the output depends on the CPU's numerics (a guard or an accuracy control decided
+    #: it on this CPU, a format picked per ISA): the CPU class as `isa_engine` runs it then joins the
+    #: stage's cache key (execution.stage_runner.stage_key), so a shared cache never hands an
+    #: AVX2 machine what a VNNI machine decided. "openvino" reads ONEDNN_MAX_CPU_ISA's restriction.
+    isa_dependent: ClassVar[bool] = False
+    isa_engine: ClassVar[str] = "onnxruntime"
 
     def __init__(self, params: P):
         self.params: P = params
