@@ -128,7 +128,7 @@ def prepared_input(model: ModelArtifact, ctx: PassContext) -> tuple[ModelArtifac
 
 def coverage_of(artifact: ModelArtifact, ctx: PassContext, excluded: list[str]) -> dict:
     """The int8 share of weights and MACs; warns in the log when most compute stayed in float."""
-    dims = {name: dim.opt for name, dim in ctx.recipe.dims.items()}
+    dims = {name: dim.opt for name, dim in ctx.inputs.dims.items()}
     coverage = precision_coverage(artifact.load(with_weights=False), dims, excluded=set(excluded))
     warning = quantization_warning(coverage)
     if warning:
