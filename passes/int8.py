@@ -37,7 +37,9 @@ from optpipe.graph.quant_prep import needs_preparation, prepare_for_quantizer
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
-DYNAMIC_OPS = ["MatMul", "Gemm", "Conv", "Attention"]  # never Gather: int8 embedding tables cost accuracy for no speed
+# never Gather: int8 embedding tables cost accuracy for no speed. LSTM: ORT's dynamic quantizer
+# writes com.microsoft.DynamicQuantizeLSTM (int8 W and R); its static (QDQ) path has no recurrent op.
+DYNAMIC_OPS = ["MatMul", "Gemm", "Conv", "Attention", "LSTM"]
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
 
@@ -46,7 +48,7 @@ class Int8Params(PassParams, GuardParams):
     method: Literal["minmax", "entropy", "percentile"] = Field("minmax", description="static: calibration method")
     percentile: float = Field(99.999, gt=90, le=100, description="static, method percentile: the range's percentile")
     per_channel: bool = Field(True, description="one scale per output channel of each weight")
-    op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention)")
+    op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention and LSTM)")
     reduce_range: bool = Field(False, description="7-bit weights (only for CPUs without VNNI)")
     target: Literal["tensorrt", "ort-cpu"] = Field(
         "tensorrt",
@@ -166,7 +168,7 @@ class Quantizer:
             per_channel=self.params.per_channel,
             reduce_range=self.params.reduce_range,
             weight_type=QuantType.QInt8,
-            nodes_to_exclude=excluded,
+            nodes_to_exclude=dynamic_exclusions(excluded),
             use_external_data_format=True,
             # Fused transformer ops (com.microsoft) carry no type information ORT's quantizer can read.
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True},
@@ -283,6 +285,13 @@ def root_logs_to(log: logging.Logger):
         yield
     finally:
         root.removeHandler(handler)
+
+
+def dynamic_exclusions(excluded: list[str]) -> list[str]:
+    """The names to exclude from ORT's dynamic quantizer: it first rewrites every Gemm into a MatMul
+    named `<gemm>_MatMul` (+ `<gemm>_Add`) and matches the exclusions against the new names, so an
+    excluded Gemm was quantized anyway (measured: an LSTM classifier's head stayed MatMulInteger)."""
+    return [*excluded, *(f"{name}_MatMul" for name in excluded)]
 
 
 def quantized_nodes(model: ModelArtifact, op_types: list[str], excluded: list[str]) -> list[onnx.NodeProto]:
