@@ -15,7 +15,7 @@ from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.source.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
 from optpipe.pass_infra.pass_base import Pass, PassContext
-from optpipe.recipe.schema import OnnxModel, Recipe
+from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import eager_runner
 
 
@@ -55,27 +55,27 @@ class ExportPass(Pass[ExportParams]):
     libraries = ("torch", "onnx", "onnxscript", "transformers")
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        recipe = ctx.recipe
+        source = ctx.model_source
         return {
-            "source": source_fingerprint(recipe.model_source()),
-            "inputs": [spec.model_dump() for spec in recipe.inputs],
-            "dims": {name: dim.model_dump() for name, dim in recipe.dims.items()},
+            "source": source_fingerprint(source),
+            "inputs": [spec.model_dump() for spec in source.inputs],
+            "dims": {name: dim.model_dump() for name, dim in source.dims.items()},
         }
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        if isinstance(ctx.recipe.model, OnnxModel):
+        if isinstance(ctx.model_source.model, OnnxModel):
             return import_onnx(ctx)
         torch_model = ctx.torch_model()
         attention = set_attention(torch_model, self.params.attention)
-        feeds = trace_inputs(ctx.recipe.model_inputs())
-        expected = eager_outputs(torch_model, feeds, ctx.recipe.evaluate.threads)
+        feeds = trace_inputs(ctx.inputs)
+        expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
         params = self.params
         exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
         failures: dict[str, str] = {}
         for exporter in exporters:
             raw = ctx.workdir / f"raw-{exporter}"
             try:
-                checked = _export_checked(exporter, torch_model, feeds, expected, ctx.recipe, params, raw)
+                checked = _export_checked(exporter, torch_model, feeds, expected, ctx.inputs, ctx.evaluate.threads, params, raw)
             except _ExportFailed as exc:
                 ctx.log.warning("%s export failed: %s", exporter, exc)
                 failures[exporter] = str(exc)
@@ -83,7 +83,7 @@ class ExportPass(Pass[ExportParams]):
                 continue
             break
         else:
-            raise PassError(_failure_message(failures, bool(ctx.recipe.dims)))
+            raise PassError(_failure_message(failures, bool(ctx.inputs.dims)))
         import onnx
 
         exported = onnx.load(str(raw / "model.onnx"))
@@ -129,7 +129,8 @@ class _ExportFailed(Exception):
     exporter may not share the failure: `auto` moves on to it."""
 
 
-def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, recipe: Recipe, params: ExportParams, raw: Path) -> dict:
+def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, shapes: ModelInputs, threads: int, params: ExportParams,
+                    raw: Path) -> dict:
     """Export with one exporter into `raw`, then check the result against eager at the trace shape and
     at other shapes of the dynamic dims (the same rule for every exporter and every `exporter:` mode,
     so `auto` moves on exactly when the stage would be wrong). Returns what the check saw."""
@@ -138,9 +139,9 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
     branches: list[str] = []
     try:
         if exporter == "dynamo":
-            _export_dynamo(torch_model, feeds, recipe, params.opset, path)
+            _export_dynamo(torch_model, feeds, shapes, params.opset, path)
         else:
-            branches = _export_torchscript(torch_model, feeds, recipe, params.opset, path)
+            branches = _export_torchscript(torch_model, feeds, shapes, params.opset, path)
     except (_ExportFailed, MemoryError, UserInputError):
         # MemoryError: the machine's limit, not this exporter's; a user-input error (the model or
         # recipe itself) the next exporter would share. Ctrl-C is no Exception: it is never caught.
@@ -150,13 +151,13 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
         logging.getLogger("optpipe.export").debug("%s export traceback", exporter, exc_info=True)
         raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
     try:
-        numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
+        numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
     except PassError as exc:
         raise _ExportFailed(f"the exported model does not match PyTorch eager ({exc})") from None
     # A trace records one branch of any control flow on a tensor's values or shape (the tracer's
     # "Python boolean" warnings): such a warning alone proves nothing (T5 and Swin warn and are
     # right at every shape), so the export is judged by the other shapes, with other values.
-    checked = _check_shapes(exporter, torch_model, recipe, params, path, branches)
+    checked = _check_shapes(exporter, torch_model, shapes, threads, params, path, branches)
     return {"checked_shapes": checked, **({"trace_branches": branches} if branches else {})}
 
 
@@ -170,18 +171,18 @@ def _reraise_interrupt(exc: BaseException) -> None:
         raise interrupt
 
 
-def check_shapes(recipe: Recipe) -> list[dict[str, int]]:
+def check_shapes(shapes: ModelInputs) -> list[dict[str, int]]:
     """The dim sizes the export is checked at besides the trace's: the corners of a low and a high
     size per dynamic dim (all low, all high, batch low with the rest high and the reverse), so a
     branch on batch or on a sequence length taken at the trace size shows up. `high` is bounded
     (at most twice the trace size) to keep eager's cost near the trace's."""
-    batch = recipe.batch_dim()
-    low = {name: dim.min for name, dim in recipe.dims.items()}
-    high = {name: _high_size(dim) for name, dim in recipe.dims.items()}
+    batch = shapes.batch_dim()
+    low = {name: dim.min for name, dim in shapes.dims.items()}
+    high = {name: _high_size(dim) for name, dim in shapes.dims.items()}
     corners = [low, high]
-    if batch and len(recipe.dims) > 1:
+    if batch and len(shapes.dims) > 1:
         corners += [{**high, batch: low[batch]}, {**low, batch: high[batch]}]
-    trace = {name: trace_size(dim) for name, dim in recipe.dims.items()}
+    trace = {name: trace_size(dim) for name, dim in shapes.dims.items()}
     unique: list[dict[str, int]] = []
     for corner in corners:
         if corner != trace and corner not in unique:
@@ -200,23 +201,24 @@ def _high_size(dim) -> int:
     return max(dim.min, size - size % n)
 
 
-def _check_shapes(exporter: str, torch_model: TorchModel, recipe: Recipe, params: ExportParams, path: Path, branches: list[str]) -> list[dict]:
+def _check_shapes(exporter: str, torch_model: TorchModel, shapes: ModelInputs, threads: int, params: ExportParams, path: Path,
+                  branches: list[str]) -> list[dict]:
     """The export against eager at check_shapes() (fresh values, another seed); _ExportFailed naming
     the first shape where it is wrong. A model that caches a shape-dependent tensor (a detector's
     grid) or a trace that fixed a branch is right at the trace size and wrong there."""
     from optpipe.recipe.example_inputs import synthetic_inputs
 
     checked = []
-    for seed, sizes in enumerate(check_shapes(recipe), start=1):
-        feeds = synthetic_inputs(recipe.model_inputs(), seed=seed, **sizes)
+    for seed, sizes in enumerate(check_shapes(shapes), start=1):
+        feeds = synthetic_inputs(shapes, seed=seed, **sizes)
         try:
-            expected = eager_runner(torch_model, threads=recipe.evaluate.threads)(feeds)
+            expected = eager_runner(torch_model, threads=threads)(feeds)
         except MemoryError:
             raise
         except Exception:  # eager itself refuses that size: nothing to compare against
             continue
         try:
-            record = numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
+            record = numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
         except MemoryError:
             raise
         except Exception as exc:  # a PassError, or ORT refusing the shape outright
@@ -287,24 +289,24 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
 
     from optpipe.safety import onnx_guard
 
-    path = onnx_source_path(ctx.recipe.model_source())
-    onnx_guard.check_named_parts(path, ctx.recipe, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
+    path = onnx_source_path(ctx.model_source)
+    onnx_guard.check_named_parts(path, ctx.inputs, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)
 
 
-def _dynamic_dims(recipe: Recipe) -> dict[str, dict[int, str]]:
-    return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in recipe.inputs}
+def _dynamic_dims(shapes: ModelInputs) -> dict[str, dict[int, str]]:
+    return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in shapes.inputs}
 
 
-def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> None:
+def _export_dynamo(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> None:
     import torch
 
     if opset < DYNAMO_MIN_OPSET:  # only `auto` gets here (ExportParams refuses it for `exporter: dynamo`)
         raise _ExportFailed(f"the dynamo exporter needs opset >= {DYNAMO_MIN_OPSET} (asked: {opset})")
-    dims = {name: _export_dim(name, d) for name, d in recipe.dims.items()}
-    dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(recipe).values())
+    dims = {name: _export_dim(name, d) for name, d in shapes.dims.items()}
+    dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(shapes).values())
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
     if _takes_varargs(torch_model.module):
         dynamic = (dynamic,)  # forward(*args): the spec of the one `args` parameter is the whole tuple
@@ -320,7 +322,7 @@ def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, p
         verbose=False,
     )
     program.save(str(path), external_data=True)
-    _name_derived_dims(path, recipe)
+    _name_derived_dims(path, shapes)
 
 
 def _export_dim(name: str, dim):
@@ -334,11 +336,11 @@ def _export_dim(name: str, dim):
     return n * torch.export.Dim(f"{name}_div", min=dim.min // n, max=dim.max // n)
 
 
-def _name_derived_dims(path: Path, recipe: Recipe) -> None:
+def _name_derived_dims(path: Path, shapes: ModelInputs) -> None:
     """Derived dims come out named "32*h_div": give them the recipe's name `h` again, wherever they appear."""
     import onnx
 
-    names = {f"{d.multiple_of}*{name}_div": name for name, d in recipe.dims.items() if d.multiple_of}
+    names = {f"{d.multiple_of}*{name}_div": name for name, d in shapes.dims.items() if d.multiple_of}
     if not names:
         return
     model = onnx.load(str(path), load_external_data=False)  # the weights stay in their file
@@ -350,7 +352,7 @@ def _name_derived_dims(path: Path, recipe: Recipe) -> None:
     onnx.save(model, str(path))
 
 
-def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> list[str]:
+def _export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> list[str]:
     """Trace and export; returns the tracer's warnings about tensors turned into Python booleans
     (control flow that the trace fixes to the branch the trace inputs took)."""
     import warnings
@@ -358,9 +360,9 @@ def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: i
     import torch
 
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
-    dynamic_axes = {name: axes for name, axes in _dynamic_dims(recipe).items() if axes}
+    dynamic_axes = {name: axes for name, axes in _dynamic_dims(shapes).items() if axes}
     for out in torch_model.output_names:  # outputs share the batch dim with the inputs
-        batch = recipe.batch_dim()
+        batch = shapes.batch_dim()
         if batch:
             dynamic_axes[out] = {0: batch}
     with warnings.catch_warnings(record=True) as caught:

@@ -253,11 +253,13 @@ def export_stage(
     to: Path,
     cache_dir: Optional[Path] = None,
     providers: str = "auto",
+    overrides: Optional[dict[str, Any]] = None,
 ) -> TargetResult:
     """Write one target for one stage of a finished run into `to` (plus a manifest there).
 
     Reads report.json, recipe.json and the stage's folder; recomputes no stage. The recipe's
-    params for that kind of target are used where the recipe has one.
+    params for that kind of target are used where the recipe has one, with `overrides` on top
+    (`optpipe serve`: Triton's python backend).
     """
     from optpipe.cache.store import StageCache
     from optpipe.recipe.run_paths import RunPaths
@@ -275,6 +277,8 @@ def export_stage(
         raise TargetError(f"--stage: {_why_missing(report, stage)}")
     spec = next((t for t in recipe.targets if t.kind == kind), None) or TargetSpec(kind=kind)
     index = recipe.targets.index(spec) if spec in recipe.targets else 0
+    if overrides:
+        spec = spec.model_copy(update={"params": {**spec.params, **overrides}})
     params = target_params(spec, f"targets.{index}.params")
     cache = StageCache(RunPaths.resolve(recipe, cache_dir=cache_dir).cache_dir)
     settings = target_settings(recipe, cache.root)
