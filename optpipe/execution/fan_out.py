@@ -11,7 +11,7 @@ from filelock import FileLock
 
 from optpipe.plan.dag import build_dag, only_order
 from optpipe.execution.executors import Plan, Progress, RunMemo
-from optpipe.execution.stage_tasks import TaskSettings, hardware_class
+from optpipe.execution.stage_tasks import TaskSettings, hardware_class, held_keeping_figures
 from optpipe.core.results import RunReport, StageResult
 from optpipe.recipe.schema import OnnxModel, Recipe
 from optpipe.reporting.run_report import build_report, pareto_frontier, write_report
@@ -85,6 +85,8 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
     providers = settings.providers
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
+        # Leased (and rebuilt if a gc pruned them after their tasks ended) before they are copied.
+        results = [held_keeping_figures(recipe, result, settings, cache) for result in results]
         with FileLock(str(run_dir / ".optpipe.lock")):
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):
