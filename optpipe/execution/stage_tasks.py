@@ -129,11 +129,12 @@ def held_keeping_figures(recipe: Recipe, result: StageResult, settings: TaskSett
 
 def build_target(recipe: Recipe, report, work, shared: dict, settings: TaskSettings):
     """One target (optpipe.targets.TargetWork) for one stage of the run folder, stamped with the node that built it."""
-    from optpipe.targets import build_one, target_settings
+    from optpipe.plan.compile_plan import CompilePlan
+    from optpipe.targets import build_one
 
     cache = settings.open_cache()
     try:
-        result = build_one(target_settings(recipe, cache.root), report, settings.run_dir, cache, settings.providers, work, shared)
+        result = build_one(CompilePlan.of(recipe).target_settings(cache.root), report, settings.run_dir, cache, settings.providers, work, shared)
     finally:
         cache.release_leases()
     result.built_on = node_description()
