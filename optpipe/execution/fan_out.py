@@ -70,6 +70,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
                targets: Callable | None = None) -> RunReport:
     """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
     from optpipe.execution.run_folder import publish_stage_folders
+    from optpipe.safety.os_errors import folder_errors
     from optpipe.execution.services import RunServices
     from optpipe.reporting.inspection import save_sample_inputs
     from optpipe.targets import run_targets, target_settings, write_recipe_snapshot
@@ -82,7 +83,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
     providers = settings.providers
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with FileLock(str(run_dir / ".optpipe.lock")):
+        with folder_errors("output folder", run_dir), FileLock(str(run_dir / ".optpipe.lock")):  # a full disk names it
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):
                 save_sample_inputs(run_dir, RunServices(recipe.model_source(), recipe.data, cache).eval_set().arrays)
