@@ -195,6 +195,10 @@ from optpipe.cli.init_command import init_command  # noqa: E402  (a command in i
 
 cli.add_command(init_command)
 
+from optpipe.cli.serve_command import serve_command  # noqa: E402  (a command in its own module)
+
+cli.add_command(serve_command)
+
 
 if __name__ == "__main__":
     main()

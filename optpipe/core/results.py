@@ -257,6 +257,7 @@ class RunReport(BaseModel):
     targets: list[TargetResult] = Field(default_factory=list)
     search: Optional[dict[str, Any]] = Field(None, description="a search's trials, frontier, best and param effects (optpipe.search)")
     hardware: Optional[dict[str, Any]] = Field(None, description="multi-node runs: the kinds of machine that measured, the frontier rule")
+    serving: Optional[dict[str, Any]] = Field(None, description="`optpipe serve --bench`: throughput and p50/p99 per concurrency on a real server (optpipe.serving)")
 
     def stage(self, name: str) -> StageResult | None:
         return next((s for s in self.stages if s.name == name), None)

@@ -123,6 +123,9 @@ def render_markdown(report: RunReport) -> str:
     from optpipe.reporting.search_views import render_search_markdown  # the search's own section, when there was one
 
     lines += render_search_markdown(report.search, report.hardware)
+    from optpipe.reporting.serving_view import render_serving_markdown  # `optpipe serve --bench`, when it ran
+
+    lines += render_serving_markdown(report.serving)
     return "\n".join(lines)
 
 

@@ -253,13 +253,15 @@ def export_stage(
     to: Path,
     cache_dir: Optional[Path] = None,
     providers: str = "auto",
+    overrides: Optional[dict[str, Any]] = None,
     force: bool = False,
 ) -> TargetResult:
     """Write one target for one stage of a finished run into `to` (plus a manifest there).
 
     Reads report.json, recipe.json and the stage's folder; recomputes no stage. The recipe's
-    params for that kind of target are used where the recipe has one. `to` follows the folder rules
-    of a run folder (manifest.check_export_folder); `force`: write over files optpipe did not write.
+    params for that kind of target are used where the recipe has one, with `overrides` on top
+    (`optpipe serve`: Triton's python backend). `to` follows the folder rules of a run folder
+    (manifest.check_export_folder); `force`: write over files optpipe did not write.
     """
     from optpipe.cache.store import StageCache
     from optpipe.recipe.run_paths import RunPaths
@@ -277,6 +279,8 @@ def export_stage(
         raise TargetError(f"--stage: {_why_missing(report, stage)}")
     spec = next((t for t in recipe.targets if t.kind == kind), None) or TargetSpec(kind=kind)
     index = recipe.targets.index(spec) if spec in recipe.targets else 0
+    if overrides:
+        spec = spec.model_copy(update={"params": {**spec.params, **overrides}})
     params = target_params(spec, f"targets.{index}.params")
     cache_root = RunPaths.resolve(recipe, cache_dir=cache_dir).cache_dir
     check_export_folder(to, cache_root, force)  # before the cache is opened: a refused export creates nothing

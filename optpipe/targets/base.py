@@ -54,9 +54,17 @@ class TritonParams(TargetParams):
     max_queue_delay_us: int = Field(100, ge=0, description="how long Triton may wait to fill a batch")
     max_batch_size: Optional[int] = Field(None, ge=0, description="default: the batch dim's max from the recipe")
     model_name: str = Field("{recipe}_{stage}", description="model folder name; {recipe} and {stage} are filled in")
+    backend: Literal["native", "python"] = Field(
+        "native", description="native: the platform's own backend (a full Triton image); python: a python-backend model "
+        "(model.py) running the same model.onnx/model.xml in ONNX Runtime/OpenVINO with the measured session settings, "
+        "for a Triton without those backends (pytriton's tritonserver)")
 
     @model_validator(mode="after")
     def _device_fits_platform(self):
+        if self.backend == "python" and self.platform == "tensorrt":
+            raise ValueError("backend python runs ONNX Runtime or OpenVINO, not a TensorRT engine; set platform: onnxruntime or openvino")
+        if self.backend == "python" and self.device == "gpu":
+            raise ValueError("backend python runs on the CPU (ONNX Runtime's CPU provider or OpenVINO's CPU plugin); set device: cpu or auto")
         # Refused at validation (exit 2), not as a failed target after the whole run.
         if self.platform == "openvino" and self.device == "gpu":
             raise ValueError("platform openvino runs on the CPU here (optpipe measures OpenVINO on the CPU); set device: cpu or auto")

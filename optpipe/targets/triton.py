@@ -23,6 +23,8 @@ VERSION = "1"
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
 #: Platforms served by a named backend (config `backend:` rather than `platform:`).
 BACKENDS = {"openvino": "openvino"}
+#: The model.py of `backend: python` (copied as is into `1/model.py`).
+PYTHON_MODEL_SOURCE = "triton_python_model.py"
 # numpy dtype name (as model_facts reports it) -> Triton DataType
 TRITON_TYPES = {
     "bool": "TYPE_BOOL",
@@ -63,6 +65,9 @@ def write_repository(job: TargetJob) -> TargetResult:
     else:
         copy_model(job.stage, version_dir)
     config = model_config(job, params, name, ir)
+    if params.backend == "python":
+        config = python_backend(config, job, params, ir)
+        shutil.copyfile(Path(__file__).with_name(PYTHON_MODEL_SOURCE), version_dir / "model.py")
     (folder / CONFIG_FILE).write_text(render_config(config))
     files, digest = hash_files(folder)
     source = engine or job.stage.result
@@ -78,7 +83,8 @@ def write_repository(job: TargetJob) -> TargetResult:
         files=files,
         hash=digest,
         details={"model": name, "platform": config.get("platform") or config["backend"], "max_batch_size": config["max_batch_size"],
-                 "instance_kind": config["instance_group"][0]["kind"], **(served_precision(ir) if ir else {})},
+                 "instance_kind": config["instance_group"][0]["kind"], **(served_precision(ir) if ir and params.backend == "native" else {}),
+                 **({"runtime": config["parameters"]["runtime"]} if params.backend == "python" else {})},
     )
 
 
@@ -165,6 +171,21 @@ def model_config(job: TargetJob, params: TritonParams, name: str, ir: Optional[d
             **({"HINT_BF16": "YES"} if ir and ir["hint"] == "bf16" else {}),
         }
     return config
+
+
+def python_backend(config: dict[str, Any], job: TargetJob, params: TritonParams, ir: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The same model as a python-backend model: model.py runs the artifact in the platform's runtime with
+    the measured settings, which it reads from these parameters (the backend's own names mean nothing to it)."""
+    served = {key: value for key, value in config.items() if key != "platform"}
+    served["backend"] = "python"
+    served["instance_group"] = [{"count": params.instances, "kind": "KIND_CPU"}]  # model.py runs on the CPU
+    served["parameters"] = {
+        "runtime": "openvino" if ir else "onnxruntime",
+        "model_file": "model.xml" if ir else "model.onnx",
+        "threads": str(job.settings.evaluate.threads),
+        **({"hint": ir["hint"]} if ir else {}),
+    }
+    return served
 
 
 def served_precision(ir: dict[str, Any]) -> dict[str, Any]:
