@@ -68,7 +68,7 @@ def calibration_batches(ctx: PassContext, converted) -> list[dict[str, np.ndarra
     from optpipe.evaluation.guard import accuracy_batch
 
     samples = ctx.calibration_set()
-    size = 1 if ctx.recipe.batch_dim() else accuracy_batch(ctx.recipe)
+    size = 1 if ctx.inputs.batch_dim() else accuracy_batch(ctx.inputs, ctx.evaluate)
     if len(samples) < size:
         raise DataError(f"data.calibration: {len(samples)} samples, fewer than the model's fixed batch of {size}; "
                         f"give at least {size} samples")
@@ -179,7 +179,7 @@ def _subset_accuracy(check: InputCheck, picked: list[int], outs: list[dict]) -> 
     candidate = {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
     expected = {name: array[rows] for name, array in reference.items()}
     inputs = {name: array[rows] for name, array in check.ctx.eval_set().arrays.items()}
-    return compare(candidate, expected, inputs, check.ctx.tolerance, "input", check.ctx.recipe.evaluate.top1)
+    return compare(candidate, expected, inputs, check.ctx.tolerance, "input", check.ctx.evaluate.top1)
 
 
 #: Fused attention ops (ONNX Runtime's contrib ops, ONNX's own since opset 23): attention without a Softmax node.

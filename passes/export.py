@@ -15,7 +15,7 @@ from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.source.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
 from optpipe.pass_infra.pass_base import Pass, PassContext
-from optpipe.recipe.schema import OnnxModel, Recipe
+from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import eager_runner
 
 
@@ -55,27 +55,27 @@ class ExportPass(Pass[ExportParams]):
     libraries = ("torch", "onnx", "onnxscript", "transformers")
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        recipe = ctx.recipe
+        source = ctx.model_source
         return {
-            "source": source_fingerprint(recipe.model_source()),
-            "inputs": [spec.model_dump() for spec in recipe.inputs],
-            "dims": {name: dim.model_dump() for name, dim in recipe.dims.items()},
+            "source": source_fingerprint(source),
+            "inputs": [spec.model_dump() for spec in source.inputs],
+            "dims": {name: dim.model_dump() for name, dim in source.dims.items()},
         }
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        if isinstance(ctx.recipe.model, OnnxModel):
+        if isinstance(ctx.model_source.model, OnnxModel):
             return import_onnx(ctx)
         torch_model = ctx.torch_model()
         attention = set_attention(torch_model, self.params.attention)
-        feeds = trace_inputs(ctx.recipe.model_inputs())
-        expected = eager_outputs(torch_model, feeds, ctx.recipe.evaluate.threads)
+        feeds = trace_inputs(ctx.inputs)
+        expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
         params = self.params
         exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
         failures: dict[str, str] = {}
         for exporter in exporters:
             raw = ctx.workdir / f"raw-{exporter}"
             try:
-                _export_checked(exporter, torch_model, feeds, expected, ctx.recipe, params, raw)
+                _export_checked(exporter, torch_model, feeds, expected, ctx.inputs, ctx.evaluate.threads, params, raw)
             except _ExportFailed as exc:
                 ctx.log.warning("%s export failed: %s", exporter, exc)
                 failures[exporter] = str(exc)
@@ -129,16 +129,17 @@ class _ExportFailed(Exception):
     exporter may not share the failure: `auto` moves on to it."""
 
 
-def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, recipe: Recipe, params: ExportParams, raw: Path) -> None:
+def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, shapes: ModelInputs, threads: int, params: ExportParams,
+                    raw: Path) -> None:
     """Export with one exporter into `raw`, then check the result against eager (the self-check's
     own rule, so `auto` moves on to the next exporter exactly when the stage would fail)."""
     raw.mkdir()
     path = raw / "model.onnx"
     try:
         if exporter == "dynamo":
-            _export_dynamo(torch_model, feeds, recipe, params.opset, path)
+            _export_dynamo(torch_model, feeds, shapes, params.opset, path)
         else:
-            branches = _export_torchscript(torch_model, feeds, recipe, params.opset, path)
+            branches = _export_torchscript(torch_model, feeds, shapes, params.opset, path)
             if branches and params.exporter == "auto":
                 # A trace records one branch of data-dependent control flow: it matches eager on the
                 # trace inputs and is wrong on others, so `auto` must not hand it on as a success.
@@ -152,10 +153,10 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
         logging.getLogger("optpipe.export").debug("%s export traceback", exporter, exc_info=True)
         raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
     try:
-        numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
+        numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
     except PassError as exc:
         raise _ExportFailed(f"the exported model does not match PyTorch eager ({exc})") from None
-    _check_other_sizes(torch_model, recipe, params, path)
+    _check_other_sizes(torch_model, shapes, threads, params, path)
 
 
 def _reraise_interrupt(exc: BaseException) -> None:
@@ -168,24 +169,24 @@ def _reraise_interrupt(exc: BaseException) -> None:
         raise interrupt
 
 
-def _check_other_sizes(torch_model: TorchModel, recipe: Recipe, params: ExportParams, path: Path) -> None:
+def _check_other_sizes(torch_model: TorchModel, shapes: ModelInputs, threads: int, params: ExportParams, path: Path) -> None:
     """The export against eager with every non-batch dynamic dim at its `min`: a model that caches a
     shape-dependent tensor in forward (a detector's grid) can be exported with it frozen at the trace
     size, right at that size and wrong at every other."""
     from optpipe.recipe.example_inputs import synthetic_inputs
 
-    batch = recipe.batch_dim()
-    moved = {name: dim.min for name, dim in recipe.dims.items() if name != batch and dim.min != trace_size(dim)}
+    batch = shapes.batch_dim()
+    moved = {name: dim.min for name, dim in shapes.dims.items() if name != batch and dim.min != trace_size(dim)}
     if not moved:
         return
-    feeds = synthetic_inputs(recipe.model_inputs(), seed=1, **moved, **({batch: 1} if batch else {}))
+    feeds = synthetic_inputs(shapes, seed=1, **moved, **({batch: 1} if batch else {}))
     sizes = ", ".join(f"{k}={v}" for k, v in moved.items())
     try:
-        expected = eager_runner(torch_model, threads=recipe.evaluate.threads)(feeds)
+        expected = eager_runner(torch_model, threads=threads)(feeds)
     except Exception:  # eager itself refuses that size: nothing to compare against
         return
     try:
-        numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
+        numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
     except MemoryError:
         raise
     except Exception as exc:  # a PassError, or ORT refusing the shape outright
@@ -248,24 +249,24 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
 
     from optpipe.safety import onnx_guard
 
-    path = onnx_source_path(ctx.recipe.model_source())
-    onnx_guard.check_named_parts(path, ctx.recipe, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
+    path = onnx_source_path(ctx.model_source)
+    onnx_guard.check_named_parts(path, ctx.inputs, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)
 
 
-def _dynamic_dims(recipe: Recipe) -> dict[str, dict[int, str]]:
-    return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in recipe.inputs}
+def _dynamic_dims(shapes: ModelInputs) -> dict[str, dict[int, str]]:
+    return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in shapes.inputs}
 
 
-def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> None:
+def _export_dynamo(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> None:
     import torch
 
     if opset < DYNAMO_MIN_OPSET:  # only `auto` gets here (ExportParams refuses it for `exporter: dynamo`)
         raise _ExportFailed(f"the dynamo exporter needs opset >= {DYNAMO_MIN_OPSET} (asked: {opset})")
-    dims = {name: _export_dim(name, d) for name, d in recipe.dims.items()}
-    dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(recipe).values())
+    dims = {name: _export_dim(name, d) for name, d in shapes.dims.items()}
+    dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(shapes).values())
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
     if _takes_varargs(torch_model.module):
         dynamic = (dynamic,)  # forward(*args): the spec of the one `args` parameter is the whole tuple
@@ -281,7 +282,7 @@ def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, p
         verbose=False,
     )
     program.save(str(path), external_data=True)
-    _name_derived_dims(path, recipe)
+    _name_derived_dims(path, shapes)
 
 
 def _export_dim(name: str, dim):
@@ -295,11 +296,11 @@ def _export_dim(name: str, dim):
     return n * torch.export.Dim(f"{name}_div", min=dim.min // n, max=dim.max // n)
 
 
-def _name_derived_dims(path: Path, recipe: Recipe) -> None:
+def _name_derived_dims(path: Path, shapes: ModelInputs) -> None:
     """Derived dims come out named "32*h_div": give them the recipe's name `h` again, wherever they appear."""
     import onnx
 
-    names = {f"{d.multiple_of}*{name}_div": name for name, d in recipe.dims.items() if d.multiple_of}
+    names = {f"{d.multiple_of}*{name}_div": name for name, d in shapes.dims.items() if d.multiple_of}
     if not names:
         return
     model = onnx.load(str(path), load_external_data=False)  # the weights stay in their file
@@ -311,7 +312,7 @@ def _name_derived_dims(path: Path, recipe: Recipe) -> None:
     onnx.save(model, str(path))
 
 
-def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> list[str]:
+def _export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> list[str]:
     """Trace and export; returns the tracer's warnings about tensors turned into Python booleans
     (control flow that the trace fixes to the branch the trace inputs took)."""
     import warnings
@@ -319,9 +320,9 @@ def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: i
     import torch
 
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
-    dynamic_axes = {name: axes for name, axes in _dynamic_dims(recipe).items() if axes}
+    dynamic_axes = {name: axes for name, axes in _dynamic_dims(shapes).items() if axes}
     for out in torch_model.output_names:  # outputs share the batch dim with the inputs
-        batch = recipe.batch_dim()
+        batch = shapes.batch_dim()
         if batch:
             dynamic_axes[out] = {0: batch}
     with warnings.catch_warnings(record=True) as caught:

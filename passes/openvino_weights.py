@@ -71,7 +71,7 @@ class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
         hint = ovr.write_settings(ctx.workdir, params.activations)["hint"]
         coverage = ir_coverage(compressed)
         del compressed
-        compiled = ovr.compile_model(ctx.workdir / ovr.IR_FILE, ctx.recipe.evaluate.threads, hint)
+        compiled = ovr.compile_model(ctx.workdir / ovr.IR_FILE, ctx.evaluate.threads, hint)
         info: dict[str, Any] = {
             "runtime": ovr.RUNTIME,
             "precision": params.activations,

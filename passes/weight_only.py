@@ -73,7 +73,7 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
         artifact = save_model(quantized, ctx.workdir)
         del quantized
         graph = artifact.load(with_weights=False)
-        dims = {name: dim.opt for name, dim in ctx.recipe.dims.items()}
+        dims = {name: dim.opt for name, dim in ctx.inputs.dims.items()}
         coverage = precision_coverage(graph, dims, excluded=set(params.exclude))
         warning = quantization_warning(coverage)
         if warning:

@@ -30,7 +30,7 @@ def _context(recipe, tmp_path, name="stage") -> PassContext:
     workdir = tmp_path / name
     workdir.mkdir()
     return PassContext(
-        recipe=recipe, stage=name, workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
+        model_source=recipe.model_source(), evaluate=recipe.evaluate, stage=name, workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
         torch_model=lambda: load_torch_model(recipe.model_source()), eval_set=None, calibration_set=None,
         tolerance=recipe.evaluate.tolerance,
     )

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from optpipe.core.artifact import ModelArtifact
     from optpipe.evaluation.error_attribution import NodeBlame
     from optpipe.pass_infra.pass_base import PassContext
+    from optpipe.recipe.schema import EvaluateSpec, ModelInputs
 
 Model = Union[onnx.ModelProto, Path]
 Convert = Callable[[list[str]], Model]
@@ -155,14 +156,14 @@ class AccuracyGuard:
         self.tensor_in = tensor_in or (lambda name, produced: name if name in produced else None)
         self.node_facts = node_facts or (lambda node: {})
         self._graph = graph
-        settings = ctx.recipe.evaluate
+        settings = ctx.evaluate
         self.threads = settings.threads
         self.top1 = settings.top1
         self.task = settings.task  # the recipe's task metric is the guard's verdict too
         samples = ctx.eval_set()
         self.inputs = samples.arrays
         self.labels = samples.labels
-        self.batches = list(samples.batches(accuracy_batch(ctx.recipe)))
+        self.batches = list(samples.batches(accuracy_batch(ctx.inputs, settings)))
         self.rank_feeds = {name: array[: params.rank_samples] for name, array in self.inputs.items()}
         self.scratch: Path | None = None  # made on first use, removed by run()
         self.reference = run_onnx(source.path, self.batches, self.threads)
@@ -349,11 +350,11 @@ def _failed_criteria(guard: dict) -> str:
     return f"cosine {guard['cosine']:.5f}, max abs error {max_abs}"
 
 
-def accuracy_batch(recipe) -> int:
-    """The evaluation batch: the recipe's accuracy_batch, or the model's fixed batch when it has no batch dim."""
-    if recipe.batch_dim():
-        return recipe.evaluate.accuracy_batch
-    first = recipe.inputs[0].shape[0] if recipe.inputs[0].shape else 1
+def accuracy_batch(shapes: ModelInputs, evaluate: EvaluateSpec) -> int:
+    """The evaluation batch: evaluate's accuracy_batch, or the model's fixed batch when it has no batch dim."""
+    if shapes.batch_dim():
+        return evaluate.accuracy_batch
+    first = shapes.inputs[0].shape[0] if shapes.inputs[0].shape else 1
     return first if isinstance(first, int) else 1
 
 

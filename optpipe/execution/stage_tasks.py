@@ -39,6 +39,7 @@ def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: T
     from optpipe.execution.services import RunServices
     from optpipe.execution.stage_runner import StageRunner
     from optpipe.pass_infra.instruments import Instruments
+    from optpipe.plan.compile_plan import CompilePlan
     from optpipe.plan.validate import validate_recipe
 
     spec = recipe.stages[name]
@@ -46,9 +47,10 @@ def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: T
         return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
                            reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0)
     _, passes = validate_recipe(recipe)
+    plan = CompilePlan.of(recipe)
     cache = settings.open_cache()
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    runner = StageRunner(recipe, cache, RunServices(recipe.model_source(), recipe.data, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
+    runner = StageRunner(plan, cache, RunServices(plan.model_source(), plan.data, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
     try:
         return runner.run(name, passes[name], parent.model if parent else None)
     finally:
@@ -61,11 +63,11 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     first when `eager`), each result stamped with the node that measured it."""
     from optpipe.execution.services import RunServices
     from optpipe.execution.stage_evaluation import EvaluationParts, evaluate_stages
+    from optpipe.plan.compile_plan import CompilePlan
     from optpipe.pass_infra.instruments import Instruments
 
     cache = settings.open_cache()
-    evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
-    scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
+    scoped = CompilePlan.of(recipe).with_evaluate(reference=reference, eager_baseline=eager)
     try:
         results = evaluate_stages(EvaluationParts.of(scoped), names, outcomes, RunServices(scoped.model_source(), scoped.data, cache), cache, settings.providers, Instruments(),
                                   settings.force)

@@ -20,6 +20,7 @@ from optpipe.recipe.schema import Recipe
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
 from optpipe.core.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
+from optpipe.hardware.cpu_features import cpu_record
 
 def build_report(recipe: Recipe, stages: list[StageResult]) -> RunReport:
     """The report of one compile: its stages, their Pareto frontier, the machine and settings."""
@@ -73,6 +74,7 @@ def machine_description() -> dict[str, Any]:
         "processor": _cpu_name(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
+        "cpu": cpu_record(),  # the CPU class that chose the int8 formats and ran every figure
         "libraries": {n: _dist_version(n) for n in ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy")},
     }
 
@@ -92,7 +94,9 @@ def write_report(report: RunReport, run_dir: Path) -> None:
 
 def render_markdown(report: RunReport) -> str:
     lines = [f"# optpipe report: {report.recipe}", ""]
-    lines += [f"{report.created} on {report.machine.get('processor')} ({report.machine.get('cores')} cores), "
+    cpu_class = (report.machine.get("cpu") or {}).get("class")
+    cores = f"{report.machine.get('cores')} cores" + (f", {cpu_class}" if cpu_class else "")
+    lines += [f"{report.created} on {report.machine.get('processor')} ({cores}), "
               f"{report.evaluation.get('threads')} threads; accuracy against `{report.reference}`.", ""]
     lines += [stage_table(report), ""]
     if report.pareto:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from optpipe.core.errors import TargetError
 from optpipe.core.results import TargetResult
+from optpipe.hardware.cpu_features import cpu_record
 from optpipe.recipe.run_paths import check_no_links
 
 MANIFEST_FILE = "manifest.json"
@@ -21,6 +22,7 @@ def write_manifest(folder: Path, recipe: str, results: list[TargetResult]) -> Pa
         "format": MANIFEST_FORMAT,
         "recipe": recipe,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu_record(),  # the CPU class the artifacts were chosen and measured on (int8 formats differ per class)
         "artifacts": [manifest_entry(r) for r in results],
     }
     path = folder / MANIFEST_FILE
@@ -48,7 +50,7 @@ def manifest_entry(result: TargetResult) -> dict:
         },
         "latency": [
             {"batch_size": lat.batch_size, "p50_ms": lat.p50_ms, "p90_ms": lat.p90_ms, "p99_ms": lat.p99_ms,
-             "throughput": lat.throughput, "provider": lat.provider}
+             "throughput": lat.throughput, "provider": lat.provider, "cpu_class": lat.cpu_class}
             for lat in result.latency
         ],
         "hash": result.hash,
