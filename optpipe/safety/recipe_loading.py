@@ -3,13 +3,14 @@ checked by the guards beside it (recipe_guard.py: paths, factories, names; resou
 sizes). Here, not in recipe.py, so that the schema imports nothing that imports it back."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-from optpipe.core.errors import RecipeError
+from optpipe.core.errors import RecipeError, TargetError
 from optpipe.recipe.schema import Recipe, describe_validation_error
 from optpipe.safety.recipe_guard import MAX_RECIPE_BYTES, check_factory, check_names, check_paths, check_yaml_budget
 from optpipe.safety.resource_bounds import check_resources
@@ -69,3 +70,22 @@ def parse_recipe(data: Any, base_dir: Path = Path("."), origin: str = "recipe") 
     check_names(recipe, origin)
     check_resources(recipe, origin)
     return recipe
+
+
+# --- the run folder's snapshot of the recipe ---------------------------------------------------
+
+SNAPSHOT_FILE = "recipe.json"
+
+
+def write_recipe_snapshot(recipe: Recipe, run_dir: Path) -> None:
+    """The validated recipe beside the report, so a later export knows the dims, inputs and data."""
+    document = {"base_dir": str(recipe.base_dir), "recipe": recipe.model_dump(mode="json", by_alias=True)}
+    (run_dir / SNAPSHOT_FILE).write_text(json.dumps(document, indent=2))
+
+
+def load_recipe_snapshot(run_dir: Path) -> Recipe:
+    path = run_dir / SNAPSHOT_FILE
+    if not path.is_file():
+        raise TargetError(f"'{run_dir}' has no {SNAPSHOT_FILE} (written by `optpipe compile` since targets exist); rerun the compile")
+    document = json.loads(path.read_text())
+    return parse_recipe(document["recipe"], base_dir=Path(document["base_dir"]), origin=str(path))
