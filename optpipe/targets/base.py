@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optpipe.core.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
 from optpipe.core.results import StageResult, TargetResult, TargetStatus
-from optpipe.recipe.schema import EvaluateSpec, ModelInputs, TargetSpec, Tolerance
+from optpipe.recipe.schema import DataSets, EvaluateSpec, ModelInputs, ModelSource, TargetSpec, Tolerance
 
 if TYPE_CHECKING:
     from optpipe.calibration.dataset import SampleSet
@@ -112,7 +112,7 @@ class StageView:
 
 @dataclass(frozen=True)
 class TargetSettings:
-    """What the targets read from the recipe, resolved once at the top (`targets.target_settings`):
+    """What the targets read from the recipe, resolved once at the top (`CompilePlan.target_settings`):
     a target can be built and tested without a Recipe."""
 
     recipe_name: str
@@ -126,6 +126,18 @@ class TargetSettings:
 
     def tolerance_for(self, stage: str) -> Tolerance:
         return self.tolerances.get(stage, self.evaluate.tolerance)
+
+    @classmethod
+    def build(cls, name: str, evaluate: EvaluateSpec, source: ModelSource, data: DataSets, parents: Mapping[str, Optional[str]],
+              tolerances: Mapping[str, Tolerance], targets: tuple[TargetSpec, ...], cache_root: Path) -> "TargetSettings":
+        """The settings with the run's sample sets, each built (or read from the cache) when first used."""
+        from optpipe.calibration.dataset import build_sample_set
+
+        return cls(
+            recipe_name=name, evaluate=evaluate, shapes=source, parents=parents, tolerances=tolerances, targets=targets,
+            eval_set=lambda: build_sample_set(data.eval, source, cache_root),
+            calibration_set=(lambda: build_sample_set(data.calibration, source, cache_root)) if data.calibration else None,
+        )
 
 
 @dataclass
