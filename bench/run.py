@@ -138,13 +138,13 @@ def isa_flags() -> str:
 
 def cpu_class_line() -> str:
     """The CPU class each engine runs at: OpenVINO's (held by ONEDNN_MAX_CPU_ISA where set), ORT's and PyTorch's (the CPU's own)."""
-    from optpipe.passes._openvino_isa import openvino_isa
+    from optpipe.hardware.cpu_features import engine_target, machine_target
 
-    isa = openvino_isa()
-    if isa.cap:
-        return (f"OpenVINO at {isa.cap} (ONEDNN_MAX_CPU_ISA; VNNI {'yes' if isa.vnni else 'no'}); ONNX Runtime and PyTorch "
-                f"at the CPU's own class, {isa.cpu_class} (they have no such switch)")
-    return f"{isa.cpu_class} (every engine)"
+    machine, openvino = machine_target(), engine_target("openvino")
+    if openvino.restricted_by:
+        return (f"OpenVINO at {openvino.cpu_class} ({openvino.restricted_by}); ONNX Runtime and PyTorch at the CPU's own "
+                f"class, {machine.cpu_class} (they have no such switch)")
+    return f"{machine.cpu_class} (every engine)"
 
 
 def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[str, Callable], list[dict]]:

@@ -108,7 +108,7 @@ def repair(converted, plain, accuracy: Accuracy, calibration, options: dict, par
 
 
 def _try(attempts: Attempts, label: str, converted, calibration, options, ctx, check, budget: Budget, **extra) -> bool:
-    import nncf
+    nncf = ovr.nncf()
 
 
     budget.step(f"int8 guard: {label}")
@@ -135,7 +135,7 @@ def _stopping(budget: Budget) -> Callable:
 
 
 def _with_ignored(options: dict, names: list[str]) -> dict:
-    import nncf
+    nncf = ovr.nncf()
 
     scope = options.get("ignored_scope")
     merged = nncf.IgnoredScope(names=sorted(set(names) | set(scope.names if scope else [])),
@@ -145,7 +145,7 @@ def _with_ignored(options: dict, names: list[str]) -> dict:
 
 def _other_preset(options: dict, params: OpenVinoParams):
     """NNCF's other preset, where the recipe left the choice to NNCF (its default: mixed for transformers)."""
-    import nncf
+    nncf = ovr.nncf()
 
     if params.preset is not None:
         return None
@@ -206,7 +206,7 @@ def _tensors(ov_model, wanted: set[tuple[str, int]], feeds, check: InputCheck) -
     outputs = [(key, ops[key[0]].output(key[1])) for key in sorted(wanted) if key[0] in ops
                and ops[key[0]].get_type_name() not in ("Constant", "Parameter")]
     model.add_outputs([out for _, out in outputs])
-    compiled = ovr.compile_model(model, check.ctx.recipe.evaluate.threads)
+    compiled = ovr.compile_model(model, check.ctx.evaluate.threads)
     request = compiled.create_infer_request()
     ports = compiled.outputs[-len(outputs):]
     inputs = {port.get_any_name() for port in compiled.inputs}
@@ -222,7 +222,7 @@ def _accuracy_controlled_call(converted, calibration, options, params: OpenVinoP
                               budget: Budget):
     """NNCF ranks the quantizers by the error they add and reverts the worst until the metric
     (optpipe's own: the worst per-output mean cosine against the input) drops at most 1 - cosine_min."""
-    import nncf
+    nncf = ovr.nncf()
 
 
     indexed = list(enumerate(check.batches))
@@ -283,7 +283,7 @@ def subset_accuracy(check: InputCheck, picked: list[int], outs: list[dict]) -> A
     candidate = {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
     expected = {name: array[rows] for name, array in reference.items()}
     inputs = {name: array[rows] for name, array in check.ctx.eval_set().arrays.items()}
-    return compare(candidate, expected, inputs, check.ctx.tolerance, "input", check.ctx.recipe.evaluate.top1)
+    return compare(candidate, expected, inputs, check.ctx.tolerance, "input", check.ctx.evaluate.top1)
 
 
 def model_feeds(feeds: dict[str, np.ndarray], ov_model) -> dict[str, np.ndarray]:

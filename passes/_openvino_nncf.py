@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassContext, check: InputCheck):
     """NNCF post-training quantization, then the guard's bounded repair (passes/_openvino_guard.py) when the
     plain result breaks the tolerance."""
-    import nncf
+    nncf = ovr.nncf()
 
     check_exclude_types(params, converted, ctx.stage)
     calibration = calibration_batches(ctx, converted)
@@ -71,7 +71,7 @@ def calibration_batches(ctx: PassContext, converted) -> list[dict[str, np.ndarra
     from optpipe.evaluation.guard import accuracy_batch
 
     samples = ctx.calibration_set()
-    size = 1 if ctx.recipe.batch_dim() else accuracy_batch(ctx.recipe)
+    size = 1 if ctx.inputs.batch_dim() else accuracy_batch(ctx.inputs, ctx.evaluate)
     if len(samples) < size:
         raise DataError(f"data.calibration: {len(samples)} samples, fewer than the model's fixed batch of {size}; "
                         f"give at least {size} samples")
@@ -117,7 +117,7 @@ def check_exclude_types(params: OpenVinoParams, converted, stage: str) -> None:
 
 
 def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int, exclude: list[str] = ()) -> dict[str, Any]:
-    import nncf
+    nncf = ovr.nncf()
 
     transformer = params.model_type == "transformer" or (params.model_type == "auto" and has_attention(model))
     options: dict[str, Any] = {

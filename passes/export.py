@@ -15,7 +15,7 @@ from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.source.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
 from optpipe.pass_infra.pass_base import Pass, PassContext
-from optpipe.recipe.schema import OnnxModel, Recipe
+from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import eager_runner
 
 
@@ -55,27 +55,27 @@ class ExportPass(Pass[ExportParams]):
     libraries = ("torch", "onnx", "onnxscript", "transformers")
 
     def fingerprint(self, ctx: PassContext) -> dict:
-        recipe = ctx.recipe
+        source = ctx.model_source
         return {
-            "source": source_fingerprint(recipe.model_source()),
-            "inputs": [spec.model_dump() for spec in recipe.inputs],
-            "dims": {name: dim.model_dump() for name, dim in recipe.dims.items()},
+            "source": source_fingerprint(source),
+            "inputs": [spec.model_dump() for spec in source.inputs],
+            "dims": {name: dim.model_dump() for name, dim in source.dims.items()},
         }
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
-        if isinstance(ctx.recipe.model, OnnxModel):
+        if isinstance(ctx.model_source.model, OnnxModel):
             return import_onnx(ctx)
         torch_model = ctx.torch_model()
         attention = set_attention(torch_model, self.params.attention)
-        feeds = trace_inputs(ctx.recipe.model_inputs())
-        expected = eager_outputs(torch_model, feeds, ctx.recipe.evaluate.threads)
+        feeds = trace_inputs(ctx.inputs)
+        expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
         params = self.params
         exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
         failures: dict[str, str] = {}
         for exporter in exporters:
             raw = ctx.workdir / f"raw-{exporter}"
             try:
-                _export_checked(exporter, torch_model, feeds, expected, ctx.recipe, params, raw)
+                checked = _export_checked(exporter, torch_model, feeds, expected, ctx.inputs, ctx.evaluate.threads, params, raw)
             except _ExportFailed as exc:
                 ctx.log.warning("%s export failed: %s", exporter, exc)
                 failures[exporter] = str(exc)
@@ -83,7 +83,7 @@ class ExportPass(Pass[ExportParams]):
                 continue
             break
         else:
-            raise PassError(_failure_message(failures, params.exporter))
+            raise PassError(_failure_message(failures, bool(ctx.inputs.dims)))
         import onnx
 
         exported = onnx.load(str(raw / "model.onnx"))
@@ -94,7 +94,7 @@ class ExportPass(Pass[ExportParams]):
         _remove_tree(raw)
         # `opset`: the one the model has (TorchScript writes at most 20), beside the one asked for.
         info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": opset, "opset_requested": params.opset,
-                "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention}
+                "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention, **checked}
         if failures:
             info["fallback"] = {"from": list(failures), "reasons": failures}
             ctx.log.warning("exported with %s after %s", exporter, "; ".join(f"{k} failed: {v}" for k, v in failures.items()))
@@ -129,20 +129,19 @@ class _ExportFailed(Exception):
     exporter may not share the failure: `auto` moves on to it."""
 
 
-def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, recipe: Recipe, params: ExportParams, raw: Path) -> None:
-    """Export with one exporter into `raw`, then check the result against eager (the self-check's
-    own rule, so `auto` moves on to the next exporter exactly when the stage would fail)."""
+def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, shapes: ModelInputs, threads: int, params: ExportParams,
+                    raw: Path) -> dict:
+    """Export with one exporter into `raw`, then check the result against eager at the trace shape and
+    at other shapes of the dynamic dims (the same rule for every exporter and every `exporter:` mode,
+    so `auto` moves on exactly when the stage would be wrong). Returns what the check saw."""
     raw.mkdir()
     path = raw / "model.onnx"
+    branches: list[str] = []
     try:
         if exporter == "dynamo":
-            _export_dynamo(torch_model, feeds, recipe, params.opset, path)
+            _export_dynamo(torch_model, feeds, shapes, params.opset, path)
         else:
-            branches = _export_torchscript(torch_model, feeds, recipe, params.opset, path)
-            if branches and params.exporter == "auto":
-                # A trace records one branch of data-dependent control flow: it matches eager on the
-                # trace inputs and is wrong on others, so `auto` must not hand it on as a success.
-                raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch, taken on a tensor's values or shape ({branches[0]})")
+            branches = _export_torchscript(torch_model, feeds, shapes, params.opset, path)
     except (_ExportFailed, MemoryError, UserInputError):
         # MemoryError: the machine's limit, not this exporter's; a user-input error (the model or
         # recipe itself) the next exporter would share. Ctrl-C is no Exception: it is never caught.
@@ -152,10 +151,14 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, rec
         logging.getLogger("optpipe.export").debug("%s export traceback", exporter, exc_info=True)
         raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
     try:
-        numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
+        numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
     except PassError as exc:
         raise _ExportFailed(f"the exported model does not match PyTorch eager ({exc})") from None
-    _check_other_sizes(torch_model, recipe, params, path)
+    # A trace records one branch of any control flow on a tensor's values or shape (the tracer's
+    # "Python boolean" warnings): such a warning alone proves nothing (T5 and Swin warn and are
+    # right at every shape), so the export is judged by the other shapes, with other values.
+    checked = _check_shapes(exporter, torch_model, shapes, threads, params, path, branches)
+    return {"checked_shapes": checked, **({"trace_branches": branches} if branches else {})}
 
 
 def _reraise_interrupt(exc: BaseException) -> None:
@@ -168,31 +171,23 @@ def _reraise_interrupt(exc: BaseException) -> None:
         raise interrupt
 
 
-def _check_other_sizes(torch_model: TorchModel, recipe: Recipe, params: ExportParams, path: Path) -> None:
-    """The export against eager with every non-batch dynamic dim at its `min`: a model that caches a
-    shape-dependent tensor in forward (a detector's grid) can be exported with it frozen at the trace
-    size, right at that size and wrong at every other."""
-    from optpipe.recipe.example_inputs import synthetic_inputs
-
-    batch = recipe.batch_dim()
-    moved = {name: dim.min for name, dim in recipe.dims.items() if name != batch and dim.min != trace_size(dim)}
-    if not moved:
-        return
-    feeds = synthetic_inputs(recipe.model_inputs(), seed=1, **moved, **({batch: 1} if batch else {}))
-    sizes = ", ".join(f"{k}={v}" for k, v in moved.items())
-    try:
-        expected = eager_runner(torch_model, threads=recipe.evaluate.threads)(feeds)
-    except Exception:  # eager itself refuses that size: nothing to compare against
-        return
-    try:
-        numeric_check(onnx_outputs(path, feeds, recipe.evaluate.threads), expected, feeds, params, EAGER)
-    except MemoryError:
-        raise
-    except Exception as exc:  # a PassError, or ORT refusing the shape outright
-        raise _ExportFailed(
-            f"the exported model is wrong at other sizes ({sizes}: {_first_line(exc)[:160]}): forward() likely caches a "
-            "shape-dependent tensor (a grid) that the export froze at the trace size"
-        ) from None
+def check_shapes(shapes: ModelInputs) -> list[dict[str, int]]:
+    """The dim sizes the export is checked at besides the trace's: the corners of a low and a high
+    size per dynamic dim (all low, all high, batch low with the rest high and the reverse), so a
+    branch on batch or on a sequence length taken at the trace size shows up. `high` is bounded
+    (at most twice the trace size) to keep eager's cost near the trace's."""
+    batch = shapes.batch_dim()
+    low = {name: dim.min for name, dim in shapes.dims.items()}
+    high = {name: _high_size(dim) for name, dim in shapes.dims.items()}
+    corners = [low, high]
+    if batch and len(shapes.dims) > 1:
+        corners += [{**high, batch: low[batch]}, {**low, batch: high[batch]}]
+    trace = {name: trace_size(dim) for name, dim in shapes.dims.items()}
+    unique: list[dict[str, int]] = []
+    for corner in corners:
+        if corner != trace and corner not in unique:
+            unique.append(corner)
+    return unique
 
 
 def trace_size(dim) -> int:
@@ -200,34 +195,80 @@ def trace_size(dim) -> int:
     return 2 if dim.opt == 1 and dim.max > 1 else dim.opt
 
 
-# Known failures -> the fix that is true for them. Matched on the root cause's message.
+def _high_size(dim) -> int:
+    size = min(dim.max, max(trace_size(dim) * 2, dim.min))
+    n = dim.multiple_of or 1
+    return max(dim.min, size - size % n)
+
+
+def _check_shapes(exporter: str, torch_model: TorchModel, shapes: ModelInputs, threads: int, params: ExportParams, path: Path,
+                  branches: list[str]) -> list[dict]:
+    """The export against eager at check_shapes() (fresh values, another seed); _ExportFailed naming
+    the first shape where it is wrong. A model that caches a shape-dependent tensor (a detector's
+    grid) or a trace that fixed a branch is right at the trace size and wrong there."""
+    from optpipe.recipe.example_inputs import synthetic_inputs
+
+    checked = []
+    for seed, sizes in enumerate(check_shapes(shapes), start=1):
+        feeds = synthetic_inputs(shapes, seed=seed, **sizes)
+        try:
+            expected = eager_runner(torch_model, threads=threads)(feeds)
+        except MemoryError:
+            raise
+        except Exception:  # eager itself refuses that size: nothing to compare against
+            continue
+        try:
+            record = numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
+        except MemoryError:
+            raise
+        except Exception as exc:  # a PassError, or ORT refusing the shape outright
+            raise _ExportFailed(_wrong_elsewhere(exporter, sizes, exc, branches)) from None
+        checked.append({**sizes, "max_abs": record["max_abs"]})
+    return checked
+
+
+def _wrong_elsewhere(exporter: str, sizes: dict[str, int], exc: Exception, branches: list[str]) -> str:
+    shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    cause = (f"the trace fixed a branch taken on a tensor's values or shape ({branches[0]})" if branches else
+             "forward() computes something from the trace's sizes (a cached grid, a branch on a shape) that the export froze")
+    return f"the {exporter} export is wrong at other sizes ({shown}: {_first_line(exc)[:160]}): {cause}"
+
+
+# Known failures -> the recipe change that is true for them (a recipe line, not the model's code:
+# the user of a library model cannot edit its source). Matched on the root cause's message.
+FIX_DIMS = "make those dims fixed in `inputs` (a number in place of the dim's name)"
 _HINTS = (
     ("Inference tensors cannot be saved", "the model keeps tensors made under torch.inference_mode(); "
      "build them under torch.no_grad() (or lazily in forward) instead"),
-    ("wrong at other sizes", "rebuild such tensors in forward while exporting (e.g. when torch.compiler.is_compiling()), or make the dims fixed"),
-    ("data-dependent", "forward() branches on tensor values or shapes; make the branch static (or torch.cond) in the model's code"),
-    ("does not match PyTorch eager", "raise check_atol/check_rtol if the error is rounding on large outputs, else set a fixed shape in `inputs`"),
-    ("not supported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
-    ("Unsupported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
+    ("wrong at other sizes", FIX_DIMS),
+    ("does not match PyTorch eager", "raise check_atol/check_rtol if the error is rounding on large outputs, else make the dims fixed in `inputs`"),
+    ("not supported", "the model uses an operator that ONNX export cannot convert"),
+    ("Unsupported", "the model uses an operator that ONNX export cannot convert"),
+    ("data-dependent", "forward() branches on tensor values or shapes, which dynamo cannot export with dynamic dims"),
+    ("Cannot view a tensor", "dynamo cannot prove a view valid for every size of the dynamic dims"),
     ("Constraints violated", "the model's code fixes a dim that `dims` declares dynamic; make that dim fixed in `inputs`"),
     ("specialized", "the model's code fixes a dim that `dims` declares dynamic; make that dim fixed in `inputs`"),
 )
 
 
-def _failure_message(failures: dict[str, str], requested: str) -> str:
-    """Every exporter's reason, and a hint true for those reasons (never 'try the other one' once both were tried)."""
+def _failure_message(failures: dict[str, str], dynamic: bool) -> str:
+    """Every exporter's reason, and the recipe change true for those reasons (never 'try the other
+    one' once both were tried)."""
     text = "; ".join(failures.values())
     # The first exporter's failure picks the hint: it is the one the user asked for (or auto's first choice).
     hints = [hint for reason in failures.values() for marker, hint in _HINTS if marker in reason]
     untried = [e for e in EXPORTERS if e not in failures]
-    if hints and untried:
-        hint = f"{hints[0]}, or set `exporter: auto`, which also tries {untried[0]}"
-    elif hints:
-        hint = hints[0]
-    elif untried:
-        hint = f"`exporter: auto` also tries {untried[0]}"
+    if untried:
+        # The other exporter is checked by the same rule (eager at several shapes), so naming it is safe advice.
+        switch = f"set `exporter: {untried[0]}` (or `auto`, which tries both and checks each against eager at several shapes)"
+        hint = f"{hints[0]}; {switch}" if hints else switch
+    elif hints:  # both tried: what the trace needs is the change left to make
+        traced = [hint for marker, hint in _HINTS if marker in failures.get("torchscript", "")]
+        hint = (traced or hints)[0]
     else:
         hint = "both exporters failed; the stage log has the tracebacks"
+    if untried and dynamic and "wrong at other sizes" not in text:
+        hint += ", or make the dynamic dims fixed in `inputs`"
     return f"{text}; {hint}"
 
 
@@ -248,24 +289,24 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
 
     from optpipe.safety import onnx_guard
 
-    path = onnx_source_path(ctx.recipe.model_source())
-    onnx_guard.check_named_parts(path, ctx.recipe, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
+    path = onnx_source_path(ctx.model_source)
+    onnx_guard.check_named_parts(path, ctx.inputs, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)
 
 
-def _dynamic_dims(recipe: Recipe) -> dict[str, dict[int, str]]:
-    return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in recipe.inputs}
+def _dynamic_dims(shapes: ModelInputs) -> dict[str, dict[int, str]]:
+    return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in shapes.inputs}
 
 
-def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> None:
+def _export_dynamo(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> None:
     import torch
 
     if opset < DYNAMO_MIN_OPSET:  # only `auto` gets here (ExportParams refuses it for `exporter: dynamo`)
         raise _ExportFailed(f"the dynamo exporter needs opset >= {DYNAMO_MIN_OPSET} (asked: {opset})")
-    dims = {name: _export_dim(name, d) for name, d in recipe.dims.items()}
-    dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(recipe).values())
+    dims = {name: _export_dim(name, d) for name, d in shapes.dims.items()}
+    dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(shapes).values())
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
     if _takes_varargs(torch_model.module):
         dynamic = (dynamic,)  # forward(*args): the spec of the one `args` parameter is the whole tuple
@@ -281,7 +322,7 @@ def _export_dynamo(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, p
         verbose=False,
     )
     program.save(str(path), external_data=True)
-    _name_derived_dims(path, recipe)
+    _name_derived_dims(path, shapes)
 
 
 def _export_dim(name: str, dim):
@@ -295,11 +336,11 @@ def _export_dim(name: str, dim):
     return n * torch.export.Dim(f"{name}_div", min=dim.min // n, max=dim.max // n)
 
 
-def _name_derived_dims(path: Path, recipe: Recipe) -> None:
+def _name_derived_dims(path: Path, shapes: ModelInputs) -> None:
     """Derived dims come out named "32*h_div": give them the recipe's name `h` again, wherever they appear."""
     import onnx
 
-    names = {f"{d.multiple_of}*{name}_div": name for name, d in recipe.dims.items() if d.multiple_of}
+    names = {f"{d.multiple_of}*{name}_div": name for name, d in shapes.dims.items() if d.multiple_of}
     if not names:
         return
     model = onnx.load(str(path), load_external_data=False)  # the weights stay in their file
@@ -311,7 +352,7 @@ def _name_derived_dims(path: Path, recipe: Recipe) -> None:
     onnx.save(model, str(path))
 
 
-def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: int, path: Path) -> list[str]:
+def _export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> list[str]:
     """Trace and export; returns the tracer's warnings about tensors turned into Python booleans
     (control flow that the trace fixes to the branch the trace inputs took)."""
     import warnings
@@ -319,9 +360,9 @@ def _export_torchscript(torch_model: TorchModel, feeds, recipe: Recipe, opset: i
     import torch
 
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
-    dynamic_axes = {name: axes for name, axes in _dynamic_dims(recipe).items() if axes}
+    dynamic_axes = {name: axes for name, axes in _dynamic_dims(shapes).items() if axes}
     for out in torch_model.output_names:  # outputs share the batch dim with the inputs
-        batch = recipe.batch_dim()
+        batch = shapes.batch_dim()
         if batch:
             dynamic_axes[out] = {0: batch}
     with warnings.catch_warnings(record=True) as caught:

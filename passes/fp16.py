@@ -34,6 +34,9 @@ class Fp16Pass(Pass[Fp16Params]):
     version = "2"
     Params = Fp16Params
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu", "onnx-ir")
+    # The guard decides which nodes stay FP32 on ORT CPU's FP16 numerics, which differ per ISA
+    # (AVX-512 FP16 and Arm run half-precision kernels; AVX2 casts): a decision per CPU class.
+    isa_dependent = True
 
     def fingerprint(self, ctx: PassContext) -> dict:
         # The guard always measures (and, when on, repairs) with the stage's tolerance. The evaluation

@@ -244,7 +244,7 @@ def hf_config(ctx: PassContext):
     n_heads/dim) map onto num_attention_heads/hidden_size."""
     from optpipe.recipe.schema import HFConfigModel, HFModel
 
-    spec = ctx.recipe.model
+    spec = ctx.model_source.model
     if not isinstance(spec, (HFModel, HFConfigModel)):
         return None
     from transformers import AutoConfig
@@ -254,7 +254,7 @@ def hf_config(ctx: PassContext):
     try:
         if isinstance(spec, HFConfigModel):
             return AutoConfig.for_model(**spec.hf_config)
-        return AutoConfig.from_pretrained(str(hf_folder(ctx.recipe.model_source())), local_files_only=True,
+        return AutoConfig.from_pretrained(str(hf_folder(ctx.model_source)), local_files_only=True,
                                           trust_remote_code=spec.trust_remote_code)
     except Exception as exc:  # a config transformers cannot read: the fuser detects the shape itself, as before
         ctx.log.warning("fuse: no Hugging Face config for num_heads/hidden_size (%s); ORT's fuser detects them", first_line(exc))

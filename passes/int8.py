@@ -24,7 +24,7 @@ from typing import Literal, Optional
 
 import numpy as np
 import onnx
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.calibration.ranges import CalibrationCache, ranges_key
@@ -34,10 +34,14 @@ from optpipe.evaluation.guard import AccuracyGuard, GuardParams
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.graph.quant_prep import needs_preparation, prepare_for_quantizer
+from optpipe.hardware.cpu_features import engine_target
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
+from optpipe.passes._int8_formats import FormatName, Int8Format, ort_format, tensorrt_format
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
-DYNAMIC_OPS = ["MatMul", "Gemm", "Conv", "Attention"]  # never Gather: int8 embedding tables cost accuracy for no speed
+# never Gather: int8 embedding tables cost accuracy for no speed. LSTM: ORT's dynamic quantizer
+# writes com.microsoft.DynamicQuantizeLSTM (int8 W and R); its static (QDQ) path has no recurrent op.
+DYNAMIC_OPS = ["MatMul", "Gemm", "Conv", "Attention", "LSTM"]
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
 
@@ -46,8 +50,11 @@ class Int8Params(PassParams, GuardParams):
     method: Literal["minmax", "entropy", "percentile"] = Field("minmax", description="static: calibration method")
     percentile: float = Field(99.999, gt=90, le=100, description="static, method percentile: the range's percentile")
     per_channel: bool = Field(True, description="one scale per output channel of each weight")
-    op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention)")
-    reduce_range: bool = Field(False, description="7-bit weights (only for CPUs without VNNI)")
+    op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention and LSTM)")
+    format: FormatName = Field(
+        "auto", description="ORT's integer kernels (dynamic, or static target ort-cpu): auto = per this CPU's class "
+        "(u8s8 with VNNI and on Arm, u8s8-reduce-range on x86 without VNNI: no int16 saturation); u8s8, u8s8-reduce-range, u8u8 force one")
+    reduce_range: Optional[bool] = Field(None, description="7-bit weights on or off; default: as the format says")
     target: Literal["tensorrt", "ort-cpu"] = Field(
         "tensorrt",
         description="static: tensorrt = symmetric int8 Q/DQ on inputs (explicit quantization); "
@@ -55,14 +62,23 @@ class Int8Params(PassParams, GuardParams):
     )
     calibration_batch: int = Field(8, ge=1, description="static: samples per calibration batch")
 
+    @model_validator(mode="after")
+    def _format_is_for_ort_kernels(self):
+        if self.format != "auto" and self.mode == "static" and self.target == "tensorrt":
+            raise ValueError(f"format '{self.format}' is for ORT's integer kernels (mode dynamic, or static with target "
+                             "ort-cpu); target tensorrt always takes symmetric s8s8")
+        return self
+
 
 class Int8Pass(Pass[Int8Params]):
     """Quantize to INT8 (static QDQ calibrated on the recipe's data, or dynamic), guarded by the stage's tolerance."""
 
     name = "int8"
-    version = "3"  # 3: fused ops split and stale weight value_info dropped before quantizing
+    version = "4"  # 3: fused ops split and stale weight value_info dropped before quantizing; 4: format per CPU class
     Params = Int8Params
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
+    # The format is chosen per CPU class and the guard decides on this CPU's numerics.
+    isa_dependent = True
 
     @property
     def needs_calibration(self) -> bool:
@@ -114,7 +130,7 @@ def prepared_input(model: ModelArtifact, ctx: PassContext) -> tuple[ModelArtifac
 
 def coverage_of(artifact: ModelArtifact, ctx: PassContext, excluded: list[str]) -> dict:
     """The int8 share of weights and MACs; warns in the log when most compute stayed in float."""
-    dims = {name: dim.opt for name, dim in ctx.recipe.dims.items()}
+    dims = {name: dim.opt for name, dim in ctx.inputs.dims.items()}
     coverage = precision_coverage(artifact.load(with_weights=False), dims, excluded=set(excluded))
     warning = quantization_warning(coverage)
     if warning:
@@ -136,6 +152,10 @@ class Quantizer:
         self.scratch = Path(tempfile.mkdtemp(prefix="int8-", dir=ctx.workdir))
         self.calibration: dict | None = None
         self.runs = 0
+        cpu = engine_target("onnxruntime")
+        self.format: Int8Format = (tensorrt_format(cpu, params.reduce_range) if params.mode == "static" and self.for_tensorrt
+                                   else ort_format(params.format, cpu, params.reduce_range))
+        ctx.log.info("int8 format %s (%s)", self.format.name, self.format.why)
 
     def quantize(self, excluded: list[str]) -> Path:
         self.runs += 1
@@ -164,12 +184,13 @@ class Quantizer:
             out,
             op_types_to_quantize=self.op_types,
             per_channel=self.params.per_channel,
-            reduce_range=self.params.reduce_range,
-            weight_type=QuantType.QInt8,
-            nodes_to_exclude=excluded,
+            reduce_range=self.format.reduce_range,
+            weight_type=_quant_type(self.format.weights),
+            nodes_to_exclude=dynamic_exclusions(excluded),
             use_external_data_format=True,
             # Fused transformer ops (com.microsoft) carry no type information ORT's quantizer can read.
-            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True},
+            # Symmetric weights in every format, as Optimum's presets (u8 weights: zero point 128).
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True, "WeightSymmetric": True},
         )
 
     def _static(self, out: Path, excluded: list[str]) -> None:
@@ -187,9 +208,9 @@ class Quantizer:
                 quant_format=QuantFormat.QDQ,
                 op_types_to_quantize=self.op_types,
                 per_channel=self.params.per_channel,
-                reduce_range=self.params.reduce_range,
-                activation_type=QuantType.QInt8 if self.for_tensorrt else QuantType.QUInt8,
-                weight_type=QuantType.QInt8,
+                reduce_range=self.format.reduce_range,
+                activation_type=_quant_type(self.format.activations),
+                weight_type=_quant_type(self.format.weights),
                 nodes_to_exclude=excluded,
                 use_external_data_format=True,
                 calibrate_method=getattr(CalibrationMethod, METHODS[self.params.method]),
@@ -234,7 +255,7 @@ class Quantizer:
             # inputs and outputs, int32 bias): the form its CPU provider fuses into QLinearConv /
             # QLinearMatMul. ResNet-50 measured 2.46x its FP32 speed this way, 0.82x with the
             # TensorRT form (symmetric int8 keeps ORT CPU on DequantizeLinear + FP32 kernels).
-            return {**self._calibration_options(), "MatMulConstBOnly": True}
+            return {**self._calibration_options(), "MatMulConstBOnly": True, "WeightSymmetric": True}
         return {
             **self._calibration_options(),
             # Symmetric int8 (zero point 0) activations and weights: what TensorRT requires.
@@ -258,12 +279,20 @@ class Quantizer:
             "op_types": self.op_types,
             "per_channel": self.params.per_channel,
             "symmetric": self.params.mode == "static" and self.for_tensorrt,
+            # Which int8 format, on which CPU class, and why (the choice per ISA: passes/_int8_formats.py).
+            "int8_format": self.format.record(),
             "target": self.params.target if self.params.mode == "static" else "ort-cpu",
             "calibration": self.calibration,
             "quantizations": self.runs,
             "op_changes": op_changes(before, after["ops"]),
             "graph": after,
         }
+
+
+def _quant_type(dtype: str):
+    from onnxruntime.quantization import QuantType
+
+    return QuantType.QUInt8 if dtype == "uint8" else QuantType.QInt8
 
 
 @contextlib.contextmanager
@@ -283,6 +312,13 @@ def root_logs_to(log: logging.Logger):
         yield
     finally:
         root.removeHandler(handler)
+
+
+def dynamic_exclusions(excluded: list[str]) -> list[str]:
+    """The names to exclude from ORT's dynamic quantizer: it first rewrites every Gemm into a MatMul
+    named `<gemm>_MatMul` (+ `<gemm>_Add`) and matches the exclusions against the new names, so an
+    excluded Gemm was quantized anyway (measured: an LSTM classifier's head stayed MatMulInteger)."""
+    return [*excluded, *(f"{name}_MatMul" for name in excluded)]
 
 
 def quantized_nodes(model: ModelArtifact, op_types: list[str], excluded: list[str]) -> list[onnx.NodeProto]:

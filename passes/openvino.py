@@ -29,7 +29,7 @@ from optpipe.core.errors import DataError, PassError
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.core.results import Accuracy
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
-from optpipe.passes._openvino_isa import int8_skip_reason, openvino_isa
+from optpipe.passes._openvino_isa import int8_skip_reason
 from optpipe.passes._openvino_nncf import quantize
 
 class OpenVinoParams(PassParams):
@@ -99,7 +99,7 @@ class OpenVinoPass(Pass):
         params: OpenVinoParams = self.params  # type: ignore[assignment]
         if params.precision != "int8" or not params.skip_slow_int8:
             return None
-        return int8_skip_reason(openvino_isa())
+        return int8_skip_reason()
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: OpenVinoParams = self.params  # type: ignore[assignment]
@@ -130,7 +130,7 @@ class OpenVinoPass(Pass):
                 accuracy = check(result, ovr.PRECISION_HINTS[params.precision])
         ovr.save_ir(result, ctx.workdir)
         hint = ovr.write_settings(ctx.workdir, params.precision)["hint"]
-        compiled = ovr.compile_model(ctx.workdir / ovr.IR_FILE, ctx.recipe.evaluate.threads, hint)
+        compiled = ovr.compile_model(ctx.workdir / ovr.IR_FILE, ctx.evaluate.threads, hint)
         info.update(ovr.precision_facts(compiled))
         info["ir_compute_ops"] = sum(op.get_type_name() in ovr.COMPUTE_LAYERS for op in result.get_ops())
         info["output_names"] = ovr.output_names(model.path)
@@ -156,12 +156,12 @@ class InputCheck:
         """The evaluation's accuracy batch (a model without a batch dim: its fixed one), as the guard's."""
         from optpipe.evaluation.guard import accuracy_batch
 
-        return accuracy_batch(self.ctx.recipe)
+        return accuracy_batch(self.ctx.inputs, self.ctx.evaluate)
 
     @property
     def batches(self) -> list[dict[str, np.ndarray]]:
         size, samples = self.batch_size, self.ctx.eval_set()
-        if not self.ctx.recipe.batch_dim() and len(samples) % size:
+        if not self.ctx.inputs.batch_dim() and len(samples) % size:
             # The IR (and ONNX Runtime) refuse a partial batch of a fixed-batch model: the data's fault, said so.
             raise DataError(f"data.eval: {len(samples)} samples do not fill whole batches of the model's fixed batch {size}; "
                             f"give a multiple of {size}")
@@ -171,7 +171,7 @@ class InputCheck:
         if self._reference is None:
             from optpipe.evaluation.accuracy import run_onnx
 
-            self._reference = run_onnx(self.model.path, self.batches, self.ctx.recipe.evaluate.threads)
+            self._reference = run_onnx(self.model.path, self.batches, self.ctx.evaluate.threads)
         return self._reference
 
     def outputs(self, compiled) -> dict[str, np.ndarray]:
@@ -183,10 +183,10 @@ class InputCheck:
         from optpipe.evaluation.accuracy import compare
 
         ctx = self.ctx
-        return compare(outputs, self.reference(), ctx.eval_set().arrays, ctx.tolerance, ctx.stage + " input", ctx.recipe.evaluate.top1)
+        return compare(outputs, self.reference(), ctx.eval_set().arrays, ctx.tolerance, ctx.stage + " input", ctx.evaluate.top1)
 
     def __call__(self, ov_model, hint: str = "f32") -> Accuracy:
-        return self.compare(self.outputs(ovr.compile_model(ov_model, self.ctx.recipe.evaluate.threads, hint)))
+        return self.compare(self.outputs(ovr.compile_model(ov_model, self.ctx.evaluate.threads, hint)))
 
     def conversion(self, converted) -> Accuracy:
         return check_conversion(converted, self.model, self)

@@ -92,7 +92,7 @@ def resolved_round_to(params: PruneParams, ctx: PassContext) -> int:
         return int(params.round_to)
     from optpipe.hardware.simd import channel_multiple
 
-    return channel_multiple([target.kind for target in ctx.recipe.targets])
+    return channel_multiple(list(ctx.target_kinds))
 
 
 def prune_structured(model: onnx.ModelProto, params: PruneParams) -> dict:

@@ -37,7 +37,8 @@ def context(recipe, workdir: Path, eval_arrays: dict[str, np.ndarray], tolerance
     workdir.mkdir(parents=True, exist_ok=True)
     samples = SampleSet(eval_arrays, key="test-eval-set")
     return PassContext(
-        recipe=recipe,
+        model_source=recipe.model_source(),
+        evaluate=recipe.evaluate,
         stage="under-test",
         workdir=workdir,
         log=logging.getLogger("optpipe.test"),

@@ -95,3 +95,22 @@ def test_a_compile_on_a_fresh_machine_reuses_the_object_store(tmp_path, s3_url, 
     assert " ok pass export" in first_log
     assert " ok pass" not in second_log and " cached pass export" in second_log  # nothing recomputed
     assert [s.hash for s in first.stages] == [s.hash for s in second.stages]
+
+
+def test_a_new_prefix_with_nothing_under_it_is_a_new_cache(tmp_path, s3_url):
+    """Issue 22: an empty prefix was `cannot list it (FileNotFoundError: bucket/team)`."""
+    url, options = s3_url
+    fresh = f"{url}/never-written"
+    assert FsspecEntryStore(fresh, **options).check() == fresh
+    cache = TieredStageCache(tmp_path / "node", FsspecEntryStore(fresh, **options))
+    assert cache.lookup_folder("k9", "stages") is None and cache.get_result("k9") is None
+    _entry(cache, "k9", "first")
+    assert TieredStageCache(tmp_path / "other", FsspecEntryStore(fresh, **options)).lookup_folder("k9", "stages") is not None
+
+
+def test_a_missing_bucket_is_one_line_naming_the_flag(s3_url):
+    from optpipe.core.errors import OptpipeError
+
+    _, options = s3_url
+    with pytest.raises(OptpipeError, match="bucket 'no-such-bucket' does not exist; create it or point --remote-cache"):
+        FsspecEntryStore("s3://no-such-bucket/team", **options).check()

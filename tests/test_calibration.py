@@ -109,11 +109,12 @@ def run_stages(recipe, cache_root, run_dir):
     from optpipe.plan.dag import execution_order
     from optpipe.execution.services import RunServices
     from optpipe.execution.pipeline import PassManager, RunOptions
+    from optpipe.plan.compile_plan import CompilePlan
     from optpipe.plan.validate import validate_recipe
 
     graph, passes = validate_recipe(recipe)
     cache = StageCache(cache_root)
-    manager = PassManager(recipe, cache, RunServices(recipe.model_source(), recipe.data, cache), run_dir, RunOptions(output=run_dir))
+    manager = PassManager(CompilePlan.of(recipe), cache, RunServices(recipe.model_source(), recipe.data, cache), run_dir, RunOptions(output=run_dir))
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     outcomes = manager.run(execution_order(graph), graph, passes)
     assert outcomes["int8"].status == "ok", outcomes["int8"].reason

@@ -30,7 +30,7 @@ def _recipe(model: dict, inputs: list[dict], dims: dict | None = None, **extra):
 def _export(recipe, tmp_path, **params):
     workdir = tmp_path / "export"
     workdir.mkdir()
-    ctx = PassContext(recipe=recipe, stage="export", workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
+    ctx = PassContext(model_source=recipe.model_source(), evaluate=recipe.evaluate, stage="export", workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
                       torch_model=lambda: load_torch_model(recipe.model_source()), eval_set=None, calibration_set=None,
                       tolerance=recipe.evaluate.tolerance)
     return run_checked(ExportPass(ExportParams(**params)), None, ctx)
@@ -135,7 +135,7 @@ def test_a_gpt2_decoder_fuses_attention_and_keeps_its_size(tmp_path):
     samples = SampleSet({"input_ids": np.random.default_rng(1).integers(0, 128, (4, 8)).astype(np.int64)}, "k")
     workdir = tmp_path / "fuse"
     workdir.mkdir()
-    ctx = PassContext(recipe=recipe, stage="fuse", workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
+    ctx = PassContext(model_source=recipe.model_source(), evaluate=recipe.evaluate, stage="fuse", workdir=workdir, log=logging.getLogger("test"), cache_dir=tmp_path,
                       torch_model=lambda: None, eval_set=lambda: samples, calibration_set=None, tolerance=recipe.evaluate.tolerance)
     fused = run_checked(FusePass(FuseParams(transformer="onnxscript")), exported, ctx)
     assert fused.info["fused_ops"].get("MultiHeadAttention") == 1, fused.info["fused_ops"]

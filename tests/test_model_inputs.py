@@ -106,7 +106,7 @@ def test_dynamo_export_knows_the_multiple_and_keeps_the_dim_name(tmp_path):
                      model={"factory": "family_models:strided_concat", "path": str(TESTS)})
     workdir = tmp_path / "export"
     workdir.mkdir()
-    ctx = PassContext(recipe=recipe, stage="export", workdir=workdir, log=logging.getLogger("t"), cache_dir=tmp_path,
+    ctx = PassContext(model_source=recipe.model_source(), evaluate=recipe.evaluate, stage="export", workdir=workdir, log=logging.getLogger("t"), cache_dir=tmp_path,
                       torch_model=lambda: load_torch_model(recipe.model_source()), eval_set=None, calibration_set=None, tolerance=None)
     artifact = ExportPass(ExportParams(exporter="dynamo")).run(None, ctx)
     graph_input = artifact.load(with_weights=False).graph.input[0]

@@ -21,6 +21,7 @@ def stages(tmp_path_factory):
     from optpipe.plan.dag import execution_order
     from optpipe.execution.services import RunServices
     from optpipe.execution.pipeline import PassManager, RunOptions
+    from optpipe.plan.compile_plan import CompilePlan
     from optpipe.safety.recipe_loading import load_recipe
     from optpipe.plan.validate import validate_recipe
 
@@ -31,7 +32,7 @@ def stages(tmp_path_factory):
     (run_dir / "logs").mkdir()
     wanted = {"export", "simplify", "fuse", "int8-dynamic", "int8-static"}  # what the tests read, not every pass
     order = [name for name in execution_order(graph) if name in wanted]
-    outcomes = PassManager(recipe, cache, RunServices(recipe.model_source(), recipe.data, cache), run_dir, RunOptions(output=run_dir)).run(
+    outcomes = PassManager(CompilePlan.of(recipe), cache, RunServices(recipe.model_source(), recipe.data, cache), run_dir, RunOptions(output=run_dir)).run(
         order, graph, passes
     )
     assert all(o.status == "ok" for o in outcomes.values()), {n: o.reason for n, o in outcomes.items()}

@@ -2,11 +2,14 @@
 what the recipe gives, and the layers run on them alone."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx.parser
 
 from optpipe.recipe.example_inputs import synthetic_inputs
 from optpipe.execution.stage_evaluation import EvaluationParts
+from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import DimRange, EvaluateSpec, InputSpec, ModelInputs, Tolerance
 from optpipe.safety.recipe_loading import parse_recipe
 
@@ -39,7 +42,7 @@ def test_the_recipe_delegates_to_its_parts(tmp_path):
     source = recipe.model_source()
     assert source.resolve("m.onnx") == tmp_path / "m.onnx" == recipe.resolve("m.onnx")
     assert recipe.sweep_values("n") == source.sweep_values("n", "pow2") == [1, 2, 4, 6]
-    parts = EvaluationParts.of(recipe)
+    parts = EvaluationParts.of(CompilePlan.of(recipe))
     assert parts.parents == {"root": None, "slim": "root"}
     assert parts.tolerance_for("slim").max_abs == 0.5 and parts.tolerance_for("root").max_abs == 0.01
 
@@ -62,3 +65,45 @@ def test_the_evaluator_runs_on_its_parts_alone(tmp_path):
     assert not cached and accuracy.within_tolerance and accuracy.samples == 8
     assert [o.max_abs for o in accuracy.outputs] == [0.0]  # the stage is its own reference
     assert [lat.batch_size for lat in latency] == [1, 4]
+
+
+def test_the_compile_plan_resolves_the_recipe_once_and_survives_a_worker_round_trip(tmp_path):
+    recipe = parse_recipe({
+        "name": "plan",
+        "model": {"factory": "m:build", "path": ".", "kwargs": {"width": 3}},
+        "inputs": [{"name": "ids", "dtype": "int64", "shape": ["b", "s"], "range": [0, 50]}],
+        "dims": {"b": {"min": 1, "opt": 2, "max": 4}, "s": {"min": 8, "opt": 16, "max": 64, "multiple_of": 8}},
+        "data": {"calibration": {"source": "synthetic", "samples": 4}},
+        "stages": {"export": {"pass": "export", "timeout_s": 30},
+                   "q": {"pass": "int8", "after": "export", "tolerance": {"cosine_min": 0.9}}},
+        "evaluate": {"threads": 1, "tolerance": {"cosine_min": 0.995}, "task": {"kind": "language-model"}},
+        "targets": [{"kind": "openvino"}, {"kind": "ort", "stages": ["q"]}],
+    }, base_dir=tmp_path)
+    plan = CompilePlan.of(recipe)
+    assert plan.stages["q"].parent == "export" and plan.stages["export"].timeout_s == 30
+    assert plan.stages["q"].tolerance.cosine_min == 0.9 and plan.stages["export"].tolerance.cosine_min == 0.995
+    assert plan.target_kinds() == ("openvino", "ort")
+    assert plan.model_source() == recipe.model_source() and plan.model_inputs() == recipe.model_inputs()
+    again = CompilePlan.from_document(json.loads(json.dumps(plan.to_document())))  # what a stage's worker reads
+    assert again == plan and again.model_source().resolve("x") == tmp_path / "x"
+    scoped = plan.with_evaluate(reference="q", eager_baseline=False)
+    assert scoped.evaluate.reference == "q" and plan.evaluate.reference is None and scoped.stages == plan.stages
+
+
+def test_a_pass_context_holds_the_typed_parts_not_the_recipe(tmp_path):
+    import logging
+
+    from optpipe.cache.store import StageCache
+    from optpipe.execution.services import RunServices, make_pass_context
+
+    recipe = parse_recipe({
+        "model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": ["n", 4]}], "dims": {"n": {"min": 1, "opt": 2, "max": 8}},
+        "stages": {"root": {"pass": "export"}, "cut": {"pass": "prune", "after": "root", "tolerance": {"max_abs": 0.5}}},
+        "evaluate": {"threads": 1, "top1": True}, "targets": [{"kind": "tensorrt"}],
+    }, base_dir=tmp_path)
+    plan = CompilePlan.of(recipe)
+    cache = StageCache(tmp_path / "cache")
+    ctx = make_pass_context(plan, RunServices(plan.model_source(), plan.data, cache), "cut", tmp_path, logging.getLogger("t"))
+    assert not hasattr(ctx, "recipe")
+    assert ctx.model_source.model == recipe.model and ctx.inputs == recipe.model_inputs() and ctx.inputs.batch_dim() == "n"
+    assert ctx.evaluate.threads == 1 and ctx.evaluate.top1 and ctx.target_kinds == ("tensorrt",) and ctx.tolerance.max_abs == 0.5

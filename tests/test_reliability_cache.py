@@ -262,3 +262,36 @@ def test_size_and_age_parsing():
     assert cache_admin.parse_size("20G") == 20 << 30 and cache_admin.parse_size("512mb") == 512 << 20
     assert cache_admin.parse_age("2w") == 14 * 86400 and cache_admin.parse_age("90") == 90
     assert cache_admin.human_age(7200) == "2h" and cache_admin.human_size(2048) == "2.0 KB"
+
+
+def test_a_foreign_or_empty_marker_names_the_file_to_delete(tmp_path):
+    """Issue 22: a full disk left a 0-byte CACHEDIR.TAG, and no message said which file to delete."""
+    from optpipe.cache.folder import CacheFolderError, require_marked
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / "CACHEDIR.TAG").write_bytes(b"")
+    with pytest.raises(CacheFolderError, match=f"delete '{root / 'CACHEDIR.TAG'}'"):
+        StageCache(root)
+    with pytest.raises(CacheFolderError, match="delete the foreign"):
+        require_marked(root)
+    (root / "CACHEDIR.TAG").unlink()  # what the message says to do
+    StageCache(root)
+    assert require_marked(root)
+
+
+def test_the_marker_is_whole_or_absent_when_the_disk_fills(tmp_path, monkeypatch):
+    import errno
+
+    from optpipe.cache import folder
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        folder.prepare_cache_folder(tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == [], "no half marker, no temp file"
+    monkeypatch.undo()
+    StageCache(tmp_path / "cache")
+    assert folder.is_marked(tmp_path / "cache")

@@ -60,7 +60,7 @@ def test_a_reduced_variant_exports_with_sizes_that_are_multiples_of_32(tmp_path)
     })
     workdir = tmp_path / "export"
     workdir.mkdir()
-    ctx = PassContext(recipe=recipe, stage="export", workdir=workdir, log=logging.getLogger("t"), cache_dir=tmp_path,
+    ctx = PassContext(model_source=recipe.model_source(), evaluate=recipe.evaluate, stage="export", workdir=workdir, log=logging.getLogger("t"), cache_dir=tmp_path,
                       torch_model=lambda: load_torch_model(recipe.model_source()), eval_set=None, calibration_set=None, tolerance=None)
     artifact = ExportPass(ExportParams(check_atol=0.5, check_rtol=1e-3)).run(None, ctx)
     assert artifact.info["exporter"] == "dynamo"

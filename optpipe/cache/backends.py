@@ -13,6 +13,14 @@
   last manifest wins and is as good as the first; work may be duplicated, results are not
   corrupted.
 
+- A mounted folder (file://, a plain path) used as the remote: entries are built in its
+  `tmp/` and renamed into place, as the local cache does (optpipe.cache.remote_io).
+
+Whatever the remote holds is untrusted: a manifest's names and hashes are checked before any
+file is written (optpipe.cache.manifest), every file is downloaded into a private workdir and
+checked against its hash and declared size, and only then published locally with one rename.
+A poisoned entry writes nothing outside the workdir and is recomputed with one warning line.
+
 `TieredStageCache` puts both together: lookups fall through local -> object store (downloaded
 into a workdir and published locally, verified); publishes go local, then up.
 """
@@ -20,20 +28,27 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
-from optpipe.core.artifact import MANIFEST_FILE, sha256_json
+from optpipe.core.artifact import MANIFEST_FILE, content_hash, sha256_json
+from optpipe.cache.manifest import UntrustedEntry, checked_files, checked_sizes
+from optpipe.cache.remote_io import (check_remote, download_checked, dumps, is_local, publish_local_folder, read_capped,
+                                     write_local_result)
 from optpipe.cache.store import StageCache, read_result, verify_entry
 
 log = logging.getLogger("optpipe.cache.backends")
+# Manifest fields copied from a remote entry into the local one: labels for `cache ls`, nothing used as a path.
+_LABELS = ("stage", "pass", "recipe", "source", "samples")
 
 
 class EntryStore(Protocol):
     """A remote home for published cache entries (folders) and results (small JSON values)."""
 
-    def fetch_folder(self, kind: str, key: str, dest: Path) -> bool:
-        """Download the committed entry into `dest` (an empty folder); False when there is none."""
+    def fetch_folder(self, kind: str, key: str, dest: Path) -> dict | None:
+        """Download the committed, verified entry into `dest` (an empty folder) and return its
+        manifest; None when there is none or it is refused (then `dest` is left empty)."""
 
     def push_folder(self, kind: str, key: str, folder: Path) -> None:
         """Upload a published, verified entry: its files first, its manifest last."""
@@ -49,29 +64,50 @@ class FsspecEntryStore:
     def __init__(self, url: str, **storage_options: Any):
         import fsspec
 
+        self.url = url
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
-        self.root = root.rstrip("/")
+        self.root = root.rstrip("/") or "/"
+        self.local = is_local(self.fs)
+
+    def check(self) -> str:
+        """Usable before any work (else one line naming --remote-cache); the URL for other processes."""
+        return check_remote(self.url, self.fs, self.root)
 
     def _entry(self, kind: str, key: str) -> str:
         return f"{self.root}/{kind}/{key}"
 
-    def fetch_folder(self, kind: str, key: str, dest: Path) -> bool:
+    def fetch_folder(self, kind: str, key: str, dest: Path) -> dict | None:
         base = self._entry(kind, key)
         try:
-            manifest = json.loads(self.fs.cat_file(f"{base}/{MANIFEST_FILE}"))
+            raw = read_capped(self.fs, f"{base}/{MANIFEST_FILE}")
         except FileNotFoundError:
-            return False  # no manifest: absent, or an upload that never committed
-        for name in manifest.get("files", {}):
-            self.fs.get_file(f"{base}/{name}", str(dest / name))
-        (dest / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        problem = verify_entry(dest)
-        if problem:
-            log.warning("remote cache entry %s/%s is corrupted (%s); recomputing it", kind, key[:12], problem)
-            return False
-        return True
+            return None  # no manifest: absent, or an upload that never committed
+        except UntrustedEntry as exc:
+            return self._refused(kind, key, str(exc), dest)
+        try:
+            manifest = _parse(raw)
+            files = checked_files(manifest)
+            sizes = checked_sizes(manifest, files)
+            if manifest.get("content") != content_hash(files):
+                raise UntrustedEntry("the manifest's content hash does not match its files")
+            for name, digest in files.items():  # each name checked above: dest / name stays in dest
+                download_checked(self.fs, f"{base}/{name}", dest / name, digest, sizes[name])
+        except (UntrustedEntry, FileNotFoundError) as exc:
+            reason = ("a listed file is missing (removed or changed during the download)" if isinstance(exc, FileNotFoundError)
+                      else str(exc))
+            return self._refused(kind, key, reason, dest)
+        return manifest
+
+    @staticmethod
+    def _refused(kind: str, key: str, reason: str, dest: Path) -> None:
+        log.warning("remote cache entry %s/%s is corrupted or untrusted (%s); recomputing it", kind, key[:12], reason)
+        _empty(dest)
 
     def push_folder(self, kind: str, key: str, folder: Path) -> None:
         base = self._entry(kind, key)
+        if self.local:
+            publish_local_folder(self.root, folder, base, lambda target: verify_entry(target) is None)
+            return
         files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
         for path in files:
             self.fs.put_file(str(path), f"{base}/{path.name}")
@@ -79,20 +115,28 @@ class FsspecEntryStore:
 
     def fetch_result(self, key: str) -> dict | None:
         try:
-            wrapped = json.loads(self.fs.cat_file(f"{self.root}/results/{key}.json"))
-        except (FileNotFoundError, ValueError):
+            wrapped = _parse(read_capped(self.fs, f"{self.root}/results/{key}.json"))
+        except FileNotFoundError:
             return None
-        if not isinstance(wrapped, dict) or sha256_json(wrapped.get("value")) != wrapped.get("sha256"):
+        except UntrustedEntry as exc:
+            log.warning("remote cache result %s is corrupted or untrusted (%s); recomputing it", key[:12], exc)
+            return None
+        value = wrapped.get("value")
+        if not isinstance(value, dict) or sha256_json(value) != wrapped.get("sha256"):
             log.warning("remote cache result %s is corrupted; recomputing it", key[:12])
             return None
         return wrapped
 
     def push_result(self, key: str, wrapped: dict) -> None:
-        self.fs.pipe_file(f"{self.root}/results/{key}.json", json.dumps(wrapped, sort_keys=True).encode())
+        path = f"{self.root}/results/{key}.json"
+        if self.local:
+            write_local_result(path, dumps(wrapped))
+        else:
+            self.fs.pipe_file(path, json.dumps(wrapped, sort_keys=True).encode())
 
 
 class TieredStageCache(StageCache):
-    """A local StageCache backed by an object store: misses fall through to it, publishes go up."""
+    """A local StageCache backed by a remote store: misses fall through to it, publishes go up."""
 
     def __init__(self, root: Path, remote: EntryStore):
         super().__init__(root)
@@ -104,10 +148,11 @@ class TieredStageCache(StageCache):
             return folder
         workdir = self.new_workdir()
         try:
-            if not self.remote.fetch_folder(kind, key, workdir):
+            manifest = self.remote.fetch_folder(kind, key, workdir)
+            if manifest is None:
                 return None
-            (workdir / MANIFEST_FILE).unlink()  # publish writes its own manifest over the same files
-            return self.publish_folder(key, workdir, kind, _manifest_meta(workdir, key))
+            (workdir / MANIFEST_FILE).unlink(missing_ok=True)  # publish writes its own manifest over the same files
+            return self.publish_folder(key, workdir, kind, _manifest_meta(manifest))
         finally:
             self.release_workdir(workdir)
 
@@ -135,12 +180,41 @@ class TieredStageCache(StageCache):
             self.remote.push_result(key, {"sha256": sha256_json(wrapped), "value": wrapped})
 
 
-def _manifest_meta(workdir: Path, key: str) -> dict[str, Any]:
-    return {"from_remote": True}
+def _parse(raw: bytes) -> dict:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise UntrustedEntry("not valid JSON") from None
+    if not isinstance(value, dict):
+        raise UntrustedEntry("not a JSON object")
+    return value
+
+
+def _empty(folder: Path) -> None:
+    for path in folder.iterdir():
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+
+
+def _manifest_meta(manifest: dict) -> dict[str, Any]:
+    labels = {k: v for k in _LABELS if isinstance(v := manifest.get(k), (str, int)) and len(str(v)) <= 200}
+    return {**labels, "from_remote": True}
+
+
+def open_remote(url: str, **storage_options: Any) -> FsspecEntryStore:
+    """The remote store behind --remote-cache; a missing fsspec backend is one line naming the package."""
+    from optpipe.core.errors import OptpipeError
+
+    try:
+        return FsspecEntryStore(url, **storage_options)
+    except ImportError as exc:
+        raise OptpipeError(f"--remote-cache {url}: its filesystem is not installed ({exc}); pip install 'optpipe[s3]' "
+                           "for s3://, gcsfs for gs://") from None
+    except ValueError as exc:  # an unknown protocol
+        raise OptpipeError(f"--remote-cache {url}: {exc}; use s3://, gs://, file:// or a folder path") from None
 
 
 def open_cache(root: Path, remote_url: str | None = None, **storage_options: Any) -> StageCache:
-    """The cache a run uses: the local folder, backed by an object store when a URL is given."""
+    """The cache a run uses: the local folder, backed by a remote store when a URL is given."""
     if not remote_url:
         return StageCache(root)
     return TieredStageCache(root, FsspecEntryStore(remote_url, **storage_options))

@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 
+from optpipe.core.artifact import write_text_atomic
 from optpipe.core.errors import OptpipeError
 
 MARKER = "CACHEDIR.TAG"
@@ -49,13 +50,19 @@ def prepare_cache_folder(root: Path) -> None:
         raise CacheFolderError(f"cache folder '{root}' is a file; point --cache-dir or OPTPIPE_CACHE at a folder")
     if not is_marked(root):
         stranger = _first_stranger(root) if root.exists() else None
+        if stranger is not None and stranger.name == MARKER:
+            # Not ours: most likely ours half-written (a full disk left it empty), or another tool's.
+            raise CacheFolderError(
+                f"cache folder '{root}' holds a {MARKER} that optpipe did not write (empty or another tool's); "
+                f"delete '{root / MARKER}' if this folder is an optpipe cache, else point --cache-dir or OPTPIPE_CACHE elsewhere"
+            )
         if stranger is not None:
             raise CacheFolderError(
                 f"cache folder '{root}' is not an optpipe cache (it holds '{stranger.name}'); point --cache-dir or "
                 "OPTPIPE_CACHE at an empty folder or one optpipe created"
             )
         root.mkdir(parents=True, exist_ok=True)
-        (root / MARKER).write_text(_MARKER_TEXT, encoding="utf-8")
+        write_text_atomic(root / MARKER, _MARKER_TEXT)  # a full disk leaves no half marker behind
 
 
 def require_marked(root: Path) -> bool:
@@ -65,7 +72,7 @@ def require_marked(root: Path) -> bool:
         return False
     if not root.is_dir() or not is_marked(root):
         raise CacheFolderError(
-            f"'{root}' is not an optpipe cache (no {MARKER} written by optpipe); cache commands only act on folders "
+            f"'{root}' is not an optpipe cache (no {MARKER} written by optpipe{_marker_hint(root)}); cache commands only act on folders "
             "optpipe created: check --cache-dir and OPTPIPE_CACHE (a cache made by an older optpipe is marked by its next compile)"
         )
     return True
@@ -85,6 +92,11 @@ def check_apart(run_dir: Path, cache_root: Path) -> None:
             f"the cache '{cache_root}' is inside the run folder '{run_dir}'; keep the cache elsewhere (--cache-dir, "
             "OPTPIPE_CACHE or the recipe's `cache`)"
         )
+
+
+def _marker_hint(root: Path) -> str:
+    marker = root / MARKER
+    return f"; if it is one, delete the foreign '{marker}' and compile once" if marker.exists() else ""
 
 
 def is_entry_name(name: str) -> bool:

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
 from importlib import metadata
@@ -34,6 +35,7 @@ from filelock import FileLock
 from optpipe.core.artifact import INFO_FILE, MANIFEST_FILE, ModelArtifact, content_hash, sha256_file, sha256_json, write_text_atomic
 from optpipe.cache.folder import SERVICE_DIRS, CacheFolderError, prepare_cache_folder
 from optpipe.cache.locking import exclusive_nowait, hold_exclusive, hold_shared, release
+from optpipe.cache.manifest import UntrustedEntry, check_name, checked_files, checked_sizes
 
 MANIFEST = MANIFEST_FILE
 STAGES = "stages"
@@ -122,9 +124,9 @@ class StageCache:
 
     def lookup_folder(self, key: str, kind: str) -> Path | None:
         folder = self.entry_dir(key, kind)
+        self.lease(key)  # first: a `cache gc` removing it now finishes before the check below
         if not folder.exists():
             return None
-        self.lease(key)
         problem = verify_entry(folder)
         if problem:
             log.warning("cache entry %s/%s is corrupted (%s); recomputing it", kind, key[:12], problem)
@@ -158,9 +160,9 @@ class StageCache:
 
     def get_result(self, key: str) -> dict | None:
         path = self.result_path(key)
+        self.lease(key)
         if not path.exists():
             return None
-        self.lease(key)
         value, problem = read_result(path)
         if problem:
             log.warning("cache result %s is corrupted (%s); recomputing it", key[:12], problem)
@@ -174,6 +176,28 @@ class StageCache:
         _write_json_atomic(self.result_path(key), {"sha256": sha256_json(value), "value": value})
 
 
+class LeaseSet:
+    """Leases held apart from the per-run ones (StageCache.release_leases, which every task calls
+    when it ends, leaves these): a driver keeps each stage its later tasks read (a search's
+    shared prefix, a parent evaluated after its child ran) until the whole run ends."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._fds: dict[Path, int] = {}
+
+    def hold(self, key: str) -> None:
+        path = self.root / "locks" / f"{key}.use"
+        if path not in self._fds and path.parent.is_dir():
+            fd = hold_shared(path)
+            if fd is not None:
+                self._fds[path] = fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            release(fd)
+        self._fds.clear()
+
+
 def discard(root: Path, folder: Path) -> None:
     """Remove an entry folder: first renamed out of sight (atomic), then deleted."""
     trash = root / "tmp" / f"trash-{uuid.uuid4().hex}"
@@ -185,24 +209,45 @@ def discard(root: Path, folder: Path) -> None:
 
 
 def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Hash every file of `folder` into its manifest (written last, atomically) and return it."""
-    files = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-    manifest = {**meta, "files": files, "content": content_hash(files)}
+    """Hash every file of `folder` into its manifest (written last, atomically) and return it.
+
+    Names a reader would refuse (optpipe.cache.manifest) are refused here, so that no entry
+    optpipe publishes is rejected by the next lookup and recomputed forever."""
+    paths = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    files = {check_name(p.name): sha256_file(p) for p in paths}
+    sizes = {p.name: p.stat().st_size for p in paths}
+    manifest = {**meta, "files": files, "sizes": sizes, "content": content_hash(files)}
     _write_json_atomic(folder / MANIFEST, manifest)
     return manifest
 
 
 def verify_entry(folder: Path) -> str | None:
-    """None when every file matches the manifest; else what is wrong."""
+    """None when every file matches the manifest; else what is wrong.
+
+    The manifest is untrusted (optpipe.cache.manifest): its names are checked before any is
+    opened, and a symlink (or anything but a plain file) in the entry is refused, so a hit
+    never reads, nor copies into a run folder, a file outside the entry."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        expected = dict(manifest["files"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return "no readable manifest"
-    present = {p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST}
+    try:
+        expected = checked_files(manifest)
+        sizes = checked_sizes(manifest, expected)
+    except UntrustedEntry as exc:
+        return str(exc)
+    present = set()
+    for child in folder.iterdir():
+        mode = child.lstat().st_mode
+        if stat.S_ISLNK(mode) or not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            return f"{child.name} is a link or a special file, not a plain file"
+        if stat.S_ISREG(mode) and child.name != MANIFEST:
+            present.add(child.name)
     if present != set(expected):
         return f"files differ from the manifest: {sorted(present ^ set(expected))}"
     for name, digest in expected.items():
+        if "sizes" in manifest and (folder / name).stat().st_size != sizes[name]:
+            return f"{name} does not match its hash (its size differs from the manifest)"
         if sha256_file(folder / name) != digest:
             return f"{name} does not match its hash"
     if manifest.get("content") != content_hash(expected):
@@ -213,10 +258,14 @@ def verify_entry(folder: Path) -> str | None:
 def read_result(path: Path) -> tuple[dict | None, str | None]:
     """A result's value and None, or None and what is wrong with it."""
     try:
+        if not stat.S_ISREG(path.lstat().st_mode):
+            return None, "a link or a special file, not a plain file"
         wrapped = json.loads(path.read_text())
         value, digest = wrapped["value"], wrapped["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         return None, "not a readable result"
+    if not isinstance(value, dict):
+        return None, "its value is not a JSON object"
     if sha256_json(value) != digest:
         return None, "its value does not match its hash"
     return value, None
@@ -268,4 +317,4 @@ def _write_json_atomic(path: Path, value: Any) -> None:
     write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True, default=str))
 
 
-__all__ = ["StageCache", "default_cache_dir", "library_versions", "verify_entry", "write_manifest", "INFO_FILE"]
+__all__ = ["StageCache", "LeaseSet", "default_cache_dir", "library_versions", "verify_entry", "write_manifest", "INFO_FILE"]

@@ -28,7 +28,7 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
 
         only_order(build_dag(recipes[0].stages), only)
     if remote_cache:
-        _check_remote(remote_cache)
+        remote_cache = _check_remote(remote_cache)
     if executor_name == "ray":
         from optpipe.execution.ray_executor import RayExecutor
 
@@ -54,14 +54,9 @@ def compile_fanned_out(recipes: list[Recipe], executor_name: str, address: str |
     return STAGE_FAILED if STAGE_FAILED in codes else max(codes, default=0)  # a stage failure outranks the input's
 
 
-def _check_remote(url: str) -> None:
-    """A remote cache that cannot be opened is the user's to fix: one line, before any work."""
-    from optpipe.cache.backends import FsspecEntryStore
+def _check_remote(url: str) -> str:
+    """A remote cache that cannot be opened is the user's to fix: one line, before any work.
+    Returns the URL every process opens (a relative folder made absolute)."""
+    from optpipe.cache.backends import open_remote
 
-    try:
-        store = FsspecEntryStore(url)
-        store.fs.ls(store.root)
-    except ImportError as exc:
-        raise OptpipeError(f"--remote-cache {url}: its filesystem is not installed ({exc}); pip install 'optpipe[s3]' for s3://") from None
-    except Exception as exc:  # noqa: BLE001 (fsspec backends raise their own types: say which and why)
-        raise OptpipeError(f"--remote-cache {url}: cannot list it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return open_remote(url).check()

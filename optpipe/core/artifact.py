@@ -128,11 +128,15 @@ def write_info(folder: Path, info: dict[str, Any]) -> ModelArtifact:
 def write_text_atomic(path: Path, text: str) -> None:
     """Write a file so readers see the old or the new content, never half (temp file, fsync, rename)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # a full disk or a Ctrl-C leaves no half temp file behind
+        raise
 
 
 def copy_file(src: Path, dst: Path) -> None:

@@ -107,6 +107,8 @@ class Latency(BaseModel):
     unreliable: Optional[str] = Field(None, description="why the machine looked busy while this was timed (tail, spread); None if steady")
     eager_p50_ms: Optional[float] = Field(None, description="PyTorch eager p50 timed interleaved with this figure, same inputs")
     eager_p90_ms: Optional[float] = Field(None, description="PyTorch eager p90 timed interleaved with this figure")
+    cpu_class: Optional[str] = Field(
+        None, description="the CPU class the runtime ran on (optpipe.hardware.cpu_features; OpenVINO's under ONEDNN_MAX_CPU_ISA)")
 
     @property
     def speedup_vs_eager(self) -> Optional[float]:
@@ -259,6 +261,7 @@ class RunReport(BaseModel):
     targets: list[TargetResult] = Field(default_factory=list)
     search: Optional[dict[str, Any]] = Field(None, description="a search's trials, frontier, best and param effects (optpipe.search)")
     hardware: Optional[dict[str, Any]] = Field(None, description="multi-node runs: the kinds of machine that measured, the frontier rule")
+    serving: Optional[dict[str, Any]] = Field(None, description="`optpipe serve --bench`: throughput and p50/p99 per concurrency on a real server (optpipe.serving)")
 
     def stage(self, name: str) -> StageResult | None:
         return next((s for s in self.stages if s.name == name), None)

@@ -24,6 +24,7 @@ from optpipe.evaluation.self_check import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import Warmth, measure, warm_for
 from optpipe.evaluation.memory import PeakMemory
+from optpipe.hardware.cpu_features import engine_target
 from optpipe.core.results import Accuracy, Latency, Memory
 from optpipe.recipe.schema import EvaluateSpec, ModelInputs, Tolerance
 from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
@@ -240,8 +241,11 @@ class Evaluator:
 
     def _measure(self, run, feeds: Feeds, iterations: int, provider: str, task: str, baseline=None) -> Latency:
         report = lambda done, total: self.progress(task, done, total)  # noqa: E731
-        return measure(run, feeds, self.settings.warmup, iterations, self.settings.threads, provider, progress=report,
-                       baseline=baseline, adaptive=self.settings.adaptive, warmth=self._warmth)
+        latency = measure(run, feeds, self.settings.warmup, iterations, self.settings.threads, provider, progress=report,
+                          baseline=baseline, adaptive=self.settings.adaptive, warmth=self._warmth)
+        # Every figure names the CPU class it was timed on: OpenVINO's own where ONEDNN_MAX_CPU_ISA holds it lower.
+        engine = "openvino" if provider == openvino_runtime.PROVIDER else "onnxruntime"
+        return latency.model_copy(update={"cpu_class": engine_target(engine).cpu_class})
 
     def _sweep_points(self) -> list[tuple[str, int, Feeds]]:
         """Inputs for each sweep value: evaluation samples, the swept dim resized, the others as evaluated."""
@@ -299,10 +303,12 @@ class Evaluator:
 
 
 def machine_id() -> dict:
-    """Latency belongs to a machine: the cache key of a measurement includes it."""
+    """Latency and int8 numerics belong to a machine and its CPU class: the key of a measurement holds
+    both, and OpenVINO's view of the CPU (ONEDNN_MAX_CPU_ISA restricts it without changing the machine)."""
     import os
 
-    return {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    return {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "cpu_class": engine_target("onnxruntime").key(), "openvino_cpu_class": engine_target("openvino").key()}
 
 
 def resize_dim(array: np.ndarray, axes: list[int], size: int) -> np.ndarray:

@@ -35,7 +35,7 @@ from optpipe.evaluation.accuracy import compare
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.pass_infra.instruments import Instrument, StageInfo
 from optpipe.pass_infra.pass_base import PassParams
-from optpipe.recipe.schema import OnnxModel, Tolerance
+from optpipe.recipe.schema import ModelInputs, OnnxModel, Tolerance
 from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session
 
 if TYPE_CHECKING:
@@ -68,10 +68,10 @@ class NumericSelfCheck(Instrument):
         ctx = info.ctx
         if not isinstance(params, SelfCheckParams):
             return
-        if input is None and isinstance(ctx.recipe.model, OnnxModel):
+        if input is None and isinstance(ctx.model_source.model, OnnxModel):
             return  # an imported ONNX file is its own reference
-        feeds = trace_inputs(ctx.recipe.model_inputs())
-        threads = ctx.recipe.evaluate.threads
+        feeds = trace_inputs(ctx.inputs)
+        threads = ctx.evaluate.threads
         if input is None:
             against, reference = EAGER, eager_outputs(ctx.torch_model(), feeds, threads)
         else:
@@ -81,13 +81,13 @@ class NumericSelfCheck(Instrument):
         ctx.log.info("self-check against %s: %s", against, record)
 
 
-def self_check_fingerprint(params: PassParams, recipe) -> dict[str, Any] | None:
+def self_check_fingerprint(params: PassParams, shapes: ModelInputs) -> dict[str, Any] | None:
     """What the self-check's verdict depends on besides the models: its inputs' specs and dims
     (part of the stage key of a self-checked pass, so a recorded verdict is never for other inputs)."""
     if not isinstance(params, SelfCheckParams):
         return None
-    return {"inputs": [spec.model_dump(mode="json") for spec in recipe.inputs],
-            "dims": {name: dim.model_dump(mode="json") for name, dim in recipe.dims.items()}}
+    return {"inputs": [spec.model_dump(mode="json") for spec in shapes.inputs],
+            "dims": {name: dim.model_dump(mode="json") for name, dim in shapes.dims.items()}}
 
 
 def numeric_check(candidate: Outputs, reference: Outputs, feeds: Feeds, params: SelfCheckParams, against: str,

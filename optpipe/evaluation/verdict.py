@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from optpipe.cache.store import StageCache
 
 #: Passes whose job is to move compute to int8: they warn when most of it stayed in float.
-QUANTIZATION_PASSES = ("int8", "nncf", "openvino-int8")
+QUANTIZATION_PASSES = ("int8", "nncf", "openvino-int8", "weight_only")
 
 log = logging.getLogger("optpipe.verdict")
 
@@ -28,7 +28,7 @@ log = logging.getLogger("optpipe.verdict")
 INT8_LAYER_SHARE_MIN = 0.5
 
 #: Bump when precision_coverage's figures change: cached coverages of older formats are not reused.
-COVERAGE_FORMAT = 3  # 2: fused attention split (projection / scores and context), QAttention & co. counted; 3: FusedMatMul on a rank-2 weight
+COVERAGE_FORMAT = 4  # 4: MatMulNBits in int4/int8 (MACs and packed bytes), a weight-bytes mix; 2: fused attention split (projection / scores and context), QAttention & co. counted; 3: FusedMatMul on a rank-2 weight
 
 
 def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str,
@@ -38,9 +38,11 @@ def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str
     `cache`: where the figures of a model already counted are kept. Counting needs shape inference
     (ORT's symbolic one imports torch): a cached rerun reads them instead.
     """
-    if not artifact.path.is_file():  # an OpenVINO IR: no ONNX to count MACs on
-        return None, [w for w in (openvino_int8_warning(artifact.info), ignored_params_warning(artifact.info),
-                                  guard_gave_up_warning(artifact.info)) if w]
+    if not artifact.path.is_file():  # an OpenVINO IR: no ONNX to count MACs on; a pass that counted its weights says so
+        counted = artifact.info.get("coverage")
+        coverage = Coverage.model_validate(counted) if isinstance(counted, dict) else None
+        return coverage, [w for w in (openvino_int8_warning(artifact.info), ignored_params_warning(artifact.info),
+                                      guard_gave_up_warning(artifact.info)) if w]
     key = cache.key(coverage=COVERAGE_FORMAT, model=artifact.content_hash(), dims=dims, excluded=sorted(excluded or ())) if cache else None
     hit = cache.get_result(key) if cache else None
     if hit is not None:

@@ -4,7 +4,7 @@ kill takes down the stage, not the run.
 Used for stages with `timeout_s`. A watchdog thread cannot stop a pass stuck in
 C++ (onnxsim, an exporter, ORT), and a signal only reaches Python code between
 bytecodes; a process can always be killed. The worker rebuilds the run's
-services from the recipe (the torch model, the cached sample sets), runs the pass
+services from the compile's plan (the torch model, the cached sample sets), runs the pass
 under the same contract (optpipe/execution/contract.py) into the same private
 workdir, and reports back through a small JSON file (status, the returned
 artifact's info, the data sets it read); the parent publishes the workdir as usual. The limit counts from the
@@ -22,26 +22,29 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optpipe.core.artifact import ModelArtifact
 from optpipe.core.errors import OptpipeError, PassCrashed, PassError, StageOutOfMemory, StageTimeout, UserInputError, first_line
 from optpipe.pass_infra.pass_base import Pass, PassContext
 
+if TYPE_CHECKING:
+    from optpipe.plan.compile_plan import CompilePlan
+
 POLL_S = 0.1
 GRACE_S = 2.0  # between SIGTERM and SIGKILL when stopping a worker
 
 
-def run_pass_isolated(pass_: Pass, model: ModelArtifact | None, ctx: PassContext, log_path: Path, timeout_s: float) -> ModelArtifact:
+def run_pass_isolated(pass_: Pass, model: ModelArtifact | None, ctx: PassContext, plan: "CompilePlan", log_path: Path,
+                      timeout_s: float) -> ModelArtifact:
     """Run `pass_` in a worker; returns the artifact it made in `ctx.workdir`, else raises what went wrong.
 
     The data sets the worker's pass read are added to `ctx.data_used`, as if it had run here.
     """
-    recipe, stage, workdir = ctx.recipe, ctx.stage, ctx.workdir
+    stage, workdir = ctx.stage, ctx.workdir
     files = _WorkerFiles(workdir)
     files.request.write_text(json.dumps({
-        "recipe": recipe.model_dump(mode="json", by_alias=True, exclude={"base_dir"}),
-        "base_dir": str(recipe.base_dir),
+        "plan": plan.to_document(),
         "stage": stage,
         "pass": pass_.name,
         "params": pass_.params.model_dump(mode="json"),
@@ -156,17 +159,17 @@ def _run_request(request: dict[str, Any]) -> dict[str, Any]:
     from optpipe.execution.contract import run_pass
     from optpipe.execution.services import RunServices, make_pass_context, stage_logger
     from optpipe.passes import get_pass
-    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.plan.compile_plan import CompilePlan
 
     stage = request["stage"]
     with stage_logger(stage, Path(request["log"]), truncate=False) as log:
         try:
-            recipe = parse_recipe(request["recipe"], base_dir=Path(request["base_dir"]))
+            plan = CompilePlan.from_document(request["plan"])
             cache = StageCache(Path(request["cache"]))
             cls = get_pass(request["pass"])
             pass_ = cls(cls.Params.model_validate(request["params"]))
             model = ModelArtifact.open(Path(request["input"])) if request["input"] else None
-            ctx = make_pass_context(recipe, RunServices(recipe.model_source(), recipe.data, cache), stage, Path(request["workdir"]), log)
+            ctx = make_pass_context(plan, RunServices(plan.model_source(), plan.data, cache), stage, Path(request["workdir"]), log)
             Path(request["started"]).touch()
             artifact = run_pass(pass_, model, ctx)
             return {"status": "ok", "info": artifact.info, "data_used": ctx.data_used}

@@ -28,13 +28,15 @@ from optpipe.execution.stage_evaluation import EAGER_STAGE, EvaluationParts, eva
 from optpipe.execution.stage_runner import StageRunner
 from optpipe.pass_infra.instruments import Instrument, Instruments
 from optpipe.pass_infra.pass_base import Pass
+from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import Recipe
 from optpipe.recipe.run_paths import RunPaths
 from optpipe.core.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
 from optpipe.safety.os_errors import folder_errors
-from optpipe.targets import run_targets, target_settings, write_recipe_snapshot
+from optpipe.safety.recipe_loading import write_recipe_snapshot
+from optpipe.targets import run_targets
 from optpipe.plan.validate import validate_recipe
 
 
@@ -61,6 +63,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     from optpipe.safety.preflight import preflight
 
     graph, passes = validate_recipe(recipe)
+    plan = CompilePlan.of(recipe)  # the typed parts every layer below takes, resolved once
     paths = RunPaths.for_run(recipe, options.output, options.cache_dir)
     run_dir, cache_root = paths.run_dir, paths.cache_dir
     with folder_errors("cache folder", cache_root):
@@ -68,23 +71,24 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     try:  # from here on, leases this run takes (preflight takes some) are dropped however it ends
         with folder_errors("output folder", run_dir):
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        services = RunServices(recipe.model_source(), recipe.data, cache)
+        services = RunServices(plan.model_source(), plan.data, cache)
         preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
         order = _stages_to_run(graph, options.only)
 
-        manager = PassManager(recipe, cache, services, run_dir, options)
+        manager = PassManager(plan, cache, services, run_dir, options)
         instruments = manager.instruments
         stages = manager.run(order, graph, passes)
-        results = evaluate_stages(EvaluationParts.of(recipe), order, stages, services, cache, options.providers, instruments, options.force)
-        report = build_report(recipe, results)
+        results = evaluate_stages(EvaluationParts.of(plan), order, stages, services, cache, options.providers, instruments, options.force)
+        report = build_report(plan.name, plan.evaluate, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
-        with FileLock(str(run_dir / ".optpipe.lock")):
+        # A full disk there names the output folder (the copies' sources are in the cache).
+        with folder_errors("output folder", run_dir), FileLock(str(run_dir / ".optpipe.lock")):
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
                 save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
             try:
                 write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
-                run_targets(target_settings(recipe, cache.root), report, run_dir, cache, options.providers, instruments)
+                run_targets(plan.target_settings(cache.root), report, run_dir, cache, options.providers, instruments)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows
     finally:
@@ -100,20 +104,20 @@ class PassManager:
     """The loop over stages in order: a stage whose parent did not finish is skipped, the
     others go to the cached stage runner."""
 
-    def __init__(self, recipe: Recipe, cache: StageCache, services: RunServices, run_dir: Path, options: RunOptions):
-        self.recipe = recipe
+    def __init__(self, plan: CompilePlan, cache: StageCache, services: RunServices, run_dir: Path, options: RunOptions):
+        self.plan = plan
         self.instruments = Instruments(options.instruments)
-        self.runner = StageRunner(recipe, cache, services, run_dir / "logs", self.instruments, force=options.force)
+        self.runner = StageRunner(plan, cache, services, run_dir / "logs", self.instruments, force=options.force)
 
     def run(self, order: list[str], graph: nx.DiGraph, passes: dict[str, Pass]) -> dict[str, StageResult]:
         """Every stage's result, in order; a finished one carries its model (`result.model`)."""
         results: dict[str, StageResult] = {}
         self.instruments.run_start(order)
         for name in order:
-            spec = self.recipe.stages[name]
-            parent = results.get(spec.after) if spec.after else None
+            spec = self.plan.stages[name]
+            parent = results.get(spec.parent) if spec.parent else None
             if parent is not None and parent.status != "ok":
-                result = StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
+                result = StageResult(name=name, pass_name=spec.pass_name, parent=spec.parent, status="skipped",
                                      reason=f"parent stage '{parent.name}' {parent.status}", duration_s=0.0, not_run=parent.not_run)
             else:
                 result = self.runner.run(name, passes[name], parent.model if parent else None)

@@ -13,7 +13,8 @@ from optpipe.calibration.dataset import SampleSet, build_sample_set
 from optpipe.core.errors import DataError
 from optpipe.source.model_source import load_torch_model
 from optpipe.pass_infra.pass_base import PassContext
-from optpipe.recipe.schema import DataSets, ModelSource, Recipe
+from optpipe.plan.compile_plan import CompilePlan
+from optpipe.recipe.schema import DataSets, ModelSource
 
 
 class RunServices:
@@ -46,17 +47,20 @@ class RunServices:
 
 
 def make_pass_context(
-    recipe: Recipe,
+    plan: CompilePlan,
     services: RunServices,
     stage: str,
     workdir: Path,
     log: logging.Logger,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> PassContext:
-    """The context one stage's pass runs with, in this process or in a worker."""
+    """The context one stage's pass runs with, in this process or in a worker: the plan's typed
+    parts a pass reads, never the plan or the recipe itself."""
     extra = {"progress": progress} if progress else {}
     return PassContext(
-        recipe=recipe,
+        model_source=services.source,
+        evaluate=plan.evaluate,
+        target_kinds=plan.target_kinds(),
         stage=stage,
         workdir=workdir,
         log=log,
@@ -64,7 +68,7 @@ def make_pass_context(
         torch_model=services.torch_model,
         eval_set=services.eval_set,
         calibration_set=services.calibration_set,
-        tolerance=recipe.tolerance_for(stage),
+        tolerance=plan.stages[stage].tolerance,
         **extra,
     )
 

@@ -21,7 +21,8 @@ from optpipe.evaluation.verdict import flag_unchanged_stages, stage_coverage
 from optpipe.execution.services import RunServices
 from optpipe.pass_infra.instruments import Instrument
 from optpipe.source.model_source import source_fingerprint
-from optpipe.recipe.schema import EvaluateSpec, ModelSource, OnnxModel, Recipe, Tolerance
+from optpipe.plan.compile_plan import CompilePlan
+from optpipe.recipe.schema import EvaluateSpec, ModelSource, OnnxModel, Tolerance
 from optpipe.core.results import StageResult, error_kind
 from optpipe.core.signal_stack import restore_signal_stack
 
@@ -38,9 +39,8 @@ class EvaluationParts:
     tolerances: Mapping[str, Tolerance]  # each stage's own tolerance, else evaluate's
 
     @classmethod
-    def of(cls, recipe: Recipe) -> "EvaluationParts":
-        return cls(recipe.evaluate, recipe.model_source(), {n: s.after for n, s in recipe.stages.items()},
-                   {n: recipe.tolerance_for(n) for n in recipe.stages})
+    def of(cls, plan: CompilePlan) -> "EvaluationParts":
+        return cls(plan.evaluate, plan.model_source(), plan.parents(), plan.tolerances())
 
     def tolerance_for(self, stage: str) -> Tolerance:
         return self.tolerances.get(stage, self.evaluate.tolerance)

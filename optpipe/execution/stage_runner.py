@@ -14,6 +14,7 @@ from pathlib import Path
 from optpipe.core.artifact import ModelArtifact, write_info
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.core.errors import OptpipeError, PassError, StageOutOfMemory, first_line
+from optpipe.hardware.cpu_features import engine_target
 from optpipe.evaluation.self_check import NumericSelfCheck, self_check_fingerprint
 from optpipe.execution.contract import run_pass
 from optpipe.execution.interrupt import InterruptWatch, escalate
@@ -21,19 +22,20 @@ from optpipe.execution.isolation import memory_message, run_pass_isolated
 from optpipe.execution.services import RunServices, make_pass_context, stage_logger
 from optpipe.pass_infra.instruments import Instrument, Instruments, StageInfo
 from optpipe.pass_infra.pass_base import Pass, PassContext
-from optpipe.recipe.schema import Recipe
+from optpipe.plan.compile_plan import CompilePlan
 from optpipe.core.results import ErrorKind, StageResult, error_kind
 from optpipe.core.signal_stack import restore_signal_stack
 
 KEY_FORMAT = 2
+DATA_SETS = ("eval", "calibration")  # the names RunServices.data_set knows
 
 
 class StageRunner:
     """Runs one stage at a time; a stage's failure is returned as its result, never raised."""
 
-    def __init__(self, recipe: Recipe, cache: StageCache, services: RunServices, logs_dir: Path, instruments: Instrument,
+    def __init__(self, plan: CompilePlan, cache: StageCache, services: RunServices, logs_dir: Path, instruments: Instrument,
                  force: bool = False):
-        self.recipe = recipe
+        self.plan = plan
         self.cache = cache
         self.services = services
         self.logs_dir = logs_dir
@@ -45,10 +47,10 @@ class StageRunner:
         restore_signal_stack()  # a native library may have left it dangling: Ctrl-C must not crash
         log_path = self.logs_dir / f"{name}.log"
         started = time.perf_counter()
-        spec = self.recipe.stages[name]
+        spec = self.plan.stages[name]
 
         def result(status: str, reason: str | None = None, cached: bool = False) -> StageResult:
-            return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status=status, cached=cached,
+            return StageResult(name=name, pass_name=spec.pass_name, parent=spec.parent, status=status, cached=cached,
                                reason=reason, duration_s=round(time.perf_counter() - started, 3))
 
         def failed(reason: str, kind: ErrorKind = "stage") -> StageResult:
@@ -61,7 +63,7 @@ class StageRunner:
             workdir = self.cache.new_workdir()
             watch = InterruptWatch()
             try:
-                ctx = make_pass_context(self.recipe, self.services, name, workdir, log, self.instruments.step)
+                ctx = make_pass_context(self.plan, self.services, name, workdir, log, self.instruments.step)
                 info = StageInfo(name, pass_, ctx)
                 self.instruments.before_stage(info)
                 skip = pass_.skip_reason(ctx)
@@ -106,19 +108,24 @@ class StageRunner:
                 self.cache.put_result(_data_record_key(base), {"sets": sorted(ctx.data_used)})
             if self.force:
                 self.cache.discard(self.cache.entry_dir(key))
-            meta = {"stage": ctx.stage, "pass": pass_.name, "recipe": self.recipe.name}
+            meta = {"stage": ctx.stage, "pass": pass_.name, "recipe": self.plan.name}
             return self.cache.publish(key, ctx.workdir, meta), False
 
     def _execute(self, pass_: Pass, model: ModelArtifact | None, ctx: PassContext, log_path: Path) -> ModelArtifact:
         """In this process, or in a worker process when the stage has a time limit."""
-        timeout_s = self.recipe.stages[ctx.stage].timeout_s
+        timeout_s = self.plan.stages[ctx.stage].timeout_s
         if timeout_s is None:
             return run_pass(pass_, model, ctx)
-        return run_pass_isolated(pass_, model, ctx, log_path, timeout_s)
+        return run_pass_isolated(pass_, model, ctx, self.plan, log_path, timeout_s)
 
     def _data_read_last_time(self, base: str) -> dict[str, str]:
         record = self.cache.get_result(_data_record_key(base))
-        return {which: self.services.data_set(which).key for which in (record or {}).get("sets", [])}
+        sets = (record or {}).get("sets", [])
+        # A record is cache data, untrusted like any entry (a shared cache anyone may write):
+        # names that are not data sets mean no usable record, so the pass runs and rewrites it.
+        if not isinstance(sets, list) or not all(which in DATA_SETS for which in sets):
+            return {}
+        return {which: self.services.data_set(which).key for which in sets}
 
     @staticmethod
     def _key_with_data(base: str, data: dict[str, str]) -> str:
@@ -135,14 +142,17 @@ def run_checked(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> M
 
 def stage_key(pass_: Pass, model: ModelArtifact | None, ctx: PassContext) -> str:
     """The key of everything a stage's output depends on, except the data sets its pass reads."""
+    # The CPU class only where the pass declares its output depends on it: other keys stay as they were.
+    cpu = {"cpu": engine_target(pass_.isa_engine).key()} if pass_.isa_dependent else {}
     return StageCache.key(
+        **cpu,
         format=KEY_FORMAT,
         input=model.content_hash() if model else None,
         pass_name=pass_.name,
         version=pass_.version,
         params=pass_.params.model_dump(mode="json"),
         extra=pass_.fingerprint(ctx),
-        self_check=self_check_fingerprint(pass_.params, ctx.recipe),
+        self_check=self_check_fingerprint(pass_.params, ctx.inputs),
         libraries=library_versions(pass_.libraries),
     )
 

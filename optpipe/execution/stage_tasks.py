@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.cache.backends import open_cache
+from optpipe.core.artifact import MANIFEST_FILE
 from optpipe.core.results import StageResult
 from optpipe.core.runtime import cuda_device_names  # the one reader of GPU names, as targets/gpu_type.py uses
 from optpipe.recipe.schema import Recipe
@@ -27,7 +28,7 @@ class TaskSettings:
     run_dir: Path
     force: bool = False
     providers: str = "auto"
-    remote_cache: str | None = None  # an object store behind the cache folder (s3://, gs://)
+    remote_cache: str | None = None  # a shared store behind the cache folder (file:// or a path, s3://, gs://)
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def open_cache(self):
@@ -36,23 +37,62 @@ class TaskSettings:
 
 def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: TaskSettings) -> StageResult:
     """The stage's result, its model a cache hit or its pass run and published; `parent` is its parent's result."""
-    from optpipe.execution.services import RunServices
-    from optpipe.execution.stage_runner import StageRunner
-    from optpipe.pass_infra.instruments import Instruments
-    from optpipe.plan.validate import validate_recipe
-
     spec = recipe.stages[name]
     if parent is not None and parent.status != "ok":
         return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
                            reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0, not_run=parent.not_run)
-    _, passes = validate_recipe(recipe)
     cache = settings.open_cache()
-    (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    runner = StageRunner(recipe, cache, RunServices(recipe.model_source(), recipe.data, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
     try:
-        return runner.run(name, passes[name], parent.model if parent else None)
+        if parent is not None:
+            parent = held(recipe, parent, settings, cache)
+            if parent.status != "ok":
+                return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
+                                   reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0)
+        return _run_one(recipe, name, parent, settings, cache)
     finally:
         cache.release_leases()
+
+
+def _run_one(recipe: Recipe, name: str, parent: StageResult | None, settings: TaskSettings, cache) -> StageResult:
+    from optpipe.execution.services import RunServices
+    from optpipe.execution.stage_runner import StageRunner
+    from optpipe.pass_infra.instruments import Instruments
+    from optpipe.plan.compile_plan import CompilePlan
+    from optpipe.plan.validate import validate_recipe
+
+    _, passes = validate_recipe(recipe)
+    plan = CompilePlan.of(recipe)
+    (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    runner = StageRunner(plan, cache, RunServices(plan.model_source(), plan.data, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
+    return runner.run(name, passes[name], parent.model if parent else None)
+
+
+def held(recipe: Recipe, result: StageResult, settings: TaskSettings, cache) -> StageResult:
+    """`result` with its cache entry leased by this task, so `cache gc` leaves it until the task ends.
+
+    The entry was computed by an earlier task (another process, perhaps another node), which
+    released its lease when it ended: a gc in between may have pruned it. Then it is rebuilt
+    under the same key (its ancestors first, each a cache hit where its entry remains), rather
+    than the task failing on a missing folder."""
+    model = result.model
+    if result.status != "ok" or model is None or model.folder.parent.parent != cache.root:
+        return result  # not a cache entry (or not ok): nothing to hold
+    cache.lease(model.folder.name)  # waits for a gc removing it right now
+    if (model.folder / MANIFEST_FILE).exists():
+        return result
+    return _rebuilt(recipe, result.name, settings, cache) if result.name in recipe.stages else result
+
+
+def _rebuilt(recipe: Recipe, name: str, settings: TaskSettings, cache) -> StageResult:
+    chain = [name]
+    while (parent := recipe.stages[chain[-1]].after) is not None:
+        chain.append(parent)
+    result = None
+    for stage in reversed(chain):
+        result = _run_one(recipe, stage, result, settings, cache)
+        if result.status != "ok":
+            break
+    return result
 
 
 def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | None, eager: bool,
@@ -61,12 +101,13 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     first when `eager`), each result stamped with the node that measured it."""
     from optpipe.execution.services import RunServices
     from optpipe.execution.stage_evaluation import EvaluationParts, evaluate_stages
+    from optpipe.plan.compile_plan import CompilePlan
     from optpipe.pass_infra.instruments import Instruments
 
     cache = settings.open_cache()
-    evaluate_spec = recipe.evaluate.model_copy(update={"reference": reference, "eager_baseline": eager})
-    scoped = recipe.model_copy(update={"evaluate": evaluate_spec})
+    scoped = CompilePlan.of(recipe).with_evaluate(reference=reference, eager_baseline=eager)
     try:
+        outcomes = {stage: held_keeping_figures(recipe, result, settings, cache) for stage, result in outcomes.items()}
         results = evaluate_stages(EvaluationParts.of(scoped), names, outcomes, RunServices(scoped.model_source(), scoped.data, cache), cache, settings.providers, Instruments(),
                                   settings.force)
     finally:
@@ -78,13 +119,22 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     return results
 
 
+def held_keeping_figures(recipe: Recipe, result: StageResult, settings: TaskSettings, cache) -> StageResult:
+    """`held`, the outcome itself kept (its cached flag, its duration): only its model's folder is restored."""
+    again = held(recipe, result, settings, cache)
+    if again is result or again.status != "ok":
+        return result
+    return result.with_model(again.model)
+
+
 def build_target(recipe: Recipe, report, work, shared: dict, settings: TaskSettings):
     """One target (optpipe.targets.TargetWork) for one stage of the run folder, stamped with the node that built it."""
-    from optpipe.targets import build_one, target_settings
+    from optpipe.plan.compile_plan import CompilePlan
+    from optpipe.targets import build_one
 
     cache = settings.open_cache()
     try:
-        result = build_one(target_settings(recipe, cache.root), report, settings.run_dir, cache, settings.providers, work, shared)
+        result = build_one(CompilePlan.of(recipe).target_settings(cache.root), report, settings.run_dir, cache, settings.providers, work, shared)
     finally:
         cache.release_leases()
     result.built_on = node_description()

@@ -1,5 +1,5 @@
-"""What precision a graph computes in: the share of its weights and of its multiply-accumulates
-(MACs) in int8 / fp16 / fp32, and the compute nodes left in float with the reason why.
+"""What precision a graph computes in: the share of its weights (elements and bytes) and of its
+multiply-accumulates (MACs) in int4 / int8 / fp16 / fp32 (weight-only MatMulNBits in its weights' bits), and the compute nodes left in float with the reason why.
 
 This is how a stage shows what it changed: an int8 stage that quantized only the final Gemm of
 a CNN (because `fuse` had turned every Conv into com.microsoft.FusedConv, which ORT's quantizer
@@ -21,11 +21,11 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 from pydantic import BaseModel, Field
 
 from optpipe.graph.edit import node_attribute
 from optpipe.graph.shapes import ValueTypes, infer_shapes
+from optpipe.graph.weight_mix import FLOAT_NAMES, nbits_precision, weight_mix
 
 log = logging.getLogger("optpipe.coverage")
 
@@ -36,10 +36,8 @@ INTEGER_OPS = {
 }
 #: Ops ORT's quantizer turns into int8 (static QDQ or dynamic): the rest stays float whatever it is told.
 QUANTIZABLE_OPS = {"Conv", "MatMul", "Gemm", "Attention", "ConvTranspose", "EmbedLayerNormalization", "Gather", "LSTM"}
-INT8_DTYPES = {TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4, TensorProto.INT32}
-FLOAT_NAMES = {TensorProto.FLOAT: "fp32", TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.DOUBLE: "fp64"}
-#: Initializers smaller than this are scales, zero points and shapes, not weights.
-MIN_WEIGHT_ELEMENTS = 16
+#: MAC precisions that are integer compute or integer weights (not "float left").
+INTEGER_PRECISIONS = {"int8", "int4"}
 #: A quantization stage with less than this share of its MACs in int8 warns.
 INT8_MAC_SHARE_MIN = 0.5
 
@@ -59,6 +57,9 @@ class Coverage(BaseModel):
     macs: dict[str, float] = Field(description="share of multiply-accumulates per precision")
     total_macs: int = Field(description="MACs of one pass at the shapes given (per sample at batch 1)")
     weight_elements: int
+    bytes: dict[str, float] = Field(default_factory=dict, description="share of weight bytes per precision (a 4-bit "
+                                    "weight's scales and zero points count with it)")
+    weight_bytes: int = Field(0, description="bytes of the weights counted (packed sizes for 4-bit weights)")
     float_compute: list[FloatCompute] = Field(default_factory=list, description="float compute by op type, most MACs first")
     unknown_shapes: int = Field(0, description="compute nodes whose MACs could not be counted (shape unknown)")
     unknown_ops: dict[str, int] = Field(default_factory=dict, description="those nodes by op type")
@@ -110,15 +111,17 @@ def precision_coverage(model: onnx.ModelProto, dims: dict[str, int] | None = Non
         for kind, count in parts:
             precision = attention_core_precision(node, types) if kind == "core" else node_precision(node, types, producers)
             macs[precision] += count
-            if precision != "int8":
+            if precision not in INTEGER_PRECISIONS:
                 reason = CORE_REASON if kind == "core" else float_reason(node, initializers, constants, producers, excluded)
                 entry = floats[(_op_name(node), precision, reason)]
                 entry[0] += 1
                 entry[1] += count
     total = sum(macs.values())
-    weights = weight_mix(graph, constants)
+    weights, sizes = weight_mix(graph, constants)
     return Coverage(
         weights=_shares(weights),
+        bytes=_shares(sizes),
+        weight_bytes=int(sum(sizes.values())),
         macs=_shares(macs),
         total_macs=int(total),
         weight_elements=int(sum(weights.values())),
@@ -134,9 +137,11 @@ def precision_coverage(model: onnx.ModelProto, dims: dict[str, int] | None = Non
 
 def quantization_warning(coverage: Coverage) -> str | None:
     """The warning for a quantization stage that left most of its compute in float, naming the op types."""
-    if not coverage.total_macs or coverage.share("int8") >= INT8_MAC_SHARE_MIN:
+    integer = sum(coverage.share(p) for p in INTEGER_PRECISIONS)
+    if not coverage.total_macs or integer >= INT8_MAC_SHARE_MIN:
         return None
-    return (f"only {coverage.share('int8'):.0%} of the MACs are int8; left in float: {coverage.float_ops_text()}")
+    kinds = "/".join(p for p in sorted(INTEGER_PRECISIONS, reverse=True) if coverage.share(p)) or "int8"
+    return (f"only {integer:.0%} of the MACs are {kinds}; left in float: {coverage.float_ops_text()}")
 
 
 def unknown_shapes_warning(coverage: Coverage) -> str | None:
@@ -286,8 +291,11 @@ def node_precision(node: onnx.NodeProto, types, producers: dict[str, onnx.NodePr
     type of its output."""
     if node.op_type in INTEGER_OPS:
         return "int8"
-    if node.op_type == "MatMulNBits" and node_attribute(node, "accuracy_level", 0) == 4:
-        return "int8"  # 4-bit weights, activations quantized to int8 (ORT CPU); lower levels compute in float
+    if node.op_type == "MatMulNBits":
+        # Weight-only quantization: the MACs are counted in the weight's precision (the bytes a decode
+        # step streams, which is what bounds its speed); accuracy_level says what the arithmetic runs in
+        # (4: activations quantized to int8 on ORT CPU, lower: dequantized to float), kept in the stage info.
+        return nbits_precision(node)
     operands = [name for name in node.input[:2] if name]
     if operands and all(_dequantized(name, producers) for name in operands):
         return "int8"
@@ -312,8 +320,6 @@ def float_reason(node, initializers, constants, producers, excluded) -> str:
     """Why a compute node's GEMM or convolution is not int8, as far as the graph tells."""
     if node.name and node.name in excluded:
         return "kept in float (excluded by the recipe or the accuracy guard)"
-    if node.op_type == "MatMulNBits":
-        return "4-bit weights dequantized to float (accuracy_level < 4)"
     if node.domain not in ("", "ai.onnx") and node.op_type not in QUANTIZABLE_OPS:
         return "a fused op ORT's quantizer does not handle"
     if node.op_type not in QUANTIZABLE_OPS:
@@ -324,23 +330,7 @@ def float_reason(node, initializers, constants, producers, excluded) -> str:
     return "not quantized"
 
 
-# --- weights -----------------------------------------------------------------------------------
-
-
-def weight_mix(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]) -> dict[str, int]:
-    """Weight elements per precision; small tensors (scales, zero points, shapes) do not count."""
-    counts: dict[str, int] = defaultdict(int)
-    for tensor in [*graph.initializer, *constants.values()]:
-        size = int(np.prod(tensor.dims, dtype=np.int64))
-        if size < MIN_WEIGHT_ELEMENTS:
-            continue
-        if tensor.data_type in INT8_DTYPES - {TensorProto.INT32}:
-            counts["int8"] += size
-        elif tensor.data_type == TensorProto.INT32:
-            continue  # quantized biases: part of an int8 op, too small to matter
-        elif tensor.data_type in FLOAT_NAMES:
-            counts[FLOAT_NAMES[tensor.data_type]] += size
-    return counts
+# --- constants ----------------------------------------------------------------------------------
 
 
 def _constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:

@@ -1,9 +1,9 @@
 """What a pass is: a name, a version, typed params, and `run(model, ctx) -> model`.
 
 A pass never mutates its input artifact: it reads `model` and writes a new
-artifact into `ctx.workdir`. Everything a pass needs from the run (the recipe,
-the source model, data sets, a logger) comes through its PassContext, never
-from globals, so a pass can be changed, tested and cached on its own.
+artifact into `ctx.workdir`. Everything a pass needs from the run (the typed parts
+of the recipe it reads, the source model, data sets, a logger) comes through its
+PassContext, never from globals, so a pass can be changed, tested and cached on its own.
 
 The pass manager enforces the contract (optpipe/execution/contract.py): it
 publishes the artifact `run` returns, refuses a workdir holding anything but the
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from optpipe.core.artifact import ModelArtifact
+from optpipe.recipe.schema import EvaluateSpec, ModelInputs, ModelSource, Tolerance
 
 if TYPE_CHECKING:
     from optpipe.calibration.dataset import SampleSet
     from optpipe.source.model_source import TorchModel
-    from optpipe.recipe.schema import Recipe, Tolerance
 
 
 class PassParams(BaseModel):
@@ -73,7 +73,13 @@ def _no_progress(task: str, done: int, total: int) -> None:
 
 
 class PassContext:
-    """The run-scoped services a pass may use.
+    """The run-scoped services a pass may use, and the typed parts of the recipe it reads.
+
+    A pass is given no Recipe: `model_source` (the model spec, its inputs and dims, the folder
+    its paths start from; `inputs` is the inputs and dims alone), `evaluate` (threads, top1,
+    accuracy_batch, the task), `target_kinds` (the kinds of target the run emits) and its
+    stage's resolved `tolerance` are what passes read of it. They are resolved once, at the
+    top (optpipe/plan/compile_plan.py).
 
     The data sets are read through methods that record each set's key in
     `data_used`: the stage runner adds those keys to the stage's cache key, so a
@@ -83,7 +89,7 @@ class PassContext:
 
     def __init__(
         self,
-        recipe: "Recipe",
+        model_source: ModelSource,
         stage: str,
         workdir: Path,
         log: logging.Logger,
@@ -91,10 +97,16 @@ class PassContext:
         torch_model: Callable[[], "TorchModel"],
         eval_set: Callable[[], "SampleSet"] | None,
         calibration_set: Callable[[], "SampleSet"] | None,
-        tolerance: "Tolerance",
+        tolerance: Tolerance,
+        evaluate: EvaluateSpec | None = None,
+        target_kinds: tuple[str, ...] = (),
         progress: Callable[[str, int, int], None] = _no_progress,
     ):
-        self.recipe = recipe
+        self.model_source = model_source
+        #: the evaluation settings (threads, top1, accuracy_batch, task); defaults when not given
+        self.evaluate = evaluate if evaluate is not None else EvaluateSpec()
+        #: the kinds of the run's targets ("ort", "openvino", ...): what a pass may tune for
+        self.target_kinds = tuple(target_kinds)
         self.stage = stage
         self.workdir = workdir
         self.log = log
@@ -106,6 +118,11 @@ class PassContext:
         self.data_used: dict[str, str] = {}
         self._torch_model = torch_model
         self._sets = {EVAL_SET: eval_set, CALIBRATION_SET: calibration_set}
+
+    @property
+    def inputs(self) -> ModelInputs:
+        """The model's inputs and the ranges of their named dims (no model spec)."""
+        return ModelInputs(self.model_source.inputs, self.model_source.dims)
 
     def torch_model(self) -> "TorchModel":
         return self._torch_model()
@@ -143,6 +160,12 @@ class Pass(ABC, Generic[P]):
     produces: ClassVar[str] = "onnx"
     #: What to try when the numeric self-check fails (passes whose params inherit SelfCheckParams).
     check_hint: ClassVar[str] = ""
+    #: True where the output depends on the CPU's numerics (a guard or an accuracy control decided
+    #: it on this CPU, a format picked per ISA): the CPU class as `isa_engine` runs it then joins the
+    #: stage's cache key (execution.stage_runner.stage_key), so a shared cache never hands an
+    #: AVX2 machine what a VNNI machine decided. "openvino" reads ONEDNN_MAX_CPU_ISA's restriction.
+    isa_dependent: ClassVar[bool] = False
+    isa_engine: ClassVar[str] = "onnxruntime"
 
     def __init__(self, params: P):
         self.params: P = params

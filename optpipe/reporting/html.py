@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import html
-import io
 import json
 import re
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, out_of_tolerance, stage_rows, table_note
 from optpipe.core.results import EAGER, Latency, RunReport, StageResult, TargetResult
+from optpipe.reporting.plot_svg import figure as _figure, svg as _svg
 
 OK, FAILED, OUT = "#2e7d32", "#c62828", "#ef6c00"
 FRONTIER = "#f9a825"
@@ -46,6 +46,9 @@ def render_html(report: RunReport, plots_file: Path | None = None) -> str:
     from optpipe.reporting.search_views import render_search_html  # a search's trials, frontier and param effects
 
     sections.append(render_search_html(report.search, report.hardware))
+    from optpipe.reporting.serving_view import render_serving_html  # `optpipe serve --bench`: req/s vs concurrency
+
+    sections.append(render_serving_html(report.serving))
     body = "\n".join(s for s in sections if s)
     return _PAGE.format(title=html.escape(f"optpipe report: {report.recipe}"), style=_STYLE, body=body)
 
@@ -305,26 +308,6 @@ def _curves_svg(curves: dict[str, list[tuple[int, Latency]]], title: str) -> str
 
 
 # --- helpers -------------------------------------------------------------------------------
-
-
-def _figure(width: float, height: float):
-    # A bare Figure, not pyplot: no global state, no GUI backend.
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), layout="constrained")
-
-
-def _svg(fig, name: str) -> str:
-    import matplotlib
-
-    buffer = io.StringIO()
-    # Text stays text (searchable, small) and ids are stable across renders of the same data.
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "optpipe"}):
-        fig.savefig(buffer, format="svg", metadata={"Date": None})
-    text = buffer.getvalue()
-    text = text[text.index("<svg"):].strip()  # drop the XML declaration and DOCTYPE: inline SVG in HTML
-    text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, flags=re.S)  # RDF boilerplate, links to purl.org
-    return f"<figure class='plot' id='plot-{name}'>{text}</figure>"
 
 
 def _p50(s: StageResult | None) -> float | None:

@@ -30,6 +30,7 @@ class RowContext:
     parent: Optional[StageResult]
     eager: Optional[StageResult]
     eager_typical_ms: Optional[float] = None  # median of the eager p50s timed beside the stages
+    cpu: Optional[dict] = None  # the machine's CPU record (report.machine["cpu"])
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ def stage_rows(report: RunReport) -> list[StageRow]:
     typical = float(median(beside)) if beside else None
     rows = []
     for stage in report.stages:
-        context = RowContext(stage, report.stage(stage.parent) if stage.parent else None, eager, typical)
+        context = RowContext(stage, report.stage(stage.parent) if stage.parent else None, eager, typical,
+                             report.machine.get("cpu"))
         rows.append(StageRow(stage, [column.cell(context) for column in COLUMNS]))
     return rows
 
@@ -180,13 +182,17 @@ RUNTIME_LABELS = {"CPUExecutionProvider": "ort-cpu", "CUDAExecutionProvider": "o
                   "pytorch-cpu": "pytorch"}
 
 
-def runtime_label(stage: StageResult) -> str:
+def runtime_label(stage: StageResult, machine: Optional[dict] = None) -> str:
     """What measured the row: ONNX Runtime's provider, OpenVINO (with the precision it ran float ops at), PyTorch."""
     provider = stage.headline.provider if stage.headline else None
     if provider is None:
         return ""
     hint = stage.info.get("inference_precision") if provider.startswith("openvino") else None
-    return RUNTIME_LABELS.get(provider, provider) + (f" {hint}" if hint else "")
+    label = RUNTIME_LABELS.get(provider, provider) + (f" {hint}" if hint else "")
+    # The machine's class heads the report; a row timed on another (OpenVINO held lower by
+    # ONEDNN_MAX_CPU_ISA, a Ray node of another kind) names its own.
+    row_class, machine_class = stage.headline.cpu_class, (machine or {}).get("class")
+    return label + (f" [{row_class}]" if row_class and machine_class and row_class != machine_class else "")
 
 
 def _precision(c: RowContext) -> Cell:
@@ -261,6 +267,6 @@ COLUMNS: list[Column] = [
     Column("peak mem MB", lambda c: Cell(_f(_peak_mb(c.stage), ".0f"))),
     Column("task metric", _task),
     Column("precision (MACs)", _precision),
-    Column("runtime", lambda c: Cell(runtime_label(c.stage))),
+    Column("runtime", lambda c: Cell(runtime_label(c.stage, c.cpu))),
     Column("frontier", lambda c: Cell("★" if c.stage.pareto else "")),
 ]

@@ -16,20 +16,22 @@ from typing import Any
 
 from optpipe.core.artifact import write_text_atomic
 from optpipe.evaluation.speed_verdict import slower_than_parent
-from optpipe.recipe.schema import Recipe
+from optpipe.recipe.schema import EvaluateSpec
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
 from optpipe.core.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
+from optpipe.hardware.cpu_features import cpu_record
 
-def build_report(recipe: Recipe, stages: list[StageResult]) -> RunReport:
-    """The report of one compile: its stages, their Pareto frontier, the machine and settings."""
-    reference = recipe.evaluate.reference or next((s.name for s in stages if s.parent is None and s.name != EAGER), None)
+def build_report(name: str, evaluate: EvaluateSpec, stages: list[StageResult]) -> RunReport:
+    """The report of one compile (the recipe's `name`, its evaluation settings): its stages, their
+    Pareto frontier, the machine and settings."""
+    reference = evaluate.reference or next((s.name for s in stages if s.parent is None and s.name != EAGER), None)
     report = RunReport(
         optpipe_version=_version(),
-        recipe=recipe.name,
+        recipe=name,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         machine=machine_description(),
-        evaluation=recipe.evaluate.model_dump(mode="json"),
+        evaluation=evaluate.model_dump(mode="json"),
         reference=reference,
         baseline=EAGER if any(s.name == EAGER for s in stages) else None,
         stages=stages,
@@ -73,6 +75,7 @@ def machine_description() -> dict[str, Any]:
         "processor": _cpu_name(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
+        "cpu": cpu_record(),  # the CPU class that chose the int8 formats and ran every figure
         "libraries": {n: _dist_version(n) for n in ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy")},
     }
 
@@ -92,7 +95,9 @@ def write_report(report: RunReport, run_dir: Path) -> None:
 
 def render_markdown(report: RunReport) -> str:
     lines = [f"# optpipe report: {report.recipe}", ""]
-    lines += [f"{report.created} on {report.machine.get('processor')} ({report.machine.get('cores')} cores), "
+    cpu_class = (report.machine.get("cpu") or {}).get("class")
+    cores = f"{report.machine.get('cores')} cores" + (f", {cpu_class}" if cpu_class else "")
+    lines += [f"{report.created} on {report.machine.get('processor')} ({cores}), "
               f"{report.evaluation.get('threads')} threads; accuracy against `{report.reference}`.", ""]
     lines += [stage_table(report), ""]
     if report.pareto:
@@ -123,6 +128,9 @@ def render_markdown(report: RunReport) -> str:
     from optpipe.reporting.search_views import render_search_markdown  # the search's own section, when there was one
 
     lines += render_search_markdown(report.search, report.hardware)
+    from optpipe.reporting.serving_view import render_serving_markdown  # `optpipe serve --bench`, when it ran
+
+    lines += render_serving_markdown(report.serving)
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ from onnx import external_data_helper
 
 from optpipe.core.artifact import all_graphs
 from optpipe.core.errors import ModelSourceError, RecipeError, first_line
-from optpipe.recipe.schema import Recipe
+from optpipe.recipe.schema import ModelInputs
 
 # Above this size a model cannot be serialized as one protobuf (onnx.checker.MAXIMUM_PROTOBUF, 2 GiB).
 PROTOBUF_LIMIT = onnx.checker.MAXIMUM_PROTOBUF
@@ -97,11 +97,11 @@ def check_external_data(model: onnx.ModelProto, folder: Path, where: str) -> Non
 # the user's error (exit 2), never a failed stage.
 
 
-def check_named_parts(path: Path, recipe: Recipe, where: str) -> onnx.ModelProto:
+def check_named_parts(path: Path, shapes: ModelInputs, where: str) -> onnx.ModelProto:
     """The cheap checks, on the graph without its weights: it parses, its external data is safe, its
     inputs are the recipe's, its opsets and ops exist."""
     graph = load_graph(path, where)
-    check_inputs_match(graph, recipe, path.name)
+    check_inputs_match(graph, shapes, path.name)
     check_opsets(graph, path.name, where)
     unknown = unknown_ops(graph)
     if unknown:
@@ -199,17 +199,17 @@ def check_runs_on(path: Path, feeds: dict, where: str = "model.onnx") -> None:
         ) from None
 
 
-def check_inputs_match(model: onnx.ModelProto, recipe: Recipe, where: str) -> None:
+def check_inputs_match(model: onnx.ModelProto, shapes: ModelInputs, where: str) -> None:
     """The recipe's input specs describe the model's graph inputs: names, dtypes, ranks, fixed dims."""
     initializers = {i.name for i in model.graph.initializer}
     graph_inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
-    declared = {spec.name for spec in recipe.inputs}
+    declared = {spec.name for spec in shapes.inputs}
     if set(graph_inputs) != declared:
         raise ModelSourceError(
             f"inputs: the recipe declares {sorted(declared)} but '{where}' takes {sorted(graph_inputs)}; "
             "make the recipe's input names match"
         )
-    for i, spec in enumerate(recipe.inputs):
+    for i, spec in enumerate(shapes.inputs):
         tensor = graph_inputs[spec.name].type.tensor_type
         if tensor.elem_type:
             dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)).name
@@ -226,7 +226,7 @@ def check_inputs_match(model: onnx.ModelProto, recipe: Recipe, where: str) -> No
         for axis, (dim, want) in enumerate(zip(dims, spec.shape)):
             if not dim.HasField("dim_value"):
                 continue
-            sizes = {want} if isinstance(want, int) else {recipe.dims[want].min, recipe.dims[want].max}
+            sizes = {want} if isinstance(want, int) else {shapes.dims[want].min, shapes.dims[want].max}
             if sizes != {dim.dim_value}:
                 raise ModelSourceError(
                     f"inputs.{i}.shape: the model fixes axis {axis} of '{spec.name}' to {dim.dim_value}, the recipe "

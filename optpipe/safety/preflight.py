@@ -45,7 +45,7 @@ def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = N
     from optpipe.cache.store import StageCache, library_versions
     from optpipe.safety import onnx_guard
 
-    graph = onnx_guard.check_named_parts(path, recipe, "model.onnx")
+    graph = onnx_guard.check_named_parts(path, recipe.model_inputs(), "model.onnx")
     check_output_names(recipe, [o.name for o in graph.graph.output])
     files = [path, *(path.parent / location for location in onnx_guard.external_locations(graph))]
     key = StageCache.key(

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optpipe.core.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
 from optpipe.core.results import StageResult, TargetResult, TargetStatus
-from optpipe.recipe.schema import EvaluateSpec, ModelInputs, TargetSpec, Tolerance
+from optpipe.recipe.schema import DataSets, EvaluateSpec, ModelInputs, ModelSource, TargetSpec, Tolerance
 
 if TYPE_CHECKING:
     from optpipe.calibration.dataset import SampleSet
@@ -54,9 +54,23 @@ class TritonParams(TargetParams):
     max_queue_delay_us: int = Field(100, ge=0, description="how long Triton may wait to fill a batch")
     max_batch_size: Optional[int] = Field(None, ge=0, description="default: the batch dim's max from the recipe")
     model_name: str = Field("{recipe}_{stage}", description="model folder name; {recipe} and {stage} are filled in")
+    backend: Literal["native", "python"] = Field(
+        "native", description="native: the platform's own backend (a full Triton image); python: a python-backend model "
+        "(model.py) running the same model.onnx/model.xml in ONNX Runtime/OpenVINO with the measured session settings, "
+        "for a Triton without those backends (pytriton's tritonserver)")
+    text_ensemble: bool = Field(
+        False, description="text models: also <name>_text, an ensemble a client sends strings to: the model's tokenizer "
+        "(python backend, the tokenizers package) -> the model -> pooling; see docs/serving.md")
+    pooling: Literal["auto", "mean", "cls", "none"] = Field(
+        "auto", description="the text ensemble's last step: mean over the attention mask, the first token, or none; "
+        "auto: the model folder's sentence-transformers 1_Pooling/config.json, else none")
 
     @model_validator(mode="after")
     def _device_fits_platform(self):
+        if self.backend == "python" and self.platform == "tensorrt":
+            raise ValueError("backend python runs ONNX Runtime or OpenVINO, not a TensorRT engine; set platform: onnxruntime or openvino")
+        if self.backend == "python" and self.device == "gpu":
+            raise ValueError("backend python runs on the CPU (ONNX Runtime's CPU provider or OpenVINO's CPU plugin); set device: cpu or auto")
         # Refused at validation (exit 2), not as a failed target after the whole run.
         if self.platform == "openvino" and self.device == "gpu":
             raise ValueError("platform openvino runs on the CPU here (optpipe measures OpenVINO on the CPU); set device: cpu or auto")
@@ -98,7 +112,7 @@ class StageView:
 
 @dataclass(frozen=True)
 class TargetSettings:
-    """What the targets read from the recipe, resolved once at the top (`targets.target_settings`):
+    """What the targets read from the recipe, resolved once at the top (`CompilePlan.target_settings`):
     a target can be built and tested without a Recipe."""
 
     recipe_name: str
@@ -112,6 +126,18 @@ class TargetSettings:
 
     def tolerance_for(self, stage: str) -> Tolerance:
         return self.tolerances.get(stage, self.evaluate.tolerance)
+
+    @classmethod
+    def build(cls, name: str, evaluate: EvaluateSpec, source: ModelSource, data: DataSets, parents: Mapping[str, Optional[str]],
+              tolerances: Mapping[str, Tolerance], targets: tuple[TargetSpec, ...], cache_root: Path) -> "TargetSettings":
+        """The settings with the run's sample sets, each built (or read from the cache) when first used."""
+        from optpipe.calibration.dataset import build_sample_set
+
+        return cls(
+            recipe_name=name, evaluate=evaluate, shapes=source, parents=parents, tolerances=tolerances, targets=targets,
+            eval_set=lambda: build_sample_set(data.eval, source, cache_root),
+            calibration_set=(lambda: build_sample_set(data.calibration, source, cache_root)) if data.calibration else None,
+        )
 
 
 @dataclass

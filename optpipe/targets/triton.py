@@ -17,12 +17,15 @@ from optpipe.core.errors import TargetError
 from optpipe.targets import tensorrt
 from optpipe.targets.base import TargetJob, TargetResult, TritonParams, copy_model, hash_files, relative
 from optpipe.targets.model_facts import TensorSpec, io_specs, precision_of
+from optpipe.targets.pbtxt import tensor_text as _tensor_text
 
 CONFIG_FILE = "config.pbtxt"
 VERSION = "1"
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
 #: Platforms served by a named backend (config `backend:` rather than `platform:`).
 BACKENDS = {"openvino": "openvino"}
+#: The model.py of `backend: python` (copied as is into `1/model.py`).
+PYTHON_MODEL_SOURCE = "triton_python_model.py"
 # numpy dtype name (as model_facts reports it) -> Triton DataType
 TRITON_TYPES = {
     "bool": "TYPE_BOOL",
@@ -63,7 +66,15 @@ def write_repository(job: TargetJob) -> TargetResult:
     else:
         copy_model(job.stage, version_dir)
     config = model_config(job, params, name, ir)
+    if params.backend == "python":
+        config = python_backend(config, job, params, ir)
+        shutil.copyfile(Path(__file__).with_name(PYTHON_MODEL_SOURCE), version_dir / "model.py")
     (folder / CONFIG_FILE).write_text(render_config(config))
+    ensemble = {}
+    if params.text_ensemble:
+        from optpipe.targets.triton_ensemble import write_text_ensemble
+
+        ensemble = {"text_ensemble": write_text_ensemble(job, params, config)}
     files, digest = hash_files(folder)
     source = engine or job.stage.result
     if ir and ir["converted"]:
@@ -78,7 +89,8 @@ def write_repository(job: TargetJob) -> TargetResult:
         files=files,
         hash=digest,
         details={"model": name, "platform": config.get("platform") or config["backend"], "max_batch_size": config["max_batch_size"],
-                 "instance_kind": config["instance_group"][0]["kind"], **(served_precision(ir) if ir else {})},
+                 "instance_kind": config["instance_group"][0]["kind"], **(served_precision(ir) if ir and params.backend == "native" else {}),
+                 **({"runtime": config["parameters"]["runtime"]} if params.backend == "python" else {}), **ensemble},
     )
 
 
@@ -167,6 +179,21 @@ def model_config(job: TargetJob, params: TritonParams, name: str, ir: Optional[d
     return config
 
 
+def python_backend(config: dict[str, Any], job: TargetJob, params: TritonParams, ir: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The same model as a python-backend model: model.py runs the artifact in the platform's runtime with
+    the measured settings, which it reads from these parameters (the backend's own names mean nothing to it)."""
+    served = {key: value for key, value in config.items() if key != "platform"}
+    served["backend"] = "python"
+    served["instance_group"] = [{"count": params.instances, "kind": "KIND_CPU"}]  # model.py runs on the CPU
+    served["parameters"] = {
+        "runtime": "openvino" if ir else "onnxruntime",
+        "model_file": "model.xml" if ir else "model.onnx",
+        "threads": str(job.settings.evaluate.threads),
+        **({"hint": ir["hint"]} if ir else {}),
+    }
+    return served
+
+
 def served_precision(ir: dict[str, Any]) -> dict[str, Any]:
     """What Triton's openvino backend will run float ops at, on this CPU: the stage's bf16 hint, or the
     plugin's default (bf16 on CPUs with BF16), with a warning when that is not what was measured."""
@@ -253,14 +280,3 @@ def render_config(config: dict[str, Any]) -> str:
     for key, value in config["parameters"].items():
         lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
     return "\n".join(lines) + "\n"
-
-
-def _tensor_text(tensor: dict[str, Any]) -> str:
-    dims = ", ".join(str(d) for d in tensor["dims"])
-    reshape = "\n    reshape: { shape: [ ] }" if "reshape" in tensor else ""
-    return f'  {{\n    name: {_quoted(tensor["name"])}\n    data_type: {tensor["data_type"]}\n    dims: [ {dims} ]{reshape}\n  }}'
-
-
-def _quoted(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-

@@ -1,0 +1,138 @@
+"""openvino_weights: the stage's ONNX as an OpenVINO IR with INT4 / INT8 weights (NNCF `compress_weights`).
+
+Weight-only compression, the form OpenVINO GenAI and `optimum-cli export openvino --weight-format
+int4` run: each MatMul's weight is stored in 4 or 8 bits, one scale (and, asymmetric, one zero
+point) per `group_size` weights; the CPU plugin decompresses it inside its FullyConnected kernel
+and computes with float (or, `activations: bf16`, bfloat16) activations. INT4 modes are mixed: NNCF
+keeps the embeddings and the last MatMul in a backup precision (INT8_ASYM) unless `all_layers`,
+and puts `ratio` of the other layers in 4 bits. With `data_aware`, the calibration set drives
+NNCF's mixed-precision choice and, if asked, AWQ and scale estimation.
+
+Sits beside passes/openvino.py (FP32/BF16/INT8 activations): like it, the output is an IR stage
+measured on OpenVINO's CPU runtime, and no ONNX pass can follow it.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from optpipe.core.artifact import ModelArtifact, write_info
+from optpipe.core.errors import PassError, first_line
+from optpipe.evaluation import openvino_runtime as ovr
+from optpipe.graph.ir_weights import ir_coverage
+from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
+
+MODES = {"int4_sym": "INT4_SYM", "int4_asym": "INT4_ASYM", "int8_sym": "INT8_SYM", "int8_asym": "INT8_ASYM"}
+
+
+class OpenVinoWeightsParams(PassParams):
+    mode: Literal["int4_sym", "int4_asym", "int8_sym", "int8_asym"] = Field("int4_sym", description="NNCF weight compression mode")
+    group_size: int = Field(128, ge=-1, description="int4: weights per scale along the input channels (-1: one per channel)")
+    ratio: float = Field(1.0, gt=0, le=1, description="int4: share of the layers in 4 bits (the rest in int8_asym)")
+    group_size_fallback: Literal["error", "adjust", "ignore"] = Field(
+        "adjust", description="int4: a layer whose input channels group_size does not divide: adjust = a smaller group "
+        "that does (NNCF's min 32), ignore = leave it in the backup precision, error = refuse")
+    all_layers: bool = Field(False, description="int4: embeddings and the last MatMul in 4 bits too (default: int8)")
+    data_aware: bool = Field(False, description="use data.calibration: NNCF picks the 4-bit layers by activation sensitivity")
+    awq: bool = Field(False, description="data_aware: AWQ's activation-aware weight scaling")
+    scale_estimation: bool = Field(False, description="data_aware: scale estimation (minimises each layer's output error)")
+    subset_size: int = Field(32, ge=1, description="data_aware: calibration samples NNCF reads")
+    activations: Literal["fp32", "bf16"] = Field(
+        "fp32", description="the precision the CPU plugin computes activations in (INFERENCE_PRECISION_HINT)"
+    )
+    exclude: list[str] = Field(default_factory=list, description="IR op names kept in float (NNCF ignored scope)")
+
+
+class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
+    """Convert to OpenVINO IR with INT4/INT8 weights (NNCF compress_weights); activations stay float."""
+
+    name = "openvino_weights"
+    version = "1"
+    Params = OpenVinoWeightsParams
+    libraries = ("onnx", "openvino", "nncf")
+    produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.plan.validate)
+    calibration_use = ("OpenVINO weight compression with data_aware", "set `params: {data_aware: false}`")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.params.data_aware  # type: ignore[attr-defined]
+
+    def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
+        params: OpenVinoWeightsParams = self.params  # type: ignore[assignment]
+        _check_params(params)
+        if params.activations == "bf16" and not ovr.supports("bf16"):
+            raise PassError(f"this CPU cannot run bf16 in OpenVINO (its capabilities: {', '.join(ovr.cpu_capabilities())}); "
+                            "set `activations: fp32`")
+        try:
+            converted = ovr.convert_onnx(model.path)
+        except Exception as exc:  # the converter raises assorted errors on ops it cannot translate
+            raise PassError(f"OpenVINO cannot convert this ONNX model: {ovr.conversion_failure(exc)}") from None
+        compressed = compress(converted, params, ctx)
+        del converted
+        ovr.save_ir(compressed, ctx.workdir)
+        hint = ovr.write_settings(ctx.workdir, params.activations)["hint"]
+        coverage = ir_coverage(compressed)
+        del compressed
+        compiled = ovr.compile_model(ctx.workdir / ovr.IR_FILE, ctx.evaluate.threads, hint)
+        info: dict[str, Any] = {
+            "runtime": ovr.RUNTIME,
+            "precision": params.activations,
+            "weights": params.mode,
+            "options": nncf_options(params),
+            "coverage": coverage.model_dump(mode="json"),
+            "output_names": ovr.output_names(model.path),
+            **ovr.precision_facts(compiled),
+        }
+        del compiled
+        return write_info(ctx.workdir, info)
+
+
+def compress(converted, params: OpenVinoWeightsParams, ctx: PassContext):
+    import nncf
+
+    options = nncf_options(params)
+    kwargs: dict[str, Any] = {key: value for key, value in options.items() if key != "mode"}
+    kwargs["mode"] = getattr(nncf.CompressWeightsMode, options["mode"])
+    if params.exclude:
+        kwargs["ignored_scope"] = nncf.IgnoredScope(names=list(params.exclude), validate=True)
+    if params.mode.startswith("int4"):
+        from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
+
+        kwargs.pop("group_size_fallback")
+        kwargs["advanced_parameters"] = AdvancedCompressionParameters(
+            group_size_fallback_mode=GroupSizeFallbackMode(params.group_size_fallback))
+    if params.data_aware:
+        # The same batches the openvino pass calibrates on (one sample each), read from the cached set.
+        from optpipe.passes._openvino_nncf import calibration_batches
+
+        kwargs["dataset"] = nncf.Dataset(calibration_batches(ctx, converted))
+    try:
+        return nncf.compress_weights(converted, **kwargs)
+    except Exception as exc:  # NNCF raises assorted errors on graphs and options it cannot handle
+        ctx.log.exception("NNCF weight compression failed")
+        raise PassError(f"NNCF's compress_weights failed: {first_line(exc)}; check `exclude` names, or try another "
+                        "`mode` / `group_size`") from None
+
+
+def nncf_options(params: OpenVinoWeightsParams) -> dict[str, Any]:
+    """The arguments given to nncf.compress_weights (recorded in the stage info)."""
+    options: dict[str, Any] = {"mode": MODES[params.mode]}
+    if params.mode.startswith("int4"):
+        options.update(group_size=params.group_size, ratio=params.ratio, all_layers=params.all_layers,
+                       group_size_fallback=params.group_size_fallback)
+    if params.data_aware:
+        options.update(subset_size=params.subset_size, awq=params.awq, scale_estimation=params.scale_estimation)
+    return options
+
+
+def _check_params(params: OpenVinoWeightsParams) -> None:
+    int4_only = {"group_size", "ratio", "all_layers", "group_size_fallback"} & params.model_fields_set
+    if not params.mode.startswith("int4") and int4_only:
+        raise PassError(f"{', '.join(sorted(int4_only))} apply to int4 modes only (NNCF compresses int8 per channel); "
+                        f"remove them or set `mode: int4_sym`")
+    data_only = {"awq", "scale_estimation"} & {k for k in params.model_fields_set if getattr(params, k)}
+    if data_only and not params.data_aware:
+        raise PassError(f"{', '.join(sorted(data_only))} need activations: set `data_aware: true` (and data.calibration)")
+    if params.group_size == 0:
+        raise PassError("group_size 0 is not a group: give a positive size (e.g. 64, 128) or -1 for one scale per channel")
