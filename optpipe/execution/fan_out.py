@@ -70,12 +70,16 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
                targets: Callable | None = None) -> RunReport:
     """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
     from optpipe.execution.run_folder import publish_stage_folders
+    from optpipe.safety.os_errors import folder_errors
     from optpipe.execution.services import RunServices
     from optpipe.reporting.inspection import save_sample_inputs
-    from optpipe.targets import run_targets, target_settings, write_recipe_snapshot
+    from optpipe.plan.compile_plan import CompilePlan
+    from optpipe.safety.recipe_loading import write_recipe_snapshot
+    from optpipe.targets import run_targets
 
+    plan = CompilePlan.of(recipe)  # the report and the targets take its typed parts; the snapshot is the recipe itself
     results = ([memo.eager] if memo.eager else []) + [memo.results[name] for name in order]
-    report = build_report(recipe, results)
+    report = build_report(plan.name, plan.evaluate, results)
     report.hardware = frontier_by_hardware(report, group_by_node)
     report.search = search(report) if search else None
     cache = settings.open_cache()
@@ -84,13 +88,13 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
     try:
         # Leased (and rebuilt if a gc pruned them after their tasks ended) before they are copied.
         results = [held_keeping_figures(recipe, result, settings, cache) for result in results]
-        with FileLock(str(run_dir / ".optpipe.lock")):
+        with folder_errors("output folder", run_dir), FileLock(str(run_dir / ".optpipe.lock")):  # a full disk names it
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):
-                save_sample_inputs(run_dir, RunServices(recipe.model_source(), recipe.data, cache).eval_set().arrays)
+                save_sample_inputs(run_dir, RunServices(plan.model_source(), plan.data, cache).eval_set().arrays)
             try:
                 write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
-                run_targets(target_settings(recipe, cache.root), report, run_dir, cache, providers,
+                run_targets(plan.target_settings(cache.root), report, run_dir, cache, providers,
                             runner=targets(report) if targets else None)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows

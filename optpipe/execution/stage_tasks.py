@@ -28,7 +28,7 @@ class TaskSettings:
     run_dir: Path
     force: bool = False
     providers: str = "auto"
-    remote_cache: str | None = None  # an object store behind the cache folder (s3://, gs://)
+    remote_cache: str | None = None  # a shared store behind the cache folder (file:// or a path, s3://, gs://)
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def open_cache(self):
@@ -129,11 +129,12 @@ def held_keeping_figures(recipe: Recipe, result: StageResult, settings: TaskSett
 
 def build_target(recipe: Recipe, report, work, shared: dict, settings: TaskSettings):
     """One target (optpipe.targets.TargetWork) for one stage of the run folder, stamped with the node that built it."""
-    from optpipe.targets import build_one, target_settings
+    from optpipe.plan.compile_plan import CompilePlan
+    from optpipe.targets import build_one
 
     cache = settings.open_cache()
     try:
-        result = build_one(target_settings(recipe, cache.root), report, settings.run_dir, cache, settings.providers, work, shared)
+        result = build_one(CompilePlan.of(recipe).target_settings(cache.root), report, settings.run_dir, cache, settings.providers, work, shared)
     finally:
         cache.release_leases()
     result.built_on = node_description()

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from optpipe.targets.base import TargetSettings
 from optpipe.recipe.schema import DataSets, DimRange, EvaluateSpec, InputSpec, ModelInputs, ModelSource, ModelSpec, Recipe, TargetSpec, Tolerance
 
 
@@ -76,6 +77,11 @@ class CompilePlan(_Frozen):
 
     def target_kinds(self) -> tuple[str, ...]:
         return tuple(target.kind for target in self.targets)
+
+    def target_settings(self, cache_root: Path) -> TargetSettings:
+        """What the targets read, with the run's sample sets (built from the cache when first used)."""
+        return TargetSettings.build(self.name, self.evaluate, self.model_source(), self.data, self.parents(), self.tolerances(),
+                                    self.targets, cache_root)
 
     def with_evaluate(self, **changes: Any) -> "CompilePlan":
         """The same plan with some evaluation settings replaced (a scheduled evaluation's reference)."""

@@ -35,7 +35,7 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
         for stage in target.stages:
             if stage not in recipe.stages:
                 raise RecipeError(f"targets.{i}.stages: unknown stage '{stage}'{suggest(stage, recipe.stages)}")
-    validate_targets(recipe)
+    validate_targets(recipe.targets)
     check_stage_rules(recipe, passes)
     return graph, passes
 
