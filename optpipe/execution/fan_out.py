@@ -72,6 +72,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
                targets: Callable | None = None) -> RunReport:
     """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
     from optpipe.execution.run_folder import publish_stage_folders
+    from optpipe.safety.os_errors import folder_errors
     from optpipe.execution.services import RunServices
     from optpipe.reporting.inspection import save_sample_inputs
     from optpipe.safety.recipe_loading import write_recipe_snapshot
@@ -88,7 +89,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
     try:
         # Leased (and rebuilt if a gc pruned them after their tasks ended) before they are copied.
         results = [held_keeping_figures(plan, result, settings, cache) for result in results]
-        with FileLock(str(run_dir / ".optpipe.lock")):
+        with folder_errors("output folder", run_dir), FileLock(str(run_dir / ".optpipe.lock")):  # a full disk names it
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):
                 save_sample_inputs(run_dir, RunServices(plan.model_source(), plan.data, cache).eval_set().arrays)

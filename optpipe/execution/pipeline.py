@@ -81,7 +81,8 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         results = evaluate_stages(EvaluationParts.of(plan), order, stages, services, cache, options.providers, instruments, options.force)
         report = build_report(plan.name, plan.evaluate, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
-        with FileLock(str(run_dir / ".optpipe.lock")):
+        # A full disk there names the output folder (the copies' sources are in the cache).
+        with folder_errors("output folder", run_dir), FileLock(str(run_dir / ".optpipe.lock")):
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
                 save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`

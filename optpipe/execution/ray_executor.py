@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import time
@@ -58,13 +59,16 @@ class RayExecutor:
         self.ray = ray
         if address not in (None, "auto"):
             _check_reachable(address)
+        # Ray's own INFO/WARNING lines (timestamped: "Started a local Ray instance", the token-auth notice)
+        # stay off the console, whose lines are optpipe's; its refusals still arrive as exceptions, below.
+        quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
         try:
             if address is None:
                 # No cluster named: a Ray instance on this machine, one benchmark slot.
                 # address="local": a new instance even where another Ray cluster left its address in /tmp/ray.
-                ray.init(address="local", resources={BENCHMARK: 1}, include_dashboard=False, log_to_driver=False)
+                ray.init(address="local", resources={BENCHMARK: 1}, include_dashboard=False, **quiet)
             else:
-                ray.init(address=address, log_to_driver=False)
+                ray.init(address=address, **quiet)
         except ConnectionError as exc:
             raise OptpipeError(f"--address {address}: no Ray cluster answers there ({first_line(exc)}); start one with `ray start --head` or fix the address") from None
         except Exception as exc:  # ray.init's other refusals (bad address syntax, version mismatch)

@@ -29,7 +29,7 @@ class TaskSettings:
     run_dir: Path
     force: bool = False
     providers: str = "auto"
-    remote_cache: str | None = None  # an object store behind the cache folder (s3://, gs://)
+    remote_cache: str | None = None  # a shared store behind the cache folder (file:// or a path, s3://, gs://)
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def open_cache(self):

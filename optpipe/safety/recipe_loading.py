@@ -31,8 +31,18 @@ def load_recipe(path: str | Path, allow_paths: tuple[Path, ...] = (), allow_fact
     if path.stat().st_size > MAX_RECIPE_BYTES:
         raise RecipeError(f"{path}: {path.stat().st_size} bytes is too large for a recipe (limit {MAX_RECIPE_BYTES}); pass a recipe file")
     try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not a UTF-8 text file; a recipe is YAML text") from None
+    return recipe_from_text(text, path, allow_paths, allow_factories)
+
+
+def recipe_from_text(text: str, path: Path, allow_paths: tuple[Path, ...] = (), allow_factories: tuple[str, ...] = ()) -> Recipe:
+    """The recipe file `path` would hold with `text`, checked as load_recipe checks it (`optpipe init`
+    validates its recipe this way before writing anything)."""
+    try:
         # A safe loader: a recipe can never construct Python objects; duplicate keys and deep nesting are errors.
-        data = load_yaml(path.read_text(encoding="utf-8"))
+        data = load_yaml(text)
     except yaml.constructor.ConstructorError as exc:
         tag = getattr(exc, "problem", "") or ""
         raise RecipeError(f"{path}: a YAML tag tries to build an object ({tag}); a recipe holds plain values only, remove the tag") from None
@@ -41,8 +51,6 @@ def load_recipe(path: str | Path, allow_paths: tuple[Path, ...] = (), allow_fact
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise RecipeError(f"{path}: malformed YAML{where}: {problem}; fix the syntax there") from None
-    except UnicodeDecodeError:
-        raise RecipeError(f"{path}: not a UTF-8 text file; a recipe is YAML text") from None
     check_yaml_budget(data, str(path))
     recipe = parse_recipe(data, base_dir=path.resolve().parent, origin=str(path))
     check_paths(recipe, str(path), allow_paths)

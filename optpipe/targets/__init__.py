@@ -27,7 +27,7 @@ from optpipe.recipe.schema import Recipe, TargetSpec, describe_validation_error
 from optpipe.safety.recipe_loading import SNAPSHOT_FILE, load_recipe_snapshot, write_recipe_snapshot  # noqa: F401  (re-exported)
 from optpipe.core.results import RunReport
 from optpipe.targets.base import PARAMS, StageView, TargetJob, TargetParams, TargetResult, TargetSettings
-from optpipe.targets.manifest import write_manifest
+from optpipe.targets.manifest import check_export_folder, write_manifest
 
 __all__ = ["run_targets", "build_one", "target_resources", "gpu_type_resource", "TargetWork", "TargetRunner", "target_settings", "write_recipe_snapshot", "export_stage", "validate_targets", "load_recipe_snapshot", "TargetResult", "KINDS"]
 
@@ -245,12 +245,14 @@ def export_stage(
     cache_dir: Optional[Path] = None,
     providers: str = "auto",
     overrides: Optional[dict[str, Any]] = None,
+    force: bool = False,
 ) -> TargetResult:
     """Write one target for one stage of a finished run into `to` (plus a manifest there).
 
     Reads report.json, recipe.json and the stage's folder; recomputes no stage. The recipe's
     params for that kind of target are used where the recipe has one, with `overrides` on top
-    (`optpipe serve`: Triton's python backend).
+    (`optpipe serve`: Triton's python backend). `to` follows the folder rules of a run folder
+    (manifest.check_export_folder); `force`: write over files optpipe did not write.
     """
     from optpipe.cache.store import StageCache
     from optpipe.recipe.run_paths import RunPaths
@@ -271,7 +273,9 @@ def export_stage(
     if overrides:
         spec = spec.model_copy(update={"params": {**spec.params, **overrides}})
     params = target_params(spec, f"targets.{index}.params")
-    cache = StageCache(RunPaths.resolve(recipe, cache_dir=cache_dir).cache_dir)
+    cache_root = RunPaths.resolve(recipe, cache_dir=cache_dir).cache_dir
+    check_export_folder(to, cache_root, force)  # before the cache is opened: a refused export creates nothing
+    cache = StageCache(cache_root)
     settings = target_settings(recipe, cache.root)
     reference = views(report.reference) if report.reference else None
     measurer = Measurer(settings, cache, reference, providers)
