@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassContext, check: InputCheck):
     """NNCF post-training quantization, then accuracy control when the plain result breaks the tolerance."""
-    import nncf
+    nncf = ovr.nncf()
 
     check_exclude_types(params, converted, ctx.stage)
     calibration = calibration_batches(ctx, converted)
@@ -114,7 +114,7 @@ def check_exclude_types(params: OpenVinoParams, converted, stage: str) -> None:
 
 
 def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int, exclude: list[str] = ()) -> dict[str, Any]:
-    import nncf
+    nncf = ovr.nncf()
 
     transformer = params.model_type == "transformer" or (params.model_type == "auto" and has_attention(model))
     options: dict[str, Any] = {
@@ -136,7 +136,7 @@ def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int, exc
 def _accuracy_controlled(converted, calibration, options, params: OpenVinoParams, ctx: PassContext, check: InputCheck):
     """NNCF ranks the quantizers by the error they add and reverts the worst until the metric
     (optpipe's own: the worst per-output mean cosine against the input) drops at most 1 - cosine_min."""
-    import nncf
+    nncf = ovr.nncf()
 
     indexed = list(enumerate(check.batches))
 

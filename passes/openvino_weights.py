@@ -30,6 +30,9 @@ class OpenVinoWeightsParams(PassParams):
     mode: Literal["int4_sym", "int4_asym", "int8_sym", "int8_asym"] = Field("int4_sym", description="NNCF weight compression mode")
     group_size: int = Field(128, ge=-1, description="int4: weights per scale along the input channels (-1: one per channel)")
     ratio: float = Field(1.0, gt=0, le=1, description="int4: share of the layers in 4 bits (the rest in int8_asym)")
+    group_size_fallback: Literal["error", "adjust", "ignore"] = Field(
+        "adjust", description="int4: a layer whose input channels group_size does not divide: adjust = a smaller group "
+        "that does (NNCF's min 32), ignore = leave it in the backup precision, error = refuse")
     all_layers: bool = Field(False, description="int4: embeddings and the last MatMul in 4 bits too (default: int8)")
     data_aware: bool = Field(False, description="use data.calibration: NNCF picks the 4-bit layers by activation sensitivity")
     awq: bool = Field(False, description="data_aware: AWQ's activation-aware weight scaling")
@@ -86,20 +89,27 @@ class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
 
 
 def compress(converted, params: OpenVinoWeightsParams, ctx: PassContext):
-    import nncf
+    nncf = ovr.nncf()  # imported with its telemetry off (optpipe/evaluation/openvino_runtime.py)
 
     options = nncf_options(params)
     kwargs: dict[str, Any] = {key: value for key, value in options.items() if key != "mode"}
     kwargs["mode"] = getattr(nncf.CompressWeightsMode, options["mode"])
     if params.exclude:
         kwargs["ignored_scope"] = nncf.IgnoredScope(names=list(params.exclude), validate=True)
+    if params.mode.startswith("int4"):
+        from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
+
+        kwargs.pop("group_size_fallback")
+        kwargs["advanced_parameters"] = AdvancedCompressionParameters(
+            group_size_fallback_mode=GroupSizeFallbackMode(params.group_size_fallback))
     if params.data_aware:
         # The same batches the openvino pass calibrates on (one sample each), read from the cached set.
         from optpipe.passes._openvino_nncf import calibration_batches
 
         kwargs["dataset"] = nncf.Dataset(calibration_batches(ctx, converted))
     try:
-        return nncf.compress_weights(converted, **kwargs)
+        with ovr.telemetry_off():
+            return nncf.compress_weights(converted, **kwargs)
     except Exception as exc:  # NNCF raises assorted errors on graphs and options it cannot handle
         ctx.log.exception("NNCF weight compression failed")
         raise PassError(f"NNCF's compress_weights failed: {first_line(exc)}; check `exclude` names, or try another "
@@ -110,14 +120,15 @@ def nncf_options(params: OpenVinoWeightsParams) -> dict[str, Any]:
     """The arguments given to nncf.compress_weights (recorded in the stage info)."""
     options: dict[str, Any] = {"mode": MODES[params.mode]}
     if params.mode.startswith("int4"):
-        options.update(group_size=params.group_size, ratio=params.ratio, all_layers=params.all_layers)
+        options.update(group_size=params.group_size, ratio=params.ratio, all_layers=params.all_layers,
+                       group_size_fallback=params.group_size_fallback)
     if params.data_aware:
         options.update(subset_size=params.subset_size, awq=params.awq, scale_estimation=params.scale_estimation)
     return options
 
 
 def _check_params(params: OpenVinoWeightsParams) -> None:
-    int4_only = {"group_size", "ratio", "all_layers"} & params.model_fields_set
+    int4_only = {"group_size", "ratio", "all_layers", "group_size_fallback"} & params.model_fields_set
     if not params.mode.startswith("int4") and int4_only:
         raise PassError(f"{', '.join(sorted(int4_only))} apply to int4 modes only (NNCF compresses int8 per channel); "
                         f"remove them or set `mode: int4_sym`")

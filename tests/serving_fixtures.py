@@ -11,6 +11,40 @@ from optpipe.serving.triton_server import find_triton, missing_reason
 
 INSTALL = find_triton()
 
+MAX_BATCH = 8
+QUEUE_DELAY_US = 200_000  # long enough that 8 simultaneous requests always meet in one batch, even on a loaded machine
+CNN_OVERRIDES = {
+    "model": {"factory": "tiny:build_cnn"},
+    "inputs": [{"name": "image", "dtype": "float32", "shape": ["batch", 3, 16, 16]}],
+    "dims": {"batch": {"min": 1, "opt": 2, "max": MAX_BATCH}},
+    "stages": {"ov": {"pass": "openvino", "after": "simplify"}},
+    "evaluate": {"threads": 2, "eager_baseline": False},
+    "targets": [{"kind": "triton", "stages": ["simplify", "ov"],
+                 "params": {"backend": "python", "max_queue_delay_us": QUEUE_DELAY_US}}],
+}
+_RUNS: dict[str, tuple] = {}
+
+
+def cnn_run(tmp_path_factory):
+    """One compile of a tiny CNN (export, simplify, an OpenVINO IR) with python-backend Triton models,
+    shared by every serving test module of the session: (run folder, report)."""
+    if "cnn" not in _RUNS:
+        import json
+
+        import yaml
+        from conftest import TINY_RECIPE, _deep_update
+        from optpipe.execution.pipeline import RunOptions, compile_recipe
+        from optpipe.safety.recipe_loading import load_recipe
+
+        folder = tmp_path_factory.mktemp("serve-cnn")
+        data = json.loads(json.dumps(TINY_RECIPE))
+        _deep_update(data, CNN_OVERRIDES)
+        path = folder / "recipe.yaml"
+        path.write_text(yaml.safe_dump(data))
+        report = compile_recipe(load_recipe(path), RunOptions(output=folder / "run", cache_dir=folder / "cache"))
+        _RUNS["cnn"] = (folder / "run", report)
+    return _RUNS["cnn"]
+
 
 def needs_triton():
     """Skip without a Triton venv, except in CI, where .ci/run makes one and its absence is a failure."""

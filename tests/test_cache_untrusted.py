@@ -188,3 +188,35 @@ def test_a_hostile_remote_result_is_refused(tmp_path, remote, caplog, wrapped):
     cache = TieredStageCache(tmp_path / "node" / "cache", FsspecEntryStore(remote.url, **remote.options))
     assert cache.get_result(KEY) is None
     cache.release_leases()
+
+
+@pytest.mark.parametrize("sets", [["../../etc/passwd"], "eval", [{"a": 1}], [None]])
+def test_a_forged_record_of_the_data_a_pass_read_is_ignored(tmp_path, sets):
+    """The record is a cache result like any other: names that are no data set are no record."""
+    from optpipe.execution.stage_runner import StageRunner, _data_record_key
+
+    cache = StageCache(tmp_path / "cache")
+    cache.put_result(_data_record_key("base"), {"sets": sets})
+    runner = StageRunner.__new__(StageRunner)  # only its cache is read here
+    runner.cache = cache
+    assert runner._data_read_last_time("base") == {}
+    cache.release_leases()
+
+
+@pytest.mark.parametrize("planted", ["tmp", "stages", "results"])
+def test_a_symlinked_folder_in_a_shared_remote_is_never_written_through(tmp_path, caplog, planted):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shared = tmp_path / "remote"
+    shared.mkdir()
+    os.symlink(elsewhere, shared / planted)
+    cache = TieredStageCache(tmp_path / "node" / "cache", FsspecEntryStore(f"file://{shared}"))
+    workdir = cache.new_workdir()
+    (workdir / "model.onnx").write_bytes(GOOD)
+    with caplog.at_level(logging.WARNING, logger="optpipe.cache"):
+        local = cache.publish_folder(KEY, workdir, "stages")
+        cache.put_result(KEY, {"p50": 1.0})
+    cache.release_leases()
+    assert verify_entry(local) is None, "the local entry stands"
+    assert list(elsewhere.iterdir()) == [], "nothing written through the link"
+    assert "is a link or a file, not a folder" in caplog.text

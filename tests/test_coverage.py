@@ -113,7 +113,7 @@ def test_quantization_left_in_float_warns_naming_the_op(cnn_setup):
     from optpipe.core.results import StageResult
 
     stage = StageResult(name="int8", pass_name="int8", status="ok", coverage=coverage, warnings=warnings)
-    text = render_markdown(build_report(recipe, [stage]))
+    text = render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
     assert "| precision (MACs) |" in text and "fp32 100% ⚠" in text
     assert "## Left in float by the quantization stages" in text and "Conv in fp32 (100%: not quantized)" in text
 

@@ -467,7 +467,25 @@ ROUND_TWO = {
     # command line
     "export --to an existing file": (_export_to_a_file, USER, "--to: "),
     "gc with a negative age": (lambda d: ["cache", "--cache-dir", str(d / "c"), "gc", "--older-than", "-1d"], USER, "not an age"),
+    # remote caches and cache markers (issues 21, 22)
+    "--remote-cache is a file": (lambda d: _remote(d, lambda r: r.write_text("x")), USER, "is a file, not a folder; point --remote-cache"),
+    "--remote-cache under a file": (lambda d: _remote(d, lambda r: r.write_text("x"), "/sub"), USER, "--remote-cache"),
+    "--remote-cache with an unknown protocol": (lambda d: _recipe_file(d) + ["--remote-cache", "nosuch://bucket/x"], USER, "use s3://, gs://, file://"),
+    "--remote-cache gs:// without gcsfs": (lambda d: _recipe_file(d) + ["--remote-cache", "gs://bucket/x"], USER, "gcsfs"),
+    "cache marker left empty by a full disk": (lambda d: _recipe_with_cache(d, _empty_marker(d)), USER, "delete '"),
 }
+
+
+def _remote(folder: Path, make, tail: str = "") -> list[str]:
+    args = _recipe_file(folder)
+    make(folder / "remote")
+    return args + ["--remote-cache", f"file://{folder / 'remote'}{tail}"]
+
+
+def _empty_marker(folder: Path) -> str:
+    (folder / "old-cache").mkdir(parents=True)
+    (folder / "old-cache" / "CACHEDIR.TAG").write_bytes(b"")  # what a full disk left before the marker was atomic
+    return "old-cache"
 
 
 CASES.update(ROUND_TWO)

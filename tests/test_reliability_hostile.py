@@ -379,8 +379,12 @@ def test_a_full_or_read_only_disk_mid_run_is_one_line_and_the_cache_stays_consis
     write_linear_onnx(tmp_path / "model")
     path = write_recipe(tmp_path, onnx_recipe(tmp_path))
     if code == errno.ENOSPC:  # the stage log is on the full disk too: logging must not print its own tracebacks
-        (tmp_path / "run" / "logs").mkdir(parents=True)
-        os.symlink("/dev/full", tmp_path / "run" / "logs" / "export.log")
+        # (/dev/full opened for the log: a symlink to it in the run folder is refused before the run now)
+        from optpipe.execution import services
+
+        real_handler = services.logging.FileHandler
+        monkeypatch.setattr(services.logging, "FileHandler", lambda path, *a, **k: real_handler(
+            "/dev/full" if Path(path).name == "export.log" else path, *a, **k))
     monkeypatch.chdir(tmp_path)
     _, save = _failing_save(code)
     monkeypatch.setattr(onnx, "save_model", save)  # every stage writes its model with it

@@ -15,40 +15,19 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from optpipe.execution.pipeline import RunOptions, compile_recipe
-from optpipe.safety.recipe_loading import load_recipe
 from optpipe.serving.triton_server import TritonServer
-from serving_fixtures import INSTALL, grpc_inputs, http_inputs, needs_triton, stage_outputs
+from serving_fixtures import INSTALL, MAX_BATCH, cnn_run, grpc_inputs, http_inputs, needs_triton, stage_outputs
 
 pytestmark = needs_triton()
 
-MAX_BATCH = 8
-QUEUE_DELAY_US = 200_000  # long enough that 8 simultaneous requests always meet in one batch, even on a loaded machine
-CNN_OVERRIDES = {
-    "model": {"factory": "tiny:build_cnn"},
-    "inputs": [{"name": "image", "dtype": "float32", "shape": ["batch", 3, 16, 16]}],
-    "dims": {"batch": {"min": 1, "opt": 2, "max": MAX_BATCH}},
-    "stages": {"ov": {"pass": "openvino", "after": "simplify"}},
-    "evaluate": {"threads": 2, "eager_baseline": False},
-    "targets": [{"kind": "triton", "stages": ["simplify", "ov"],
-                 "params": {"backend": "python", "max_queue_delay_us": QUEUE_DELAY_US}}],
-}
 MODELS = {"simplify": "tiny_simplify", "ov": "tiny_ov"}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    import yaml
-    from conftest import TINY_RECIPE, _deep_update
-
-    folder = tmp_path_factory.mktemp("serve-cnn")
-    data = json.loads(json.dumps(TINY_RECIPE))
-    _deep_update(data, CNN_OVERRIDES)
-    path = folder / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    report = compile_recipe(load_recipe(path), RunOptions(output=folder / "run", cache_dir=folder / "cache"))
+    run_dir, report = cnn_run(tmp_path_factory)
     assert {(t.stage, t.status) for t in report.targets} == {("simplify", "ok"), ("ov", "ok")}, [t.reason for t in report.targets]
-    return folder / "run", report
+    return run_dir, report
 
 
 @pytest.fixture(scope="module")

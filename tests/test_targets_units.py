@@ -233,7 +233,7 @@ def test_triton_refuses_a_batch_larger_than_the_profile(tmp_path):
 def test_target_params_errors_name_the_yaml_path(tmp_path):
     recipe = parse_recipe({**RECIPE, "targets": [{"kind": "ort"}, {"kind": "triton", "params": {"platfrom": "tensorrt"}}]}, base_dir=tmp_path)
     with pytest.raises(RecipeError, match=r"targets\.1\.params\.platfrom: unknown key \(did you mean 'platform'\?\)"):
-        validate_targets(recipe)
+        validate_targets(recipe.targets)
 
 
 def test_triton_tensorrt_plan_without_tensorrt_is_skipped_not_half_written(tmp_path):

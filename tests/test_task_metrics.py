@@ -288,7 +288,7 @@ def test_input_insensitive_model_is_flagged_and_the_report_says_so(tmp_path):
 
     recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}], "stages": {"export": {"pass": "export"}}})
     stage = StageResult(name="export", pass_name="export", status="ok", accuracy=acc, warnings=acc.warnings)
-    text = render_markdown(build_report(recipe, [stage]))
+    text = render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
     assert "meaningless" in text and "## Warnings" in text and "mean nothing" in text
 
 

@@ -176,6 +176,28 @@ class StageCache:
         _write_json_atomic(self.result_path(key), {"sha256": sha256_json(value), "value": value})
 
 
+class LeaseSet:
+    """Leases held apart from the per-run ones (StageCache.release_leases, which every task calls
+    when it ends, leaves these): a driver keeps each stage its later tasks read (a search's
+    shared prefix, a parent evaluated after its child ran) until the whole run ends."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._fds: dict[Path, int] = {}
+
+    def hold(self, key: str) -> None:
+        path = self.root / "locks" / f"{key}.use"
+        if path not in self._fds and path.parent.is_dir():
+            fd = hold_shared(path)
+            if fd is not None:
+                self._fds[path] = fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            release(fd)
+        self._fds.clear()
+
+
 def discard(root: Path, folder: Path) -> None:
     """Remove an entry folder: first renamed out of sight (atomic), then deleted."""
     trash = root / "tmp" / f"trash-{uuid.uuid4().hex}"
@@ -295,4 +317,4 @@ def _write_json_atomic(path: Path, value: Any) -> None:
     write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True, default=str))
 
 
-__all__ = ["StageCache", "default_cache_dir", "library_versions", "verify_entry", "write_manifest", "INFO_FILE"]
+__all__ = ["StageCache", "LeaseSet", "default_cache_dir", "library_versions", "verify_entry", "write_manifest", "INFO_FILE"]

@@ -96,7 +96,7 @@ def cli() -> None:
 @click.option("--address", metavar="auto|ray://HOST:PORT|HOST:PORT", help="--executor ray: the cluster (default: a local Ray instance)")
 @click.option("--yes", is_flag=True, help="run a grid search however many trials it has")
 @click.option("--group-by-node", is_flag=True, help="one Pareto frontier per kind of machine, when several measured")
-@click.option("--remote-cache", metavar="URL", help="an object store behind the cache folder (s3://bucket/prefix; pip install 'optpipe[s3]')")
+@click.option("--remote-cache", metavar="URL", help="a shared store behind the cache folder: a folder every node mounts (file:///mnt/x or a path) or an object store (s3://bucket/prefix: pip install 'optpipe[s3]'; gs://: gcsfs)")
 def compile_command(recipes: tuple[Path, ...], output: Path | None, force: bool, only: str | None, cache_dir: Path | None,
                     allow_paths: tuple[Path, ...], allow_factories: tuple[str, ...], executor: str, address: str | None, yes: bool,
                     group_by_node: bool, remote_cache: str | None) -> None:

@@ -8,11 +8,16 @@ slower than f32 (measured, issue 13). What the plugin actually ran with is read 
 from the compiled model and recorded, never assumed.
 
 openvino is imported inside the functions: `import optpipe` must not pay for it.
+
+No usage data leaves a compile: OpenVINO's converter and NNCF report to an analytics service through
+openvino_telemetry unless told otherwise (`telemetry_off`).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
@@ -70,9 +75,54 @@ def is_ir(folder: Path) -> bool:
     return (Path(folder) / IR_FILE).is_file()
 
 
+#: openvino_telemetry declines to collect when the environment says it is a CI job (`disable_in_ci`,
+#: which OpenVINO's converter and NNCF both pass); NNCF_CI is NNCF's own switch (its telemetry stub).
+TELEMETRY_OFF = {"CI": "true", "NNCF_CI": "1"}
+_telemetry_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def telemetry_off():
+    """Around every call into OpenVINO or NNCF that starts their telemetry (`import openvino`, `convert_model`, `import nncf`).
+
+    Without it each conversion wrote ~/intel/stats and ~/intel/openvino_ga_cid and started sender
+    processes (11 per compile, measured) that reach for Google Analytics, and that printed their own
+    tracebacks after a Ctrl-C. Their documented opt-out, `opt_in_out --opt_out`, writes a consent
+    file in the user's home: optpipe writes nothing outside its output and cache folders, so it uses
+    the library's other documented switch instead. Only around the calls: torch and transformers
+    read CI too (torch makes some checks errors in CI), and a run must not change their behaviour."""
+    with _telemetry_lock:
+        saved = {name: os.environ.get(name) for name in TELEMETRY_OFF}
+        os.environ.update(TELEMETRY_OFF)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def openvino():
+    """The openvino package, imported with its telemetry off: `import openvino` itself sends an event."""
+    with telemetry_off():
+        import openvino
+
+    return openvino
+
+
+def nncf():
+    """NNCF, imported with its telemetry off (it starts at import)."""
+    with telemetry_off():
+        import nncf
+
+    return nncf
+
+
 @lru_cache(maxsize=1)
 def core():
-    import openvino as ov
+    ov = openvino()
 
     core = ov.Core()
     view = engine_target("openvino")
@@ -106,9 +156,9 @@ def read_model(path: Path):
 
 def convert_onnx(path: Path):
     """ONNX -> ov.Model, through the documented converter (openvino.convert_model)."""
-    import openvino as ov
+    ov = openvino()
 
-    with _root_logger_kept():
+    with _root_logger_kept(), telemetry_off():
         return ov.convert_model(str(path))
 
 
@@ -138,7 +188,7 @@ def conversion_failure(exc: BaseException) -> str:
 
 def save_ir(model, folder: Path) -> Path:
     """Write model.xml + model.bin; weights stay FP32 (no FP16 compression: that is a precision change)."""
-    import openvino as ov
+    ov = openvino()
 
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / IR_FILE

@@ -11,10 +11,11 @@ from filelock import FileLock
 
 from optpipe.plan.dag import build_dag, only_order
 from optpipe.execution.executors import Plan, Progress, RunMemo
-from optpipe.execution.stage_tasks import TaskSettings, hardware_class
+from optpipe.execution.stage_tasks import TaskSettings, hardware_class, held_keeping_figures
 from optpipe.core.results import RunReport, StageResult
 from optpipe.recipe.schema import OnnxModel, Recipe
 from optpipe.reporting.run_report import build_report, pareto_frontier, write_report
+from optpipe.plan.compile_plan import CompilePlan
 from optpipe.plan.validate import validate_recipe
 
 
@@ -34,7 +35,7 @@ class PlainDriver:
         if self._planned:
             return None
         self._planned = True
-        return Plan(self.recipe.name, self.recipe, self.order, reference_of(self.recipe), wants_eager(self.recipe), self.settings, self.memo)
+        return Plan(self.recipe.name, CompilePlan.of(self.recipe), self.order, reference_of(self.recipe), wants_eager(self.recipe), self.settings, self.memo)
 
     def absorb(self, progress: Progress) -> None:
         pass
@@ -62,7 +63,8 @@ def targets_on(executor, recipe: Recipe, settings: TaskSettings, progress: Progr
     """The executor's way to build the recipe's targets, given the run's report (None: in the driver)."""
     if executor is None:
         return None
-    return lambda report: executor.target_runner(recipe, settings, report, progress)
+    compile_plan = CompilePlan.of(recipe)
+    return lambda report: executor.target_runner(compile_plan, settings, report, progress)
 
 
 def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, settings: TaskSettings,
@@ -70,25 +72,30 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
                targets: Callable | None = None) -> RunReport:
     """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
     from optpipe.execution.run_folder import publish_stage_folders
+    from optpipe.safety.os_errors import folder_errors
     from optpipe.execution.services import RunServices
     from optpipe.reporting.inspection import save_sample_inputs
-    from optpipe.targets import run_targets, target_settings, write_recipe_snapshot
+    from optpipe.safety.recipe_loading import write_recipe_snapshot
+    from optpipe.targets import run_targets
 
+    plan = CompilePlan.of(recipe)  # the report and the targets take its typed parts; the snapshot is the recipe itself
     results = ([memo.eager] if memo.eager else []) + [memo.results[name] for name in order]
-    report = build_report(recipe, results)
+    report = build_report(plan.name, plan.evaluate, results)
     report.hardware = frontier_by_hardware(report, group_by_node)
     report.search = search(report) if search else None
     cache = settings.open_cache()
     providers = settings.providers
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with FileLock(str(run_dir / ".optpipe.lock")):
+        # Leased (and rebuilt if a gc pruned them after their tasks ended) before they are copied.
+        results = [held_keeping_figures(plan, result, settings, cache) for result in results]
+        with folder_errors("output folder", run_dir), FileLock(str(run_dir / ".optpipe.lock")):  # a full disk names it
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):
-                save_sample_inputs(run_dir, RunServices(recipe.model_source(), recipe.data, cache).eval_set().arrays)
+                save_sample_inputs(run_dir, RunServices(plan.model_source(), plan.data, cache).eval_set().arrays)
             try:
                 write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
-                run_targets(target_settings(recipe, cache.root), report, run_dir, cache, providers,
+                run_targets(plan.target_settings(cache.root), report, run_dir, cache, providers,
                             runner=targets(report) if targets else None)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows

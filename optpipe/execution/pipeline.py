@@ -35,7 +35,8 @@ from optpipe.core.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
 from optpipe.safety.os_errors import folder_errors
-from optpipe.targets import run_targets, target_settings, write_recipe_snapshot
+from optpipe.safety.recipe_loading import write_recipe_snapshot
+from optpipe.targets import run_targets
 from optpipe.plan.validate import validate_recipe
 
 
@@ -78,15 +79,16 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         instruments = manager.instruments
         stages = manager.run(order, graph, passes)
         results = evaluate_stages(EvaluationParts.of(plan), order, stages, services, cache, options.providers, instruments, options.force)
-        report = build_report(recipe, results)
+        report = build_report(plan.name, plan.evaluate, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
-        with FileLock(str(run_dir / ".optpipe.lock")):
+        # A full disk there names the output folder (the copies' sources are in the cache).
+        with folder_errors("output folder", run_dir), FileLock(str(run_dir / ".optpipe.lock")):
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):  # then the evaluation set was built fine
                 save_sample_inputs(run_dir, services.eval_set().arrays)  # real inputs for `optpipe diff --layers`
             try:
                 write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
-                run_targets(target_settings(recipe, cache.root), report, run_dir, cache, options.providers, instruments)
+                run_targets(plan.target_settings(cache.root), report, run_dir, cache, options.providers, instruments)
             finally:
                 write_report(report, run_dir)  # once, with the targets' rows
     finally:

@@ -27,6 +27,7 @@ from optpipe.core.results import ErrorKind, StageResult, error_kind
 from optpipe.core.signal_stack import restore_signal_stack
 
 KEY_FORMAT = 2
+DATA_SETS = ("eval", "calibration")  # the names RunServices.data_set knows
 
 
 class StageRunner:
@@ -115,7 +116,12 @@ class StageRunner:
 
     def _data_read_last_time(self, base: str) -> dict[str, str]:
         record = self.cache.get_result(_data_record_key(base))
-        return {which: self.services.data_set(which).key for which in (record or {}).get("sets", [])}
+        sets = (record or {}).get("sets", [])
+        # A record is cache data, untrusted like any entry (a shared cache anyone may write):
+        # names that are not data sets mean no usable record, so the pass runs and rewrites it.
+        if not isinstance(sets, list) or not all(which in DATA_SETS for which in sets):
+            return {}
+        return {which: self.services.data_set(which).key for which in sets}
 
     @staticmethod
     def _key_with_data(base: str, data: dict[str, str]) -> str:

@@ -19,6 +19,8 @@ from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from optpipe.pass_infra.pass_base import Pass
+from optpipe.targets.base import TargetSettings
 from optpipe.recipe.schema import DataSets, DimRange, EvaluateSpec, InputSpec, ModelInputs, ModelSource, ModelSpec, Recipe, TargetSpec, Tolerance
 
 
@@ -62,6 +64,13 @@ class CompilePlan(_Frozen):
                    base_dir=recipe.base_dir, data=recipe.data, evaluate=recipe.evaluate, stages=stages,
                    targets=tuple(recipe.targets))
 
+    def configured_pass(self, name: str) -> Pass:
+        """The stage's pass with its params, as validation configured it (a task configures only its own)."""
+        from optpipe.passes import registry
+        from optpipe.plan.validate import configure
+
+        return configure(name, self.stages[name], registry())
+
     def model_inputs(self) -> ModelInputs:
         return ModelInputs(tuple(self.inputs), dict(self.dims))
 
@@ -76,6 +85,11 @@ class CompilePlan(_Frozen):
 
     def target_kinds(self) -> tuple[str, ...]:
         return tuple(target.kind for target in self.targets)
+
+    def target_settings(self, cache_root: Path) -> TargetSettings:
+        """What the targets read, with the run's sample sets (built from the cache when first used)."""
+        return TargetSettings.build(self.name, self.evaluate, self.model_source(), self.data, self.parents(), self.tolerances(),
+                                    self.targets, cache_root)
 
     def with_evaluate(self, **changes: Any) -> "CompilePlan":
         """The same plan with some evaluation settings replaced (a scheduled evaluation's reference)."""

@@ -51,6 +51,15 @@ class TorchvisionModel(TorchSource):
     num_classes: int = 1000
 
 
+def standard_library_refusal(spec: str) -> str | None:
+    """Why `module:function` may not be a factory, when its module is Python's standard library: a factory
+    is called (by compile with the recipe's kwargs, by `optpipe init` without), so `os:system` would run a shell."""
+    top = spec.partition(":")[0].split(".")[0]
+    if top in sys.stdlib_module_names or top == "builtins":
+        return f"'{spec}' is in Python's standard library, not a model; name your own function that builds a torch.nn.Module"
+    return None
+
+
 class FactoryModel(TorchSource):
     factory: str = Field(description="'module:function' returning a torch.nn.Module or (module, example_inputs)")
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -63,10 +72,9 @@ class FactoryModel(TorchSource):
     @field_validator("factory")
     @classmethod
     def _not_the_standard_library(cls, value: str) -> str:
-        # A factory is called with the recipe's kwargs: `os:system` would run a shell command.
-        top = value.partition(":")[0].split(".")[0]
-        if top in sys.stdlib_module_names or top == "builtins":
-            raise ValueError(f"'{value}' is in Python's standard library, not a model; name your own function that builds a torch.nn.Module")
+        refusal = standard_library_refusal(value)
+        if refusal:
+            raise ValueError(refusal)
         return value
 
 

@@ -2,10 +2,12 @@
 takes these paths instead of re-deriving them from the recipe."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from optpipe.cache.folder import check_apart
+from optpipe.core.errors import RunFolderError
 from optpipe.cache.store import default_cache_dir
 from optpipe.recipe.schema import Recipe
 
@@ -34,4 +36,21 @@ class RunPaths:
         `compile_recipe`, `compile_recipes` and `validate`."""
         paths = cls.resolve(recipe, output, cache_dir)
         check_apart(paths.run_dir, paths.cache_dir)
+        check_no_links(paths.run_dir)
         return paths
+
+
+def check_no_links(run_dir: Path) -> None:
+    """A symlink inside a run folder (`logs` -> a folder elsewhere, `report.json` -> ~/.bashrc) would carry
+    optpipe's writes outside it: refused before anything is written, naming the link. optpipe itself puts
+    only real files and folders there (stage copies are copies, not links)."""
+    if not run_dir.is_dir():
+        return
+    for folder, dirs, files in os.walk(run_dir):  # os.walk does not enter linked folders: they are listed, and refused
+        for name in sorted(dirs + files):
+            path = Path(folder, name)
+            if path.is_symlink():
+                raise RunFolderError(
+                    f"'{path}' in the run folder is a symlink (to {os.readlink(path)}); optpipe would write through it, "
+                    "outside the run folder: remove the link, or choose another --output"
+                )

@@ -154,6 +154,11 @@ class TaskSpec(Strict):
     cosine_min: float = Field(0.99, ge=-1, le=1, allow_inf_nan=False, description="embeddings: mean token cosine")
 
 
+# A Ray resource amount: finite and >= 0. NaN passed validation and the local executor, then crashed
+# Ray's scheduler (`cannot convert float NaN to integer`, exit 3); a negative one Ray refuses too.
+ResourceAmount = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 class StageSpec(Strict):
     pass_name: str = Field(alias="pass")
     params: dict[str, Any] = Field(default_factory=dict)
@@ -162,7 +167,7 @@ class StageSpec(Strict):
     timeout_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     search: dict[str, Choices] = Field(default_factory=dict, description="params to search: a list of choices, or {min, max, step}")
     optional: bool = Field(False, description="search: try the search with and without this stage")
-    resources: dict[str, float] = Field(
+    resources: dict[str, ResourceAmount] = Field(
         default_factory=dict, description="--executor ray: what the pass's task needs: CPU, GPU, or a custom resource such as a GPU type"
     )
 
@@ -205,7 +210,7 @@ class EvaluateSpec(Strict):
         "auto", description="where stages are evaluated: auto (CUDA where the machine, or the Ray task, has a GPU), cpu, "
         "cuda, tensorrt (ONNX Runtime's TensorRT provider); with --executor ray, cuda and tensorrt ask Ray for a GPU"
     )
-    resources: dict[str, float] = Field(
+    resources: dict[str, ResourceAmount] = Field(
         default_factory=dict, description="--executor ray: what an evaluation task needs besides the node's `benchmark` slot "
         "(GPU, a GPU type); GPU: 1 is implied by providers cuda or tensorrt"
     )

@@ -24,14 +24,15 @@ class StepRange(_Strict):
 
     min: float = Field(allow_inf_nan=False)
     max: float = Field(allow_inf_nan=False)
-    step: float = Field(gt=0)
+    step: float = Field(gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _ordered(self):
         if self.max < self.min:
             raise ValueError(f"expected min <= max, got {self.min}, {self.max}")
-        if (self.max - self.min) / self.step > 10_000:
-            raise ValueError(f"{(self.max - self.min) / self.step:.0f} steps is too many; use a larger step")
+        steps = (self.max - self.min) / self.step
+        if steps > 10_000:  # %g: a step of 1e-300 made a 301-digit count
+            raise ValueError(f"{steps:.3g} steps is too many (at most 10000); use a larger step")
         return self
 
     def values(self) -> list[Union[int, float]]:

@@ -16,21 +16,22 @@ from typing import Any
 
 from optpipe.core.artifact import write_text_atomic
 from optpipe.evaluation.speed_verdict import slower_than_parent
-from optpipe.recipe.schema import Recipe
+from optpipe.recipe.schema import EvaluateSpec
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
 from optpipe.core.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
 from optpipe.hardware.cpu_features import cpu_record
 
-def build_report(recipe: Recipe, stages: list[StageResult]) -> RunReport:
-    """The report of one compile: its stages, their Pareto frontier, the machine and settings."""
-    reference = recipe.evaluate.reference or next((s.name for s in stages if s.parent is None and s.name != EAGER), None)
+def build_report(name: str, evaluate: EvaluateSpec, stages: list[StageResult]) -> RunReport:
+    """The report of one compile (the recipe's `name`, its evaluation settings): its stages, their
+    Pareto frontier, the machine and settings."""
+    reference = evaluate.reference or next((s.name for s in stages if s.parent is None and s.name != EAGER), None)
     report = RunReport(
         optpipe_version=_version(),
-        recipe=recipe.name,
+        recipe=name,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         machine=machine_description(),
-        evaluation=recipe.evaluate.model_dump(mode="json"),
+        evaluation=evaluate.model_dump(mode="json"),
         reference=reference,
         baseline=EAGER if any(s.name == EAGER for s in stages) else None,
         stages=stages,

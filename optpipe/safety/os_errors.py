@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -36,16 +37,40 @@ class FolderError(OptpipeError):
     """An output or cache folder cannot be written (exit code 2)."""
 
 
+#: The flag that moves each folder a run writes.
+_FLAGS = {"output folder": "--output", "cache folder": "--cache-dir"}
+
+
 def describe(exc: OSError, role: str = "", folder: Path | None = None) -> str | None:
-    """One line for an environment OSError, or None when it is not one of those."""
+    """One line for an environment OSError, or None when it is not one of those. It names `role`
+    ('output folder') and `folder` only when the failed file is inside it: a copy from the cache into
+    a full output folder is the output folder's disk, not the cache's."""
     if (exc.errno or 0) not in _PROBLEMS:
         return None
     problem, fix = _PROBLEMS[exc.errno]
-    if role and folder is not None:
-        where = f"{role} '{folder}'" + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(folder) else "")
+    failed = failed_file(exc)
+    if role and folder is not None and (failed is None or _inside(failed, folder)):
+        where = f"{role} '{folder}'" + (f" ({failed})" if failed and str(failed) != str(folder) else "")
+        flags = _FLAGS.get(role, "--output, --cache-dir")
     else:
-        where = f"'{exc.filename}'" if exc.filename else "the disk"  # a flush on close carries no file name
-    return f"cannot use {where}: {problem}; {fix} or choose another folder (--output, --cache-dir)"
+        where = f"'{failed}'" if failed else "the disk"  # a flush on close carries no file name
+        flags = "--output, --cache-dir"
+    return f"cannot use {where}: {problem}; {fix} or choose another folder ({flags})"
+
+
+def failed_file(exc: OSError) -> str | None:
+    """The file an OSError is about. A copy or rename that fails for its disk (full, read-only) fails on
+    its destination, which shutil and os.replace give as filename2; filename is the source."""
+    if exc.errno in DISK_ERRNOS and exc.filename2:
+        return str(exc.filename2)
+    return str(exc.filename) if exc.filename else None
+
+
+def _inside(path: str, folder: Path) -> bool:
+    try:
+        return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
+    except (TypeError, ValueError):
+        return False
 
 
 def disk_error_in(exc: BaseException) -> OSError | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from optpipe.core.errors import RecipeError
+from optpipe.recipe.model_specs import standard_library_refusal
 from optpipe.recipe.schema import FactoryModel, HFModel, OnnxModel, Recipe
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
@@ -118,17 +119,27 @@ def check_factory(recipe: Recipe, origin: str, allow: Iterable[str] = ()) -> Non
     model = recipe.model
     if not isinstance(model, FactoryModel):
         return
-    module = model.factory.partition(":")[0]
-    if any(module == name or module.startswith(name + ".") for name in (*BUILTIN_FACTORIES, *allow)):
-        return
     folder = recipe.resolve(model.path) if model.path else None
+    problem = factory_refusal(model.factory, folder, allow)
+    if problem:
+        raise RecipeError(f"{origin}: model.factory: {problem}")
+
+
+def factory_refusal(spec: str, folder: Path | None, allow: Iterable[str] = (), place: str = "model.path") -> str | None:
+    """Why the factory `module:function` may not be called, or None: its module must be found in `folder`
+    (the recipe's model.path; for `optpipe init`, the working directory it writes as model.path), be one of
+    optpipe's builders or allowed by name; never Python's standard library. Checked before any import."""
+    refusal = standard_library_refusal(spec)
+    if refusal:
+        return refusal
+    module = spec.partition(":")[0]
+    if any(module == name or module.startswith(name + ".") for name in (*BUILTIN_FACTORIES, *allow)):
+        return None
     if folder is not None and _module_in(module, folder):
-        return
-    where = f"in model.path ({folder})" if folder else "in a `model.path` folder (none is set)"
-    raise RecipeError(
-        f"{origin}: model.factory: module '{module}' is not {where}; a factory runs code with the recipe's arguments, "
-        f"so it must live in the recipe's model.path, or be allowed with --allow-factory {module.split('.')[0]}"
-    )
+        return None
+    where = f"in {place} ({folder})" if folder else "in a `model.path` folder (none is set)"
+    return (f"module '{module}' is not {where}; a factory runs code with the recipe's arguments, "
+            f"so it must live in the recipe's model.path, or be allowed with --allow-factory {module.split('.')[0]}")
 
 
 def _module_in(module: str, folder: Path) -> bool:

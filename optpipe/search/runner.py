@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from optpipe.cache.store import LeaseSet
 from optpipe.core.errors import OptpipeError
 from optpipe.execution.executors import Executor, Progress, settings_for
 from optpipe.execution.fan_out import PlainDriver
@@ -35,7 +36,7 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     _distinct_run_folders(recipes, [paths.run_dir for paths in folders])
     for recipe, paths in zip(recipes, folders):
         run_dir, cache = paths.run_dir, paths.cache_dir
-        settings = settings_for(recipe, cache, run_dir, force, providers, remote_cache, storage_options)
+        settings = settings_for(cache, run_dir, force, providers, remote_cache, storage_options)
         _preflight(recipe, settings)
         if SearchSpace.declared(recipe):
             drivers.append(SearchDriver(recipe, run_dir, settings, yes))
@@ -66,20 +67,38 @@ def _distinct_run_folders(recipes: list[Recipe], run_dirs: list[Path]) -> None:
 
 
 def _run(drivers: list, executor: Executor, progress: Progress, group_by_node: bool, providers: str) -> list:
-    active = list(drivers)
-    while active:
-        plans = {id(d): d.next_plan(executor.slots) for d in active}
-        active = [d for d in active if plans[id(d)] is not None]
-        if not active:
-            break
-        executor.run([plans[id(d)] for d in active], progress)
-        for driver in active:
-            driver.absorb(progress)
-    reports = []
-    for driver in drivers:
-        report = driver.finish(group_by_node, providers, progress, executor)
-        reports.append((report, driver.failed(report)))
-    return reports
+    held: dict[Path, LeaseSet] = {}  # per cache folder: every stage computed so far, until the reports are written
+    try:
+        active = list(drivers)
+        while active:
+            plans = {id(d): d.next_plan(executor.slots) for d in active}
+            active = [d for d in active if plans[id(d)] is not None]
+            if not active:
+                break
+            executor.run([plans[id(d)] for d in active], progress)
+            for driver in active:
+                _hold_outcomes(plans[id(driver)], held)
+                driver.absorb(progress)
+        reports = []
+        for driver in drivers:
+            report = driver.finish(group_by_node, providers, progress, executor)
+            reports.append((report, driver.failed(report)))
+        return reports
+    finally:
+        for leases in held.values():
+            leases.close()
+
+
+def _hold_outcomes(plan, held: dict) -> None:
+    """Lease the round's stage entries for the rest of the run: later trials and the report read
+    them, and each task dropped its own leases when it ended (the tasks also rebuild an entry a
+    gc pruned in between; these leases make that the exception)."""
+    root = plan.settings.cache_dir
+    leases = held.setdefault(root, LeaseSet(root))
+    for outcome in plan.memo.outcomes.values():
+        model = outcome.model
+        if outcome.status == "ok" and model is not None and model.folder.parent.parent == root:
+            leases.hold(model.folder.name)
 
 
 def _preflight(recipe: Recipe, settings: TaskSettings) -> None:

@@ -9,7 +9,6 @@ later for one stage of a finished run, without recomputing anything.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import shutil
 import tempfile
@@ -17,17 +16,18 @@ import traceback
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from pydantic import ValidationError
 
 from optpipe.core.errors import OptpipeError, RecipeError, TargetError, first_line
 from optpipe.pass_infra.instruments import Instrument
 from optpipe.recipe.schema import Recipe, TargetSpec, describe_validation_error
-from optpipe.safety.recipe_loading import parse_recipe
+# The run folder's recipe.json: written by the compile (the recipe's own loader writes and reads it), read here by `export_stage`.
+from optpipe.safety.recipe_loading import SNAPSHOT_FILE, load_recipe_snapshot, write_recipe_snapshot  # noqa: F401  (re-exported)
 from optpipe.core.results import RunReport
 from optpipe.targets.base import PARAMS, StageView, TargetJob, TargetParams, TargetResult, TargetSettings
-from optpipe.targets.manifest import write_manifest
+from optpipe.targets.manifest import check_export_folder, write_manifest
 
 __all__ = ["run_targets", "build_one", "target_resources", "gpu_type_resource", "TargetWork", "TargetRunner", "target_settings", "write_recipe_snapshot", "export_stage", "validate_targets", "load_recipe_snapshot", "TargetResult", "KINDS"]
 
@@ -39,13 +39,12 @@ BUILDERS = {
     "openvino": ("optpipe.targets.openvino", "write_ir"),
 }
 KINDS = tuple(BUILDERS)
-SNAPSHOT_FILE = "recipe.json"
 log = logging.getLogger("optpipe.targets")
 
 
-def validate_targets(recipe: Recipe) -> None:
+def validate_targets(targets: Sequence[TargetSpec]) -> None:
     """Each target's params against its kind's schema, as a RecipeError naming the YAML path."""
-    for index, spec in enumerate(recipe.targets):
+    for index, spec in enumerate(targets):
         target_params(spec, f"targets.{index}.params")
 
 
@@ -58,19 +57,11 @@ def target_params(spec: TargetSpec, where: str) -> TargetParams:
 
 
 def target_settings(recipe: Recipe, cache_root: Path) -> TargetSettings:
-    """The parts of the recipe the targets read, resolved once; the sample sets are built when first used."""
-    from optpipe.calibration.dataset import build_sample_set
-
-    data, source = recipe.data, recipe.model_source()
-    return TargetSettings(
-        recipe_name=recipe.name,
-        evaluate=recipe.evaluate,
-        shapes=source,
-        parents={name: stage.after for name, stage in recipe.stages.items()},
-        tolerances={name: recipe.tolerance_for(name) for name in recipe.stages},
-        targets=tuple(recipe.targets),
-        eval_set=lambda: build_sample_set(data.eval, source, cache_root),
-        calibration_set=(lambda: build_sample_set(data.calibration, source, cache_root)) if data.calibration else None,
+    """The settings of a recipe read back from a run folder's snapshot (`export_stage`, serving): a
+    compile gives the targets `CompilePlan.target_settings` instead, and no Recipe."""
+    return TargetSettings.build(
+        recipe.name, recipe.evaluate, recipe.model_source(), recipe.data, {name: stage.after for name, stage in recipe.stages.items()},
+        {name: recipe.tolerance_for(name) for name in recipe.stages}, tuple(recipe.targets), cache_root,
     )
 
 
@@ -254,12 +245,14 @@ def export_stage(
     cache_dir: Optional[Path] = None,
     providers: str = "auto",
     overrides: Optional[dict[str, Any]] = None,
+    force: bool = False,
 ) -> TargetResult:
     """Write one target for one stage of a finished run into `to` (plus a manifest there).
 
     Reads report.json, recipe.json and the stage's folder; recomputes no stage. The recipe's
     params for that kind of target are used where the recipe has one, with `overrides` on top
-    (`optpipe serve`: Triton's python backend).
+    (`optpipe serve`: Triton's python backend). `to` follows the folder rules of a run folder
+    (manifest.check_export_folder); `force`: write over files optpipe did not write.
     """
     from optpipe.cache.store import StageCache
     from optpipe.recipe.run_paths import RunPaths
@@ -280,7 +273,9 @@ def export_stage(
     if overrides:
         spec = spec.model_copy(update={"params": {**spec.params, **overrides}})
     params = target_params(spec, f"targets.{index}.params")
-    cache = StageCache(RunPaths.resolve(recipe, cache_dir=cache_dir).cache_dir)
+    cache_root = RunPaths.resolve(recipe, cache_dir=cache_dir).cache_dir
+    check_export_folder(to, cache_root, force)  # before the cache is opened: a refused export creates nothing
+    cache = StageCache(cache_root)
     settings = target_settings(recipe, cache.root)
     reference = views(report.reference) if report.reference else None
     measurer = Measurer(settings, cache, reference, providers)
@@ -302,20 +297,6 @@ def export_stage(
 
 
 # --- the run folder ------------------------------------------------------------------------
-
-
-def write_recipe_snapshot(recipe: Recipe, run_dir: Path) -> None:
-    """The validated recipe beside the report, so a later export knows the dims, inputs and data."""
-    document = {"base_dir": str(recipe.base_dir), "recipe": recipe.model_dump(mode="json", by_alias=True)}
-    (run_dir / SNAPSHOT_FILE).write_text(json.dumps(document, indent=2))
-
-
-def load_recipe_snapshot(run_dir: Path) -> Recipe:
-    path = run_dir / SNAPSHOT_FILE
-    if not path.is_file():
-        raise TargetError(f"'{run_dir}' has no {SNAPSHOT_FILE} (written by `optpipe compile` since targets exist); rerun the compile")
-    document = json.loads(path.read_text())
-    return parse_recipe(document["recipe"], base_dir=Path(document["base_dir"]), origin=str(path))
 
 
 def _stage_views(run_dir: Path, report) -> Callable[[str], Optional[StageView]]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from optpipe.core.artifact import DATA_FILE, MODEL_FILE, content_hash, copy_file, sha256_file
 from optpipe.core.results import StageResult, TargetResult, TargetStatus
-from optpipe.recipe.schema import EvaluateSpec, ModelInputs, TargetSpec, Tolerance
+from optpipe.recipe.schema import DataSets, EvaluateSpec, ModelInputs, ModelSource, TargetSpec, Tolerance
 
 if TYPE_CHECKING:
     from optpipe.calibration.dataset import SampleSet
@@ -58,6 +58,12 @@ class TritonParams(TargetParams):
         "native", description="native: the platform's own backend (a full Triton image); python: a python-backend model "
         "(model.py) running the same model.onnx/model.xml in ONNX Runtime/OpenVINO with the measured session settings, "
         "for a Triton without those backends (pytriton's tritonserver)")
+    text_ensemble: bool = Field(
+        False, description="text models: also <name>_text, an ensemble a client sends strings to: the model's tokenizer "
+        "(python backend, the tokenizers package) -> the model -> pooling; see docs/serving.md")
+    pooling: Literal["auto", "mean", "cls", "none"] = Field(
+        "auto", description="the text ensemble's last step: mean over the attention mask, the first token, or none; "
+        "auto: the model folder's sentence-transformers 1_Pooling/config.json, else none")
 
     @model_validator(mode="after")
     def _device_fits_platform(self):
@@ -106,7 +112,7 @@ class StageView:
 
 @dataclass(frozen=True)
 class TargetSettings:
-    """What the targets read from the recipe, resolved once at the top (`targets.target_settings`):
+    """What the targets read from the recipe, resolved once at the top (`CompilePlan.target_settings`):
     a target can be built and tested without a Recipe."""
 
     recipe_name: str
@@ -120,6 +126,18 @@ class TargetSettings:
 
     def tolerance_for(self, stage: str) -> Tolerance:
         return self.tolerances.get(stage, self.evaluate.tolerance)
+
+    @classmethod
+    def build(cls, name: str, evaluate: EvaluateSpec, source: ModelSource, data: DataSets, parents: Mapping[str, Optional[str]],
+              tolerances: Mapping[str, Tolerance], targets: tuple[TargetSpec, ...], cache_root: Path) -> "TargetSettings":
+        """The settings with the run's sample sets, each built (or read from the cache) when first used."""
+        from optpipe.calibration.dataset import build_sample_set
+
+        return cls(
+            recipe_name=name, evaluate=evaluate, shapes=source, parents=parents, tolerances=tolerances, targets=targets,
+            eval_set=lambda: build_sample_set(data.eval, source, cache_root),
+            calibration_set=(lambda: build_sample_set(data.calibration, source, cache_root)) if data.calibration else None,
+        )
 
 
 @dataclass

@@ -17,7 +17,9 @@ from optpipe.targets import KINDS
 @click.option("--to", "to", required=True, type=click.Path(path_type=Path), help="folder to write it into")
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="cache folder (default: the recipe's, $OPTPIPE_CACHE or ~/.cache/optpipe)")
 @click.option("--allow-out-of-tolerance", is_flag=True, help="export a stage that broke its accuracy tolerance (warns)")
-def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Path | None, allow_out_of_tolerance: bool) -> None:
+@click.option("--force", is_flag=True, help="write into a folder that holds files optpipe did not write (they may be replaced)")
+def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Path | None, allow_out_of_tolerance: bool,
+                   force: bool) -> None:
     """Write STAGE of the finished run RUN_DIR as an ORT bundle, TensorRT engine, Triton repository or OpenVINO IR."""
     from optpipe.core.errors import TargetError
     from optpipe.targets import export_stage
@@ -25,7 +27,7 @@ def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Pa
     if to.exists() and not to.is_dir():
         raise TargetError(f"--to: '{to}' is a file; give a folder to write the {kind} artifact into (new or existing)")
     check_verdict(run_dir, stage, allow_out_of_tolerance)
-    result = export_stage(run_dir, stage, kind, to, cache_dir=cache_dir)
+    result = export_stage(run_dir, stage, kind, to, cache_dir=cache_dir, force=force)
     where = to / result.path if result.path else to
     click.echo(f"{kind} {stage}: {result.describe()}" + (f" -> {where}" if result.ok else ""))
     click.echo(f"manifest: {to / 'manifest.json'}")
