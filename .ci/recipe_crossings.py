@@ -1,8 +1,9 @@
 """Count where the whole Recipe crosses from one optpipe package into another during one compile.
 
-    python .ci/recipe_crossings.py RECIPE.yaml [--list]
+    python .ci/recipe_crossings.py RECIPE.yaml [MORE.yaml ...] [--list]
 
-Runs `optpipe compile RECIPE.yaml` in this process under a profiler hook and records every call
+Runs `optpipe compile RECIPE.yaml ...` in this process (two recipes or more take the fan-out path:
+`execution/fan_out.py`, the local executor, `stage_tasks`) under a profiler hook and records every call
 from a function of one package (cli, execution, plan, passes, evaluation, targets, ...) into a
 function of another whose arguments hold a `Recipe`: as the argument itself, or one attribute
 deep (a context or plan object carrying it, as `PassContext.recipe` did). Each distinct
@@ -64,7 +65,8 @@ def main(argv: list[str]) -> int:
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:
-        result = CliRunner().invoke(cli, ["compile", argv[0]], catch_exceptions=True)
+        recipes = [arg for arg in argv if not arg.startswith("--")]
+        result = CliRunner().invoke(cli, ["compile", *recipes], catch_exceptions=True)
     finally:
         sys.setprofile(None)
         threading.setprofile(None)

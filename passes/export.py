@@ -75,7 +75,7 @@ class ExportPass(Pass[ExportParams]):
         for exporter in exporters:
             raw = ctx.workdir / f"raw-{exporter}"
             try:
-                _export_checked(exporter, torch_model, feeds, expected, ctx.inputs, ctx.evaluate.threads, params, raw)
+                checked = _export_checked(exporter, torch_model, feeds, expected, ctx.inputs, ctx.evaluate.threads, params, raw)
             except _ExportFailed as exc:
                 ctx.log.warning("%s export failed: %s", exporter, exc)
                 failures[exporter] = str(exc)
@@ -83,7 +83,7 @@ class ExportPass(Pass[ExportParams]):
                 continue
             break
         else:
-            raise PassError(_failure_message(failures, params.exporter))
+            raise PassError(_failure_message(failures, bool(ctx.inputs.dims)))
         import onnx
 
         exported = onnx.load(str(raw / "model.onnx"))
@@ -94,7 +94,7 @@ class ExportPass(Pass[ExportParams]):
         _remove_tree(raw)
         # `opset`: the one the model has (TorchScript writes at most 20), beside the one asked for.
         info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": opset, "opset_requested": params.opset,
-                "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention}
+                "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention, **checked}
         if failures:
             info["fallback"] = {"from": list(failures), "reasons": failures}
             ctx.log.warning("exported with %s after %s", exporter, "; ".join(f"{k} failed: {v}" for k, v in failures.items()))
@@ -130,20 +130,18 @@ class _ExportFailed(Exception):
 
 
 def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, shapes: ModelInputs, threads: int, params: ExportParams,
-                    raw: Path) -> None:
-    """Export with one exporter into `raw`, then check the result against eager (the self-check's
-    own rule, so `auto` moves on to the next exporter exactly when the stage would fail)."""
+                    raw: Path) -> dict:
+    """Export with one exporter into `raw`, then check the result against eager at the trace shape and
+    at other shapes of the dynamic dims (the same rule for every exporter and every `exporter:` mode,
+    so `auto` moves on exactly when the stage would be wrong). Returns what the check saw."""
     raw.mkdir()
     path = raw / "model.onnx"
+    branches: list[str] = []
     try:
         if exporter == "dynamo":
             _export_dynamo(torch_model, feeds, shapes, params.opset, path)
         else:
             branches = _export_torchscript(torch_model, feeds, shapes, params.opset, path)
-            if branches and params.exporter == "auto":
-                # A trace records one branch of data-dependent control flow: it matches eager on the
-                # trace inputs and is wrong on others, so `auto` must not hand it on as a success.
-                raise _ExportFailed(f"torch.onnx.export (torchscript): the trace fixed a data-dependent branch, taken on a tensor's values or shape ({branches[0]})")
     except (_ExportFailed, MemoryError, UserInputError):
         # MemoryError: the machine's limit, not this exporter's; a user-input error (the model or
         # recipe itself) the next exporter would share. Ctrl-C is no Exception: it is never caught.
@@ -156,7 +154,11 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
         numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
     except PassError as exc:
         raise _ExportFailed(f"the exported model does not match PyTorch eager ({exc})") from None
-    _check_other_sizes(torch_model, shapes, threads, params, path)
+    # A trace records one branch of any control flow on a tensor's values or shape (the tracer's
+    # "Python boolean" warnings): such a warning alone proves nothing (T5 and Swin warn and are
+    # right at every shape), so the export is judged by the other shapes, with other values.
+    checked = _check_shapes(exporter, torch_model, shapes, threads, params, path, branches)
+    return {"checked_shapes": checked, **({"trace_branches": branches} if branches else {})}
 
 
 def _reraise_interrupt(exc: BaseException) -> None:
@@ -169,31 +171,23 @@ def _reraise_interrupt(exc: BaseException) -> None:
         raise interrupt
 
 
-def _check_other_sizes(torch_model: TorchModel, shapes: ModelInputs, threads: int, params: ExportParams, path: Path) -> None:
-    """The export against eager with every non-batch dynamic dim at its `min`: a model that caches a
-    shape-dependent tensor in forward (a detector's grid) can be exported with it frozen at the trace
-    size, right at that size and wrong at every other."""
-    from optpipe.recipe.example_inputs import synthetic_inputs
-
+def check_shapes(shapes: ModelInputs) -> list[dict[str, int]]:
+    """The dim sizes the export is checked at besides the trace's: the corners of a low and a high
+    size per dynamic dim (all low, all high, batch low with the rest high and the reverse), so a
+    branch on batch or on a sequence length taken at the trace size shows up. `high` is bounded
+    (at most twice the trace size) to keep eager's cost near the trace's."""
     batch = shapes.batch_dim()
-    moved = {name: dim.min for name, dim in shapes.dims.items() if name != batch and dim.min != trace_size(dim)}
-    if not moved:
-        return
-    feeds = synthetic_inputs(shapes, seed=1, **moved, **({batch: 1} if batch else {}))
-    sizes = ", ".join(f"{k}={v}" for k, v in moved.items())
-    try:
-        expected = eager_runner(torch_model, threads=threads)(feeds)
-    except Exception:  # eager itself refuses that size: nothing to compare against
-        return
-    try:
-        numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
-    except MemoryError:
-        raise
-    except Exception as exc:  # a PassError, or ORT refusing the shape outright
-        raise _ExportFailed(
-            f"the exported model is wrong at other sizes ({sizes}: {_first_line(exc)[:160]}): forward() likely caches a "
-            "shape-dependent tensor (a grid) that the export froze at the trace size"
-        ) from None
+    low = {name: dim.min for name, dim in shapes.dims.items()}
+    high = {name: _high_size(dim) for name, dim in shapes.dims.items()}
+    corners = [low, high]
+    if batch and len(shapes.dims) > 1:
+        corners += [{**high, batch: low[batch]}, {**low, batch: high[batch]}]
+    trace = {name: trace_size(dim) for name, dim in shapes.dims.items()}
+    unique: list[dict[str, int]] = []
+    for corner in corners:
+        if corner != trace and corner not in unique:
+            unique.append(corner)
+    return unique
 
 
 def trace_size(dim) -> int:
@@ -201,34 +195,80 @@ def trace_size(dim) -> int:
     return 2 if dim.opt == 1 and dim.max > 1 else dim.opt
 
 
-# Known failures -> the fix that is true for them. Matched on the root cause's message.
+def _high_size(dim) -> int:
+    size = min(dim.max, max(trace_size(dim) * 2, dim.min))
+    n = dim.multiple_of or 1
+    return max(dim.min, size - size % n)
+
+
+def _check_shapes(exporter: str, torch_model: TorchModel, shapes: ModelInputs, threads: int, params: ExportParams, path: Path,
+                  branches: list[str]) -> list[dict]:
+    """The export against eager at check_shapes() (fresh values, another seed); _ExportFailed naming
+    the first shape where it is wrong. A model that caches a shape-dependent tensor (a detector's
+    grid) or a trace that fixed a branch is right at the trace size and wrong there."""
+    from optpipe.recipe.example_inputs import synthetic_inputs
+
+    checked = []
+    for seed, sizes in enumerate(check_shapes(shapes), start=1):
+        feeds = synthetic_inputs(shapes, seed=seed, **sizes)
+        try:
+            expected = eager_runner(torch_model, threads=threads)(feeds)
+        except MemoryError:
+            raise
+        except Exception:  # eager itself refuses that size: nothing to compare against
+            continue
+        try:
+            record = numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
+        except MemoryError:
+            raise
+        except Exception as exc:  # a PassError, or ORT refusing the shape outright
+            raise _ExportFailed(_wrong_elsewhere(exporter, sizes, exc, branches)) from None
+        checked.append({**sizes, "max_abs": record["max_abs"]})
+    return checked
+
+
+def _wrong_elsewhere(exporter: str, sizes: dict[str, int], exc: Exception, branches: list[str]) -> str:
+    shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    cause = (f"the trace fixed a branch taken on a tensor's values or shape ({branches[0]})" if branches else
+             "forward() computes something from the trace's sizes (a cached grid, a branch on a shape) that the export froze")
+    return f"the {exporter} export is wrong at other sizes ({shown}: {_first_line(exc)[:160]}): {cause}"
+
+
+# Known failures -> the recipe change that is true for them (a recipe line, not the model's code:
+# the user of a library model cannot edit its source). Matched on the root cause's message.
+FIX_DIMS = "make those dims fixed in `inputs` (a number in place of the dim's name)"
 _HINTS = (
     ("Inference tensors cannot be saved", "the model keeps tensors made under torch.inference_mode(); "
      "build them under torch.no_grad() (or lazily in forward) instead"),
-    ("wrong at other sizes", "rebuild such tensors in forward while exporting (e.g. when torch.compiler.is_compiling()), or make the dims fixed"),
-    ("data-dependent", "forward() branches on tensor values or shapes; make the branch static (or torch.cond) in the model's code"),
-    ("does not match PyTorch eager", "raise check_atol/check_rtol if the error is rounding on large outputs, else set a fixed shape in `inputs`"),
-    ("not supported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
-    ("Unsupported", "the model uses an operator that ONNX export cannot convert; replace it in the model's code"),
+    ("wrong at other sizes", FIX_DIMS),
+    ("does not match PyTorch eager", "raise check_atol/check_rtol if the error is rounding on large outputs, else make the dims fixed in `inputs`"),
+    ("not supported", "the model uses an operator that ONNX export cannot convert"),
+    ("Unsupported", "the model uses an operator that ONNX export cannot convert"),
+    ("data-dependent", "forward() branches on tensor values or shapes, which dynamo cannot export with dynamic dims"),
+    ("Cannot view a tensor", "dynamo cannot prove a view valid for every size of the dynamic dims"),
     ("Constraints violated", "the model's code fixes a dim that `dims` declares dynamic; make that dim fixed in `inputs`"),
     ("specialized", "the model's code fixes a dim that `dims` declares dynamic; make that dim fixed in `inputs`"),
 )
 
 
-def _failure_message(failures: dict[str, str], requested: str) -> str:
-    """Every exporter's reason, and a hint true for those reasons (never 'try the other one' once both were tried)."""
+def _failure_message(failures: dict[str, str], dynamic: bool) -> str:
+    """Every exporter's reason, and the recipe change true for those reasons (never 'try the other
+    one' once both were tried)."""
     text = "; ".join(failures.values())
     # The first exporter's failure picks the hint: it is the one the user asked for (or auto's first choice).
     hints = [hint for reason in failures.values() for marker, hint in _HINTS if marker in reason]
     untried = [e for e in EXPORTERS if e not in failures]
-    if hints and untried:
-        hint = f"{hints[0]}, or set `exporter: auto`, which also tries {untried[0]}"
-    elif hints:
-        hint = hints[0]
-    elif untried:
-        hint = f"`exporter: auto` also tries {untried[0]}"
+    if untried:
+        # The other exporter is checked by the same rule (eager at several shapes), so naming it is safe advice.
+        switch = f"set `exporter: {untried[0]}` (or `auto`, which tries both and checks each against eager at several shapes)"
+        hint = f"{hints[0]}; {switch}" if hints else switch
+    elif hints:  # both tried: what the trace needs is the change left to make
+        traced = [hint for marker, hint in _HINTS if marker in failures.get("torchscript", "")]
+        hint = (traced or hints)[0]
     else:
         hint = "both exporters failed; the stage log has the tracebacks"
+    if untried and dynamic and "wrong at other sizes" not in text:
+        hint += ", or make the dynamic dims fixed in `inputs`"
     return f"{text}; {hint}"
 
 

@@ -39,7 +39,9 @@ from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 from optpipe.passes._int8_formats import FormatName, Int8Format, ort_format, tensorrt_format
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
-DYNAMIC_OPS = ["MatMul", "Gemm", "Conv", "Attention"]  # never Gather: int8 embedding tables cost accuracy for no speed
+# never Gather: int8 embedding tables cost accuracy for no speed. LSTM: ORT's dynamic quantizer
+# writes com.microsoft.DynamicQuantizeLSTM (int8 W and R); its static (QDQ) path has no recurrent op.
+DYNAMIC_OPS = ["MatMul", "Gemm", "Conv", "Attention", "LSTM"]
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
 
@@ -48,7 +50,7 @@ class Int8Params(PassParams, GuardParams):
     method: Literal["minmax", "entropy", "percentile"] = Field("minmax", description="static: calibration method")
     percentile: float = Field(99.999, gt=90, le=100, description="static, method percentile: the range's percentile")
     per_channel: bool = Field(True, description="one scale per output channel of each weight")
-    op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention)")
+    op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention and LSTM)")
     format: FormatName = Field(
         "auto", description="ORT's integer kernels (dynamic, or static target ort-cpu): auto = per this CPU's class "
         "(u8s8 with VNNI and on Arm, u8s8-reduce-range on x86 without VNNI: no int16 saturation); u8s8, u8s8-reduce-range, u8u8 force one")
@@ -184,7 +186,7 @@ class Quantizer:
             per_channel=self.params.per_channel,
             reduce_range=self.format.reduce_range,
             weight_type=_quant_type(self.format.weights),
-            nodes_to_exclude=excluded,
+            nodes_to_exclude=dynamic_exclusions(excluded),
             use_external_data_format=True,
             # Fused transformer ops (com.microsoft) carry no type information ORT's quantizer can read.
             # Symmetric weights in every format, as Optimum's presets (u8 weights: zero point 128).
@@ -310,6 +312,13 @@ def root_logs_to(log: logging.Logger):
         yield
     finally:
         root.removeHandler(handler)
+
+
+def dynamic_exclusions(excluded: list[str]) -> list[str]:
+    """The names to exclude from ORT's dynamic quantizer: it first rewrites every Gemm into a MatMul
+    named `<gemm>_MatMul` (+ `<gemm>_Add`) and matches the exclusions against the new names, so an
+    excluded Gemm was quantized anyway (measured: an LSTM classifier's head stayed MatMulInteger)."""
+    return [*excluded, *(f"{name}_MatMul" for name in excluded)]
 
 
 def quantized_nodes(model: ModelArtifact, op_types: list[str], excluded: list[str]) -> list[onnx.NodeProto]:

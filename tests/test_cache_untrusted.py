@@ -201,3 +201,22 @@ def test_a_forged_record_of_the_data_a_pass_read_is_ignored(tmp_path, sets):
     runner.cache = cache
     assert runner._data_read_last_time("base") == {}
     cache.release_leases()
+
+
+@pytest.mark.parametrize("planted", ["tmp", "stages", "results"])
+def test_a_symlinked_folder_in_a_shared_remote_is_never_written_through(tmp_path, caplog, planted):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shared = tmp_path / "remote"
+    shared.mkdir()
+    os.symlink(elsewhere, shared / planted)
+    cache = TieredStageCache(tmp_path / "node" / "cache", FsspecEntryStore(f"file://{shared}"))
+    workdir = cache.new_workdir()
+    (workdir / "model.onnx").write_bytes(GOOD)
+    with caplog.at_level(logging.WARNING, logger="optpipe.cache"):
+        local = cache.publish_folder(KEY, workdir, "stages")
+        cache.put_result(KEY, {"p50": 1.0})
+    cache.release_leases()
+    assert verify_entry(local) is None, "the local entry stands"
+    assert list(elsewhere.iterdir()) == [], "nothing written through the link"
+    assert "is a link or a file, not a folder" in caplog.text

@@ -63,8 +63,8 @@ def test_export_failure_is_one_sentence_with_a_hint(tiny_recipe, tmp_path):
         ExportPass(ExportParams(exporter="dynamo")).run(None, _context(recipe, tmp_path))
     message = str(info.value)
     assert message.startswith("torch.onnx.export (dynamo):")
-    assert "forward() branches on tensor values or shapes" in message and "`exporter: auto`, which also tries torchscript" in message
-    assert "\n" not in message
+    assert "forward() branches on tensor values or shapes" in message and "set `exporter: torchscript` (or `auto`" in message
+    assert "model's code" not in message and "\n" not in message
 
 
 def test_auto_export_that_fails_both_ways_gives_both_reasons_and_no_loop(tiny_recipe, tmp_path):
@@ -73,8 +73,46 @@ def test_auto_export_that_fails_both_ways_gives_both_reasons_and_no_loop(tiny_re
     with pytest.raises(PassError) as info:
         ExportPass(ExportParams()).run(None, _context(recipe, tmp_path))
     message = str(info.value)
-    assert "(dynamo)" in message and "(torchscript): the trace fixed a data-dependent branch" in message
-    assert "try `exporter" not in message and "also tries" not in message
+    assert "(dynamo)" in message and "wrong at other sizes (batch=8" in message and "the trace fixed a branch" in message
+    assert "try `exporter" not in message and "set `exporter" not in message
+
+
+SEQUENCE = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", "seq", 32]}],
+    "dims": {"batch": {"min": 1, "opt": 2, "max": 8}, "seq": {"min": 1, "opt": 8, "max": 64}},
+}
+
+
+def _sequence_recipe(tiny_recipe, factory):
+    return load_recipe(tiny_recipe({"model": {"factory": f"failing_models:{factory}", "path": str(TESTS)}, **SEQUENCE}))
+
+
+@pytest.mark.parametrize("exporter", ["auto", "torchscript"])
+def test_a_trace_that_matches_eager_at_other_shapes_is_taken_in_every_mode(tiny_recipe, tmp_path, exporter):
+    """dynamo fails on the view (dynamic batch x seq); the trace warns of a Python boolean but is right at
+    every shape: auto takes it (it used to refuse it for the warning), and both modes say where it was checked."""
+    recipe = _sequence_recipe(tiny_recipe, "build_relative_heads")
+    artifact = run_checked(ExportPass(ExportParams(exporter=exporter)), None, _context(recipe, tmp_path))
+    info = artifact.info
+    assert info["exporter"] == "torchscript" and info["trace_branches"], info
+    if exporter == "auto":
+        assert "Cannot view a tensor" in info["fallback"]["reasons"]["dynamo"]
+    shapes = {(c["batch"], c["seq"]) for c in info["checked_shapes"]}
+    assert shapes == {(1, 1), (4, 16), (1, 16), (4, 1)} and max(c["max_abs"] for c in info["checked_shapes"]) < 1e-4
+    feeds = {"x": np.random.default_rng(5).standard_normal((3, 37, 32)).astype(np.float32)}  # a shape never checked
+    want = eager_runner(load_torch_model(recipe.model_source()), threads=1)(feeds)["y"]
+    np.testing.assert_allclose(onnx_outputs(artifact.path, feeds)["y"], want, atol=1e-4)
+
+
+@pytest.mark.parametrize("exporter", ["auto", "torchscript"])
+def test_a_trace_wrong_at_another_shape_is_refused_in_every_mode_naming_the_recipe_change(tiny_recipe, tmp_path, exporter):
+    recipe = _sequence_recipe(tiny_recipe, "build_length_branch")
+    with pytest.raises(PassError) as info:
+        ExportPass(ExportParams(exporter=exporter)).run(None, _context(recipe, tmp_path))
+    message = str(info.value)
+    assert "the torchscript export is wrong at other sizes (batch=4, seq=16" in message, message
+    assert "the trace fixed a branch" in message and "; make those dims fixed in `inputs` (a number in place of the dim's name)" in message
+    assert "model's code" not in message and "\n" not in message
 
 
 def _opset(artifact) -> int:

@@ -186,3 +186,21 @@ def test_an_old_guard_report_without_violations_names_both_figures():
     old = {"guard": {"numerics": "emulated FP16 storage", "held": False, "cosine": 1.0, "max_abs": 83.0, "gave_up": None}}
     verdict = fold_guard_verdict(_accuracy(1.0, True), old).violations[-1]
     assert "cosine 1.00000" in verdict and "max abs error 83" in verdict
+
+
+def test_when_blame_names_no_node_the_guard_falls_back_to_the_last_converted_nodes(tmp_path, monkeypatch):
+    """Blame that finds nothing (an error it cannot localize) no longer ends the guard: it keeps the last
+    converted nodes in float, within its budget, and says when nothing converted is left."""
+    monkeypatch.setattr(AccuracyGuard, "blame", lambda self, model, skip: [])
+    model, ctx = chain_case(tmp_path, cosine_min=0.9999)
+    report = ternary_pass(model, ctx, TernaryParams()).report
+    assert report.held and report.steps and report.steps[0].reason.startswith("fallback:"), report
+    # No candidates given: every node is one (keeping the Relu too is harmless: it computes the same).
+    assert report.excluded == ["mm1", "relu", "mm2"] and "all 3 node(s) this pass converts are kept in float" in report.unconverted
+
+
+def test_a_fallback_beyond_the_budget_says_which_limit_to_raise(tmp_path, monkeypatch):
+    monkeypatch.setattr(AccuracyGuard, "blame", lambda self, model, skip: [])
+    model, ctx = chain_case(tmp_path, cosine_min=0.9999)
+    report = ternary_pass(model, ctx, TernaryParams(max_excluded=1)).report
+    assert not report.held and "(max_excluded: 1)" in report.gave_up, report.gave_up

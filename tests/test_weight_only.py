@@ -122,3 +122,16 @@ def test_nncf_refusals_name_the_fix(setup):
         _run(setup, "openvino_weights", "ov-bad", mode="int8_sym", group_size=64)
     with pytest.raises(PassError, match="data_aware"):
         _run(setup, "openvino_weights", "ov-bad2", awq=True)
+
+
+def test_memory_preflight_names_the_stage_that_will_not_fit():
+    from optpipe.core.errors import UserInputError
+    from optpipe.safety.memory_estimate import check_fits, stage_estimates
+
+    stages = {"export": "export", "int4": "weight_only", "ov": "openvino_weights"}
+    gb = 1 << 30
+    estimates = stage_estimates(4 * gb, stages)
+    assert estimates["int4"] < estimates["export"] < estimates["ov"]
+    assert check_fits(4 * gb, stages, available=40 * gb) == estimates
+    with pytest.raises(UserInputError, match="stage 'ov' \\(openvino_weights\\) needs about 10.*available"):
+        check_fits(4 * gb, stages, available=9 * gb)

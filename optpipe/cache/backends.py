@@ -159,7 +159,10 @@ class TieredStageCache(StageCache):
     def publish_folder(self, key: str, workdir: Path, kind: str, meta: dict[str, Any] | None = None) -> Path:
         target = super().publish_folder(key, workdir, kind, meta)
         if meta is None or not meta.get("from_remote"):
-            self.remote.push_folder(kind, key, target)
+            try:
+                self.remote.push_folder(kind, key, target)
+            except UntrustedEntry as exc:  # the local entry stands; only the upload is refused
+                log.warning("remote cache: not uploading %s/%s (%s)", kind, key[:12], exc)
         return target
 
     def get_result(self, key: str) -> dict | None:
@@ -177,7 +180,10 @@ class TieredStageCache(StageCache):
         path = self.result_path(key)
         wrapped, problem = read_result(path)
         if problem is None:
-            self.remote.push_result(key, {"sha256": sha256_json(wrapped), "value": wrapped})
+            try:
+                self.remote.push_result(key, {"sha256": sha256_json(wrapped), "value": wrapped})
+            except UntrustedEntry as exc:
+                log.warning("remote cache: not uploading result %s (%s)", key[:12], exc)
 
 
 def _parse(raw: bytes) -> dict:

@@ -84,6 +84,7 @@ def publish_local_folder(root: str, folder: Path, target: str, still_valid) -> N
 
     When `target` exists, another writer published first: its entry is kept when
     `still_valid(target)` (same key, same content), else (a tampered entry) it is replaced."""
+    _no_links(root, Path(target).parent, Path(root) / "tmp")
     staging = Path(root) / "tmp" / f"push-{uuid.uuid4().hex}"
     staging.mkdir(parents=True)
     try:
@@ -105,6 +106,14 @@ def publish_local_folder(root: str, folder: Path, target: str, still_valid) -> N
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _no_links(root: str, *folders: Path) -> None:
+    """The remote's own folders (tmp/, stages/, results/) may not be symlinks: one planted there
+    by whoever can write the shared folder would make a publish write wherever it points."""
+    for folder in folders:
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise UntrustedEntry(f"'{folder}' in the remote cache '{root}' is a link or a file, not a folder")
+
+
 def _rename_into(src: Path, dst: Path) -> bool:
     try:
         os.rename(src, dst)
@@ -118,6 +127,7 @@ def _rename_into(src: Path, dst: Path) -> bool:
 def write_local_result(path: str, data: bytes) -> None:
     """A result on a mounted folder: temp file beside it, then one atomic replace."""
     target = Path(path)
+    _no_links(str(target.parent.parent), target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     temp = target.with_name(f".tmp-{uuid.uuid4().hex}.json")
     try:

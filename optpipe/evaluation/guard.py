@@ -114,6 +114,7 @@ class GuardReport(BaseModel):
     trials: int = 0
     seconds: float = 0.0
     gave_up: Optional[str] = Field(None, description="why the guard stopped out of tolerance; None when it held")
+    unconverted: Optional[str] = Field(None, description="set when every node the pass converts is kept in float")
 
 
 @dataclass
@@ -193,11 +194,14 @@ class AccuracyGuard:
             if gave_up:
                 break
             blamed = [b for b in blamed if b.node not in tried] if blamed is not None else self.blame(model, tried)
-            if not blamed:
-                gave_up = "no node left to blame: no candidate node adds error that keeping it in float could remove"
-                break
             overflowing = [b for b in blamed if b.overflow]
             pick = (overflowing or blamed[:1])[: self.params.max_excluded - len(by_guard)]
+            if not pick:
+                # No node adds error by itself (a small error spread over a few nodes, or one the blame
+                # cannot see, e.g. at a graph output): the last converted nodes in float still hold.
+                pick, gave_up = self._last_nodes(tried, len(by_guard))
+                if not pick:
+                    break
             nodes = [b.node for b in pick]
             tried.update(nodes)
             trial = self.convert(excluded + nodes)
@@ -213,6 +217,9 @@ class AccuracyGuard:
                 excluded, by_guard, model, accuracy = excluded + nodes, by_guard + nodes, trial, result
                 blamed = None  # a new model: blame again
         seconds = time.perf_counter() - started
+        unconverted = self._all_kept(excluded)
+        if unconverted:
+            self.ctx.log.warning("guard: %s", unconverted)
         if not accuracy.within_tolerance:
             gave_up = gave_up or "the guard is off (guard: false)"
             self.ctx.log.warning(
@@ -231,8 +238,39 @@ class AccuracyGuard:
             trials=len(steps),
             seconds=round(seconds, 2),
             gave_up=None if accuracy.within_tolerance else gave_up,
+            unconverted=unconverted,
         )
         return GuardResult(model, excluded, accuracy, report)
+
+    def _convertible(self) -> list[str]:
+        """The nodes the pass converts, in graph order (the candidates, or every named node)."""
+        if self._graph is None:
+            self._graph = self.source.load()
+        names = [node.name for node in self._graph.graph.node if node.name]
+        return names if self.candidates is None else [n for n in names if n in self.candidates]
+
+    def _last_nodes(self, tried: set[str], kept: int) -> tuple[list, str | None]:
+        """The fallback when blame names no node: the last converted nodes not tried yet, as many as
+        the budget allows; or no nodes and why the guard stops."""
+        rest = [n for n in self._convertible() if n not in tried]
+        if not rest:
+            return [], ("every converted node was tried in float one by one and none bought accuracy; "
+                        "the error is not in one place the guard can keep in float")
+        room = self.params.max_excluded - kept
+        if room <= 0:
+            return [], (f"{kept} nodes kept in float, the limit (max_excluded: {self.params.max_excluded}); "
+                        f"{len(rest)} converted nodes are left: raise max_excluded to {kept + len(rest)} to keep them all")
+        ops = {node.name: node.op_type for node in self._graph.graph.node}
+        return [_LastNode(name, ops.get(name, "?")) for name in rest[-room:]], None
+
+    def _all_kept(self, excluded: list[str]) -> str | None:
+        """A note when every node the pass converts stays in float: the stage then computes what its
+        input computes (an int8 stage that is the FP32 model), which must be said, not implied."""
+        convertible = self._convertible()
+        if convertible and set(convertible) <= set(excluded):
+            return (f"all {len(convertible)} node(s) this pass converts are kept in float: the stage computes what "
+                    "its input does (no conversion left)")
+        return None
 
     def _budget_spent(self, kept: int, trials: int, seconds: float) -> str | None:
         p = self.params
@@ -309,6 +347,19 @@ class AccuracyGuard:
         memo.alias(measured, outputs_memo.session_key(published, self.batches, self.threads))
         outputs_memo.log.debug("guard: final model's outputs filed under its published content (%.2f s)",
                                time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class _LastNode:
+    """A fallback pick (no blame figure): one of the last converted nodes, tried in float."""
+
+    node: str
+    op: str
+    added_error: float = math.nan
+    overflow: bool = False
+
+    def reason(self) -> str:
+        return "fallback: blame found no node adding error; one of the last converted nodes"
 
 
 def fold_guard_verdict(accuracy: Accuracy | None, info: dict) -> Accuracy | None:
