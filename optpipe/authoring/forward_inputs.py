@@ -88,3 +88,21 @@ def meta_tensors(inputs: list[dict[str, Any]], dims: dict[str, dict[str, int]]) 
         shape = [d if isinstance(d, int) else dims[d]["opt"] for d in spec["shape"]]
         tensors[spec["name"]] = torch.zeros(shape, dtype=getattr(torch, spec["dtype"]), device="meta")
     return tensors
+
+
+def real_tensors(inputs: list[dict], dims: dict) -> dict:
+    """Tensors at the `opt` shape: ids within their range, masks at their fill, floats N(0, 1)."""
+    import numpy as np
+    import torch
+
+    tensors = {}
+    for spec in inputs:
+        shape = [d if isinstance(d, int) else dims[d]["opt"] for d in spec["shape"]]
+        if spec["dtype"].startswith("int"):
+            high = (spec.get("range") or [0, 2])[1]
+            tensors[spec["name"]] = torch.from_numpy(np.random.default_rng(0).integers(0, high, shape)).to(getattr(torch, spec["dtype"]))
+        else:
+            tensors[spec["name"]] = torch.from_numpy(np.random.default_rng(0).normal(size=shape).astype(np.float32))
+        if "fill" in spec:
+            tensors[spec["name"]] = torch.full(shape, spec["fill"], dtype=getattr(torch, spec["dtype"]))
+    return tensors

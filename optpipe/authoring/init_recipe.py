@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 import yaml
 
-from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, meta_tensors, unknown_required
-from optpipe.authoring.model_kind import onnx_mix, torch_mix
+from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, real_tensors, unknown_required
+from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.core.errors import ModelSourceError, first_line
 
 FILL_IN = "FILL-IN"
@@ -155,74 +155,11 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
     if task == "causal-lm":
         model["outputs"] = ["logits"]
-    net = _meta_model(folder, task)
+    net = meta_model(folder, task)
     owner = type(net).__name__
     inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
-    kind, notes = _kind_of(net, inputs, dims, owner)
+    kind, notes = model_kind(net, inputs, dims, owner)
     return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task))
-
-
-def _meta_model(folder: Path, task: str):
-    """The folder's model class built from its config on the meta device (no weights read or
-    allocated): its forward() says the inputs, one forward on meta tensors the compute."""
-    import torch
-    import transformers
-
-    from optpipe.source.model_source import HF_AUTO_CLASSES
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        with torch.device("meta"):
-            return getattr(transformers, HF_AUTO_CLASSES[task]).from_config(config).eval()
-    except Exception as exc:  # an architecture transformers does not know, a config it cannot read
-        raise ModelSourceError(f"init: cannot build the model of '{folder}' from its config.json as {task} "
-                               f"({type(exc).__name__}: {first_line(exc)[:160]})") from None
-
-
-# A model up to this many parameters is built for real (random weights, ~4 bytes each) when its
-# forward() does not run on meta tensors (transformers' masks call .item()); a larger one is not.
-REAL_BUILD_MAX_PARAMS = 300_000_000
-
-
-def _kind_of(net, inputs: list[dict], dims: dict, owner: str) -> tuple[str, list[str]]:
-    """cnn | transformer | dense by what forward() computes (model_kind), with a note saying so."""
-    mix = torch_mix(net, meta_tensors(inputs, dims)) if _on_meta(net) else None
-    if mix is None and _on_meta(net):
-        params = sum(p.numel() for p in net.parameters())
-        if params > REAL_BUILD_MAX_PARAMS:
-            kind = "transformer" if any(s["dtype"] == "int64" for s in inputs) else "cnn"
-            return kind, [f"a {kind} recipe by its inputs: its compute was not measured ({params / 1e6:.0f}M parameters)"]
-        import torch
-
-        with torch.device("cpu"):
-            net = type(net)(net.config).eval()  # random weights: only the op counts are read
-    if mix is None:
-        mix = torch_mix(net, _real_tensors(inputs, dims))
-    if mix is None:
-        raise ModelSourceError(f"init: {owner}.forward() does not run on the inputs inferred for it "
-                               f"({', '.join(spec['name'] for spec in inputs)}); write `inputs` by hand")
-    return mix.kind(), [f"a {mix.kind()} recipe: {mix.describe()}"]
-
-
-def _on_meta(net) -> bool:
-    return next((p.is_meta for p in net.parameters()), False)
-
-
-def _real_tensors(inputs: list[dict], dims: dict) -> dict:
-    import numpy as np
-    import torch
-
-    tensors = {}
-    for spec in inputs:
-        shape = [d if isinstance(d, int) else dims[d]["opt"] for d in spec["shape"]]
-        if spec["dtype"].startswith("int"):
-            high = (spec.get("range") or [0, 2])[1]
-            tensors[spec["name"]] = torch.from_numpy(np.random.default_rng(0).integers(0, high, shape)).to(getattr(torch, spec["dtype"]))
-        else:
-            tensors[spec["name"]] = torch.from_numpy(np.random.default_rng(0).normal(size=shape).astype(np.float32))
-        if "fill" in spec:
-            tensors[spec["name"]] = torch.full(shape, spec["fill"], dtype=getattr(torch, spec["dtype"]))
-    return tensors
 
 
 # Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
@@ -285,7 +222,7 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
         required = [name for name, needed in params if needed]
         unknown_required(params, set(required[:1]), owner)  # the first layer tells one input, no more
     output_shapes = _probe(net, inputs, dims, owner)
-    kind, kind_notes = _kind_of(net, inputs, dims, owner) if hasattr(hf_config, "to_dict") else _factory_kind(net, inputs, dims, owner)
+    kind, kind_notes = (model_kind if hasattr(hf_config, "to_dict") else factory_kind)(net, inputs, dims, owner)
     notes += kind_notes
     model: dict[str, Any] = {"factory": spec}
     origin = getattr(module, "__file__", None)
@@ -313,14 +250,6 @@ def _first_layer_input(net) -> tuple[list[dict], dict, list[str]]:
             ["no Conv/Linear/Embedding layer found: the input below is a guess, check it"])
 
 
-def _factory_kind(net, inputs: list[dict], dims: dict, owner: str) -> tuple[str, list[str]]:
-    """A plain module's kind by its compute, called positionally as the factory loader calls it."""
-    mix = torch_mix(net, {}, tuple(_real_tensors(inputs, dims).values()))
-    if mix is None:
-        raise ModelSourceError(f"init: {owner}.forward() does not run on the inputs inferred for it; write `inputs` by hand")
-    return mix.kind(), [f"a {mix.kind()} recipe: {mix.describe()}"]
-
-
 def _probe(net, inputs: list[dict], dims: dict, owner: str) -> list[list]:
     """Run forward once on the inferred inputs, positionally as the factory loader does: the shapes
     of the tensors it returned, or a one-line refusal naming the inputs it did not take (a recipe
@@ -331,7 +260,7 @@ def _probe(net, inputs: list[dict], dims: dict, owner: str) -> list[list]:
 
     try:
         with torch.no_grad():
-            out = net.eval()(*_real_tensors(inputs, dims).values())
+            out = net.eval()(*real_tensors(inputs, dims).values())
         leaves = named_leaves(out)
     except Exception as exc:  # a guessed shape the model does not take: the user writes `inputs`
         shown = ", ".join(f"{s['name']} {s['shape']}" for s in inputs)

@@ -11,6 +11,10 @@ MACs come from the same counters as the int8 coverage (optpipe.graph.coverage).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from optpipe.authoring.forward_inputs import meta_tensors, real_tensors
+from optpipe.core.errors import ModelSourceError, first_line
 
 # A net with at least this share of its MACs in convolutions gets the CNN recipe even beside
 # attention (SegFormer 0.42-0.62; the vision transformers measured: ViT 0.007, Swin 0.003, a tiny CLIP 0.14).
@@ -77,3 +81,57 @@ def onnx_mix(model, dims: dict[str, int]) -> ComputeMix:
         ops = {node.op_type for node in model.graph.node}
         return ComputeMix(1.0 if "Conv" in ops else 0.0, 1.0 if ops & {"Attention", "MultiHeadAttention", "Softmax"} else 0.0, 1)
     return ComputeMix(conv / total, attention / total, total)
+
+
+def meta_model(folder: Path, task: str):
+    """The folder's model class built from its config on the meta device (no weights read or
+    allocated): its forward() says the inputs, one forward on meta tensors the compute."""
+    import torch
+    import transformers
+
+    from optpipe.source.model_source import HF_AUTO_CLASSES
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        with torch.device("meta"):
+            return getattr(transformers, HF_AUTO_CLASSES[task]).from_config(config).eval()
+    except Exception as exc:  # an architecture transformers does not know, a config it cannot read
+        raise ModelSourceError(f"init: cannot build the model of '{folder}' from its config.json as {task} "
+                               f"({type(exc).__name__}: {first_line(exc)[:160]})") from None
+
+
+# A model up to this many parameters is built for real (random weights, ~4 bytes each) when its
+# forward() does not run on meta tensors (transformers' masks call .item()); a larger one is not.
+REAL_BUILD_MAX_PARAMS = 300_000_000
+
+
+def model_kind(net, inputs: list[dict], dims: dict, owner: str) -> tuple[str, list[str]]:
+    """cnn | transformer | dense by what forward() computes (model_kind), with a note saying so."""
+    mix = torch_mix(net, meta_tensors(inputs, dims)) if _on_meta(net) else None
+    if mix is None and _on_meta(net):
+        params = sum(p.numel() for p in net.parameters())
+        if params > REAL_BUILD_MAX_PARAMS:
+            kind = "transformer" if any(s["dtype"] == "int64" for s in inputs) else "cnn"
+            return kind, [f"a {kind} recipe by its inputs: its compute was not measured ({params / 1e6:.0f}M parameters)"]
+        import torch
+
+        with torch.device("cpu"):
+            net = type(net)(net.config).eval()  # random weights: only the op counts are read
+    if mix is None:
+        mix = torch_mix(net, real_tensors(inputs, dims))
+    if mix is None:
+        raise ModelSourceError(f"init: {owner}.forward() does not run on the inputs inferred for it "
+                               f"({', '.join(spec['name'] for spec in inputs)}); write `inputs` by hand")
+    return mix.kind(), [f"a {mix.kind()} recipe: {mix.describe()}"]
+
+
+def _on_meta(net) -> bool:
+    return next((p.is_meta for p in net.parameters()), False)
+
+
+def factory_kind(net, inputs: list[dict], dims: dict, owner: str) -> tuple[str, list[str]]:
+    """A plain module's kind by its compute, called positionally as the factory loader calls it."""
+    mix = torch_mix(net, {}, tuple(real_tensors(inputs, dims).values()))
+    if mix is None:
+        raise ModelSourceError(f"init: {owner}.forward() does not run on the inputs inferred for it; write `inputs` by hand")
+    return mix.kind(), [f"a {mix.kind()} recipe: {mix.describe()}"]
