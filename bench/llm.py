@@ -39,7 +39,7 @@ STAGES = {
     "ort-int8": ("weight_only", {"bits": 8, "block_size": 32, "accuracy_level": 4}),
     "ov-int4": ("openvino_weights", {"mode": "int4_sym", "group_size": 128, "all_layers": False}),
 }
-THREADS = 2
+THREADS = 2  # --threads; on a loaded machine PyTorch at 2 threads fell 7x behind itself at 1 (OpenMP barriers)
 
 
 def main() -> int:
@@ -50,6 +50,7 @@ def main() -> int:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=THREADS, help="intra-op threads of every runtime")
     parser.add_argument("--separate", action="store_true", help="measure each stage in its own process")
     parser.add_argument("--step", help=argparse.SUPPRESS)  # internal: run one step in this process
     args = parser.parse_args()
@@ -71,15 +72,32 @@ def drive(args) -> int:
         if record.exists() and not step.startswith("measure"):
             print(f"{step}: done before ({json.loads(record.read_text())['peak_rss_gb']:.2f} GB peak)")
             continue
+        preflight(args.folder, step)
         started = time.perf_counter()
         cmd = [sys.executable, __file__, str(args.folder), "--size", args.size, "--batches", args.batches,
-               "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds), "--step", step]
+               "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds), "--threads", str(args.threads), "--step", step]
         code = subprocess.call(cmd)
         print(f"{step}: exit {code}, {time.perf_counter() - started:.0f} s")
         if code:
             return code
     print_table(args, stages)
     return 0
+
+
+def preflight(folder: Path, step: str) -> None:
+    """optpipe's memory estimate before each step (the build's own size is known only once built)."""
+    from optpipe.safety.memory_estimate import check_fits
+
+    built = folder / "step-build.json"
+    if not built.exists():
+        return
+    fp32 = int(json.loads(built.read_text())["fp32_gb"] * 1e9)
+    passes = {"export": "export", **{name: STAGES[name][0] for name in STAGES}}
+    if step in passes:
+        check_fits(fp32, {step: passes[step]})
+    elif step.startswith("measure"):  # every runtime of the step holds its model at once; eager the FP32 one
+        held = sum(fp32 if n in ("eager", "ort-fp32") else fp32 // 4 for n in step.partition(":")[2].split(","))
+        check_fits(held, {step: "measure"})
 
 
 def run_step(args) -> int:
@@ -132,11 +150,12 @@ def quantize(args, stage):
     recipe = parse_recipe({"model": {"onnx": str(args.folder / "ort-fp32" / "model.onnx")},
                            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}],
                            "dims": {"batch": {"min": 1, "opt": 1, "max": 8}, "sequence": {"min": 1, "opt": 1, "max": 256}},
-                           "stages": {"export": {"pass": "export"}}, "evaluate": {"threads": THREADS}})
+                           "stages": {"export": {"pass": "export"}}, "evaluate": {"threads": args.threads}})
     cls = get_pass(name)
     workdir = args.folder / stage
-    ctx = PassContext(recipe, stage, workdir, logging.getLogger("bench"), args.folder / "cache", lambda: None, None, None,
-                      recipe.evaluate.tolerance)
+    ctx = PassContext(model_source=recipe.model_source(), evaluate=recipe.evaluate, stage=stage, workdir=workdir,
+                      log=logging.getLogger("bench"), cache_dir=args.folder / "cache", torch_model=lambda: None,
+                      eval_set=None, calibration_set=None, tolerance=recipe.evaluate.tolerance)
     out = run_checked(cls(cls.Params(**params)), ModelArtifact.open(args.folder / "ort-fp32"), ctx)
     coverage = out.info.get("coverage", {})
     return {"pass": name, "params": params, "disk_gb": disk_gb(workdir), "macs": coverage.get("macs"), "bytes": coverage.get("bytes")}
@@ -179,10 +198,10 @@ def make_runner(args, name, layout):
     from optpipe.evaluation import generation as gen
 
     if name == "eager":
-        return gen.EagerRunner(load_hf(args), layout, THREADS)
+        return gen.EagerRunner(load_hf(args), layout, args.threads)
     if name.startswith("ov-"):
-        return gen.OpenVinoRunner(args.folder / name / "model.xml", layout, THREADS, name=name)
-    return gen.OrtRunner(args.folder / name / "model.onnx", layout, THREADS, name=name)
+        return gen.OpenVinoRunner(args.folder / name / "model.xml", layout, args.threads, name=name)
+    return gen.OrtRunner(args.folder / name / "model.onnx", layout, args.threads, name=name)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -237,7 +256,7 @@ def print_table(args, stages):
         measured.update(json.loads(path.read_text())["stages"])
     batches = [f"batch{b}" for b in args.batches.split(",")]
     print(f"\nmodel: Llama-style {args.size}, {built.get('params', 0) / 1e9:.3f} B params, FP32 weights {built.get('fp32_gb', 0):.2f} GB "
-          f"({built.get('weights')} weights); threads {THREADS}; CPU {cpu_class()}; "
+          f"({built.get('weights')} weights); threads {args.threads}; CPU {cpu_class()}; load {measured_load(folder)}; "
           f"{'stages measured in separate processes' if args.separate else 'stages interleaved in one process'}")
     head = "| stage | disk GB | peak RSS GB (make) | " + " | ".join(f"TTFT ms {b} | tok/s {b} | vs eager {b}" for b in batches)
     print(head + " | agreement | perplexity |")
@@ -255,6 +274,11 @@ def print_table(args, stages):
         print("| " + " | ".join(cells) + " |")
     peaks = {p.stem[5:]: json.loads(p.read_text())["peak_rss_gb"] for p in sorted(folder.glob("step-*.json"))}
     print("peak RSS per step (GB):", ", ".join(f"{k} {v:.2f}" for k, v in peaks.items()))
+
+
+def measured_load(folder: Path) -> str:
+    loads = [json.loads(p.read_text()).get("load", ["?"])[0] for p in folder.glob("step-measure-*.json")]
+    return "/".join(loads) or "?"
 
 
 def cpu_class() -> str:

@@ -67,15 +67,16 @@ def test_a_lease_set_keeps_an_entry_from_gc_until_closed(tmp_path):
 
 def test_a_parent_pruned_between_two_tasks_is_rebuilt(tmp_path):
     from optpipe.execution.stage_tasks import TaskSettings, run_stage
+    from optpipe.plan.compile_plan import CompilePlan
     from optpipe.safety.recipe_loading import load_recipe
 
     write_linear_onnx(tmp_path / "model")
     recipe = load_recipe(write_recipe(tmp_path, onnx_recipe(tmp_path)))
     settings = TaskSettings(cache_dir=tmp_path / "cache", run_dir=tmp_path / "run")
-    export = run_stage(recipe, "export", None, settings)
+    export = run_stage(CompilePlan.of(recipe), "export", None, settings)
     assert export.status == "ok"
     assert len(collect_garbage(tmp_path / "cache", None, 0).removed) >= 1 and not export.model.folder.exists()
-    simplify = run_stage(recipe, "simplify", export, settings)
+    simplify = run_stage(CompilePlan.of(recipe), "simplify", export, settings)
     assert simplify.status == "ok", simplify.reason
     assert export.model.folder.exists(), "the parent was rebuilt under its own key"
     assert isinstance(simplify, StageResult)

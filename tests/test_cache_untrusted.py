@@ -201,3 +201,48 @@ def test_a_forged_record_of_the_data_a_pass_read_is_ignored(tmp_path, sets):
     runner.cache = cache
     assert runner._data_read_last_time("base") == {}
     cache.release_leases()
+
+
+@pytest.mark.parametrize("planted", ["tmp", "stages", "results"])
+def test_a_symlinked_folder_in_a_shared_remote_is_never_written_through(tmp_path, caplog, planted):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shared = tmp_path / "remote"
+    shared.mkdir()
+    os.symlink(elsewhere, shared / planted)
+    cache = TieredStageCache(tmp_path / "node" / "cache", FsspecEntryStore(f"file://{shared}"))
+    workdir = cache.new_workdir()
+    (workdir / "model.onnx").write_bytes(GOOD)
+    with caplog.at_level(logging.WARNING, logger="optpipe.cache"):
+        local = cache.publish_folder(KEY, workdir, "stages")
+        cache.put_result(KEY, {"p50": 1.0})
+    cache.release_leases()
+    assert verify_entry(local) is None, "the local entry stands"
+    assert list(elsewhere.iterdir()) == [], "nothing written through the link"
+    assert "is a link or a file, not a folder" in caplog.text
+
+
+def test_sizes_beyond_the_free_disk_are_refused_before_any_download(tmp_path, remote, caplog):
+    manifest = _manifest({"model.onnx": GOOD})
+    manifest["sizes"] = {"model.onnx": 1 << 39}  # 512 GiB: a valid byte count, more than this disk has
+    _plant(remote, {"model.onnx": GOOD}, manifest)
+    assert _pull(tmp_path, remote, caplog) is None
+    assert "free where it would be downloaded" in caplog.text and len(_written(tmp_path)) == 1
+
+
+def test_a_killed_publishers_staging_folder_is_swept_from_a_shared_remote(tmp_path):
+    from optpipe.cache.remote_io import STALE_S
+
+    shared = tmp_path / "remote"
+    old, live = shared / "tmp" / "push-old", shared / "tmp" / "push-live"
+    for folder in (old, live):
+        folder.mkdir(parents=True)
+        (folder / "model.onnx").write_bytes(GOOD)
+    os.utime(old, (0, 0))
+    cache = TieredStageCache(tmp_path / "node", FsspecEntryStore(str(shared)))
+    workdir = cache.new_workdir()
+    (workdir / "model.onnx").write_bytes(GOOD)
+    cache.publish_folder(KEY, workdir, "stages")
+    cache.release_leases()
+    assert not old.exists() and live.exists(), f"only what is older than {STALE_S} s is swept"
+    assert verify_entry(shared / "stages" / KEY) is None

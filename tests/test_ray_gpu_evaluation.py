@@ -9,6 +9,7 @@ from optpipe.core.errors import OptpipeError, RecipeError
 from optpipe.execution.executors import Plan, Progress, RunMemo
 from optpipe.execution.ray_executor import RayExecutor, evaluation_resources
 from optpipe.execution.stage_tasks import TaskSettings
+from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import EvaluateSpec, TargetSpec
 from optpipe.safety.recipe_loading import load_recipe
 from optpipe.targets import target_resources
@@ -84,7 +85,7 @@ def _submitted(tmp_path, recipe, *nodes, run_providers="auto") -> dict[str, dict
     executor._pass, executor._eval = executor.ray.remote(None), executor.ray.remote(None)
     executor._collect = lambda waiting, progress: None
     settings = TaskSettings(cache_dir=tmp_path / "cache", run_dir=tmp_path / "run", providers=run_providers)
-    executor.run([Plan("tiny", recipe, list(recipe.stages), "export", True, settings, RunMemo())], Progress(io.StringIO()))
+    executor.run([Plan("tiny", CompilePlan.of(recipe), list(recipe.stages), "export", True, settings, RunMemo())], Progress(io.StringIO()))
     return executor.ray.options_of
 
 

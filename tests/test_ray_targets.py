@@ -6,6 +6,7 @@ import io
 
 import pytest
 
+from optpipe.plan.compile_plan import CompilePlan
 from optpipe.core.errors import RecipeError
 from optpipe.execution.executors import LocalExecutor, Progress
 from optpipe.execution.ray_targets import RayTargets
@@ -132,7 +133,7 @@ def test_refused_targets_fail_and_the_others_are_built():
 
 
 def _named_recipe(name: str):
-    class Named:  # RayTargets reads only the recipe's name (for progress lines) and ships it to its tasks
+    class Named:  # RayTargets reads only the plan's name (for progress lines) and ships it to its tasks
         pass
 
     recipe = Named()
@@ -149,10 +150,10 @@ def test_a_stage_resource_no_node_has_names_the_flag(tiny_recipe, tmp_path):
     executor = object.__new__(RayExecutor)  # without joining a cluster: only its resource check is under test
     executor.ray = _Cluster(CPU_NODE)
     recipe = load_recipe(tiny_recipe({"evaluate": {"resources": {"GPU": 1}}, "stages": {"simplify": {"resources": {"gpu:l4": 1}}}}))
-    plan = Plan("tiny", recipe, ["export", "simplify"], "export", False, TaskSettings(tmp_path / "cache", tmp_path / "run"), None)
+    plan = Plan("tiny", CompilePlan.of(recipe), ["export", "simplify"], "export", False, TaskSettings(tmp_path / "cache", tmp_path / "run"), None)
     with pytest.raises(OptpipeError, match=r"evaluate.resources: GPU=1 but the Ray cluster has 0; start a node with it \(ray start --num-gpus=1\)"):
         executor._check_resources(plan)
-    plan.recipe = load_recipe(tiny_recipe({"stages": {"simplify": {"resources": {"gpu:l4": 1}}}}))
+    plan.compile_plan = CompilePlan.of(load_recipe(tiny_recipe({"stages": {"simplify": {"resources": {"gpu:l4": 1}}}})))
     with pytest.raises(OptpipeError, match=r"""stages.simplify.resources: gpu:l4=1 .*ray start --resources='\{"gpu:l4": 1\}'"""):
         executor._check_resources(plan)
 

@@ -93,3 +93,17 @@ def test_a_missing_triton_is_named_with_its_install_line(tmp_path, monkeypatch):
     monkeypatch.setenv("OPTPIPE_TRITON_VENV", str(tmp_path / "no-venv"))
     with pytest.raises(ServingError, match="pip install nvidia-pytriton==0.7.0"):
         started_server(tmp_path)
+
+
+def test_a_port_in_use_is_named_before_anything_starts(tmp_path):
+    import socket
+
+    from optpipe.serving.triton_server import ServingError, TritonInstall, TritonServer
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        fake = TritonInstall(*(tmp_path for _ in range(6)))  # never reached: the port check comes first
+        with pytest.raises(ServingError, match=f"the HTTP port 127.0.0.1:{taken} is in use .*--http-port"):
+            TritonServer(tmp_path, fake, http_port=taken).start()

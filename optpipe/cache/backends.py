@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from optpipe.core.artifact import MANIFEST_FILE, content_hash, sha256_json
 from optpipe.cache.manifest import UntrustedEntry, checked_files, checked_sizes
-from optpipe.cache.remote_io import (check_remote, download_checked, dumps, is_local, publish_local_folder, read_capped,
+from optpipe.cache.remote_io import (check_remote, check_room, download_checked, dumps, is_local, publish_local_folder, read_capped,
                                      write_local_result)
 from optpipe.cache.store import StageCache, read_result, verify_entry
 
@@ -90,6 +90,8 @@ class FsspecEntryStore:
             sizes = checked_sizes(manifest, files)
             if manifest.get("content") != content_hash(files):
                 raise UntrustedEntry("the manifest's content hash does not match its files")
+            if "sizes" in manifest:  # an older manifest without sizes: each file is still stopped at MAX_FILE_BYTES
+                check_room(dest, sizes)
             for name, digest in files.items():  # each name checked above: dest / name stays in dest
                 download_checked(self.fs, f"{base}/{name}", dest / name, digest, sizes[name])
         except (UntrustedEntry, FileNotFoundError) as exc:
@@ -159,7 +161,10 @@ class TieredStageCache(StageCache):
     def publish_folder(self, key: str, workdir: Path, kind: str, meta: dict[str, Any] | None = None) -> Path:
         target = super().publish_folder(key, workdir, kind, meta)
         if meta is None or not meta.get("from_remote"):
-            self.remote.push_folder(kind, key, target)
+            try:
+                self.remote.push_folder(kind, key, target)
+            except UntrustedEntry as exc:  # the local entry stands; only the upload is refused
+                log.warning("remote cache: not uploading %s/%s (%s)", kind, key[:12], exc)
         return target
 
     def get_result(self, key: str) -> dict | None:
@@ -177,7 +182,10 @@ class TieredStageCache(StageCache):
         path = self.result_path(key)
         wrapped, problem = read_result(path)
         if problem is None:
-            self.remote.push_result(key, {"sha256": sha256_json(wrapped), "value": wrapped})
+            try:
+                self.remote.push_result(key, {"sha256": sha256_json(wrapped), "value": wrapped})
+            except UntrustedEntry as exc:
+                log.warning("remote cache: not uploading result %s (%s)", key[:12], exc)
 
 
 def _parse(raw: bytes) -> dict:

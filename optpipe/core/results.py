@@ -279,7 +279,16 @@ class RunReport(BaseModel):
 
     @classmethod
     def load(cls, run_dir: Path) -> "RunReport":
-        document = json.loads((run_dir / "report.json").read_text())
+        """report.json of a run; one that is not what optpipe writes (hand-edited, cut, another file) is a
+        user error naming it, for every command that reads it (report, inspect, diff, export)."""
+        path = run_dir / "report.json"
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OptpipeError(f"'{path}' is not a readable optpipe report ({str(exc).splitlines()[0]}); rerun `optpipe compile`") from None
+        if not isinstance(document, dict):
+            raise OptpipeError(f"'{path}' is not a readable optpipe report (it holds a {type(document).__name__}, not an "
+                               "object); rerun `optpipe compile`")
         version = document.get("schema_version")
         # Version 1 differs only in its targets rows: one without targets reads as is.
         if version != SCHEMA_VERSION and not (version == 1 and not document.get("targets")):
@@ -287,4 +296,10 @@ class RunReport(BaseModel):
                 f"{run_dir / 'report.json'} has schema version {version}, this optpipe reads "
                 f"{SCHEMA_VERSION}; rerun `optpipe compile` to write it again (cached stages are reused)"
             )
-        return cls.model_validate(document)
+        try:
+            return cls.model_validate(document)
+        except ValueError as exc:  # pydantic's ValidationError: a field of the wrong kind
+            errors = exc.errors() if hasattr(exc, "errors") else []
+            what = (f"{'.'.join(str(part) for part in errors[0]['loc'])}: {errors[0]['msg']}" if errors
+                    else str(exc).splitlines()[0])
+            raise OptpipeError(f"'{path}' is not a readable optpipe report ({what}); rerun `optpipe compile`") from None

@@ -14,7 +14,7 @@ from typing import Protocol, TextIO
 
 from optpipe.execution.stage_tasks import TaskSettings, evaluate, node_description, run_stage
 from optpipe.core.results import StageResult
-from optpipe.recipe.schema import Recipe
+from optpipe.plan.compile_plan import CompilePlan
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Plan:
     """Stages of one recipe to compute then evaluate; their parents are computed already or listed first."""
 
     label: str  # the recipe's name in progress lines
-    recipe: Recipe
+    compile_plan: CompilePlan  # the recipe's typed parts, resolved once by the driver; what its tasks take
     stages: list[str]
     reference: str | None
     eager: bool
@@ -68,7 +68,7 @@ class Executor(Protocol):
 
     def run(self, plans: list[Plan], progress: Progress) -> None: ...
 
-    def target_runner(self, recipe: Recipe, settings: TaskSettings, report, progress: Progress):
+    def target_runner(self, compile_plan: CompilePlan, settings: TaskSettings, report, progress: Progress):
         """How this executor builds a recipe's targets (optpipe.targets.TargetRunner); None: in the driver."""
         ...
 
@@ -84,28 +84,28 @@ class LocalExecutor:
         node = node_description()
         for plan in plans:
             for name in plan.stages:
-                parent = plan.recipe.stages[name].after
-                outcome = run_stage(plan.recipe, name, plan.memo.outcomes.get(parent) if parent else None, plan.settings)
+                parent = plan.compile_plan.stages[name].parent
+                outcome = run_stage(plan.compile_plan, name, plan.memo.outcomes.get(parent) if parent else None, plan.settings)
                 plan.memo.outcomes[name] = outcome
                 progress.stage(plan, name, "pass", outcome_label(outcome), outcome.duration_s, node, outcome.reason or "")
             reference = plan.memo.outcomes.get(plan.reference) if plan.reference else None
             if plan.eager:
                 started = time.perf_counter()
-                plan.memo.eager = evaluate(plan.recipe, [], _with_reference(plan, reference), plan.reference, True, plan.settings)[0]
+                plan.memo.eager = evaluate(plan.compile_plan, [], _with_reference(plan, reference), plan.reference, True, plan.settings)[0]
                 progress.stage(plan, plan.memo.eager.name, "evaluate", result_label(plan.memo.eager),
                                time.perf_counter() - started, node, result_detail(plan.memo.eager))
             for name in plan.stages:
                 started = time.perf_counter()
-                parent = plan.recipe.stages[name].after
+                parent = plan.compile_plan.stages[name].parent
                 outcomes = {**_with_reference(plan, reference), name: plan.memo.outcomes[name]}
                 if parent in plan.memo.outcomes:  # to tell a stage that changed nothing
                     outcomes[parent] = plan.memo.outcomes[parent]
-                result = evaluate(plan.recipe, [name], outcomes, plan.reference, False, plan.settings)[0]
+                result = evaluate(plan.compile_plan, [name], outcomes, plan.reference, False, plan.settings)[0]
                 result.evaluation_s = round(time.perf_counter() - started, 3)
                 plan.memo.results[name] = result
                 progress.stage(plan, name, "evaluate", result_label(result), time.perf_counter() - started, node, result_detail(result))
 
-    def target_runner(self, recipe: Recipe, settings: TaskSettings, report, progress: Progress):
+    def target_runner(self, compile_plan: CompilePlan, settings: TaskSettings, report, progress: Progress):
         return None  # the targets are built here, after the run, as a plain compile builds them
 
     def close(self) -> None:
@@ -142,7 +142,7 @@ def _node_text(node: dict) -> str:
     return f"{node.get('host')}{ray_node}"
 
 
-def settings_for(recipe: Recipe, cache_dir: Path, run_dir: Path, force: bool, providers: str,
+def settings_for(cache_dir: Path, run_dir: Path, force: bool, providers: str,
                  remote_cache: str | None = None, storage_options: dict | None = None) -> TaskSettings:
     return TaskSettings(cache_dir=cache_dir.resolve(), run_dir=run_dir.resolve(), force=force, providers=providers,
                         remote_cache=remote_cache, storage_options=storage_options or {})

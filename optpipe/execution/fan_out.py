@@ -15,6 +15,7 @@ from optpipe.execution.stage_tasks import TaskSettings, hardware_class, held_kee
 from optpipe.core.results import RunReport, StageResult
 from optpipe.recipe.schema import OnnxModel, Recipe
 from optpipe.reporting.run_report import build_report, pareto_frontier, write_report
+from optpipe.plan.compile_plan import CompilePlan
 from optpipe.plan.validate import validate_recipe
 
 
@@ -34,7 +35,7 @@ class PlainDriver:
         if self._planned:
             return None
         self._planned = True
-        return Plan(self.recipe.name, self.recipe, self.order, reference_of(self.recipe), wants_eager(self.recipe), self.settings, self.memo)
+        return Plan(self.recipe.name, CompilePlan.of(self.recipe), self.order, reference_of(self.recipe), wants_eager(self.recipe), self.settings, self.memo)
 
     def absorb(self, progress: Progress) -> None:
         pass
@@ -62,7 +63,8 @@ def targets_on(executor, recipe: Recipe, settings: TaskSettings, progress: Progr
     """The executor's way to build the recipe's targets, given the run's report (None: in the driver)."""
     if executor is None:
         return None
-    return lambda report: executor.target_runner(recipe, settings, report, progress)
+    compile_plan = CompilePlan.of(recipe)
+    return lambda report: executor.target_runner(compile_plan, settings, report, progress)
 
 
 def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, settings: TaskSettings,
@@ -73,7 +75,6 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
     from optpipe.safety.os_errors import folder_errors
     from optpipe.execution.services import RunServices
     from optpipe.reporting.inspection import save_sample_inputs
-    from optpipe.plan.compile_plan import CompilePlan
     from optpipe.safety.recipe_loading import write_recipe_snapshot
     from optpipe.targets import run_targets
 
@@ -87,7 +88,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         # Leased (and rebuilt if a gc pruned them after their tasks ended) before they are copied.
-        results = [held_keeping_figures(recipe, result, settings, cache) for result in results]
+        results = [held_keeping_figures(plan, result, settings, cache) for result in results]
         with folder_errors("output folder", run_dir), FileLock(str(run_dir / ".optpipe.lock")):  # a full disk names it
             publish_stage_folders(run_dir, results)
             if any(r.status == "ok" for r in results):

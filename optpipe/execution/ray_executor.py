@@ -30,14 +30,14 @@ BENCHMARK = "benchmark"
 MAX_RETRIES = 3
 
 
-def _pass_task(recipe, name, parent, settings):
+def _pass_task(compile_plan, name, parent, settings):
     started = time.perf_counter()
     parent_outcome = parent[0] if parent is not None else None
-    outcome = run_stage(recipe, name, parent_outcome, settings)
+    outcome = run_stage(compile_plan, name, parent_outcome, settings)
     return outcome, node_description(), time.perf_counter() - started
 
 
-def _eval_task(recipe, name, stage, parent_name, parent, reference_name, reference, eager, settings):
+def _eval_task(compile_plan, name, stage, parent_name, parent, reference_name, reference, eager, settings):
     started = time.perf_counter()
     outcomes = {}
     if reference is not None:
@@ -46,7 +46,7 @@ def _eval_task(recipe, name, stage, parent_name, parent, reference_name, referen
         outcomes[parent_name] = parent[0]
     if name is not None:
         outcomes[name] = stage[0]
-    results = evaluate(recipe, [name] if name else [], outcomes, reference_name, eager, settings)
+    results = evaluate(compile_plan, [name] if name else [], outcomes, reference_name, eager, settings)
     return results[0], node_description(), time.perf_counter() - started
 
 
@@ -90,26 +90,26 @@ class RayExecutor:
         waiting: dict[Any, tuple[Plan, str, str]] = {}  # ref -> (plan, stage, pass | evaluate)
         for plan in plans:
             self._check_resources(plan)
-            recipe = ray.put(plan.recipe)
+            compile_plan = ray.put(plan.compile_plan)
             refs: dict[str, Any] = {}
             for name in plan.stages:
-                parent = plan.recipe.stages[name].after
+                parent = plan.compile_plan.stages[name].parent
                 parent_ref = refs.get(parent) or (_done(plan.memo.outcomes[parent]) if parent else None)
-                refs[name] = self._pass.options(name=f"pass {name}", max_retries=MAX_RETRIES, **_ray_resources(plan.recipe.stages[name].resources)).remote(
-                    recipe, name, parent_ref, plan.settings)
+                refs[name] = self._pass.options(name=f"pass {name}", max_retries=MAX_RETRIES, **_ray_resources(plan.compile_plan.stages[name].resources)).remote(
+                    compile_plan, name, parent_ref, plan.settings)
                 waiting[refs[name]] = (plan, name, "pass")
             ref = plan.reference
             ref_arg = refs.get(ref) or (_done(plan.memo.outcomes[ref]) if ref in plan.memo.outcomes else None)
             timing = self._timing_options(plan)
             if plan.eager:
                 eager = self._eval.options(name="evaluate pytorch-eager", **timing).remote(
-                    recipe, None, None, None, None, ref, ref_arg, True, plan.settings)
+                    compile_plan, None, None, None, None, ref, ref_arg, True, plan.settings)
                 waiting[eager] = (plan, "", "eager")
             for name in plan.stages:
-                parent = plan.recipe.stages[name].after
+                parent = plan.compile_plan.stages[name].parent
                 parent_arg = refs.get(parent) or (_done(plan.memo.outcomes[parent]) if parent in plan.memo.outcomes else None)
                 evaluation = self._eval.options(name=f"evaluate {name}", **timing).remote(
-                    recipe, name, refs[name], parent, parent_arg, ref, ref_arg, False, plan.settings)
+                    compile_plan, name, refs[name], parent, parent_arg, ref, ref_arg, False, plan.settings)
                 waiting[evaluation] = (plan, name, "evaluate")
         self._collect(waiting, progress)
 
@@ -126,9 +126,9 @@ class RayExecutor:
                 value, node, seconds = ray.get(done[0])
             except Exception as exc:  # retries spent (or a task that could not run): the stage fails, the run goes on
                 reason = f"Ray task failed after {MAX_RETRIES} retries: {type(exc).__name__}: {first_line(exc)}"
-                spec = plan.recipe.stages.get(name)
+                spec = plan.compile_plan.stages.get(name)
                 value = StageResult(name=name or "pytorch-eager", pass_name=spec.pass_name if spec else "eager",
-                                    parent=spec.after if spec else None, status="failed", reason=reason)
+                                    parent=spec.parent if spec else None, status="failed", reason=reason)
                 node, seconds = None, 0.0
             if kind == "pass":
                 plan.memo.outcomes[name] = value
@@ -142,28 +142,28 @@ class RayExecutor:
                 progress.stage(plan, name, "evaluate", result_label(value), seconds, node, result_detail(value))
 
     def _timing_options(self, plan: Plan) -> dict:
-        declared = evaluation_resources(plan.recipe.evaluate, plan.settings.providers)
-        declared.setdefault("CPU", max(self.timing_cpus, plan.recipe.evaluate.threads))
+        declared = evaluation_resources(plan.compile_plan.evaluate, plan.settings.providers)
+        declared.setdefault("CPU", max(self.timing_cpus, plan.compile_plan.evaluate.threads))
         options = _ray_resources(declared)
         options.setdefault("resources", {})[BENCHMARK] = 1
         return {"max_retries": MAX_RETRIES, **options}
 
-    def target_runner(self, recipe, settings, report, progress: Progress) -> RayTargets:
+    def target_runner(self, compile_plan, settings, report, progress: Progress) -> RayTargets:
         """Each target a Ray task with the resources its build needs (see optpipe.execution.ray_targets)."""
         # A target times its artifact: the node's benchmark slot and its CPUs, as an evaluation (not
         # evaluate.resources: a CPU target must not wait for a GPU type an evaluation asks for), and a
         # GPU where the stages were timed on one (target_resources says which kinds).
-        timing = {"CPU": max(self.timing_cpus, recipe.evaluate.threads), BENCHMARK: 1}
-        on_gpu = requested_providers(recipe.evaluate.providers, settings.providers) in GPU_PROVIDERS
-        return RayTargets(self.ray, timing, recipe, settings, report, progress, MAX_RETRIES, evaluation_on_gpu=on_gpu)
+        timing = {"CPU": max(self.timing_cpus, compile_plan.evaluate.threads), BENCHMARK: 1}
+        on_gpu = requested_providers(compile_plan.evaluate.providers, settings.providers) in GPU_PROVIDERS
+        return RayTargets(self.ray, timing, compile_plan, settings, report, progress, MAX_RETRIES, evaluation_on_gpu=on_gpu)
 
     def _check_resources(self, plan: Plan) -> None:
         """A stage asking for what no node has would wait forever: say so before submitting."""
         total = self.ray.cluster_resources()
-        evaluate = plan.recipe.evaluate
+        evaluate = plan.compile_plan.evaluate
         providers = requested_providers(evaluate.providers, plan.settings.providers)
         wanted = [("evaluate.resources", evaluation_resources(evaluate, plan.settings.providers))]
-        wanted += [(f"stages.{n}.resources", plan.recipe.stages[n].resources) for n in plan.stages]
+        wanted += [(f"stages.{n}.resources", plan.compile_plan.stages[n].resources) for n in plan.stages]
         for where, resources in wanted:
             for key, amount in resources.items():
                 if total.get(key, 0) < amount:

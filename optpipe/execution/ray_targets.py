@@ -18,27 +18,27 @@ from typing import Any
 from optpipe.core.errors import first_line
 from optpipe.execution.executors import Progress
 from optpipe.execution.stage_tasks import TaskSettings, build_target
-from optpipe.recipe.schema import Recipe
+from optpipe.plan.compile_plan import CompilePlan
 from optpipe.core.results import TargetResult
 
 RECHECK_S = 5.0  # how often waiting target tasks are checked against the live nodes' resources
 
 
-def _target_task(recipe, report, work, shared, settings):
+def _target_task(compile_plan, report, work, shared, settings):
     started = time.perf_counter()
-    result = build_target(recipe, report, work, shared, settings)
+    result = build_target(compile_plan, report, work, shared, settings)
     return result, result.built_on, time.perf_counter() - started
 
 
 class RayTargets:
     """The TargetRunner of one recipe's run on a Ray executor."""
 
-    def __init__(self, ray, timing: dict[str, float], recipe: Recipe, settings: TaskSettings, report, progress: Progress, retries: int,
+    def __init__(self, ray, timing: dict[str, float], compile_plan: CompilePlan, settings: TaskSettings, report, progress: Progress, retries: int,
                  evaluation_on_gpu: bool = False):
         self.ray = ray
         self.timing = timing  # what a timing holds on a node: its benchmark slot and CPUs
         self.evaluation_on_gpu = evaluation_on_gpu  # the stages were timed on a GPU: so are the artifacts timed through ORT
-        self.recipe, self.settings, self.report, self.progress = recipe, settings, report, progress
+        self.compile_plan, self.settings, self.report, self.progress = compile_plan, settings, report, progress
         self.retries = retries
         self._task = ray.remote(_target_task)
 
@@ -46,7 +46,7 @@ class RayTargets:
         from optpipe.targets import target_resources
 
         ray = self.ray
-        recipe, report = ray.put(self.recipe), ray.put(self.report)
+        compile_plan, report = ray.put(self.compile_plan), ray.put(self.report)
         results: dict[int, TargetResult] = {}
         waiting: dict[Any, tuple[int, dict]] = {}
         started = time.perf_counter()
@@ -57,7 +57,7 @@ class RayTargets:
                 results[i] = self._failed(work, refusal, 0.0)
                 continue
             ref = self._task.options(name=f"target {work.label}", max_retries=self.retries, **ray_options(needs)).remote(
-                recipe, report, work, shared, self.settings)
+                compile_plan, report, work, shared, self.settings)
             waiting[ref] = (i, needs)
         while waiting:
             done, _ = ray.wait(list(waiting), num_returns=1, timeout=RECHECK_S)
@@ -72,7 +72,7 @@ class RayTargets:
                 result = TargetResult(kind=works[i].spec.kind, stage=works[i].stage, status="failed", reason=reason)
                 node, seconds = None, 0.0
             results[i] = result
-            self.progress.target(self.recipe.name, result, seconds, node)
+            self.progress.target(self.compile_plan.name, result, seconds, node)
         return [results[i] for i in range(len(works))]
 
     def _needs(self, declared: dict[str, float]) -> dict[str, float]:
@@ -107,7 +107,7 @@ class RayTargets:
 
     def _failed(self, work, reason: str, seconds: float) -> TargetResult:
         result = TargetResult(kind=work.spec.kind, stage=work.stage, status="failed", reason=reason)
-        self.progress.target(self.recipe.name, result, seconds, None)
+        self.progress.target(self.compile_plan.name, result, seconds, None)
         return result
 
 

@@ -1,6 +1,7 @@
 """One stage, one evaluation: the units an executor schedules (in this process or as Ray tasks).
 
-Each function rebuilds what it needs from the recipe and the cache folder, so it can run in
+Each function rebuilds what it needs from the compile's plan (`CompilePlan`: the recipe's typed parts,
+resolved once by the driver) and the cache folder, so it can run in
 any process that sees the cache; it returns plain data (StageResults). The
 pass itself, the cache protocol (key lock, atomic publish) and the evaluation are the
 pipeline's own: nothing here re-implements them.
@@ -17,12 +18,12 @@ from optpipe.cache.backends import open_cache
 from optpipe.core.artifact import MANIFEST_FILE
 from optpipe.core.results import StageResult
 from optpipe.core.runtime import cuda_device_names  # the one reader of GPU names, as targets/gpu_type.py uses
-from optpipe.recipe.schema import Recipe
+from optpipe.plan.compile_plan import CompilePlan
 
 
 @dataclass(frozen=True)
 class TaskSettings:
-    """What a task needs besides the recipe; plain values, so it pickles to any node."""
+    """What a task needs besides the compile plan; plain values, so it pickles to any node."""
 
     cache_dir: Path
     run_dir: Path
@@ -35,39 +36,36 @@ class TaskSettings:
         return open_cache(self.cache_dir, self.remote_cache, **self.storage_options)
 
 
-def run_stage(recipe: Recipe, name: str, parent: StageResult | None, settings: TaskSettings) -> StageResult:
+def run_stage(plan: CompilePlan, name: str, parent: StageResult | None, settings: TaskSettings) -> StageResult:
     """The stage's result, its model a cache hit or its pass run and published; `parent` is its parent's result."""
-    spec = recipe.stages[name]
+    spec = plan.stages[name]
     if parent is not None and parent.status != "ok":
-        return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
-                           reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0)
+        return StageResult(name=name, pass_name=spec.pass_name, parent=spec.parent, status="skipped",
+                           reason=f"parent stage '{spec.parent}' {parent.status}", duration_s=0.0)
     cache = settings.open_cache()
     try:
         if parent is not None:
-            parent = held(recipe, parent, settings, cache)
+            parent = held(plan, parent, settings, cache)
             if parent.status != "ok":
-                return StageResult(name=name, pass_name=spec.pass_name, parent=spec.after, status="skipped",
-                                   reason=f"parent stage '{spec.after}' {parent.status}", duration_s=0.0)
-        return _run_one(recipe, name, parent, settings, cache)
+                return StageResult(name=name, pass_name=spec.pass_name, parent=spec.parent, status="skipped",
+                                   reason=f"parent stage '{spec.parent}' {parent.status}", duration_s=0.0)
+        return _run_one(plan, name, parent, settings, cache)
     finally:
         cache.release_leases()
 
 
-def _run_one(recipe: Recipe, name: str, parent: StageResult | None, settings: TaskSettings, cache) -> StageResult:
+def _run_one(plan: CompilePlan, name: str, parent: StageResult | None, settings: TaskSettings, cache) -> StageResult:
     from optpipe.execution.services import RunServices
     from optpipe.execution.stage_runner import StageRunner
     from optpipe.pass_infra.instruments import Instruments
-    from optpipe.plan.compile_plan import CompilePlan
-    from optpipe.plan.validate import validate_recipe
 
-    _, passes = validate_recipe(recipe)
-    plan = CompilePlan.of(recipe)
+    pass_ = plan.configured_pass(name)  # the driver validated the recipe: a task configures only its own pass
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     runner = StageRunner(plan, cache, RunServices(plan.model_source(), plan.data, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
-    return runner.run(name, passes[name], parent.model if parent else None)
+    return runner.run(name, pass_, parent.model if parent else None)
 
 
-def held(recipe: Recipe, result: StageResult, settings: TaskSettings, cache) -> StageResult:
+def held(plan: CompilePlan, result: StageResult, settings: TaskSettings, cache) -> StageResult:
     """`result` with its cache entry leased by this task, so `cache gc` leaves it until the task ends.
 
     The entry was computed by an earlier task (another process, perhaps another node), which
@@ -80,34 +78,33 @@ def held(recipe: Recipe, result: StageResult, settings: TaskSettings, cache) -> 
     cache.lease(model.folder.name)  # waits for a gc removing it right now
     if (model.folder / MANIFEST_FILE).exists():
         return result
-    return _rebuilt(recipe, result.name, settings, cache) if result.name in recipe.stages else result
+    return _rebuilt(plan, result.name, settings, cache) if result.name in plan.stages else result
 
 
-def _rebuilt(recipe: Recipe, name: str, settings: TaskSettings, cache) -> StageResult:
+def _rebuilt(plan: CompilePlan, name: str, settings: TaskSettings, cache) -> StageResult:
     chain = [name]
-    while (parent := recipe.stages[chain[-1]].after) is not None:
+    while (parent := plan.stages[chain[-1]].parent) is not None:
         chain.append(parent)
     result = None
     for stage in reversed(chain):
-        result = _run_one(recipe, stage, result, settings, cache)
+        result = _run_one(plan, stage, result, settings, cache)
         if result.status != "ok":
             break
     return result
 
 
-def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | None, eager: bool,
+def evaluate(plan: CompilePlan, names: list[str], outcomes: dict, reference: str | None, eager: bool,
              settings: TaskSettings) -> list[StageResult]:
     """Accuracy against `reference` and latency of each stage in `names` (and the eager baseline
     first when `eager`), each result stamped with the node that measured it."""
     from optpipe.execution.services import RunServices
     from optpipe.execution.stage_evaluation import EvaluationParts, evaluate_stages
-    from optpipe.plan.compile_plan import CompilePlan
     from optpipe.pass_infra.instruments import Instruments
 
     cache = settings.open_cache()
-    scoped = CompilePlan.of(recipe).with_evaluate(reference=reference, eager_baseline=eager)
+    scoped = plan.with_evaluate(reference=reference, eager_baseline=eager)
     try:
-        outcomes = {stage: held_keeping_figures(recipe, result, settings, cache) for stage, result in outcomes.items()}
+        outcomes = {stage: held_keeping_figures(plan, result, settings, cache) for stage, result in outcomes.items()}
         results = evaluate_stages(EvaluationParts.of(scoped), names, outcomes, RunServices(scoped.model_source(), scoped.data, cache), cache, settings.providers, Instruments(),
                                   settings.force)
     finally:
@@ -119,22 +116,21 @@ def evaluate(recipe: Recipe, names: list[str], outcomes: dict, reference: str | 
     return results
 
 
-def held_keeping_figures(recipe: Recipe, result: StageResult, settings: TaskSettings, cache) -> StageResult:
+def held_keeping_figures(plan: CompilePlan, result: StageResult, settings: TaskSettings, cache) -> StageResult:
     """`held`, the outcome itself kept (its cached flag, its duration): only its model's folder is restored."""
-    again = held(recipe, result, settings, cache)
+    again = held(plan, result, settings, cache)
     if again is result or again.status != "ok":
         return result
     return result.with_model(again.model)
 
 
-def build_target(recipe: Recipe, report, work, shared: dict, settings: TaskSettings):
+def build_target(plan: CompilePlan, report, work, shared: dict, settings: TaskSettings):
     """One target (optpipe.targets.TargetWork) for one stage of the run folder, stamped with the node that built it."""
-    from optpipe.plan.compile_plan import CompilePlan
     from optpipe.targets import build_one
 
     cache = settings.open_cache()
     try:
-        result = build_one(CompilePlan.of(recipe).target_settings(cache.root), report, settings.run_dir, cache, settings.providers, work, shared)
+        result = build_one(plan.target_settings(cache.root), report, settings.run_dir, cache, settings.providers, work, shared)
     finally:
         cache.release_leases()
     result.built_on = node_description()

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from optpipe.pass_infra.pass_base import Pass
 from optpipe.targets.base import TargetSettings
 from optpipe.recipe.schema import DataSets, DimRange, EvaluateSpec, InputSpec, ModelInputs, ModelSource, ModelSpec, Recipe, TargetSpec, Tolerance
 
@@ -62,6 +63,13 @@ class CompilePlan(_Frozen):
         return cls(name=recipe.name, model=recipe.model, inputs=tuple(recipe.inputs), dims=dict(recipe.dims),
                    base_dir=recipe.base_dir, data=recipe.data, evaluate=recipe.evaluate, stages=stages,
                    targets=tuple(recipe.targets))
+
+    def configured_pass(self, name: str) -> Pass:
+        """The stage's pass with its params, as validation configured it (a task configures only its own)."""
+        from optpipe.passes import registry
+        from optpipe.plan.validate import configure
+
+        return configure(name, self.stages[name], registry())
 
     def model_inputs(self) -> ModelInputs:
         return ModelInputs(tuple(self.inputs), dict(self.dims))

@@ -16,7 +16,7 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
     """The stage DAG and one configured pass per stage, or a RecipeError naming what to change."""
     from optpipe.passes import registry
 
-    passes = {name: _configure(name, spec, registry()) for name, spec in recipe.stages.items()}
+    passes = {name: configure(name, spec, registry()) for name, spec in recipe.stages.items()}
     graph = build_dag(recipe.stages)
     for name, spec in recipe.stages.items():
         needs_input = passes[name].needs_input
@@ -40,7 +40,8 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
     return graph, passes
 
 
-def _configure(stage: str, spec, known: dict[str, type[Pass]]) -> Pass:
+def configure(stage: str, spec, known: dict[str, type[Pass]]) -> Pass:
+    """One stage's pass with its params; `spec` is the recipe's StageSpec or the plan's StagePlan (both name pass_name, params)."""
     cls = known.get(spec.pass_name)
     if cls is None:
         raise RecipeError(

@@ -14,6 +14,7 @@ from optpipe.execution.executors import Plan, Progress, RunMemo, result_detail
 from optpipe.execution.stage_tasks import TaskSettings
 from optpipe.execution.fan_out import finish_run, reference_of, targets_on, wants_eager
 from optpipe.core.results import StageResult
+from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import Recipe
 from optpipe.core.results import RunReport
 from optpipe.search.checks import check_searched_values, check_trial
@@ -89,7 +90,7 @@ class SearchDriver:
         order = execution_order(build_dag(self.expanded.stages))
         new = [name for name in order if name not in self.memo.results]
         eager = wants_eager(self.recipe) and self.memo.eager is None
-        return Plan(self.recipe.name, self.expanded, new, reference_of(self.expanded), eager, self.task_settings, self.memo)
+        return Plan(self.recipe.name, CompilePlan.of(self.expanded), new, reference_of(self.expanded), eager, self.task_settings, self.memo)
 
     def absorb(self, progress: Progress) -> None:
         seen = {r.trial: r.number for r in self.records if r.repeat_of is None}

@@ -36,7 +36,7 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     _distinct_run_folders(recipes, [paths.run_dir for paths in folders])
     for recipe, paths in zip(recipes, folders):
         run_dir, cache = paths.run_dir, paths.cache_dir
-        settings = settings_for(recipe, cache, run_dir, force, providers, remote_cache, storage_options)
+        settings = settings_for(cache, run_dir, force, providers, remote_cache, storage_options)
         _preflight(recipe, settings)
         if SearchSpace.declared(recipe):
             drivers.append(SearchDriver(recipe, run_dir, settings, yes))

@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from optpipe.core.errors import first_line
 from optpipe.evaluation import cpu_contention
 from optpipe.evaluation.latency import BUSY_OTHERS
 
@@ -79,7 +80,12 @@ def measure_point(url: str, model, requests: list[dict[str, np.ndarray]], concur
     prepared = [request_inputs(feeds) for feeds in requests]
     for client in clients:  # connections opened and the model warm before the clock starts
         for inputs in prepared[:WARMUP_REQUESTS]:
-            client.infer(model.name, inputs, client_timeout=REQUEST_TIMEOUT_S)
+            try:
+                client.infer(model.name, inputs, client_timeout=REQUEST_TIMEOUT_S)
+            except Exception as exc:  # tritonclient's InferenceServerException: the server's own words
+                from optpipe.serving.triton_server import ServingError
+
+                raise ServingError(f"model '{model.name}' refused the evaluation inputs: {first_line(exc)}") from None
     before_stats = _counts(clients[0], model.name)
     latencies: list[list[float]] = [[] for _ in clients]
     errors = [0] * concurrency

@@ -45,6 +45,7 @@ def write_serving_repository(run_dir: Path, stages: list[str], without_batching:
         for batching in variants:
             platform = "openvino" if (run_dir / "stages" / stage / "model.xml").is_file() else "onnxruntime"
             overrides = {"backend": "python", "platform": platform, "device": "cpu", "dynamic_batching": batching,
+                         **({} if batching else {"text_ensemble": False}),
                          "model_name": "{recipe}_{stage}" + ("" if batching else NO_BATCHING_SUFFIX)}
             result = export_stage(run_dir, stage, "triton", repository, overrides=overrides)
             if not result.ok:

@@ -50,8 +50,9 @@ def serve_run(run_dir: Path, stages: tuple[str, ...], host: str, http_port: Opti
               echo: Callable[[str], None], until: Optional[Callable[[], bool]] = None) -> None:
     """Serve until Ctrl-C (or `until()`), then stop the server and say so (RunInterrupted: exit 130)."""
     repository, served = write_serving_repository(run_dir, chosen_stages(run_dir, stages))
-    server = started_server(repository, host, http_port, grpc_port)
+    server = None
     try:
+        server = started_server(repository, host, http_port, grpc_port)
         echo(f"serving {', '.join(m.name for m in served)} on tritonserver (python backend, {served[0].runtime})")
         echo(f"  HTTP  http://{server.http_url}/v2/models/{served[0].name}   gRPC {server.grpc_url}   (Open Inference Protocol)")
         echo("  Ctrl-C stops it")
@@ -60,10 +61,10 @@ def serve_run(run_dir: Path, stages: tuple[str, ...], host: str, http_port: Opti
         if server.process.poll() is not None:
             raise ServingError(f"tritonserver stopped by itself ({server.process.returncode}): {server.log_tail()}")
     except KeyboardInterrupt:
-        server.stop()
         raise RunInterrupted("interrupted: the server stopped; nothing outside the run's serving/ folder was written") from None
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 def bench_run(run_dir: Path, stages: tuple[str, ...], concurrencies: tuple[int, ...] = loadtest.CONCURRENCIES,
@@ -78,9 +79,12 @@ def bench_run(run_dir: Path, stages: tuple[str, ...], concurrencies: tuple[int, 
     repository, served = write_serving_repository(run_dir, chosen, without_batching=True)
     requests = loadtest.single_requests(evaluation_samples(run_dir, cache_dir))
     load_before = os.getloadavg()
-    with started_server(repository) as server:
-        points = loadtest.sweep(server.grpc_url, served, requests, concurrencies, duration_s, server.process.pid,
-                                progress=lambda p: echo(point_line(p)))
+    try:
+        with started_server(repository) as server:
+            points = loadtest.sweep(server.grpc_url, served, requests, concurrencies, duration_s, server.process.pid,
+                                    progress=lambda p: echo(point_line(p)))
+    except KeyboardInterrupt:
+        raise RunInterrupted("interrupted: the load test stopped with its server; report.json is unchanged") from None
     serving = {
         "format": SERVING_FORMAT,
         "server": "tritonserver 2.51 (nvidia-pytriton 0.7.0), python backend",

@@ -18,6 +18,7 @@ What the launch needs, each learnt the hard way (see docs/serving.md):
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,8 @@ VENV_NAME = ".venv-triton"
 LOOPBACK = "127.0.0.1"
 READY_TIMEOUT_S = 180.0  # MiniLM's python-backend model loads in ~10 s on 2 loaded cores; a stuck load ends here
 STOP_TIMEOUT_S = 30.0
+#: Lines Triton logs on every host without a GPU: not why a start failed.
+_HARMLESS = re.compile(r"cuda|nvml|dcgm|gpu metrics|pinned memory", re.I)
 
 
 class ServingError(OptpipeError):
@@ -100,6 +103,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class TritonServer:
     """One tritonserver process on `repository`, loopback only. Use as a context manager."""
@@ -150,6 +162,10 @@ class TritonServer:
         return env
 
     def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> "TritonServer":
+        for what, port in (("HTTP", self.http_port), ("gRPC", self.grpc_port)):
+            # Checked first: the readiness probe would otherwise be answered by whatever holds the port.
+            if not port_free(self.host, port):
+                raise ServingError(f"the {what} port {self.host}:{port} is in use (another server?); pick another with --{what.lower()}-port")
         self._workspace = tempfile.TemporaryDirectory(prefix="optpipe-triton-")
         backends = Path(self._workspace.name) / "backends"
         python_backend = backends / "python"
@@ -177,7 +193,7 @@ class TritonServer:
                 raise ServingError(f"tritonserver exited ({self.process.returncode}) before it was ready: {self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
+                    if response.status == 200 and self.process.poll() is None:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -185,13 +201,15 @@ class TritonServer:
         raise ServingError(f"tritonserver was not ready within {timeout_s:.0f} s: {self.log_tail()}")
 
     def log_tail(self, lines: int = 3) -> str:
-        """The server's last error lines (its own words), joined into one line."""
+        """The server's last error lines (its own words), joined into one line; the CUDA/NVML/DCGM
+        complaints a CPU host always logs are left out."""
         path = Path(self._log.name) if getattr(self, "_log", None) else None
         if path is None or not path.exists():
             return "no log"
         self._log.flush()
-        text = path.read_text(errors="replace").splitlines()
-        errors = [line.strip() for line in text if line.startswith("E") or "error" in line.lower()] or [line.strip() for line in text]
+        text = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        text = [line for line in text if not _HARMLESS.search(line)]
+        errors = [line for line in text if line.startswith("E") or "error" in line.lower()] or text
         return " | ".join(errors[-lines:])[:600] or "empty log"
 
     def stop(self) -> Optional[int]:

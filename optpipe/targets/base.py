@@ -58,6 +58,12 @@ class TritonParams(TargetParams):
         "native", description="native: the platform's own backend (a full Triton image); python: a python-backend model "
         "(model.py) running the same model.onnx/model.xml in ONNX Runtime/OpenVINO with the measured session settings, "
         "for a Triton without those backends (pytriton's tritonserver)")
+    text_ensemble: bool = Field(
+        False, description="text models: also <name>_text, an ensemble a client sends strings to: the model's tokenizer "
+        "(python backend, the tokenizers package) -> the model -> pooling; see docs/serving.md")
+    pooling: Literal["auto", "mean", "cls", "none"] = Field(
+        "auto", description="the text ensemble's last step: mean over the attention mask, the first token, or none; "
+        "auto: the model folder's sentence-transformers 1_Pooling/config.json, else none")
 
     @model_validator(mode="after")
     def _device_fits_platform(self):

@@ -17,6 +17,7 @@ from optpipe.core.errors import TargetError
 from optpipe.targets import tensorrt
 from optpipe.targets.base import TargetJob, TargetResult, TritonParams, copy_model, hash_files, relative
 from optpipe.targets.model_facts import TensorSpec, io_specs, precision_of
+from optpipe.targets.pbtxt import tensor_text as _tensor_text
 
 CONFIG_FILE = "config.pbtxt"
 VERSION = "1"
@@ -69,6 +70,11 @@ def write_repository(job: TargetJob) -> TargetResult:
         config = python_backend(config, job, params, ir)
         shutil.copyfile(Path(__file__).with_name(PYTHON_MODEL_SOURCE), version_dir / "model.py")
     (folder / CONFIG_FILE).write_text(render_config(config))
+    ensemble = {}
+    if params.text_ensemble:
+        from optpipe.targets.triton_ensemble import write_text_ensemble
+
+        ensemble = {"text_ensemble": write_text_ensemble(job, params, config)}
     files, digest = hash_files(folder)
     source = engine or job.stage.result
     if ir and ir["converted"]:
@@ -84,7 +90,7 @@ def write_repository(job: TargetJob) -> TargetResult:
         hash=digest,
         details={"model": name, "platform": config.get("platform") or config["backend"], "max_batch_size": config["max_batch_size"],
                  "instance_kind": config["instance_group"][0]["kind"], **(served_precision(ir) if ir and params.backend == "native" else {}),
-                 **({"runtime": config["parameters"]["runtime"]} if params.backend == "python" else {})},
+                 **({"runtime": config["parameters"]["runtime"]} if params.backend == "python" else {}), **ensemble},
     )
 
 
@@ -274,14 +280,3 @@ def render_config(config: dict[str, Any]) -> str:
     for key, value in config["parameters"].items():
         lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
     return "\n".join(lines) + "\n"
-
-
-def _tensor_text(tensor: dict[str, Any]) -> str:
-    dims = ", ".join(str(d) for d in tensor["dims"])
-    reshape = "\n    reshape: { shape: [ ] }" if "reshape" in tensor else ""
-    return f'  {{\n    name: {_quoted(tensor["name"])}\n    data_type: {tensor["data_type"]}\n    dims: [ {dims} ]{reshape}\n  }}'
-
-
-def _quoted(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-

@@ -1,0 +1,63 @@
+"""Before a run: will each stage fit in this machine's memory? An estimate from the model's FP32
+weight bytes and per-pass factors measured with bench/llm.py (peak RSS of the step's own process
+above the ~0.35 GB an interpreter with torch / onnxruntime / openvino imported holds), so that a
+model that will not fit is refused in one line naming the stage, instead of the kernel's OOM killer
+ending the run halfway.
+
+Measured (Llama-style decoder, 0.1 B params, 0.40 GB FP32; bench/llm.py): export 1.6x the FP32
+weights above the baseline (torch model + the ONNX being written), weight_only 0.9x (ORT's quantizer
+holds the loaded model and the packed weights), openvino_weights 2.4x (the converted IR, its
+compressed copy and the saved one), a generation measurement 1x per runtime held at once.
+The factors are upper estimates for larger models: the copies scale with the weights, the baseline
+does not.
+"""
+from __future__ import annotations
+
+import os
+
+from optpipe.core.errors import UserInputError
+
+BASELINE_BYTES = 350 << 20
+#: pass -> peak RSS above the baseline, as a multiple of the FP32 weight bytes (measured, above).
+PASS_FACTORS = {
+    "export": 1.6, "simplify": 2.0, "fuse": 2.0, "fp16": 2.0, "int8": 3.0, "prune": 2.0, "openvino": 2.4,
+    "weight_only": 0.9, "openvino_weights": 2.4,
+    "measure": 1.2,  # a generation measurement: the weights of the runtimes it holds, plus their KV caches
+}
+DEFAULT_FACTOR = 3.0  # a pass not measured: the worst factor seen
+#: Leave this much of the available memory to everything else on the machine.
+HEADROOM = 0.9
+
+
+def available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else physical memory."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def stage_estimates(fp32_bytes: int, stages: dict[str, str]) -> dict[str, int]:
+    """stage name -> estimated peak RSS in bytes, for `stages` (name -> pass name)."""
+    return {name: int(BASELINE_BYTES + PASS_FACTORS.get(pass_name, DEFAULT_FACTOR) * fp32_bytes)
+            for name, pass_name in stages.items()}
+
+
+def check_fits(fp32_bytes: int, stages: dict[str, str], available: int | None = None) -> dict[str, int]:
+    """Refuse, naming the first stage that will not fit; return the estimates otherwise."""
+    estimates = stage_estimates(fp32_bytes, stages)
+    budget = int((available if available is not None else available_bytes()) * HEADROOM)
+    for name, need in estimates.items():
+        if need > budget:
+            raise UserInputError(
+                f"stage '{name}' ({stages[name]}) needs about {need / 1e9:.1f} GB for a model of {fp32_bytes / 1e9:.1f} GB "
+                f"FP32 weights, and {budget / 1e9:.1f} GB is available: free memory, run that stage on a larger machine, "
+                f"or start from a smaller model")
+    return estimates
