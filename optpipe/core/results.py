@@ -149,6 +149,8 @@ class StageResult(BaseModel):
     evaluation_cached: Optional[bool] = Field(
         None, description="its accuracy and latency figures came from the cache; None where it was not evaluated")
     reason: Optional[str] = None
+    not_run: bool = Field(False, description="skipped by its pass's rule for this machine (Pass.skip_reason, e.g. OpenVINO "
+                          "int8 on a CPU without VNNI), or after such a stage: not a failure")
     error_kind: Optional[ErrorKind] = Field(
         None, description="why a failed stage failed: input (the user's model or data; exit 2), stage (the pass could "
         "not do its work), internal (a bug in optpipe; the log has the traceback)")
@@ -266,7 +268,7 @@ class RunReport(BaseModel):
 
     @property
     def failed(self) -> list[StageResult]:
-        return [s for s in self.stages if s.status != "ok"]
+        return [s for s in self.stages if s.status != "ok" and not s.not_run]
 
     @property
     def failed_targets(self) -> list[TargetResult]:
