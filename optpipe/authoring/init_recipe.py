@@ -268,9 +268,13 @@ def _probe(net, inputs: list[dict], dims: dict) -> tuple[list[str], list[list]]:
 
 # --- the recipe text -------------------------------------------------------------------------
 
-# Every kind's best CPU candidate (MiniLM 3.95x eager, ResNet-50 5.24x: docs/benchmarks.md).
+# Every kind's best CPU candidate on CPUs with VNNI/AMX (MiniLM 3.95x eager, ResNet-50 5.24x: docs/benchmarks.md);
+# without VNNI it runs slower than OpenVINO FP32 and the stage is skipped, saying so: the FP32 IR beside it stands in.
 OPENVINO_INT8 = ("ov-int8", "openvino", "simplify", {"precision": "int8"},
-                 "OpenVINO IR, int8 by NNCF on the calibration set: the fastest CPU candidate measured (docs/int8.md)")
+                 "OpenVINO IR, int8 by NNCF on the calibration set: the fastest CPU candidate where the CPU has VNNI "
+                 "(skipped without: slower than FP32 there, docs/openvino.md)")
+OPENVINO_FP32 = ("ov-fp32", "openvino", "simplify", {"precision": "fp32"},
+                 "OpenVINO IR in FP32: lossless, and the OpenVINO candidate on CPUs without VNNI")
 
 STAGES = {
     "cnn": [
@@ -283,6 +287,7 @@ STAGES = {
         ("prune", "prune", "simplify", {"method": "structured", "amount": 0.25},
          "removes 25% of the channels, no fine-tuning: the report shows what it costs"),
         OPENVINO_INT8,
+        OPENVINO_FP32,
     ],
     "transformer": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -291,6 +296,7 @@ STAGES = {
         ("int8", "int8", "fuse", {"mode": "dynamic"}, "after fuse: dynamic int8 quantizes the fused attention's MatMuls"),
         ("fp16", "fp16", "fuse", {}, "half precision, for GPUs"),
         OPENVINO_INT8,
+        OPENVINO_FP32,
     ],
     "dense": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -298,6 +304,7 @@ STAGES = {
         ("fp16", "fp16", "simplify", {}, "half precision, for GPUs"),
         ("int8", "int8", "simplify", {"mode": "dynamic"}, "int8 weights, activations quantized at run time"),
         OPENVINO_INT8,
+        OPENVINO_FP32,
     ],
 }
 

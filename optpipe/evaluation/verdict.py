@@ -41,7 +41,8 @@ def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str
     if not artifact.path.is_file():  # an OpenVINO IR: no ONNX to count MACs on; a pass that counted its weights says so
         counted = artifact.info.get("coverage")
         coverage = Coverage.model_validate(counted) if isinstance(counted, dict) else None
-        return coverage, [w for w in (openvino_int8_warning(artifact.info), ignored_params_warning(artifact.info)) if w]
+        return coverage, [w for w in (openvino_int8_warning(artifact.info), ignored_params_warning(artifact.info),
+                                      guard_gave_up_warning(artifact.info)) if w]
     key = cache.key(coverage=COVERAGE_FORMAT, model=artifact.content_hash(), dims=dims, excluded=sorted(excluded or ())) if cache else None
     hit = cache.get_result(key) if cache else None
     if hit is not None:
@@ -98,6 +99,12 @@ def openvino_int8_warning(info: dict) -> str | None:
     placed = f" (NNCF placed {quantizers} quantizers)" if quantizers is not None else ""
     return (f"asked for int8, but only {int8} of {total} compute layers run int8{placed}; "
             f"the rest run in {', '.join(sorted(p for p in layers if p not in INT8_PRECISIONS))}")
+
+
+def guard_gave_up_warning(info: dict) -> str | None:
+    """An int8 stage whose accuracy repair ran out of its time budget (openvino's guard_budget_s): what it kept."""
+    guard = (info.get("int8") or {}).get("guard") or {}
+    return f"int8 guard stopped: {guard['gave_up']}" if guard.get("gave_up") else None
 
 
 def ignored_params_warning(info: dict) -> str | None:
