@@ -10,23 +10,8 @@ import pytest
 from optpipe.cache.backends import FsspecEntryStore, TieredStageCache
 
 s3fs = pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-BUCKET = "optpipe-cache"
-
-
-@pytest.fixture(scope="module")
-def s3_url():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
-    import boto3  # moto's dependency; s3fs's mkdir sends a location constraint moto's us-east-1 refuses
-
-    boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
-    yield f"s3://{BUCKET}/team", options
-    server.stop()
+pytest.importorskip("moto.server")
+from remote_fixtures import s3_url  # noqa: E402,F401 (the module's S3 server, shared with test_cache_untrusted)
 
 
 def _store(s3_url) -> FsspecEntryStore:

@@ -246,3 +246,21 @@ def test_a_killed_publishers_staging_folder_is_swept_from_a_shared_remote(tmp_pa
     cache.release_leases()
     assert not old.exists() and live.exists(), f"only what is older than {STALE_S} s is swept"
     assert verify_entry(shared / "stages" / KEY) is None
+
+
+@pytest.mark.parametrize("planted", ["link", "file"])
+def test_an_entry_that_is_a_link_or_a_file_is_dropped_and_only_it(tmp_path, planted):
+    cache = StageCache(tmp_path / "cache")
+    elsewhere = tmp_path / "elsewhere"
+    workdir = cache.new_workdir()
+    (workdir / "model.onnx").write_bytes(GOOD)
+    cache.publish_folder(KEY, workdir, "stages")
+    os.rename(cache.entry_dir(KEY), elsewhere)  # a whole, valid entry, outside the cache
+    if planted == "link":
+        os.symlink(elsewhere, cache.entry_dir(KEY))
+    else:
+        cache.entry_dir(KEY).write_bytes(b"x")
+    assert cache.lookup_folder(KEY, "stages") is None
+    assert not os.path.lexists(cache.entry_dir(KEY)) and verify_entry(elsewhere) is None, "the link went, not its target"
+    assert not list((tmp_path / "cache" / "tmp").glob("trash-*")), "nothing left in the trash"
+    cache.release_leases()
