@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import Counter
-from pathlib import Path
+from typing import Any, Callable
 
 
 def package_of(module: str) -> str | None:
@@ -37,13 +37,11 @@ def holds_recipe(value, recipe_type) -> bool:
     return any(isinstance(v, recipe_type) for v in list(attributes.values()))
 
 
-def main(argv: list[str]) -> int:
-    from click.testing import CliRunner
-
-    from optpipe.cli import cli
+def crossings(run: Callable[[], Any]) -> tuple[Any, Counter[tuple[str, str]]]:
+    """What `run()` returns, and each (caller, callee) crossing seen while it ran, with its call count."""
     from optpipe.recipe.schema import Recipe
 
-    crossings: Counter[tuple[str, str]] = Counter()
+    seen: Counter[tuple[str, str]] = Counter()
 
     def profile(frame, event, arg):
         if event != "call":
@@ -60,24 +58,32 @@ def main(argv: list[str]) -> int:
         arguments = [frame.f_locals.get(name) for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]]
         if any(holds_recipe(value, Recipe) for value in arguments):
             where = f"{caller_frame.f_globals['__name__']}.{caller_frame.f_code.co_name}"
-            crossings[(where, f"{callee_module}.{code.co_name}")] += 1
+            seen[(where, f"{callee_module}.{code.co_name}")] += 1
 
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:
-        recipes = [arg for arg in argv if not arg.startswith("--")]
-        result = CliRunner().invoke(cli, ["compile", *recipes], catch_exceptions=True)
+        return run(), seen
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+
+
+def main(argv: list[str]) -> int:
+    from click.testing import CliRunner
+
+    from optpipe.cli import cli
+
+    recipes = [arg for arg in argv if not arg.startswith("--")]
+    result, crossings_seen = crossings(lambda: CliRunner().invoke(cli, ["compile", *recipes], catch_exceptions=True))
     if result.exception and not isinstance(result.exception, SystemExit):
         print(result.output, file=sys.stderr)
         raise result.exception
     if "--list" in argv:
-        for (caller, callee), calls in sorted(crossings.items()):
+        for (caller, callee), calls in sorted(crossings_seen.items()):
             print(f"{caller} -> {callee}  ({calls}x)")
-    by_layer = Counter(package_of(callee.rsplit(".", 1)[0]) for _, callee in crossings)
-    print(f"{len(crossings)} places where the Recipe crosses a package boundary; by the package it enters: "
+    by_layer = Counter(package_of(callee.rsplit(".", 1)[0]) for _, callee in crossings_seen)
+    print(f"{len(crossings_seen)} places where the Recipe crosses a package boundary; by the package it enters: "
           + ", ".join(f"{name} {count}" for name, count in sorted(by_layer.items())))
     return 0
 

@@ -21,11 +21,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from optpipe.hardware.cpu_features import CpuTarget
+from optpipe.hardware.cpu_features import INT32_ACCUMULATING, CpuTarget, int8_sums_saturate
 
 FormatName = Literal["auto", "u8s8", "u8s8-reduce-range", "u8u8"]
-#: The classes whose int8 dot products accumulate into int32 (VNNI in some form): full range is exact.
-INT32_ACCUMULATING = ("x86-avx512-vnni", "x86-amx", "x86-avx2-vnni")
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ def auto_choice(cpu: CpuTarget) -> tuple[str, str]:
         return "u8s8", f"{klass}: VNNI dot products accumulate u8 x s8 into int32, full 8-bit range is exact (Optimum's avx512_vnni)"
     if cpu.arch == "arm64":
         return "u8s8", f"{klass}: NEON/dot-product kernels widen before adding, no saturation (Optimum's arm64)"
-    if cpu.arch == "x86_64":
+    if int8_sums_saturate(cpu):
         return "u8s8-reduce-range", (f"{klass}: without VNNI, u8 x s8 sums saturate int16 (VPMADDUBSW); 7-bit weights "
                                      "fit (ORT's advice; Optimum's avx512 note) and keep the fast u8s8 kernel")
     return "u8s8", f"{klass}: ORT's default format (no int8 ISA facts for this architecture)"
@@ -68,7 +66,7 @@ def auto_choice(cpu: CpuTarget) -> tuple[str, str]:
 def tensorrt_format(cpu: CpuTarget, reduce_range: bool | None) -> Int8Format:
     """TensorRT's explicit quantization takes symmetric s8 activations and weights, whatever this CPU."""
     why = "TensorRT's explicit quantization: symmetric int8 activations and weights"
-    if cpu.arch == "x86_64" and cpu.cpu_class not in INT32_ACCUMULATING:
+    if int8_sums_saturate(cpu):
         # ORT CPU turns s8s8 Q/DQ into u8s8 integer kernels: on this class they saturate, so the CPU
         # figures of this form can be below what TensorRT will reach (TensorRT accumulates in int32).
         why += f"; on {cpu.cpu_class} ORT CPU may run it through saturating u8s8 kernels: its CPU accuracy is a lower bound"

@@ -89,7 +89,7 @@ class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
 
 
 def compress(converted, params: OpenVinoWeightsParams, ctx: PassContext):
-    import nncf
+    nncf = ovr.nncf()  # imported with its telemetry off (optpipe/evaluation/openvino_runtime.py)
 
     options = nncf_options(params)
     kwargs: dict[str, Any] = {key: value for key, value in options.items() if key != "mode"}
@@ -108,7 +108,8 @@ def compress(converted, params: OpenVinoWeightsParams, ctx: PassContext):
 
         kwargs["dataset"] = nncf.Dataset(calibration_batches(ctx, converted))
     try:
-        return nncf.compress_weights(converted, **kwargs)
+        with ovr.telemetry_off():
+            return nncf.compress_weights(converted, **kwargs)
     except Exception as exc:  # NNCF raises assorted errors on graphs and options it cannot handle
         ctx.log.exception("NNCF weight compression failed")
         raise PassError(f"NNCF's compress_weights failed: {first_line(exc)}; check `exclude` names, or try another "

@@ -157,3 +157,29 @@ def test_report_manifest_and_rows_name_the_class(monkeypatch, tmp_path):
     row = lambda lat: StageResult(name="s", pass_name="p", status="ok", latency=[lat])  # noqa: E731
     assert runtime_label(row(ov), cpu) == "openvino-cpu [x86-avx2]"  # timed on another class than the machine's: said
     assert runtime_label(row(ort), cpu) == "ort-cpu"
+
+
+@pytest.mark.parametrize("features, saturates, bf16", [
+    ("avx2,fma", True, False), ("avx2,fma,avx512f,avx512bw", True, False), ("sse4_2", True, False),
+    ("avx2,fma,avx_vnni", False, False), ("avx2,fma,avx512f,avx512bw,avx512_vnni,avx512_bf16", False, True),
+    (AMX, False, True), ("asimd,asimddp", False, False), ("arm64:asimd,asimddp,i8mm,bf16", False, True),
+])
+def test_the_int8_and_bf16_facts_part_b_reads(features, saturates, bf16):
+    from optpipe.hardware.cpu_features import int8_sums_saturate, native_bf16
+
+    target = parse_features(features)
+    assert int8_sums_saturate(target) is saturates and native_bf16(target) is bf16
+
+
+def test_openvino_bf16_is_refused_under_a_onednn_cap_below_it(monkeypatch):
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    # OpenVINO itself is not started here: oneDNN reads ONEDNN_MAX_CPU_ISA once per process, so a cap
+    # set by a test would hold every later test of the session to it.
+    monkeypatch.setattr(ovr, "cpu_capabilities", lambda: ["BF16", "FP32", "INT8"])
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", AMX)
+    assert ovr.supports("bf16")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not ovr.supports("bf16") and ovr.supports("int8") and ovr.supports("fp32")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert ovr.supports("bf16")

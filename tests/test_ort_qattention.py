@@ -21,8 +21,7 @@ from optpipe.graph.stats import op_histogram
 from optpipe.source.model_source import TorchModel, load_torch_model
 from optpipe.passes.export import ExportParams, ExportPass, set_attention
 from optpipe.passes.fuse import FuseParams, FusePass
-from optpipe.hardware.cpu_features import machine_target
-from optpipe.passes._int8_formats import INT32_ACCUMULATING
+from optpipe.hardware.cpu_features import int8_sums_saturate, machine_target
 from optpipe.passes.int8 import Int8Params, Int8Pass
 from optpipe.core.runtime import eager_runner
 from optpipe.safety.recipe_loading import parse_recipe
@@ -101,8 +100,7 @@ def test_qattention_model_matches_eager_on_padded_inputs(chain):
     # gives 0.971 / 0.798 (initializer_range 0.3 makes attention matter), so a lost mask fails here too.
     chosen = quantized.info["int8_format"]
     assert chosen["cpu_class"] == machine_target().cpu_class
-    assert chosen["name"] == ("u8s8" if chosen["cpu_class"] in INT32_ACCUMULATING or chosen["cpu_class"].startswith("arm64")
-                              else "u8s8-reduce-range")
+    assert chosen["name"] == ("u8s8-reduce-range" if int8_sums_saturate(machine_target()) else "u8s8")
     assert hidden.cosine_mean > 0.998 and hidden.cosine_min > 0.99
 
 

@@ -107,3 +107,32 @@ def test_a_pass_context_holds_the_typed_parts_not_the_recipe(tmp_path):
     assert not hasattr(ctx, "recipe")
     assert ctx.model_source.model == recipe.model and ctx.inputs == recipe.model_inputs() and ctx.inputs.batch_dim() == "n"
     assert ctx.evaluate.threads == 1 and ctx.evaluate.top1 and ctx.target_kinds == ("tensorrt",) and ctx.tolerance.max_abs == 0.5
+
+
+def test_a_compile_hands_passes_evaluation_targets_and_reports_no_recipe(tmp_path):
+    """Under a profiler hook (.ci/recipe_crossings.py), no call into these packages gets a Recipe,
+    directly or one attribute deep (as PassContext.recipe once carried it)."""
+    import importlib.util
+    from pathlib import Path
+
+    from helpers_passes import artifact_of, small_mlp
+    from optpipe.execution.pipeline import RunOptions, compile_recipe
+
+    spec = importlib.util.spec_from_file_location("recipe_crossings", Path(__file__).parents[1] / ".ci" / "recipe_crossings.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    artifact_of(small_mlp(np.random.default_rng(0)), tmp_path / "model")
+    recipe = parse_recipe({
+        "name": "crossings", "model": {"onnx": "model/model.onnx"},
+        "inputs": [{"name": "x", "shape": ["batch", 16]}], "dims": {"batch": {"min": 1, "opt": 2, "max": 8}},
+        "data": {"eval": {"source": "synthetic", "samples": 8}, "calibration": {"source": "synthetic", "samples": 8, "seed": 1}},
+        "stages": {"import": {"pass": "export"}, "q": {"pass": "int8", "after": "import", "tolerance": {"cosine_min": 0.9}},
+                   "half": {"pass": "fp16", "after": "import"}},
+        "evaluate": {"threads": 1, "warmup": 0, "iterations": 2, "eager_baseline": False},
+        "targets": [{"kind": "ort"}],
+    }, base_dir=tmp_path)
+    report, seen = tool.crossings(lambda: compile_recipe(recipe, RunOptions(output=tmp_path / "run", cache_dir=tmp_path / "cache")))
+    assert [s.status for s in report.stages] == ["ok", "ok", "ok"] and report.targets
+    entered = {tool.package_of(callee.rsplit(".", 1)[0]) for _, callee in seen}
+    assert "plan" in entered, seen  # the hook sees crossings: validation checks the Recipe itself
+    assert not entered & {"passes", "pass_infra", "evaluation", "calibration", "source", "targets", "reporting"}, seen

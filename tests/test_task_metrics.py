@@ -292,6 +292,20 @@ def test_input_insensitive_model_is_flagged_and_the_report_says_so(tmp_path):
     assert "meaningless" in text and "## Warnings" in text and "mean nothing" in text
 
 
+def test_one_input_insensitive_output_beside_sensitive_ones_is_named(tmp_path):
+    """YOLOS: pred_boxes barely depend on the image while logits do; a model-wide figure hid it."""
+    rng = np.random.default_rng(2)
+    boxes = rng.uniform(0, 1, (1, 50)) + rng.normal(0, 1e-5, (16, 50))  # nearly one box set for every sample
+    reference = {"logits": rng.normal(0, 1, (16, 10)), "pred_boxes": boxes}
+    acc = compare(reference, reference, {}, TOL, "export")
+    [warning] = acc.warnings
+    assert warning.startswith("output 'pred_boxes' (spread") and "logits" not in warning and "mean nothing" not in warning
+    stage = StageResult(name="export", pass_name="export", status="ok", accuracy=acc, warnings=acc.warnings)
+    recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}], "stages": {"export": {"pass": "export"}}})
+    text = render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
+    assert "(some outputs barely depend on the inputs)" in text and "meaningless" not in text
+
+
 def test_the_pass_guard_judges_by_the_task_metric(tmp_path):
     """The guard of an fp16/int8 pass holds the stage to the recipe's task, not to cosine alone."""
     from helpers_passes import context

@@ -135,3 +135,15 @@ def test_memory_preflight_names_the_stage_that_will_not_fit():
     assert check_fits(4 * gb, stages, available=40 * gb) == estimates
     with pytest.raises(UserInputError, match="stage 'ov' \\(openvino_weights\\) needs about 10.*available"):
         check_fits(4 * gb, stages, available=9 * gb)
+
+
+def test_nncf_data_aware_reads_the_calibration_set_and_the_column_shows_the_mix(setup):
+    """scale_estimation reads activations (data.calibration); with a ratio NNCF keeps layers in int8
+    (on this 2-layer MLP it kept both, measured): the column reports NNCF's choice, not the request."""
+    out = _run(setup, "openvino_weights", "ov-data", mode="int4_asym", group_size=32, all_layers=True,
+               data_aware=True, scale_estimation=True, subset_size=8)
+    assert out.info["coverage"]["macs"] == {"int4": 1.0}
+    assert out.info["options"]["scale_estimation"] is True
+    mixed = _run(setup, "openvino_weights", "ov-ratio", mode="int4_sym", group_size=32, all_layers=True, ratio=0.5,
+                 data_aware=True, subset_size=8)
+    assert mixed.info["coverage"]["macs"].get("int8", 0) > 0

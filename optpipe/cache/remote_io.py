@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import stat
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from optpipe.cache.manifest import MAX_MANIFEST_BYTES, UntrustedEntry
 from optpipe.core.errors import OptpipeError
 
 CHUNK = 1 << 20
+# A publisher's staging folder older than this was left by a killed process (a publish takes seconds).
+STALE_S = 86400.0
 
 
 def is_local(fs: Any) -> bool:
@@ -79,12 +82,34 @@ def download_checked(fs: Any, src: str, dst: Path, digest: str, size: int) -> No
         raise
 
 
+def check_room(dest: Path, sizes: dict[str, int]) -> None:
+    """A manifest declaring more bytes than the disk has free is refused before any download:
+    forged sizes (64 files of a terabyte) would otherwise fill the disk and stop the run."""
+    total, free = sum(sizes.values()), shutil.disk_usage(dest).free
+    if total > free:
+        raise UntrustedEntry(f"it declares {total} bytes, more than the {free} free where it would be downloaded")
+
+
+def sweep_stale(root: str, now: float | None = None) -> None:
+    """Staging and trash folders a killed publisher left in `<root>/tmp` (older than STALE_S)."""
+    tmp = Path(root) / "tmp"
+    now = time.time() if now is None else now
+    for path in tmp.glob("*-*") if tmp.is_dir() and not tmp.is_symlink() else []:
+        try:
+            stale = path.name.startswith(("push-", "trash-")) and now - path.lstat().st_mtime > STALE_S
+        except OSError:
+            continue
+        if stale and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def publish_local_folder(root: str, folder: Path, target: str, still_valid) -> None:
     """Copy a verified entry to a mounted remote folder: into `<root>/tmp/`, then one rename.
 
     When `target` exists, another writer published first: its entry is kept when
     `still_valid(target)` (same key, same content), else (a tampered entry) it is replaced."""
     _no_links(root, Path(target).parent, Path(root) / "tmp")
+    sweep_stale(root)
     staging = Path(root) / "tmp" / f"push-{uuid.uuid4().hex}"
     staging.mkdir(parents=True)
     try:

@@ -34,6 +34,7 @@ def init_command(model: str, output: Path | None, force: bool, allow_paths: tupl
 
     recipe_dir = (output.parent if output else Path.cwd())
     _check_factory(model, allow_factories)
+    _check_config(Path(model))
     facts = inspect_path(model, recipe_dir)
     path = output or Path(f"{facts.name}.yaml")
     if path.exists() and not force:
@@ -61,3 +62,18 @@ def _check_factory(model: str, allow_factories: tuple[str, ...]) -> None:
     problem = factory_refusal(model, Path.cwd(), allow_factories, place="the working directory")
     if problem:
         raise RecipeError(f"init: {problem}")
+
+
+def _check_config(folder: Path) -> None:
+    """A Hugging Face folder's config.json is read as JSON: a broken one is the user's file, in one line."""
+    import json
+
+    config = folder / "config.json"
+    if not folder.is_dir() or not config.is_file():
+        return
+    try:
+        document = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"init: '{config}' is not valid JSON ({str(exc).splitlines()[0]}); fix it or save the model again") from None
+    if not isinstance(document, dict):
+        raise RecipeError(f"init: '{config}' holds a {type(document).__name__}, not a config object; save the model again")

@@ -149,6 +149,8 @@ class StageResult(BaseModel):
     evaluation_cached: Optional[bool] = Field(
         None, description="its accuracy and latency figures came from the cache; None where it was not evaluated")
     reason: Optional[str] = None
+    not_run: bool = Field(False, description="skipped by its pass's rule for this machine (Pass.skip_reason, e.g. OpenVINO "
+                          "int8 on a CPU without VNNI), or after such a stage: not a failure")
     error_kind: Optional[ErrorKind] = Field(
         None, description="why a failed stage failed: input (the user's model or data; exit 2), stage (the pass could "
         "not do its work), internal (a bug in optpipe; the log has the traceback)")
@@ -266,7 +268,7 @@ class RunReport(BaseModel):
 
     @property
     def failed(self) -> list[StageResult]:
-        return [s for s in self.stages if s.status != "ok"]
+        return [s for s in self.stages if s.status != "ok" and not s.not_run]
 
     @property
     def failed_targets(self) -> list[TargetResult]:
@@ -279,7 +281,16 @@ class RunReport(BaseModel):
 
     @classmethod
     def load(cls, run_dir: Path) -> "RunReport":
-        document = json.loads((run_dir / "report.json").read_text())
+        """report.json of a run; one that is not what optpipe writes (hand-edited, cut, another file) is a
+        user error naming it, for every command that reads it (report, inspect, diff, export)."""
+        path = run_dir / "report.json"
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OptpipeError(f"'{path}' is not a readable optpipe report ({str(exc).splitlines()[0]}); rerun `optpipe compile`") from None
+        if not isinstance(document, dict):
+            raise OptpipeError(f"'{path}' is not a readable optpipe report (it holds a {type(document).__name__}, not an "
+                               "object); rerun `optpipe compile`")
         version = document.get("schema_version")
         # Version 1 differs only in its targets rows: one without targets reads as is.
         if version != SCHEMA_VERSION and not (version == 1 and not document.get("targets")):
@@ -287,4 +298,10 @@ class RunReport(BaseModel):
                 f"{run_dir / 'report.json'} has schema version {version}, this optpipe reads "
                 f"{SCHEMA_VERSION}; rerun `optpipe compile` to write it again (cached stages are reused)"
             )
-        return cls.model_validate(document)
+        try:
+            return cls.model_validate(document)
+        except ValueError as exc:  # pydantic's ValidationError: a field of the wrong kind
+            errors = exc.errors() if hasattr(exc, "errors") else []
+            what = (f"{'.'.join(str(part) for part in errors[0]['loc'])}: {errors[0]['msg']}" if errors
+                    else str(exc).splitlines()[0])
+            raise OptpipeError(f"'{path}' is not a readable optpipe report ({what}); rerun `optpipe compile`") from None

@@ -103,6 +103,25 @@ def cpu_class(arch: str, features: frozenset[str] | set[str], known: bool = True
     return arch
 
 
+#: The x86 classes whose int8 dot products accumulate into int32 (VNNI in some form).
+INT32_ACCUMULATING = ("x86-avx512-vnni", "x86-amx", "x86-avx2-vnni")
+
+
+def int8_sums_saturate(target: CpuTarget) -> bool:
+    """True where u8 x s8 int8 products are summed in pairs into a saturating int16 (VPMADDUBSW: x86
+    without VNNI, unknown x86 included): ORT's MLAS and oneDNN both then need 7-bit weights
+    (ORT reduce_range; NNCF OverflowFix.ENABLE) or another kernel. Measured on the attention graph of
+    tests/test_openvino.py under ONEDNN_MAX_CPU_ISA=AVX2: NNCF's default overflow fix (first layer
+    only) gave cosine 0.967 (worst row 0.40) against OpenVINO FP32, OverflowFix.ENABLE 0.998 (0.90),
+    the same as unrestricted on AMX."""
+    return target.arch == "x86_64" and target.cpu_class not in INT32_ACCUMULATING
+
+
+def native_bf16(target: CpuTarget) -> bool:
+    """bf16 arithmetic in hardware: AVX-512 BF16 or AMX on x86, the BF16 extension on Arm."""
+    return bool(target.features & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def machine_target() -> CpuTarget:
     """The CPU this process runs on (or the injected OPTPIPE_CPU_FEATURES)."""
     return _detect(os.environ.get(FEATURES_ENV, ""))

@@ -124,9 +124,14 @@ def _cosine(c: RowContext) -> Cell:
     return Cell(text, None if accuracy.within_tolerance and not accuracy.warnings else "out")
 
 
+MEANINGLESS = "these accuracy figures mean nothing"  # evaluation.accuracy's whole-model warning
+
+
 def meaningless_mark(accuracy: Accuracy) -> str:
     """Marks a figure measured on outputs that barely depend on the inputs (see the Warnings section)."""
-    return " (meaningless: inputs barely matter)" if accuracy.warnings else ""
+    if any(MEANINGLESS in w for w in accuracy.warnings):
+        return " (meaningless: inputs barely matter)"
+    return " (some outputs barely depend on the inputs)" if accuracy.warnings else ""
 
 
 TASK_HEADLINES = {"top1_agreement": "top-1 agree", "top5_agreement": "top-5 agree", "class_agreement": "class agree",

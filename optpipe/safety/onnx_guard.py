@@ -43,11 +43,21 @@ def check_model_path(path: Path, where: str) -> None:
         raise ModelSourceError(f"{where}: file '{path}' does not exist; give the path of an .onnx model")
 
 
+#: protobuf's limit on one message: no ONNX file (its weights elsewhere) is larger.
+MAX_PROTO_BYTES = 2**31
+
+
 def load_graph(path: Path, where: str) -> onnx.ModelProto:
     """The model without its weights, after checking it is ONNX and its external data is safe."""
     check_model_path(path, where)
-    if path.stat().st_size == 0:
+    size = path.stat().st_size
+    if size == 0:
         raise ModelSourceError(f"{where}: '{path.name}' is empty; export the model again")
+    if size > MAX_PROTO_BYTES:  # read whole by onnx.load: a 64 GB file named .onnx would fill the memory first
+        raise ModelSourceError(
+            f"{where}: '{path.name}' is {size / 2**30:.1f} GiB, over the 2 GiB an ONNX protobuf can hold, so it is no "
+            "ONNX model; a large model keeps its weights in external data files beside a small .onnx"
+        )
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends

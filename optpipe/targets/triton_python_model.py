@@ -51,6 +51,10 @@ class TritonPythonModel:
         return run
 
     def _openvino(self, path, threads, hint):
+        # `import openvino` sends a telemetry event (processes, ~/intel/stats) unless the environment says CI:
+        # the switch optpipe sets around its own OpenVINO calls (openvino_runtime.telemetry_off); a served
+        # model sends none either. Set for this stub process only, which runs nothing that reads CI.
+        os.environ.setdefault("CI", "true")
         import openvino as ov
 
         # optpipe.evaluation.openvino_runtime.compile_config: one latency stream, the measured hint.
