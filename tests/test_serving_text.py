@@ -6,8 +6,6 @@ against transformers' tokenizer, the stage's own ONNX Runtime session and a mean
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -91,14 +89,15 @@ def test_strings_in_sentence_vectors_out(served, protocol):
     client.close()
 
 
-def test_a_text_ensemble_on_a_model_without_token_inputs_is_refused(tmp_path):
-    import yaml
-    from conftest import TINY_RECIPE
+def test_a_text_ensemble_on_a_model_without_token_inputs_is_refused():
+    from optpipe.core.errors import TargetError
+    from optpipe.targets.base import TritonParams
+    from optpipe.targets.triton_ensemble import write_text_ensemble
 
-    data = json.loads(json.dumps(TINY_RECIPE))
-    data.update({"output": str(tmp_path / "run"), "targets": [{"kind": "triton", "stages": ["export"], "params": {"text_ensemble": True}}]})
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    report = compile_recipe(load_recipe(path), RunOptions(cache_dir=tmp_path / "cache"))
-    (target,) = report.targets
-    assert target.status == "failed" and "text_ensemble needs a batched model whose inputs are a tokenizer's" in target.reason
+    model = {"name": "tiny_export", "max_batch_size": 16, "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [32]}],
+             "output": [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}]}
+    with pytest.raises(TargetError, match="text_ensemble needs a batched model whose inputs are a tokenizer's .* this one takes x"):
+        write_text_ensemble(None, TritonParams(text_ensemble=True), model)
+    unbatched = {**model, "max_batch_size": 0, "input": [{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [1, 8]}]}
+    with pytest.raises(TargetError, match="needs a batched model"):
+        write_text_ensemble(None, TritonParams(text_ensemble=True), unbatched)
