@@ -48,6 +48,7 @@ class TaskAccuracy(BaseModel):
     def headline(self) -> float | None:
         """The task's agreement with the reference in one number (1 = the same), the worst of its key metrics."""
         keys = {"classification": ("top1_agreement",), "detection": ("class_agreement", "map50"),
+                "segmentation": ("pixel_agreement",),
                 "language-model": ("next_token_agreement",), "embeddings": ("token_cosine",)}.get(self.kind, ())
         values = [self.metrics[k] for k in keys if self.metrics.get(k) is not None]
         return min(values) if values else None
