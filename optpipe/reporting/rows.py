@@ -113,7 +113,7 @@ def guard_figure(accuracy: Accuracy) -> str:
 def _status(c: RowContext) -> Cell:
     s = c.stage
     tone: Tone = "failed" if s.status != "ok" else "out" if out_of_tolerance(s) else "ok"
-    return Cell(s.status + (f" ({s.reused})" if s.reused else ""), tone)
+    return Cell(s.verdict + (f" ({s.reused})" if s.reused else ""), tone)
 
 
 def _cosine(c: RowContext) -> Cell:
