@@ -57,6 +57,7 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
     details = {
         "options": {k: str(v) for k, v in options.items()},
         "calibration_samples": options["subset_size"],
+        "calibration": {"source": ctx.calibration_set().origin},  # the set is built once per content: a cache read
         "quantizers": fake_quantize_count(quantized),
         "guard": {"enabled": params.guard, "held": accuracy.within_tolerance, "cosine": accuracy.worst_cosine,
                   "violations": accuracy.violations, "steps": steps, "not_run": not_run,
