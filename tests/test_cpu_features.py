@@ -174,5 +174,12 @@ def test_the_int8_and_bf16_facts_part_b_reads(features, saturates, bf16):
 def test_openvino_bf16_is_refused_under_a_onednn_cap_below_it(monkeypatch):
     from optpipe.evaluation import openvino_runtime as ovr
 
+    # OpenVINO itself is not started here: oneDNN reads ONEDNN_MAX_CPU_ISA once per process, so a cap
+    # set by a test would hold every later test of the session to it.
+    monkeypatch.setattr(ovr, "cpu_capabilities", lambda: ["BF16", "FP32", "INT8"])
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", AMX)
+    assert ovr.supports("bf16")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not ovr.supports("bf16") and ovr.supports("int8") and ovr.supports("fp32")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert ovr.supports("bf16")
