@@ -41,10 +41,7 @@ def check_plain(fs: Any, path: str) -> None:
     """On a mounted folder, a symlink (or a fifo, a device) in an entry is refused: the entry
     would make optpipe read a file outside the remote cache into its own."""
     if is_local(fs):
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            raise
+        mode = os.lstat(path).st_mode  # FileNotFoundError: absent, as on an object store
         if not stat.S_ISREG(mode):
             raise UntrustedEntry(f"{Path(path).name} is a link or a special file, not a plain file")
 
