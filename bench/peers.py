@@ -59,17 +59,15 @@ def peer_models(recipe) -> dict[str, tuple[str, Path | str]]:
 def optimum_preset() -> str:
     """Optimum's quantization preset for the CPU ONNX Runtime runs on here (`optimum-cli onnxruntime quantize
     --arm64 | --avx2 | --avx512 | --avx512_vnni`): ORT's MLAS picks kernels by the CPU's own ISA (ONEDNN_MAX_CPU_ISA
-    holds only OpenVINO back), so the preset follows the CPU's flags."""
-    from pathlib import Path as _Path
-    import platform
+    holds only OpenVINO back), so the preset follows the machine's features (OPTPIPE_CPU_FEATURES injects them)."""
+    from optpipe.hardware.cpu_features import machine_target
 
-    if platform.machine() in ("arm64", "aarch64"):
+    cpu = machine_target()
+    if cpu.arch == "arm64":
         return "arm64"
-    text = _Path("/proc/cpuinfo").read_text() if _Path("/proc/cpuinfo").exists() else ""
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    if "avx512_vnni" in flags or "amx_int8" in flags:
+    if cpu.has("avx512_vnni") or cpu.has("amx_int8"):
         return "avx512_vnni"
-    return "avx512" if "avx512f" in flags else "avx2"
+    return "avx512" if cpu.has("avx512f") else "avx2"
 
 
 def _nncf(recipe, out: Path) -> Path:
