@@ -1,4 +1,5 @@
-"""The peers' own results for bench/run.py: Hugging Face Optimum and Microsoft Olive, run by their documented commands.
+"""The peers' own results for bench/run.py: Hugging Face Optimum (its preset for this CPU, and its avx512_vnni one),
+Microsoft Olive and plain NNCF, run by their documented commands.
 
 They are not optimpipe dependencies: install them into a scratch virtual environment of their own
 (their pins differ from optpipe's) and point PEERS_BIN at its bin folder, e.g.
@@ -37,14 +38,66 @@ def peer_models(recipe) -> dict[str, tuple[str, Path | str]]:
         return {"peers": ("Optimum, Olive", "not run: they take Hugging Face model folders with weights")}
     folder = hf_folder(recipe.model_source())
     scratch = Path(os.environ.get("PEERS_DIR", "/tmp/optpipe-peers")) / recipe.name
+    preset = optimum_preset()
+    builds = [(f"optimum:int8-{preset}-per-channel", f"Optimum -O2, ORT quantization preprocess (shapes only), then quantize --{preset} "
+               "--per_channel (Optimum's preset for this CPU)", lambda f, out: _optimum(f, out, preset))]
+    if preset != "avx512_vnni":
+        builds.append(("optimum:int8-avx512_vnni-per-channel", "the same with Optimum's --avx512_vnni preset (the one its docs measured)",
+                       lambda f, out: _optimum(f, out, "avx512_vnni")))
+    builds += [("olive:int8-dynamic", "Olive OnnxConversion + OnnxDynamicQuantization", lambda f, out: _olive(f, out)),
+               ("nncf:int8-defaults", "plain NNCF: openvino.convert_model of the export, nncf.quantize with its defaults on the "
+                "recipe's calibration set, OpenVINO runtime", lambda f, out: _nncf(recipe, out))]
     results = {}
-    for name, what, build in (("optimum:int8-vnni-per-channel", "Optimum -O2, ORT quantization preprocess (shapes only), then quantize --avx512_vnni --per_channel", _optimum),
-                              ("olive:int8-dynamic", "Olive OnnxConversion + OnnxDynamicQuantization", _olive)):
+    for name, what, build in builds:
         try:
-            results[name] = (what, build(folder, scratch / name.split(":")[0]))
+            results[name] = (what, build(folder, scratch / name.replace(":", "-")))
         except PeerUnavailable as exc:
             results[name] = (what, f"not run: {exc}")
     return results
+
+
+def optimum_preset() -> str:
+    """Optimum's quantization preset for the CPU ONNX Runtime runs on here (`optimum-cli onnxruntime quantize
+    --arm64 | --avx2 | --avx512 | --avx512_vnni`): ORT's MLAS picks kernels by the CPU's own ISA (ONEDNN_MAX_CPU_ISA
+    holds only OpenVINO back), so the preset follows the machine's features (OPTPIPE_CPU_FEATURES injects them)."""
+    from optpipe.hardware.cpu_features import machine_target
+
+    cpu = machine_target()
+    if cpu.arch == "arm64":
+        return "arm64"
+    if cpu.has("avx512_vnni") or cpu.has("amx_int8"):
+        return "avx512_vnni"
+    return "avx512" if cpu.has("avx512f") else "avx2"
+
+
+def _nncf(recipe, out: Path) -> Path:
+    """NNCF's defaults, done by hand as its docs show: convert, `nncf.quantize(model, nncf.Dataset(samples))`, save.
+    Quantized again per ONEDNN_MAX_CPU_ISA (NNCF collects statistics by running the model on OpenVINO)."""
+    out = out.with_name(out.name + "-" + (os.environ.get("ONEDNN_MAX_CPU_ISA") or "native").lower())
+    final = out / "model.xml"
+    if final.is_file():
+        return final
+    try:
+        import nncf
+        import openvino as ov
+    except ImportError as exc:
+        raise PeerUnavailable(f"nncf/openvino not importable ({exc})") from None
+    from optpipe.cache.store import StageCache, default_cache_dir
+    from optpipe.calibration.dataset import build_sample_set
+
+    run_dir = recipe.resolve(recipe.output)
+    exported = run_dir / "stages" / "export" / "model.onnx"
+    if not exported.is_file() or recipe.data.calibration is None:
+        raise PeerUnavailable("needs the run's export stage and the recipe's data.calibration")
+    cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+    samples = build_sample_set(recipe.data.calibration, recipe.model_source(), cache.root)
+    model = ov.convert_model(str(exported))
+    names = {port.get_any_name() for port in model.inputs}
+    items = [{k: v for k, v in batch.items() if k in names} for batch in samples.batches(1)]
+    quantized = nncf.quantize(model, nncf.Dataset(items))
+    out.mkdir(parents=True, exist_ok=True)
+    ov.save_model(quantized, str(final), compress_to_fp16=False)
+    return final
 
 
 def _tool(name: str) -> str:
@@ -64,7 +117,7 @@ def _run(command: list[str], log: Path) -> None:
                               f"(exit {done.returncode}, log {log})")
 
 
-def _optimum(model: Path, out: Path) -> Path:
+def _optimum(model: Path, out: Path, preset: str = "avx512_vnni") -> Path:
     """Optimum's documented CPU path: export, `optimum-cli onnxruntime optimize -O2`, then dynamic int8 for VNNI
     (`quantize --avx512_vnni --per_channel`: QOperator, IntegerOps, per-channel symmetric int8 weights, uint8
     activations, no reduce_range; MatMul, Attention, Gather, EmbedLayerNormalization and others).
@@ -81,6 +134,7 @@ def _optimum(model: Path, out: Path) -> Path:
     if final.is_file():
         return final
     cli = _tool("optimum-cli")
+    shutil.rmtree(out / "quantized", ignore_errors=True)
     _run([cli, "export", "onnx", "--model", str(model), "--task", "feature-extraction", str(out / "export")], out / "export.log")
     _run([cli, "onnxruntime", "optimize", "--onnx_model", str(out / "export"), "-O2", "-o", str(out / "O2")], out / "optimize.log")
     shaped = out / "O2-shapes"
@@ -89,7 +143,7 @@ def _optimum(model: Path, out: Path) -> Path:
     shutil.copytree(out / "O2", shaped, ignore=shutil.ignore_patterns("*.onnx", "*.onnx_data", "*.data"))
     _run([python, "-m", "onnxruntime.quantization.preprocess", "--input", str(out / "O2" / "model_optimized.onnx"),
           "--output", str(shaped / "model_optimized.onnx"), "--skip_optimization", "True", "--auto_merge"], out / "preprocess.log")
-    _run([cli, "onnxruntime", "quantize", "--onnx_model", str(shaped), "--avx512_vnni", "--per_channel",
+    _run([cli, "onnxruntime", "quantize", "--onnx_model", str(shaped), f"--{preset}", "--per_channel",
           "-o", str(out / "quantized")], out / "quantize.log")
     found = sorted((out / "quantized").glob("*.onnx"))
     if not found:

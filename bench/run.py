@@ -57,7 +57,9 @@ def run_in_own_process(recipe: Path, args) -> dict:
         return {"recipe": str(recipe), "error": f"recipe '{recipe}' does not exist"}
     command = [sys.executable, __file__, str(recipe), "--one", "--rounds", str(args.rounds), "--iterations", str(args.iterations),
                "--warmup", str(args.warmup)] + (["--batch", str(args.batch)] if args.batch else []) + (["--no-peers"] if args.no_peers else [])
-    print(f"benchmarking {recipe} ...", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    print(f"benchmarking {recipe} ... CPU class: {cpu_class_line()}; flags: {isa_flags()}; "
+          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}; load {load}", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -107,6 +109,7 @@ def bench_recipe(recipe_path: Path, args) -> dict:
         "load_average": load_before,
         "load_average_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "isa": isa_flags(),
+        "cpu_class": cpu_class_line(),
         "rows": rows,
     }
 
@@ -129,8 +132,19 @@ def isa_flags() -> str:
         flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
     except (OSError, IndexError):
         return "unknown"
-    wanted = ["amx_tile", "amx_int8", "amx_bf16", "avx512_vnni", "avx_vnni", "avx512_bf16"]
+    wanted = ["avx2", "avx512f", "amx_tile", "amx_int8", "amx_bf16", "avx512_vnni", "avx_vnni", "avx512_bf16"]
     return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
+
+
+def cpu_class_line() -> str:
+    """The CPU class each engine runs at: OpenVINO's (held by ONEDNN_MAX_CPU_ISA where set), ORT's and PyTorch's (the CPU's own)."""
+    from optpipe.hardware.cpu_features import engine_target, machine_target
+
+    machine, openvino = machine_target(), engine_target("openvino")
+    if openvino.restricted_by:
+        return (f"OpenVINO at {openvino.cpu_class} ({openvino.restricted_by}); ONNX Runtime and PyTorch at the CPU's own "
+                f"class, {machine.cpu_class} (they have no such switch)")
+    return f"{machine.cpu_class} (every engine)"
 
 
 def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[str, Callable], list[dict]]:
@@ -209,8 +223,15 @@ def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, row
             print(f"  {name}: {result}", file=sys.stderr)
             rows.append({"candidate": name, "what": f"{what} ({result})"})
             continue
-        candidates[name] = ort_runner(_session(result, session_options(threads)))
-        row = {"candidate": name, "what": what, "size_mb": result.stat().st_size / 1e6}
+        if result.suffix == ".xml":  # an OpenVINO IR (plain NNCF): OpenVINO's runtime, compiled as optpipe's IR stages are
+            from optpipe.evaluation import openvino_runtime as ovr
+
+            candidates[name] = _named_like(ovr.runner(ovr.compile_model(result, threads)), reference)
+            size = result.with_suffix(".bin").stat().st_size
+        else:
+            candidates[name] = ort_runner(_session(result, session_options(threads)))
+            size = result.stat().st_size
+        row = {"candidate": name, "what": what, "size_mb": size / 1e6}
         if reference.is_file():
             from optpipe.cache.store import StageCache, default_cache_dir
             from optpipe.calibration.dataset import build_sample_set
@@ -220,7 +241,8 @@ def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, row
                 sample_set = build_sample_set(recipe.data.eval, recipe.model_source(), cache.root)
                 batches = list(sample_set.batches(recipe.evaluate.accuracy_batch)), sample_set.arrays
                 expected = run_onnx(reference, batches[0], threads, ["CPUExecutionProvider"])
-            got = run_onnx(result, batches[0], threads, ["CPUExecutionProvider"])
+            got = _outputs(candidates[name], batches[0]) if result.suffix == ".xml" else \
+                run_onnx(result, batches[0], threads, ["CPUExecutionProvider"])
             # Peers name their outputs their own way: matched to the reference's by position. Optimum's
             # feature-extraction export has last_hidden_state only: compared on the outputs it has.
             got = dict(zip(expected, got.values()))
@@ -228,6 +250,24 @@ def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, row
             row |= {"cosine": accuracy.worst_cosine, "max_abs": max(o.max_abs for o in accuracy.outputs),
                     "within_tolerance": accuracy.within_tolerance}
         rows.append(row)
+
+
+def _named_like(run: Callable, reference: Path) -> Callable:
+    """An IR's outputs under the reference ONNX's output names, by position (as the peers' ONNX outputs are matched)."""
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    names = ovr.output_names(reference) if reference.is_file() else None
+
+    def named(feeds):
+        outs = run(feeds)
+        return dict(zip(names, outs.values())) if names else outs
+
+    return named
+
+
+def _outputs(run: Callable, batches: list[dict]) -> dict:
+    outs = [run(batch) for batch in batches]
+    return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
 
 
 def _session(path: Path, options):
@@ -298,7 +338,8 @@ def render_model(result: dict) -> str:
     lines = [title, "", f"batch {result['batch']} ({shapes}), {result['threads']} threads, {result['samples_timed']} timed runs per "
              f"candidate; accuracy against `{result['reference']}` from the optpipe report; "
              f"1-minute load average {cell(result.get('load_average'), '.1f')} when timing started, "
-             f"{cell(result.get('load_average_after'), '.1f')} when it ended; CPU features: {result.get('isa', 'unknown')}. "
+             f"{cell(result.get('load_average_after'), '.1f')} when it ended; CPU class: {result.get('cpu_class', 'unknown')}; "
+             f"CPU features: {result.get('isa', 'unknown')}. "
              "⚠busy: that candidate's (or eager's) p90/p50 or round-to-round spread says the machine was busy.", ""]
     lines += markdown_table(
         ["candidate", "what", "p50 ms", "p90 ms", "speed-up vs eager", "cosine", "max abs", "top-1", "within tolerance", "size MB"],
@@ -306,7 +347,24 @@ def render_model(result: dict) -> str:
           cell(r.get("speedup_vs_eager"), ".2f", "x") + (" ⚠busy" if r.get("busy") else ""), cell(r.get("cosine"), ".5f"), cell(r.get("max_abs"), ".2e"), cell(r.get("top1"), ".3f"),
           {True: "yes", False: "**no**", None: ""}[r.get("within_tolerance")], cell(r.get("size_mb"), ".1f")]
          for r in result["rows"]])
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + verdict_lines(result["rows"]))
+
+
+def verdict_lines(rows: list[dict]) -> list[str]:
+    """The issue-17 comparison in words: optpipe's best within tolerance, its ORT-only best, the best peer."""
+    timed = [r for r in rows if r.get("speedup_vs_eager") and r.get("within_tolerance")]
+    ours = [r for r in timed if r["candidate"].startswith("optpipe:")]
+    ort = [r for r in ours if "OpenVINO" not in r.get("what", "")]
+    peers = [r for r in timed if r["candidate"].split(":")[0] in ("optimum", "olive", "nncf")]
+
+    def best(group):
+        return max(group, key=lambda r: r["speedup_vs_eager"], default=None)
+
+    def say(r):
+        return f"`{r['candidate']}` {r['speedup_vs_eager']:.2f}x at cosine {r['cosine']:.4f}" if r else "none"
+
+    return [f"Best within tolerance: optpipe {say(best(ours))}; optpipe ONNX Runtime only {say(best(ort))}; "
+            f"best peer {say(best(peers))}."]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:

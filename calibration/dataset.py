@@ -29,6 +29,7 @@ class SampleSet:
     key: str
     cached: bool = False
     labels: np.ndarray | None = None  # one label per sample, where the source has them (calibration/labels.py)
+    origin: str | None = None  # the data source's kind (synthetic, images, ...): a pass calibrated on made-up data says so
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values())))
@@ -83,7 +84,7 @@ def build_sample_set(source: DataSource, model: ModelSource, cache: "StageCache 
             arrays = _read_arrays(folder / SAMPLES_FILE)
             if arrays is not None:
                 arrays, labels = split_labels(arrays)
-                return SampleSet(arrays, key, cached=True, labels=labels)
+                return SampleSet(arrays, key, cached=True, labels=labels, origin=source.source)
             cache.discard(folder)
         arrays = load_samples(source, model)
         workdir = cache.new_workdir()
@@ -94,7 +95,7 @@ def build_sample_set(source: DataSource, model: ModelSource, cache: "StageCache 
         finally:
             cache.release_workdir(workdir)
     arrays, labels = split_labels(arrays)
-    return SampleSet(arrays, key, cached=False, labels=labels)
+    return SampleSet(arrays, key, cached=False, labels=labels, origin=source.source)
 
 
 def _read_arrays(path: Path) -> dict[str, np.ndarray] | None:

@@ -7,7 +7,6 @@ openvino.py, what NNCF needs of them comes in as the `InputCheck` the pass built
 """
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,7 +14,7 @@ import numpy as np
 from optpipe.core.artifact import ModelArtifact
 from optpipe.core.errors import DataError, PassError, RecipeError, first_line
 from optpipe.evaluation import openvino_runtime as ovr
-from optpipe.core.results import Accuracy
+from optpipe.passes._openvino_guard import fake_quantize_count, repair, model_feeds, nncf_logs_to
 
 if TYPE_CHECKING:
     from optpipe.pass_infra.pass_base import PassContext
@@ -23,41 +22,46 @@ if TYPE_CHECKING:
 
 
 def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassContext, check: InputCheck):
-    """NNCF post-training quantization, then accuracy control when the plain result breaks the tolerance."""
+    """NNCF post-training quantization, then the guard's bounded repair (passes/_openvino_guard.py) when the
+    plain result breaks the tolerance."""
     nncf = ovr.nncf()
 
     check_exclude_types(params, converted, ctx.stage)
     calibration = calibration_batches(ctx, converted)
     options = nncf_options(params, model, len(calibration), exclude_names(params, model, converted, ctx.stage))
     ctx.log.info("nncf.quantize with %s", {k: str(v) for k, v in options.items()})
-    with _nncf_logs_to(ctx.log):
+    with nncf_logs_to(ctx.log):
         try:
-            quantized = nncf.quantize(converted, nncf.Dataset(calibration), **options)
+            quantized = nncf.quantize(converted, nncf.Dataset(calibration, _ticking(ctx, len(calibration))), **options)
         except Exception as exc:
             raise PassError(f"NNCF quantization failed: {first_line(exc)}; try `exclude_types` or precision fp32") from None
-        accuracy = check(quantized)
-        steps = [{"method": "nncf.quantize", "cosine": accuracy.worst_cosine, "held": accuracy.within_tolerance,
-                  "quantizers": _fake_quantize_count(quantized)}]
-        if not accuracy.within_tolerance:
-            # An int8 result within tolerance vouches for the conversion too (3 s of a MiniLM compile
-            # saved); one that breaks it may be a broken conversion, which no excluded node can mend.
-            check.conversion(converted)
-        gave_up = None
-        if not accuracy.within_tolerance and params.guard and params.max_excluded and ctx.tolerance.cosine_min:
-            quantized, accuracy = _accuracy_controlled(converted, calibration, options, params, ctx, check)
-            steps.append({"method": "nncf.quantize_with_accuracy_control", "cosine": accuracy.worst_cosine,
-                          "held": accuracy.within_tolerance, "quantizers": _fake_quantize_count(quantized)})
-        elif not accuracy.within_tolerance and params.guard:
-            # NNCF's accuracy control restores one metric: optpipe's cosine. Without one, say so.
-            gave_up = "the tolerance has no cosine_min for NNCF's accuracy control to hold" if not ctx.tolerance.cosine_min \
-                else "max_excluded is 0"
-            ctx.log.warning("openvino int8 guard not run: %s", gave_up)
+    ctx.progress("int8: check against the input", 0, 1)
+    accuracy = check(quantized)
+    steps = [{"method": "nncf.quantize", "cosine": accuracy.worst_cosine, "held": accuracy.within_tolerance,
+              "quantizers": fake_quantize_count(quantized)}]
+    if not accuracy.within_tolerance:
+        # An int8 result within tolerance vouches for the conversion too (3 s of a MiniLM compile
+        # saved); one that breaks it may be a broken conversion, which no excluded node can mend.
+        check.conversion(converted)
+    not_run = gave_up = None
+    if not accuracy.within_tolerance and params.guard and params.max_excluded and ctx.tolerance.cosine_min:
+        ctx.log.info("plain INT8 broke the tolerance (%s): repairing within %g s", "; ".join(accuracy.violations),
+                     params.guard_budget_s)
+        quantized, accuracy, repairs, gave_up = repair(converted, quantized, accuracy, calibration, options, params, ctx, check)
+        steps += repairs
+    elif not accuracy.within_tolerance and params.guard:
+        # The repair holds one metric against the bound: optpipe's cosine. Without one, say so.
+        not_run = "the tolerance has no cosine_min for the guard to hold" if not ctx.tolerance.cosine_min \
+            else "max_excluded is 0"
+        ctx.log.warning("openvino int8 guard not run: %s", not_run)
     details = {
         "options": {k: str(v) for k, v in options.items()},
         "calibration_samples": options["subset_size"],
-        "quantizers": _fake_quantize_count(quantized),
+        "calibration": {"source": ctx.calibration_set().origin},  # the set is built once per content: a cache read
+        "quantizers": fake_quantize_count(quantized),
         "guard": {"enabled": params.guard, "held": accuracy.within_tolerance, "cosine": accuracy.worst_cosine,
-                  "violations": accuracy.violations, "steps": steps, "not_run": gave_up},
+                  "violations": accuracy.violations, "steps": steps, "not_run": not_run,
+                  "gave_up": gave_up, "budget_s": params.guard_budget_s},
     }
     return quantized, accuracy, details
 
@@ -72,7 +76,7 @@ def calibration_batches(ctx: PassContext, converted) -> list[dict[str, np.ndarra
     if len(samples) < size:
         raise DataError(f"data.calibration: {len(samples)} samples, fewer than the model's fixed batch of {size}; "
                         f"give at least {size} samples")
-    return [_model_feeds(b, converted) for b in samples.batches(size) if len(next(iter(b.values()))) == size]
+    return [model_feeds(b, converted) for b in samples.batches(size) if len(next(iter(b.values()))) == size]
 
 
 def exclude_names(params: OpenVinoParams, model: ModelArtifact, converted, stage: str) -> list[str]:
@@ -133,55 +137,6 @@ def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int, exc
     return options
 
 
-def _accuracy_controlled(converted, calibration, options, params: OpenVinoParams, ctx: PassContext, check: InputCheck):
-    """NNCF ranks the quantizers by the error they add and reverts the worst until the metric
-    (optpipe's own: the worst per-output mean cosine against the input) drops at most 1 - cosine_min."""
-    nncf = ovr.nncf()
-
-    indexed = list(enumerate(check.batches))
-
-    def validate(compiled, items) -> float:
-        run = ovr.runner(compiled, check.names)
-        outs = [run(_model_feeds(feeds, converted)) for _, feeds in items]
-        # Samples NNCF passes may be a subset: compare them with the matching reference rows.
-        picked = [i for i, _ in items]
-        return guard_metric(_subset_accuracy(check, picked, outs), ctx.tolerance.cosine_min)
-
-    validation = nncf.Dataset(indexed, lambda item: _model_feeds(item[1], converted))
-    restorer = nncf.AdvancedAccuracyRestorerParameters(max_num_iterations=params.max_excluded)
-    ctx.log.info("plain INT8 broke the tolerance: nncf.quantize_with_accuracy_control, max_drop %.4f", 1 - ctx.tolerance.cosine_min)
-    try:
-        quantized = nncf.quantize_with_accuracy_control(
-            converted, nncf.Dataset(calibration), validation, validate, max_drop=1.0 - ctx.tolerance.cosine_min,
-            drop_type=nncf.DropType.ABSOLUTE, advanced_accuracy_restorer_parameters=restorer,
-            **{("advanced_quantization_parameters" if k == "advanced_parameters" else k): v for k, v in options.items()},
-        )
-    except Exception as exc:
-        raise PassError(f"NNCF accuracy-controlled quantization failed: {first_line(exc)}; set guard: false to keep plain INT8") from None
-    return quantized, check(quantized)
-
-
-def guard_metric(accuracy: Accuracy, cosine_min: float) -> float:
-    """The one number NNCF's accuracy control holds (its drop from 1.0 at most 1 - cosine_min): the worst
-    cosine, pushed below cosine_min while any other bound of the tolerance breaks. On cosine alone the
-    guard stopped with the cosine held and top-1 agreement (or max_abs) still out of tolerance."""
-    if accuracy.within_tolerance:
-        return accuracy.worst_cosine
-    return min(accuracy.worst_cosine, cosine_min - 1e-6)
-
-
-def _subset_accuracy(check: InputCheck, picked: list[int], outs: list[dict]) -> Accuracy:
-    from optpipe.evaluation.accuracy import compare
-
-    size = check.batch_size
-    reference = check.reference()
-    rows = np.concatenate([np.arange(i * size, i * size + len(next(iter(o.values())))) for i, o in zip(picked, outs)])
-    candidate = {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
-    expected = {name: array[rows] for name, array in reference.items()}
-    inputs = {name: array[rows] for name, array in check.ctx.eval_set().arrays.items()}
-    return compare(candidate, expected, inputs, check.ctx.tolerance, "input", check.ctx.evaluate.top1)
-
-
 #: Fused attention ops (ONNX Runtime's contrib ops, ONNX's own since opset 23): attention without a Softmax node.
 FUSED_ATTENTION = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention", "PackedMultiHeadAttention",
                    "QAttention", "DecoderAttention", "DecoderMaskedMultiHeadAttention", "SparseAttention")
@@ -208,32 +163,16 @@ def has_attention(model: ModelArtifact) -> bool:
     return False
 
 
-def _model_feeds(feeds: dict[str, np.ndarray], ov_model) -> dict[str, np.ndarray]:
-    """Only the arrays the model takes (a data set may carry more, e.g. labels)."""
-    names = {port.get_any_name() for port in ov_model.inputs}
-    return {k: v for k, v in feeds.items() if k in names}
+def _ticking(ctx: PassContext, total: int):
+    """NNCF's data transform for calibration: each sample it reads is a progress tick (it reads the set once per
+    statistics pass: the count starts again), so a long quantization is not a silent one."""
+    seen = [0]
+
+    def transform(item):
+        seen[0] += 1
+        ctx.progress("NNCF calibration", (seen[0] - 1) % total + 1, total)
+        return item
+
+    return transform
 
 
-def _fake_quantize_count(ov_model) -> int:
-    return sum(op.get_type_name() == "FakeQuantize" for op in ov_model.get_ops())
-
-
-class _nncf_logs_to:
-    """NNCF logs (and prints progress) on its own logger: keep them in the stage log."""
-
-    def __init__(self, log: logging.Logger):
-        self.log = log
-        self.handler = logging.Handler()
-        self.handler.emit = lambda record: log.log(record.levelno, "nncf: %s", record.getMessage())  # type: ignore[method-assign]
-
-    def __enter__(self):
-        nncf_log = logging.getLogger("nncf")
-        self.saved = nncf_log.propagate, list(nncf_log.handlers)
-        nncf_log.handlers = [self.handler]
-        nncf_log.propagate = False
-        return self
-
-    def __exit__(self, *exc):
-        nncf_log = logging.getLogger("nncf")
-        nncf_log.propagate, nncf_log.handlers = self.saved[0], self.saved[1]
-        return False

@@ -223,6 +223,7 @@ class Quantizer:
                 "cached": ranges.cached,
                 "key": ranges.key,
                 "samples": len(samples),
+                "source": samples.origin,
                 "set_key": samples.key,
                 "set_cached": samples.cached,
                 "seconds": None if ranges.cached else round(time.perf_counter() - started, 2),

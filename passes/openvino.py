@@ -29,6 +29,7 @@ from optpipe.core.errors import DataError, PassError
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.core.results import Accuracy
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
+from optpipe.passes._openvino_isa import int8_skip_reason
 from optpipe.passes._openvino_nncf import quantize
 
 class OpenVinoParams(PassParams):
@@ -51,11 +52,16 @@ class OpenVinoParams(PassParams):
                                      "a type the IR lacks is refused)")
     guard: bool = Field(True, description="int8: hold the stage's tolerance with NNCF's accuracy-controlled quantization")
     max_excluded: int = Field(8, ge=0, description="guard: most quantizers NNCF may revert to float")
+    guard_budget_s: float = Field(120.0, gt=0, description="guard: seconds the repair of a plain INT8 result that breaks the "
+                                  "tolerance may take (cheap fixes, then NNCF's accuracy control); then it stops, keeps the "
+                                  "best result so far and says so")
+    skip_slow_int8: bool = Field(True, description="int8: skip the stage on a CPU without VNNI, where OpenVINO INT8 runs "
+                                 "slower than FP32 (false: build it anyway, e.g. for a VNNI deployment CPU)")
 
 
 #: Params that only the int8 path reads: set on an fp32 / bf16 stage, they change nothing (the report says so).
 INT8_ONLY = frozenset({"model_type", "preset", "subset_size", "fast_bias_correction", "smooth_quant_alpha", "exclude",
-                       "exclude_types", "guard", "max_excluded"})
+                       "exclude_types", "guard", "max_excluded", "guard_budget_s", "skip_slow_int8"})
 
 
 class OpenVinoPass(Pass):
@@ -68,7 +74,8 @@ class OpenVinoPass(Pass):
     # 4: the guard holds the whole tolerance (top-1, max_abs), not the cosine alone
     # 5: an FP32 conversion that breaks the tolerance is refused; fused attention ops make the graph a transformer
     # 6: a smooth_quant_alpha NNCF ignores (no transformer) is recorded
-    version = "6"
+    # 7: the guard tries cheap fixes first (the worst MatMuls in float, the other preset) within guard_budget_s
+    version = "7"
     Params = OpenVinoParams
     libraries = ("onnx", "openvino", "nncf")
     produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.plan.validate)
@@ -86,6 +93,13 @@ class OpenVinoPass(Pass):
         if params.precision != "int8" or not params.guard:
             return {}
         return {"guard": {"tolerance": ctx.tolerance.model_dump(mode="json")}}
+
+    def skip_reason(self, ctx: PassContext) -> str | None:
+        """int8 where OpenVINO's kernels have no VNNI: measured slower than fp32 (passes/_openvino_isa.py)."""
+        params: OpenVinoParams = self.params  # type: ignore[assignment]
+        if params.precision != "int8" or not params.skip_slow_int8:
+            return None
+        return int8_skip_reason()
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: OpenVinoParams = self.params  # type: ignore[assignment]

@@ -10,23 +10,8 @@ import pytest
 from optpipe.cache.backends import FsspecEntryStore, TieredStageCache
 
 s3fs = pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-BUCKET = "optpipe-cache"
-
-
-@pytest.fixture(scope="module")
-def s3_url():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
-    import boto3  # moto's dependency; s3fs's mkdir sends a location constraint moto's us-east-1 refuses
-
-    boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
-    yield f"s3://{BUCKET}/team", options
-    server.stop()
+pytest.importorskip("moto.server")
+from remote_fixtures import s3_url  # noqa: E402,F401 (the module's S3 server, shared with test_cache_untrusted)
 
 
 def _store(s3_url) -> FsspecEntryStore:
@@ -114,3 +99,18 @@ def test_a_missing_bucket_is_one_line_naming_the_flag(s3_url):
     _, options = s3_url
     with pytest.raises(OptpipeError, match="bucket 'no-such-bucket' does not exist; create it or point --remote-cache"):
         FsspecEntryStore("s3://no-such-bucket/team", **options).check()
+
+
+def test_an_object_store_gone_mid_run_is_one_warning_and_the_run_goes_on(tmp_path, caplog):
+    """A real s3fs client against a port nothing listens on (as a server lost after the up-front check)."""
+    import logging
+
+    options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"},
+               "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    cache = TieredStageCache(tmp_path / "node", FsspecEntryStore(f"s3://gone-{tmp_path.name}/p", **options))
+    with caplog.at_level(logging.WARNING, logger="optpipe.cache"):
+        assert cache.lookup_folder("k7", "stages") is None
+        assert _entry(cache, "k7", "local").exists() and cache.get_result("k7") is None
+    cache.release_leases()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "local cache only" in warnings[0], warnings

@@ -55,7 +55,7 @@ def _written(tmp_path: Path) -> set[Path]:
 
 
 @pytest.mark.parametrize("name", [
-    "../x", "../../../../outside/pwn", "/etc/passwd", "a/b", "a\\b", "..", ".", ".bashrc", "C:evil", "x\x00y",
+    "../x", "../../../../outside/pwn", "/etc/passwd", "a/b", "a\\b", "..", ".", "C:evil", "x\x00y",
     "", "a" * 200, "model.onnx/", "entry.json", 7, "\u2025x",
 ])
 def test_a_name_that_is_not_a_plain_file_name_is_refused(name):
@@ -246,3 +246,59 @@ def test_a_killed_publishers_staging_folder_is_swept_from_a_shared_remote(tmp_pa
     cache.release_leases()
     assert not old.exists() and live.exists(), f"only what is older than {STALE_S} s is swept"
     assert verify_entry(shared / "stages" / KEY) is None
+
+
+@pytest.mark.parametrize("planted", ["link", "file"])
+def test_an_entry_that_is_a_link_or_a_file_is_dropped_and_only_it(tmp_path, planted):
+    cache = StageCache(tmp_path / "cache")
+    elsewhere = tmp_path / "elsewhere"
+    workdir = cache.new_workdir()
+    (workdir / "model.onnx").write_bytes(GOOD)
+    cache.publish_folder(KEY, workdir, "stages")
+    os.rename(cache.entry_dir(KEY), elsewhere)  # a whole, valid entry, outside the cache
+    if planted == "link":
+        os.symlink(elsewhere, cache.entry_dir(KEY))
+    else:
+        cache.entry_dir(KEY).write_bytes(b"x")
+    assert cache.lookup_folder(KEY, "stages") is None
+    assert not os.path.lexists(cache.entry_dir(KEY)) and verify_entry(elsewhere) is None, "the link went, not its target"
+    assert not list((tmp_path / "cache" / "tmp").glob("trash-*")), "nothing left in the trash"
+    cache.release_leases()
+
+
+class _Failing:
+    """A remote that fails as a dead network does (every call), or as a full local disk would."""
+
+    def __init__(self, exc: BaseException, url: str):
+        self.exc, self.url, self.calls = exc, url, 0
+
+    def _fail(self, *args):
+        self.calls += 1
+        raise self.exc
+
+    fetch_folder = push_folder = fetch_result = push_result = _fail
+
+
+def test_a_remote_that_fails_mid_run_is_one_warning_and_the_local_cache_goes_on(tmp_path, caplog):
+    remote = _Failing(ConnectionError("Could not connect to the endpoint URL"), f"s3://gone-{tmp_path.name}/x")
+    cache = TieredStageCache(tmp_path / "cache", remote)
+    with caplog.at_level(logging.WARNING, logger="optpipe.cache"):
+        assert cache.lookup_folder(KEY, "stages") is None
+        workdir = cache.new_workdir()
+        (workdir / "model.onnx").write_bytes(GOOD)
+        entry = cache.publish_folder(KEY, workdir, "stages")
+        cache.put_result(KEY, {"p50": 1.0})
+        assert cache.get_result(KEY) == {"p50": 1.0}
+    cache.release_leases()
+    assert verify_entry(entry) is None and remote.calls == 1, "asked once, then left alone"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "goes on with the local cache only" in warnings[0] and "ConnectionError" in warnings[0]
+
+
+def test_a_full_local_disk_during_a_download_is_not_blamed_on_the_remote(tmp_path):
+    import errno
+
+    remote = _Failing(OSError(errno.ENOSPC, "No space left on device"), f"file://{tmp_path}/r")
+    with pytest.raises(OSError) as raised:
+        TieredStageCache(tmp_path / "cache", remote).lookup_folder(KEY, "stages")
+    assert raised.value.errno == errno.ENOSPC

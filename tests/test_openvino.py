@@ -117,8 +117,10 @@ def test_int8_guard_reverts_quantizers_until_the_tolerance_holds(tmp_path):
     assert not plain.info["int8"]["guard"]["held"]
     guarded = run_pass(source, recipe, arrays, tmp_path / "guarded", precision="int8")
     guard = guarded.info["int8"]["guard"]
-    assert [s["method"] for s in guard["steps"]] == ["nncf.quantize", "nncf.quantize_with_accuracy_control"]
-    assert guard["held"] and guard["cosine"] >= 0.99
+    # The cheap fix first: the MatMul fed by the outlier input, named by the layer-wise attribution, kept in float.
+    assert [s["method"] for s in guard["steps"]] == ["nncf.quantize", "nncf.quantize, the 1 MatMul adding the most error in float"]
+    assert guard["steps"][1]["excluded"] == ["node0"]
+    assert guard["held"] and guard["cosine"] >= 0.99 and guard["gave_up"] is None
     assert guarded.info["int8"]["quantizers"] < plain.info["int8"]["quantizers"]
 
 
@@ -137,7 +139,7 @@ def test_int8_guard_on_a_model_without_a_batch_dim_checks_one_sample_at_a_time(t
     x[:, 0] = 3000.0
     out = run_pass(artifact_of(model, tmp_path / "in"), recipe, {"x": x}, tmp_path / "ov", precision="int8")
     guard = out.info["int8"]["guard"]
-    assert [s["method"] for s in guard["steps"]] == ["nncf.quantize", "nncf.quantize_with_accuracy_control"]
+    assert guard["steps"][0]["method"] == "nncf.quantize" and len(guard["steps"]) >= 2
     assert guard["held"] and guard["cosine"] >= 0.99
 
 

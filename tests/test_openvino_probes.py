@@ -132,7 +132,7 @@ def test_the_guard_metric_breaks_while_top1_is_out_of_tolerance_though_the_cosin
     # Near-tied logits whose top two swap: cosine ~1, top-1 agreement 0. NNCF's accuracy control,
     # holding the cosine alone, stopped there with the stage out of tolerance.
     from optpipe.evaluation.accuracy import compare
-    from optpipe.passes._openvino_nncf import guard_metric
+    from optpipe.passes._openvino_guard import guard_metric
     from optpipe.recipe.schema import Tolerance
 
     reference = np.tile(np.array([[1.0, 0.999, 0.2, 0.1]], np.float32), (8, 1))

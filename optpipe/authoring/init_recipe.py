@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import yaml
 
+from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, real_tensors, unknown_required
+from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.core.errors import ModelSourceError, first_line
 
 FILL_IN = "FILL-IN"
@@ -77,8 +79,7 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
             shape.append(name)
         extra = {"range": [0, vocab[value.name]]} if value.name in vocab and dtype.startswith("int") else {}
         inputs.append(_input_entry(value.name, dtype, shape, **extra))
-    ops = {node.op_type for node in graph.graph.node}
-    kind = "cnn" if "Conv" in ops else "transformer" if ops & {"Attention", "MultiHeadAttention", "Softmax"} else "dense"
+    kind = onnx_mix(graph, {name: rng["opt"] for name, rng in dims.items()}).kind()
     outputs = [[d.dim_value if d.HasField("dim_value") else None for d in o.type.tensor_type.shape.dim] for o in graph.graph.output]
     return ModelFacts(path.stem, {"onnx": _relative(path, recipe_dir)}, inputs, _rename_batch(inputs, dims), kind,
                       task=_classifier_task(kind, outputs))
@@ -154,26 +155,18 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
     if task == "causal-lm":
         model["outputs"] = ["logits"]
-    verdict_task = HF_VERDICT_TASKS.get(task)
-    if "image_size" in config or "num_channels" in config:
-        size = config.get("image_size", 224)
-        size = size if isinstance(size, int) else size[0]
-        inputs = [_input_entry("pixel_values", "float32", ["batch", config.get("num_channels", 3), size, size])]
-        dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
-        kind = "transformer" if config.get("model_type", "") not in ("resnet", "convnext", "regnet", "mobilenet_v2") else "cnn"
-        return ModelFacts(folder.name, model, inputs, dims, kind, task=verdict_task)
-    names = _tokenizer_inputs(folder)
-    vocab = int(config.get("vocab_size", 30000))
-    longest = int(config.get("max_position_embeddings", config.get("n_positions", 512)))
-    inputs = [_input_entry(n, "int64", ["batch", "sequence"], **({"range": [0, vocab]} if n == "input_ids" else {})) for n in names]
-    dims = {"batch": {"min": 1, "opt": 1, "max": 16}, "sequence": {"min": 1, "opt": min(128, longest), "max": min(512, longest)}}
-    return ModelFacts(folder.name, model, inputs, dims, "transformer", task=verdict_task)
+    net = meta_model(folder, task)
+    owner = type(net).__name__
+    inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
+    kind, notes = model_kind(net, inputs, dims, owner)
+    return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task))
 
 
 # Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
 # checks the predictions (top-1, next token), which cosine alone lets flip.
 HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classification": "classification",
-                    "audio-classification": "classification", "causal-lm": "language-model"}
+                    "audio-classification": "classification", "causal-lm": "language-model",
+                    "semantic-segmentation": "segmentation"}
 
 
 def _classifier_task(kind: str, output_shapes: list[list]) -> Optional[str]:
@@ -219,26 +212,19 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     net = net[0] if isinstance(net, tuple) else net
     if not isinstance(net, torch.nn.Module):
         raise ModelSourceError(f"init: '{spec}' returned {type(net).__name__}, not a torch.nn.Module")
-    first = next((m for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Embedding, torch.nn.Linear, torch.nn.Conv1d))), None)
-    dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
-    notes = []
-    if isinstance(first, torch.nn.Conv2d):
-        inputs = [_input_entry("images", "float32", ["batch", first.in_channels, 224, 224])]
-    elif isinstance(first, torch.nn.Embedding):
-        inputs = [_input_entry("input_ids", "int64", ["batch", "sequence"], range=[0, first.num_embeddings])]
-        dims["sequence"] = {"min": 1, "opt": 128, "max": 512}
-    elif isinstance(first, torch.nn.Conv1d):
-        inputs = [_input_entry("signal", "float32", ["batch", first.in_channels, 16000])]
-    elif isinstance(first, torch.nn.Linear):
-        inputs = [_input_entry("x", "float32", ["batch", first.in_features])]
+    owner = type(net).__name__
+    params = forward_parameters(net.forward)
+    hf_config = getattr(net, "config", None)
+    if hasattr(hf_config, "to_dict"):  # a transformers model: its config sizes every input
+        inputs, dims = hf_inputs(params, hf_config.to_dict(), None, owner)
+        notes = []
     else:
-        inputs = [_input_entry("x", "float32", ["batch", 3, 224, 224])]
-        notes.append("no Conv/Linear/Embedding layer found: the input below is a guess, check it")
-    names = {type(m).__name__ for m in net.modules()}
-    attention = any("Attention" in n or "Transformer" in n for n in names)
-    kind = "transformer" if attention else "cnn" if any(isinstance(m, torch.nn.Conv2d) for m in net.modules()) else "dense"
-    probe_notes, output_shapes = _probe(net, inputs, dims)
-    notes += probe_notes
+        inputs, dims, notes = _first_layer_input(net)
+        required = [name for name, needed in params if needed]
+        unknown_required(params, set(required[:1]), owner)  # the first layer tells one input, no more
+    output_shapes = _probe(net, inputs, dims, owner)
+    kind, kind_notes = (model_kind if hasattr(hf_config, "to_dict") else factory_kind)(net, inputs, dims, owner)
+    notes += kind_notes
     model: dict[str, Any] = {"factory": spec}
     origin = getattr(module, "__file__", None)
     if origin and Path(origin).resolve().is_relative_to(Path.cwd().resolve()):
@@ -246,31 +232,53 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     return ModelFacts(func_name, model, inputs, dims, kind, notes, task=_classifier_task(kind, output_shapes))
 
 
-def _probe(net, inputs: list[dict], dims: dict) -> tuple[list[str], list[list]]:
-    """Run forward once on the guessed inputs: a note when it does not take them, and the shapes of
-    the tensors it returned."""
-    import numpy as np
+def _first_layer_input(net) -> tuple[list[dict], dict, list[str]]:
+    """A plain module's one input, from its first weighted layer (the only thing that tells it)."""
     import torch
 
-    args = []
-    for spec in inputs:
-        shape = [d if isinstance(d, int) else dims[d]["opt"] for d in spec["shape"]]
-        args.append(torch.zeros(shape, dtype=getattr(torch, spec["dtype"])) if spec["dtype"] != "float32"
-                     else torch.from_numpy(np.random.default_rng(0).normal(size=shape).astype(np.float32)))
+    first = next((m for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Embedding, torch.nn.Linear, torch.nn.Conv1d))), None)
+    dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
+    if isinstance(first, torch.nn.Conv2d):
+        return [_input_entry("images", "float32", ["batch", first.in_channels, 224, 224])], dims, []
+    if isinstance(first, torch.nn.Embedding):
+        dims["sequence"] = {"min": 1, "opt": 128, "max": 512}
+        return [_input_entry("input_ids", "int64", ["batch", "sequence"], range=[0, first.num_embeddings])], dims, []
+    if isinstance(first, torch.nn.Conv1d):
+        return [_input_entry("signal", "float32", ["batch", first.in_channels, 16000])], dims, []
+    if isinstance(first, torch.nn.Linear):
+        return [_input_entry("x", "float32", ["batch", first.in_features])], dims, []
+    return ([_input_entry("x", "float32", ["batch", 3, 224, 224])], dims,
+            ["no Conv/Linear/Embedding layer found: the input below is a guess, check it"])
+
+
+def _probe(net, inputs: list[dict], dims: dict, owner: str) -> list[list]:
+    """Run forward once on the inferred inputs, positionally as the factory loader does: the shapes
+    of the tensors it returned, or a one-line refusal naming the inputs it did not take (a recipe
+    with inputs the model refuses is not valid, whatever the schema says)."""
+    import torch
+
+    from optpipe.source.model_outputs import named_leaves
+
     try:
         with torch.no_grad():
-            out = net.eval()(*args)
-    except Exception as exc:  # a guessed shape the model does not take: the user fixes `inputs`
-        return [f"forward() did not take the guessed input ({first_line(exc)[:120]}); fix `inputs`"], []
-    outputs = out if isinstance(out, (tuple, list)) else [out]
-    return [], [list(t.shape) for t in outputs if isinstance(t, torch.Tensor)]
+            out = net.eval()(*real_tensors(inputs, dims).values())
+        leaves = named_leaves(out)
+    except Exception as exc:  # a guessed shape the model does not take: the user writes `inputs`
+        shown = ", ".join(f"{s['name']} {s['shape']}" for s in inputs)
+        raise ModelSourceError(f"init: {owner}.forward() does not take the inferred input(s) {shown} "
+                               f"({first_line(exc)[:120]}); write `inputs` by hand") from None
+    return [list(t.shape) for _, t in leaves]
 
 
 # --- the recipe text -------------------------------------------------------------------------
 
-# Every kind's best CPU candidate (MiniLM 3.95x eager, ResNet-50 5.24x: docs/benchmarks.md).
+# Every kind's best CPU candidate on CPUs with VNNI/AMX (MiniLM 3.95x eager, ResNet-50 5.24x: docs/benchmarks.md);
+# without VNNI it runs slower than OpenVINO FP32 and the stage is skipped, saying so: the FP32 IR beside it stands in.
 OPENVINO_INT8 = ("ov-int8", "openvino", "simplify", {"precision": "int8"},
-                 "OpenVINO IR, int8 by NNCF on the calibration set: the fastest CPU candidate measured (docs/int8.md)")
+                 "OpenVINO IR, int8 by NNCF on the calibration set: the fastest CPU candidate where the CPU has VNNI "
+                 "(skipped without: slower than FP32 there, docs/openvino.md)")
+OPENVINO_FP32 = ("ov-fp32", "openvino", "simplify", {"precision": "fp32"},
+                 "OpenVINO IR in FP32: lossless, and the OpenVINO candidate on CPUs without VNNI")
 
 STAGES = {
     "cnn": [
@@ -283,6 +291,7 @@ STAGES = {
         ("prune", "prune", "simplify", {"method": "structured", "amount": 0.25},
          "removes 25% of the channels, no fine-tuning: the report shows what it costs"),
         OPENVINO_INT8,
+        OPENVINO_FP32,
     ],
     "transformer": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -291,6 +300,7 @@ STAGES = {
         ("int8", "int8", "fuse", {"mode": "dynamic"}, "after fuse: dynamic int8 quantizes the fused attention's MatMuls"),
         ("fp16", "fp16", "fuse", {}, "half precision, for GPUs"),
         OPENVINO_INT8,
+        OPENVINO_FP32,
     ],
     "dense": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -298,12 +308,14 @@ STAGES = {
         ("fp16", "fp16", "simplify", {}, "half precision, for GPUs"),
         ("int8", "int8", "simplify", {"mode": "dynamic"}, "int8 weights, activations quantized at run time"),
         OPENVINO_INT8,
+        OPENVINO_FP32,
     ],
 }
 
 
 TASK_WHY = {"classification": "the verdict also holds top-1 agreement (cosine alone lets classes flip)",
-            "language-model": "the verdict also holds next-token agreement (cosine alone lets tokens flip)"}
+            "language-model": "the verdict also holds next-token agreement (cosine alone lets tokens flip)",
+            "segmentation": "the verdict also holds per-pixel class agreement (cosine alone let 13% of a SegFormer's pixels flip)"}
 
 
 def render_recipe(facts: ModelFacts, source: str) -> str:

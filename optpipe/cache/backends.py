@@ -26,6 +26,7 @@ into a workdir and published locally, verified); publishes go local, then up.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
@@ -138,11 +139,32 @@ class FsspecEntryStore:
 
 
 class TieredStageCache(StageCache):
-    """A local StageCache backed by a remote store: misses fall through to it, publishes go up."""
+    """A local StageCache backed by a remote store: misses fall through to it, publishes go up.
+
+    The remote is a speed-up, never a dependency: one that fails (unreachable, credentials
+    refused, read-only) gives one warning line, and this process goes on with the local cache
+    alone. A full local disk is not the remote's failure: it propagates (the run stops)."""
 
     def __init__(self, root: Path, remote: EntryStore):
         super().__init__(root)
         self.remote = remote
+
+    def _remote(self, what: str, call, *args):
+        """`call(*args)`, or None when the remote is off or fails (then it is off in this process)."""
+        name = str(getattr(self.remote, "url", id(self.remote)))
+        if name in _REMOTES_OFF:
+            return None
+        try:
+            return call(*args)
+        except UntrustedEntry as exc:  # the local entry stands; only this upload is refused
+            log.warning("remote cache: not uploading %s (%s)", what, exc)
+        except OSError as exc:
+            if exc.errno in LOCAL_DISK_ERRNOS:
+                raise
+            _remote_off(name, what, exc)
+        except Exception as exc:  # noqa: BLE001 (fsspec backends raise their own types: botocore, aiohttp, ...)
+            _remote_off(name, what, exc)
+        return None
 
     def lookup_folder(self, key: str, kind: str) -> Path | None:
         folder = super().lookup_folder(key, kind)
@@ -150,7 +172,7 @@ class TieredStageCache(StageCache):
             return folder
         workdir = self.new_workdir()
         try:
-            manifest = self.remote.fetch_folder(kind, key, workdir)
+            manifest = self._remote(f"{kind}/{key[:12]}", self.remote.fetch_folder, kind, key, workdir)
             if manifest is None:
                 return None
             (workdir / MANIFEST_FILE).unlink(missing_ok=True)  # publish writes its own manifest over the same files
@@ -161,17 +183,14 @@ class TieredStageCache(StageCache):
     def publish_folder(self, key: str, workdir: Path, kind: str, meta: dict[str, Any] | None = None) -> Path:
         target = super().publish_folder(key, workdir, kind, meta)
         if meta is None or not meta.get("from_remote"):
-            try:
-                self.remote.push_folder(kind, key, target)
-            except UntrustedEntry as exc:  # the local entry stands; only the upload is refused
-                log.warning("remote cache: not uploading %s/%s (%s)", kind, key[:12], exc)
+            self._remote(f"{kind}/{key[:12]}", self.remote.push_folder, kind, key, target)
         return target
 
     def get_result(self, key: str) -> dict | None:
         value = super().get_result(key)
         if value is not None:
             return value
-        wrapped = self.remote.fetch_result(key)
+        wrapped = self._remote(f"result {key[:12]}", self.remote.fetch_result, key)
         if wrapped is None:
             return None
         super().put_result(key, wrapped["value"])
@@ -182,10 +201,20 @@ class TieredStageCache(StageCache):
         path = self.result_path(key)
         wrapped, problem = read_result(path)
         if problem is None:
-            try:
-                self.remote.push_result(key, {"sha256": sha256_json(wrapped), "value": wrapped})
-            except UntrustedEntry as exc:
-                log.warning("remote cache: not uploading result %s (%s)", key[:12], exc)
+            self._remote(f"result {key[:12]}", self.remote.push_result, key, {"sha256": sha256_json(wrapped), "value": wrapped})
+
+
+# Remote caches that failed in this process (by URL): each is warned about once, then left alone.
+_REMOTES_OFF: set[str] = set()
+# A full or read-only local disk: the run's own problem (one line naming the folder), not the remote's.
+LOCAL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def _remote_off(name: str, what: str, exc: BaseException) -> None:
+    _REMOTES_OFF.add(name)
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    log.warning("remote cache %s failed on %s (%s%s); this process goes on with the local cache only", name, what,
+                type(exc).__name__, f": {text[:200]}" if text else "")
 
 
 def _parse(raw: bytes) -> dict:

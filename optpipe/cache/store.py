@@ -205,7 +205,10 @@ def discard(root: Path, folder: Path) -> None:
         os.rename(folder, trash)
     except OSError:
         return
-    shutil.rmtree(trash, ignore_errors=True)
+    if trash.is_dir() and not trash.is_symlink():
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        trash.unlink(missing_ok=True)  # a file or a link where an entry folder belongs: only it goes
 
 
 def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -227,6 +230,8 @@ def verify_entry(folder: Path) -> str | None:
     The manifest is untrusted (optpipe.cache.manifest): its names are checked before any is
     opened, and a symlink (or anything but a plain file) in the entry is refused, so a hit
     never reads, nor copies into a run folder, a file outside the entry."""
+    if folder.is_symlink():
+        return "the entry is a link, not a folder of the cache"
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):

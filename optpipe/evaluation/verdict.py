@@ -41,7 +41,8 @@ def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str
     if not artifact.path.is_file():  # an OpenVINO IR: no ONNX to count MACs on; a pass that counted its weights says so
         counted = artifact.info.get("coverage")
         coverage = Coverage.model_validate(counted) if isinstance(counted, dict) else None
-        return coverage, [w for w in (openvino_int8_warning(artifact.info), ignored_params_warning(artifact.info)) if w]
+        return coverage, [w for w in (openvino_int8_warning(artifact.info), ignored_params_warning(artifact.info),
+                                      guard_gave_up_warning(artifact.info), *pass_warnings(artifact.info)) if w]
     key = cache.key(coverage=COVERAGE_FORMAT, model=artifact.content_hash(), dims=dims, excluded=sorted(excluded or ())) if cache else None
     hit = cache.get_result(key) if cache else None
     if hit is not None:
@@ -54,7 +55,7 @@ def stage_coverage(artifact: ModelArtifact, dims: dict[str, int], pass_name: str
             return None, []
         if cache:
             cache.put_result(key, coverage.model_dump(mode="json"))
-    warnings = [w for w in (unknown_shapes_warning(coverage),) if w]
+    warnings = [w for w in (unknown_shapes_warning(coverage), *pass_warnings(artifact.info)) if w]
     if pass_name in QUANTIZATION_PASSES:
         warning = quantization_warning(coverage)
         if warning:
@@ -98,6 +99,27 @@ def openvino_int8_warning(info: dict) -> str | None:
     placed = f" (NNCF placed {quantizers} quantizers)" if quantizers is not None else ""
     return (f"asked for int8, but only {int8} of {total} compute layers run int8{placed}; "
             f"the rest run in {', '.join(sorted(p for p in layers if p not in INT8_PRECISIONS))}")
+
+
+def pass_warnings(info: dict) -> list[str]:
+    """What a pass's info says that its figures do not: ranges calibrated on made-up data, a guard
+    that kept every converted node in float (the stage is its input model)."""
+    warnings = []
+    calibration = info.get("calibration") or (info.get("int8") or {}).get("calibration") or {}
+    if isinstance(calibration, dict) and calibration.get("source") == "synthetic":
+        warnings.append("int8 ranges were calibrated on synthetic data (uniform in each input's `range`, "
+                        "U(-1,1) by default): real inputs outside those ranges clip; calibrate on real samples "
+                        "(data.calibration with a path)")
+    guard = info.get("guard") or {}
+    if isinstance(guard, dict) and guard.get("unconverted"):
+        warnings.append(f"guard: {guard['unconverted']}")
+    return warnings
+
+
+def guard_gave_up_warning(info: dict) -> str | None:
+    """An int8 stage whose accuracy repair ran out of its time budget (openvino's guard_budget_s): what it kept."""
+    guard = (info.get("int8") or {}).get("guard") or {}
+    return f"int8 guard stopped: {guard['gave_up']}" if guard.get("gave_up") else None
 
 
 def ignored_params_warning(info: dict) -> str | None:

@@ -118,7 +118,7 @@ class PassManager:
             parent = results.get(spec.parent) if spec.parent else None
             if parent is not None and parent.status != "ok":
                 result = StageResult(name=name, pass_name=spec.pass_name, parent=spec.parent, status="skipped",
-                                     reason=f"parent stage '{parent.name}' {parent.status}", duration_s=0.0)
+                                     reason=f"parent stage '{parent.name}' {parent.status}", duration_s=0.0, not_run=parent.not_run)
             else:
                 result = self.runner.run(name, passes[name], parent.model if parent else None)
             results[name] = result

@@ -66,6 +66,10 @@ class StageRunner:
                 ctx = make_pass_context(self.plan, self.services, name, workdir, log, self.instruments.step)
                 info = StageInfo(name, pass_, ctx)
                 self.instruments.before_stage(info)
+                skip = pass_.skip_reason(ctx)
+                if skip:
+                    log.info("not run: %s", skip)
+                    return result("skipped", skip).model_copy(update={"not_run": True})
                 artifact, cached = self._cached_run(info, model, log_path, watch)
                 return result("ok", cached=cached).with_model(artifact)
             except (PassError, OptpipeError) as exc:

@@ -41,7 +41,7 @@ def run_stage(plan: CompilePlan, name: str, parent: StageResult | None, settings
     spec = plan.stages[name]
     if parent is not None and parent.status != "ok":
         return StageResult(name=name, pass_name=spec.pass_name, parent=spec.parent, status="skipped",
-                           reason=f"parent stage '{spec.parent}' {parent.status}", duration_s=0.0)
+                           reason=f"parent stage '{spec.parent}' {parent.status}", duration_s=0.0, not_run=parent.not_run)
     cache = settings.open_cache()
     try:
         if parent is not None:

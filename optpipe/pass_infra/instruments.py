@@ -129,10 +129,14 @@ def target_summary(result: "TargetResult") -> str:
 
 class ConsoleProgress(Instrument):
     """One line per stage, evaluation and target as it ends, with its time; a spinner while it
-    runs, showing the step in progress (e.g. `latency batch 8 30/50`)."""
+    runs, showing the step in progress (e.g. `latency batch 8 30/50`). Where the console is no
+    terminal (a log, a pipe, CI) rich draws no spinner: the step in progress is printed as a line
+    every HEARTBEAT_S instead, so a long step (NNCF's accuracy control) is never a silence."""
 
     #: Redraw the spinner's text at most this often: a step may take microseconds.
     REFRESH_S = 0.1
+    #: Without a terminal: at most one progress line this often (the issue-17 bound on silence is 10 s).
+    HEARTBEAT_S = 8.0
     COLOURS = {"ok": "green", "cached": "cyan", "failed": "red", "skipped": "yellow"}
 
     def __init__(self, stream: TextIO | None = None):
@@ -142,6 +146,7 @@ class ConsoleProgress(Instrument):
         self._started = 0.0
         self._label = ""
         self._last_step = 0.0
+        self._last_line = 0.0
 
     def before_stage(self, info: StageInfo) -> None:
         self._start(f"{info.name}: {info.pass_.name}")
@@ -171,9 +176,13 @@ class ConsoleProgress(Instrument):
             return
         self._last_step = now
         self._status.update(f"{self._label} — {task} {done}/{total}")
+        if not self.console.is_terminal and now - self._last_line >= self.HEARTBEAT_S:
+            self._last_line = now
+            self.console.print(f"  {'...':>7} {escape(self._label)} — {escape(task)} {done}/{total} "
+                               f"({now - self._started:.0f}s)")
 
     def _start(self, label: str) -> None:
-        self._started = time.perf_counter()
+        self._started = self._last_line = time.perf_counter()
         self._label = label
         self._status = self.console.status(f"{label} ...")
         self._status.start()

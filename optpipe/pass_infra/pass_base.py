@@ -179,6 +179,12 @@ class Pass(ABC, Generic[P]):
         version and libraries, and the data sets read through `ctx` (those are added by the manager)."""
         return {}
 
+    def skip_reason(self, ctx: PassContext) -> str | None:
+        """Why this stage cannot pay on this machine (one line: the measured reason), or None to run it.
+        Asked before the cache and the pass: a skipped stage is no failure (the run's exit code stays 0),
+        the report shows it with the reason, and the stages after it are skipped with it."""
+        return None
+
     @abstractmethod
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         """Read `model`, write the result into `ctx.workdir`, return it."""

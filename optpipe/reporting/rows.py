@@ -113,7 +113,7 @@ def guard_figure(accuracy: Accuracy) -> str:
 def _status(c: RowContext) -> Cell:
     s = c.stage
     tone: Tone = "failed" if s.status != "ok" else "out" if out_of_tolerance(s) else "ok"
-    return Cell(s.status + (f" ({s.reused})" if s.reused else ""), tone)
+    return Cell(s.verdict + (f" ({s.reused})" if s.reused else ""), tone)
 
 
 def _cosine(c: RowContext) -> Cell:
@@ -124,14 +124,19 @@ def _cosine(c: RowContext) -> Cell:
     return Cell(text, None if accuracy.within_tolerance and not accuracy.warnings else "out")
 
 
+MEANINGLESS = "these accuracy figures mean nothing"  # evaluation.accuracy's whole-model warning
+
+
 def meaningless_mark(accuracy: Accuracy) -> str:
     """Marks a figure measured on outputs that barely depend on the inputs (see the Warnings section)."""
-    return " (meaningless: inputs barely matter)" if accuracy.warnings else ""
+    if any(MEANINGLESS in w for w in accuracy.warnings):
+        return " (meaningless: inputs barely matter)"
+    return " (some outputs barely depend on the inputs)" if accuracy.warnings else ""
 
 
 TASK_HEADLINES = {"top1_agreement": "top-1 agree", "top5_agreement": "top-5 agree", "class_agreement": "class agree",
                   "map50": "mAP@0.5", "next_token_agreement": "next-token agree", "perplexity_ratio": "ppl ×",
-                  "token_cosine": "token cosine"}
+                  "token_cosine": "token cosine", "pixel_agreement": "pixel agree", "miou": "mIoU"}
 
 
 def _task(c: RowContext) -> Cell:

@@ -1,0 +1,108 @@
+"""Every input of a model's forward(), for `optpipe init`: read from its signature, sized from its
+config and named as its tokenizer/processor names them; or a one-line refusal naming the input
+that could not be inferred.
+
+Why the signature: a one-input guess wrote a one-input recipe for CLIP (pixel_values + input_ids),
+called it valid and left the user a note; the signature lists every input, and the names that
+are not known (below) and have no default are exactly what init cannot fill in by itself.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+from optpipe.core.errors import ModelSourceError
+
+TEXT = ("input_ids", "attention_mask", "token_type_ids")
+IMAGE = "pixel_values"
+AUDIO = "input_values"
+KNOWN = (*TEXT, IMAGE, AUDIO)
+
+
+def forward_parameters(forward: Callable) -> list[tuple[str, bool]]:
+    """(name, required) for each named parameter of forward(), in order (no *args/**kwargs)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = inspect.signature(forward).parameters.values()
+    return [(p.name, p.default is inspect.Parameter.empty) for p in params if p.kind in kinds and p.name != "self"]
+
+
+def unknown_required(params: list[tuple[str, bool]], known: set[str], owner: str) -> None:
+    """Refuse, naming it, the first required input init cannot infer."""
+    missing = next((name for name, required in params if required and name not in known), None)
+    if missing is not None:
+        raise ModelSourceError(f"init: cannot infer input '{missing}' of {owner}.forward() (its shape and dtype are not in "
+                               f"the config); write `inputs` for it by hand, known names: {', '.join(KNOWN)}")
+
+
+def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Optional[list[str]], owner: str
+              ) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
+    """The inputs of a Hugging Face model's forward() that its config can size: token ids (and the
+    tokenizer's masks), images, raw audio; refuses a required one it cannot."""
+    names = [name for name, _ in params]
+    text_config = config.get("text_config") or config
+    vision_config = config.get("vision_config") or config
+    inputs: list[dict[str, Any]] = []
+    dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
+    known: set[str] = set()
+    if IMAGE in names and ("image_size" in vision_config or "num_channels" in vision_config):
+        size = vision_config.get("image_size", 224)
+        size = size if isinstance(size, int) else size[0]
+        inputs.append(_entry(IMAGE, "float32", ["batch", vision_config.get("num_channels", 3), size, size]))
+        known.add(IMAGE)
+    if "input_ids" in names and "vocab_size" in text_config:
+        vocab = int(text_config["vocab_size"])
+        longest = int(text_config.get("max_position_embeddings", text_config.get("n_positions", 512)))
+        wanted = tokenizer_names or ["input_ids", "attention_mask"]
+        for name in [n for n in TEXT if n in names and (n == "input_ids" or n in wanted)]:
+            inputs.append(_entry(name, "int64", ["batch", "sequence"], **({"range": [0, vocab]} if name == "input_ids" else {})))
+            known.add(name)
+        dims["sequence"] = {"min": 1, "opt": min(128, longest), "max": min(512, longest)}
+    if AUDIO in names and not known:
+        inputs.append(_entry(AUDIO, "float32", ["batch", "samples"]))
+        dims["samples"] = {"min": 1600, "opt": 16000, "max": 160000}
+        known.add(AUDIO)
+    unknown_required(params, known, owner)
+    inputs.sort(key=lambda spec: names.index(spec["name"]))  # a factory's module takes them by position
+    if not inputs:
+        raise ModelSourceError(f"init: cannot infer any input of {owner}.forward() ({', '.join(names[:6])}) from its config; "
+                               "write `inputs` by hand")
+    return inputs, dims
+
+
+def _entry(name: str, dtype: str, shape: list, **extra) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": name, "dtype": dtype, "shape": shape}
+    if name == "attention_mask":
+        entry["fill"] = 1
+    elif name == "token_type_ids":
+        entry["fill"] = 0
+    entry.update(extra)
+    return entry
+
+
+def meta_tensors(inputs: list[dict[str, Any]], dims: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Tensors on the meta device at the `opt` shape: forward() runs for its shapes and op counts only."""
+    import torch
+
+    tensors = {}
+    for spec in inputs:
+        shape = [d if isinstance(d, int) else dims[d]["opt"] for d in spec["shape"]]
+        tensors[spec["name"]] = torch.zeros(shape, dtype=getattr(torch, spec["dtype"]), device="meta")
+    return tensors
+
+
+def real_tensors(inputs: list[dict], dims: dict) -> dict:
+    """Tensors at the `opt` shape: ids within their range, masks at their fill, floats N(0, 1)."""
+    import numpy as np
+    import torch
+
+    tensors = {}
+    for spec in inputs:
+        shape = [d if isinstance(d, int) else dims[d]["opt"] for d in spec["shape"]]
+        if spec["dtype"].startswith("int"):
+            high = (spec.get("range") or [0, 2])[1]
+            tensors[spec["name"]] = torch.from_numpy(np.random.default_rng(0).integers(0, high, shape)).to(getattr(torch, spec["dtype"]))
+        else:
+            tensors[spec["name"]] = torch.from_numpy(np.random.default_rng(0).normal(size=shape).astype(np.float32))
+        if "fill" in spec:
+            tensors[spec["name"]] = torch.full(shape, spec["fill"], dtype=getattr(torch, spec["dtype"]))
+    return tensors

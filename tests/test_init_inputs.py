@@ -1,0 +1,93 @@
+"""`optpipe init` finds every input of forward() (signature, config, tokenizer) or refuses naming the one
+it cannot infer, and picks the stages by what the model computes (its share of Conv MACs), not its name."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+TINY_CLIP = dict(
+    text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     max_position_embeddings=32, eos_token_id=2, bos_token_id=1, pad_token_id=0),
+    vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+    projection_dim=16,
+)
+TINY_SEGFORMER = dict(image_size=64, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                      num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=5, patch_sizes=[7, 3], strides=[4, 2])
+
+USER_MODELS = '''
+import torch
+from torch import nn
+
+
+class Pair(nn.Module):
+    """Two required inputs; nothing says what `boxes` is."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x, boxes):
+        return self.proj(x) + boxes.sum()
+
+
+def pair():
+    return Pair().eval()
+
+
+def picky():
+    class Refusing(nn.Module):  # its first layer says 8 features; forward splits them in 3
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.proj(x.reshape(x.shape[0], 3, -1))
+    return Refusing().eval()
+'''
+
+
+def _init(cli_run, *args):
+    result = cli_run("init", *args)
+    return result, (yaml.safe_load(Path(args[-1]).read_text()) if result.exit_code == 0 else None)
+
+
+def test_a_two_input_clip_gets_both_inputs_sized_from_its_config(tmp_path, cli_run, monkeypatch):
+    import transformers
+
+    transformers.CLIPModel(transformers.CLIPConfig(**TINY_CLIP)).save_pretrained(tmp_path / "clip")
+    monkeypatch.chdir(tmp_path)
+    result, recipe = _init(cli_run, "clip", "-o", "clip.yaml")
+    assert result.exit_code == 0, result.output
+    inputs = {spec["name"]: spec for spec in recipe["inputs"]}
+    assert set(inputs) == {"input_ids", "pixel_values", "attention_mask"}, inputs
+    assert inputs["pixel_values"]["shape"] == ["batch", 3, 32, 32] and inputs["input_ids"]["range"] == [0, 100]
+    assert recipe["dims"]["sequence"]["max"] == 32  # the text tower's max_position_embeddings
+    assert "a transformer recipe" in result.output
+
+
+def test_a_conv_heavy_segformer_gets_the_cnn_recipe(tmp_path, cli_run, monkeypatch):
+    import transformers
+
+    config = transformers.SegformerConfig(**TINY_SEGFORMER, architectures=["SegformerForSemanticSegmentation"])
+    transformers.SegformerForSemanticSegmentation(config).save_pretrained(tmp_path / "segformer")
+    monkeypatch.chdir(tmp_path)
+    result, recipe = _init(cli_run, "segformer", "-o", "seg.yaml")
+    assert result.exit_code == 0, result.output
+    assert "a cnn recipe" in result.output and "in convolutions" in result.output  # measured: 42% of its MACs
+    assert recipe["model"]["task"] == "semantic-segmentation" and recipe["evaluate"]["task"] == {"kind": "segmentation"}
+    assert recipe["stages"]["int8"] == {"pass": "int8", "after": "simplify", "params": {"mode": "static", "target": "ort-cpu"}}
+
+
+def test_an_input_init_cannot_infer_is_named_in_one_line(tmp_path, cli_run, monkeypatch):
+    (tmp_path / "user_nets.py").write_text(USER_MODELS)
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "user_nets:pair", "-o", "pair.yaml")
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert "cannot infer input 'boxes' of Pair.forward()" in line and "write `inputs`" in line
+    refused = cli_run("init", "user_nets:picky", "-o", "picky.yaml")
+    assert refused.exit_code == 2, refused.output
+    [line] = refused.output.strip().splitlines()
+    assert "forward() does not take the inferred input(s) x ['batch', 8]" in line
+    assert not Path("pair.yaml").exists() and not Path("picky.yaml").exists()
