@@ -45,8 +45,8 @@ def peer_models(recipe) -> dict[str, tuple[str, Path | str]]:
         builds.append(("optimum:int8-avx512_vnni-per-channel", "the same with Optimum's --avx512_vnni preset (the one its docs measured)",
                        lambda f, out: _optimum(f, out, "avx512_vnni")))
     builds += [("olive:int8-dynamic", "Olive OnnxConversion + OnnxDynamicQuantization", lambda f, out: _olive(f, out)),
-               ("nncf:int8-defaults", "plain NNCF: openvino.convert_model of the export, nncf.quantize with its defaults on the "
-                "recipe's calibration set, OpenVINO runtime", lambda f, out: _nncf(recipe, out))]
+               ("nncf:int8-defaults", "plain NNCF: openvino.convert_model of the export, nncf.quantize(model_type=TRANSFORMER), "
+                "else its defaults, on the recipe's calibration set; OpenVINO runtime", lambda f, out: _nncf(recipe, out))]
     results = {}
     for name, what, build in builds:
         try:
@@ -73,7 +73,7 @@ def optimum_preset() -> str:
 def _nncf(recipe, out: Path) -> Path:
     """NNCF's defaults, done by hand as its docs show: convert, `nncf.quantize(model, nncf.Dataset(samples))`, save.
     Quantized again per ONEDNN_MAX_CPU_ISA (NNCF collects statistics by running the model on OpenVINO)."""
-    out = out.with_name(out.name + "-" + (os.environ.get("ONEDNN_MAX_CPU_ISA") or "native").lower())
+    out = out.with_name(out.name + "-transformer-" + (os.environ.get("ONEDNN_MAX_CPU_ISA") or "native").lower())
     final = out / "model.xml"
     if final.is_file():
         return final
@@ -94,7 +94,8 @@ def _nncf(recipe, out: Path) -> Path:
     model = ov.convert_model(str(exported))
     names = {port.get_any_name() for port in model.inputs}
     items = [{k: v for k, v in batch.items() if k in names} for batch in samples.batches(1)]
-    quantized = nncf.quantize(model, nncf.Dataset(items))
+    # NNCF's documented call for a transformer (its docs' BERT example): model_type TRANSFORMER, else its defaults.
+    quantized = nncf.quantize(model, nncf.Dataset(items), model_type=nncf.ModelType.TRANSFORMER)
     out.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(final), compress_to_fp16=False)
     return final

@@ -279,6 +279,8 @@ OPENVINO_INT8 = ("ov-int8", "openvino", "simplify", {"precision": "int8"},
                  "(skipped without: slower than FP32 there, docs/openvino.md)")
 OPENVINO_FP32 = ("ov-fp32", "openvino", "simplify", {"precision": "fp32"},
                  "OpenVINO IR in FP32: lossless, and the OpenVINO candidate on CPUs without VNNI")
+OPENVINO_BF16 = ("ov-bf16", "openvino", "simplify", {"precision": "bf16"},
+                 "OpenVINO IR at the bf16 hint: near int8's speed on AMX CPUs (skipped without AMX: slower than FP32 there)")
 
 STAGES = {
     "cnn": [
@@ -292,6 +294,7 @@ STAGES = {
          "removes 25% of the channels, no fine-tuning: the report shows what it costs"),
         OPENVINO_INT8,
         OPENVINO_FP32,
+        OPENVINO_BF16,
     ],
     "transformer": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -301,6 +304,7 @@ STAGES = {
         ("fp16", "fp16", "fuse", {}, "half precision, for GPUs"),
         OPENVINO_INT8,
         OPENVINO_FP32,
+        OPENVINO_BF16,
     ],
     "dense": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -309,6 +313,7 @@ STAGES = {
         ("int8", "int8", "simplify", {"mode": "dynamic"}, "int8 weights, activations quantized at run time"),
         OPENVINO_INT8,
         OPENVINO_FP32,
+        OPENVINO_BF16,
     ],
 }
 
