@@ -81,7 +81,9 @@ def build_stages(recipe, run_dir: str):
     services = RunServices(recipe.model_source(), recipe.data, cache)
     folder = Path(run_dir)
     (folder / "logs").mkdir(parents=True, exist_ok=True)
-    manager = PassManager(recipe, cache, services, folder, RunOptions(output=folder))
+    from optpipe.plan.compile_plan import CompilePlan
+
+    manager = PassManager(CompilePlan.of(recipe), cache, services, folder, RunOptions(output=folder))
     started = time.perf_counter()
     outcomes = manager.run(execution_order(graph), graph, passes)
     failed = {name: o.reason for name, o in outcomes.items() if o.status != "ok"}

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from minilm_int8 import build_stages, eager_runner, ort_runner, outputs_of, time_interleaved  # noqa: E402
 
 # name -> openvino pass params; each hangs after `simplify`.
-# int8 variants run on every CPU here (skip_slow_int8: false): bench/openvino_isa.py measures the very
+# int8 variants run on every CPU here (skip_slow: false): bench/openvino_isa.py measures the very
 # comparison the pass's CPU rule rests on.
 VARIANTS = {
     "ov-fp32": {"precision": "fp32"},
@@ -36,7 +36,7 @@ VARIANTS = {
     "ov-int8-fullbc": {"precision": "int8", "fast_bias_correction": False, "guard": False},
     "ov-int8-guard": {"precision": "int8", "guard": True},
 }
-VARIANTS = {name: params | ({"skip_slow_int8": False} if params["precision"] == "int8" else {}) for name, params in VARIANTS.items()}
+VARIANTS = {name: params | ({"skip_slow": False} if params["precision"] == "int8" else {}) for name, params in VARIANTS.items()}
 
 
 def main() -> None:

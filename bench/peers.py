@@ -45,8 +45,8 @@ def peer_models(recipe) -> dict[str, tuple[str, Path | str]]:
         builds.append(("optimum:int8-avx512_vnni-per-channel", "the same with Optimum's --avx512_vnni preset (the one its docs measured)",
                        lambda f, out: _optimum(f, out, "avx512_vnni")))
     builds += [("olive:int8-dynamic", "Olive OnnxConversion + OnnxDynamicQuantization", lambda f, out: _olive(f, out)),
-               ("nncf:int8-defaults", "plain NNCF: openvino.convert_model of the export, nncf.quantize with its defaults on the "
-                "recipe's calibration set, OpenVINO runtime", lambda f, out: _nncf(recipe, out))]
+               ("nncf:int8-defaults", "plain NNCF: openvino.convert_model of the export, nncf.quantize(model_type=TRANSFORMER), "
+                "else its defaults, on the recipe's calibration set; OpenVINO runtime", lambda f, out: _nncf(recipe, out))]
     results = {}
     for name, what, build in builds:
         try:
@@ -59,23 +59,21 @@ def peer_models(recipe) -> dict[str, tuple[str, Path | str]]:
 def optimum_preset() -> str:
     """Optimum's quantization preset for the CPU ONNX Runtime runs on here (`optimum-cli onnxruntime quantize
     --arm64 | --avx2 | --avx512 | --avx512_vnni`): ORT's MLAS picks kernels by the CPU's own ISA (ONEDNN_MAX_CPU_ISA
-    holds only OpenVINO back), so the preset follows the CPU's flags."""
-    from pathlib import Path as _Path
-    import platform
+    holds only OpenVINO back), so the preset follows the machine's features (OPTPIPE_CPU_FEATURES injects them)."""
+    from optpipe.hardware.cpu_features import machine_target
 
-    if platform.machine() in ("arm64", "aarch64"):
+    cpu = machine_target()
+    if cpu.arch == "arm64":
         return "arm64"
-    text = _Path("/proc/cpuinfo").read_text() if _Path("/proc/cpuinfo").exists() else ""
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    if "avx512_vnni" in flags or "amx_int8" in flags:
+    if cpu.has("avx512_vnni") or cpu.has("amx_int8"):
         return "avx512_vnni"
-    return "avx512" if "avx512f" in flags else "avx2"
+    return "avx512" if cpu.has("avx512f") else "avx2"
 
 
 def _nncf(recipe, out: Path) -> Path:
     """NNCF's defaults, done by hand as its docs show: convert, `nncf.quantize(model, nncf.Dataset(samples))`, save.
     Quantized again per ONEDNN_MAX_CPU_ISA (NNCF collects statistics by running the model on OpenVINO)."""
-    out = out.with_name(out.name + "-" + (os.environ.get("ONEDNN_MAX_CPU_ISA") or "native").lower())
+    out = out.with_name(out.name + "-transformer-" + (os.environ.get("ONEDNN_MAX_CPU_ISA") or "native").lower())
     final = out / "model.xml"
     if final.is_file():
         return final
@@ -96,7 +94,8 @@ def _nncf(recipe, out: Path) -> Path:
     model = ov.convert_model(str(exported))
     names = {port.get_any_name() for port in model.inputs}
     items = [{k: v for k, v in batch.items() if k in names} for batch in samples.batches(1)]
-    quantized = nncf.quantize(model, nncf.Dataset(items))
+    # NNCF's documented call for a transformer (its docs' BERT example): model_type TRANSFORMER, else its defaults.
+    quantized = nncf.quantize(model, nncf.Dataset(items), model_type=nncf.ModelType.TRANSFORMER)
     out.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(final), compress_to_fp16=False)
     return final

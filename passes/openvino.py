@@ -29,7 +29,7 @@ from optpipe.core.errors import DataError, PassError
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.core.results import Accuracy
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
-from optpipe.passes._openvino_isa import int8_skip_reason
+from optpipe.passes._openvino_isa import bf16_skip_reason, int8_skip_reason
 from optpipe.passes._openvino_nncf import quantize
 
 class OpenVinoParams(PassParams):
@@ -55,13 +55,14 @@ class OpenVinoParams(PassParams):
     guard_budget_s: float = Field(120.0, gt=0, description="guard: seconds the repair of a plain INT8 result that breaks the "
                                   "tolerance may take (cheap fixes, then NNCF's accuracy control); then it stops, keeps the "
                                   "best result so far and says so")
-    skip_slow_int8: bool = Field(True, description="int8: skip the stage on a CPU without VNNI, where OpenVINO INT8 runs "
-                                 "slower than FP32 (false: build it anyway, e.g. for a VNNI deployment CPU)")
+    skip_slow: bool = Field(True, description="int8 / bf16: skip the stage where OpenVINO was measured slower at that precision "
+                            "than at FP32 (int8: x86 without VNNI or AVX-512; bf16: without AMX); false: build it anyway "
+                            "(e.g. for a deployment CPU of another class)")
 
 
 #: Params that only the int8 path reads: set on an fp32 / bf16 stage, they change nothing (the report says so).
 INT8_ONLY = frozenset({"model_type", "preset", "subset_size", "fast_bias_correction", "smooth_quant_alpha", "exclude",
-                       "exclude_types", "guard", "max_excluded", "guard_budget_s", "skip_slow_int8"})
+                       "exclude_types", "guard", "max_excluded", "guard_budget_s"})
 
 
 class OpenVinoPass(Pass):
@@ -95,11 +96,11 @@ class OpenVinoPass(Pass):
         return {"guard": {"tolerance": ctx.tolerance.model_dump(mode="json")}}
 
     def skip_reason(self, ctx: PassContext) -> str | None:
-        """int8 where OpenVINO's kernels have no VNNI: measured slower than fp32 (passes/_openvino_isa.py)."""
+        """int8 / bf16 where OpenVINO runs them slower than fp32 on this CPU class (passes/_openvino_isa.py)."""
         params: OpenVinoParams = self.params  # type: ignore[assignment]
-        if params.precision != "int8" or not params.skip_slow_int8:
+        if not params.skip_slow or params.precision == "fp32":
             return None
-        return int8_skip_reason()
+        return int8_skip_reason() if params.precision == "int8" else bf16_skip_reason()
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: OpenVinoParams = self.params  # type: ignore[assignment]

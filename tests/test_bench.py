@@ -67,6 +67,30 @@ def test_peers_run_their_own_commands_and_say_why_when_they_cannot(tmp_path, mon
         peers._olive(model, tmp_path / "olive2")
 
 
+@pytest.mark.parametrize("features, preset", [("avx2,fma", "avx2"), ("avx2,fma,avx512f", "avx512"),
+                                              ("avx2,avx512f,avx512_vnni", "avx512_vnni"), ("arm64:asimd,asimddp", "arm64")])
+def test_optimum_runs_its_preset_for_this_cpu(monkeypatch, features, preset):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import peers
+
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", features)
+    assert peers.optimum_preset() == preset
+
+
+def test_the_verdict_line_names_the_best_within_tolerance_of_each_side():
+    bench = load_bench()
+    rows = [{"candidate": "optpipe:ov-int8", "what": "openvino (OpenVINO, int8)", "speedup_vs_eager": 4.0, "cosine": 0.996, "within_tolerance": True},
+            {"candidate": "optpipe:int8-qattention", "what": "int8 after fuse", "speedup_vs_eager": 2.8, "cosine": 0.991, "within_tolerance": True},
+            {"candidate": "optpipe:int8-static", "what": "int8", "speedup_vs_eager": 5.0, "cosine": 0.9, "within_tolerance": False},
+            {"candidate": "optimum:int8-avx2-per-channel", "what": "Optimum", "speedup_vs_eager": 2.9, "cosine": 0.991, "within_tolerance": True},
+            {"candidate": "olive:int8-dynamic", "what": "Olive", "speedup_vs_eager": 3.5, "cosine": 0.95, "within_tolerance": False}]
+    line = bench.verdict_lines(rows)[0]
+    assert "optpipe `optpipe:ov-int8` 4.00x" in line and "ONNX Runtime only `optpipe:int8-qattention` 2.80x" in line
+    assert "best peer `optimum:int8-avx2-per-channel` 2.90x" in line
+
+
 def test_the_gpu_document_is_written_and_timed_by_the_cpu_benchmark_s_functions():
     """bench/gpu_rows.py runs no table writer or timing loop of its own: a GPU-less render shows its table."""
     spec = importlib.util.spec_from_file_location("bench_gpu_rows", ROOT / "bench" / "gpu_rows.py")

@@ -36,7 +36,7 @@ def _remote_entries(shared: Path) -> list[Path]:
 
 
 def test_a_second_machine_reuses_the_shared_folder_and_a_tampered_entry_is_rebuilt(project, tmp_path, capsys):
-    shared = tmp_path / "nfs" / "optpipe"  # does not exist yet: created on first use
+    shared = tmp_path / "nfs" / "optpipe"  # does not exist yet: created by the first publish
     code, err, first = _compile(project, "a", f"file://{shared}", capsys)
     assert code == 0, err
     entries = _remote_entries(shared)
@@ -98,3 +98,11 @@ def test_a_remote_folder_that_cannot_be_used_is_one_line(project, tmp_path, caps
     assert code == 2 and expected in err and "--remote-cache" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists(), "refused before any work"
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_a_remote_folder_that_is_or_nests_with_the_local_cache_is_refused(project, tmp_path, capsys, where):
+    cache = tmp_path / "cache"
+    remote = {"same": cache, "inside": cache / "remote", "around": tmp_path}[where]
+    code, out, err = run_main(["compile", str(project), "--cache-dir", str(cache), "--remote-cache", f"file://{remote}"], capsys)
+    assert code == 2 and "apart from --cache-dir" in err and len(err.strip().splitlines()) == 1, err

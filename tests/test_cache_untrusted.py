@@ -55,7 +55,7 @@ def _written(tmp_path: Path) -> set[Path]:
 
 
 @pytest.mark.parametrize("name", [
-    "../x", "../../../../outside/pwn", "/etc/passwd", "a/b", "a\\b", "..", ".", ".bashrc", "C:evil", "x\x00y",
+    "../x", "../../../../outside/pwn", "/etc/passwd", "a/b", "a\\b", "..", ".", "C:evil", "x\x00y",
     "", "a" * 200, "model.onnx/", "entry.json", 7, "\u2025x",
 ])
 def test_a_name_that_is_not_a_plain_file_name_is_refused(name):

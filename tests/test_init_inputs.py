@@ -75,7 +75,7 @@ def test_a_conv_heavy_segformer_gets_the_cnn_recipe(tmp_path, cli_run, monkeypat
     result, recipe = _init(cli_run, "segformer", "-o", "seg.yaml")
     assert result.exit_code == 0, result.output
     assert "a cnn recipe" in result.output and "in convolutions" in result.output  # measured: 42% of its MACs
-    assert recipe["model"]["task"] == "semantic-segmentation"
+    assert recipe["model"]["task"] == "semantic-segmentation" and recipe["evaluate"]["task"] == {"kind": "segmentation"}
     assert recipe["stages"]["int8"] == {"pass": "int8", "after": "simplify", "params": {"mode": "static", "target": "ort-cpu"}}
 
 

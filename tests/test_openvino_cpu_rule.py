@@ -12,7 +12,7 @@ from optpipe.core.results import RunReport, StageResult
 from optpipe.pass_infra.instruments import ConsoleProgress, StepRecorder
 from optpipe.passes import _openvino_guard as guard_module
 from optpipe.hardware.cpu_features import parse_features, restrict
-from optpipe.passes._openvino_isa import SLOW_INT8, int8_skip_reason
+from optpipe.passes._openvino_isa import SLOW_BF16, SLOW_INT8, bf16_skip_reason, int8_skip_reason
 from optpipe.passes.openvino import OpenVinoParams, OpenVinoPass
 from test_openvino import mlp, run_pass
 
@@ -44,6 +44,15 @@ def test_onednn_isa_cap_is_the_isa_openvino_runs_at(cap, runs):
         assert f"ONEDNN_MAX_CPU_ISA={cap.upper()}" in reason
 
 
+@pytest.mark.parametrize("features, runs", [(AMX, True), (VNNI, False), (AVX2, False), ("arm64:asimd,bf16", True)])
+def test_bf16_runs_only_with_amx(features, runs):
+    reason = bf16_skip_reason(parse_features(features))
+    assert (reason is None) == runs
+    if not runs:
+        assert reason.startswith(SLOW_BF16)
+    assert (bf16_skip_reason(restrict(parse_features(AMX), "AVX512_CORE_BF16")) is None) is False  # AMX held off
+
+
 def test_the_pass_skips_itself_by_the_rule_and_only_for_int8(tmp_path, monkeypatch):
     _, recipe, arrays = mlp(tmp_path)
     ctx = context(recipe, tmp_path / "w", arrays)
@@ -51,11 +60,15 @@ def test_the_pass_skips_itself_by_the_rule_and_only_for_int8(tmp_path, monkeypat
     monkeypatch.setenv("OPTPIPE_CPU_FEATURES", AVX2)
     assert SLOW_INT8 in OpenVinoPass(OpenVinoParams(precision="int8")).skip_reason(ctx)
     assert OpenVinoPass(OpenVinoParams(precision="fp32")).skip_reason(ctx) is None
-    assert OpenVinoPass(OpenVinoParams(precision="int8", skip_slow_int8=False)).skip_reason(ctx) is None
+    assert OpenVinoPass(OpenVinoParams(precision="int8", skip_slow=False)).skip_reason(ctx) is None
     monkeypatch.setenv("OPTPIPE_CPU_FEATURES", VNNI)
     assert OpenVinoPass(OpenVinoParams(precision="int8")).skip_reason(ctx) is None
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # OpenVINO held to AVX2 on a VNNI CPU: skipped
     assert SLOW_INT8 in OpenVinoPass(OpenVinoParams(precision="int8")).skip_reason(ctx)
+    assert SLOW_BF16 in OpenVinoPass(OpenVinoParams(precision="bf16")).skip_reason(ctx)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", AMX)
+    assert OpenVinoPass(OpenVinoParams(precision="bf16")).skip_reason(ctx) is None
 
 
 def test_a_stage_skipped_by_the_rule_is_no_failure_and_its_children_follow_it():

@@ -32,9 +32,9 @@ def run(tmp_path_factory):
     data["data"]["calibration"] = {"source": "synthetic", "samples": 16, "seed": 1}
     data["stages"].update({
         "ov-fp32": {"pass": "openvino", "after": "simplify"},
-        # skip_slow_int8 off: this module tests the int8 IR's mechanics and targets on every CPU class (the CPU rule
+        # skip_slow off: this module tests the int8 IR's mechanics and targets on every CPU class (the CPU rule
         # that skips it without VNNI: tests/test_openvino_cpu_rule.py).
-        "ov-int8": {"pass": "openvino", "after": "simplify", "params": {"precision": "int8", "skip_slow_int8": False},
+        "ov-int8": {"pass": "openvino", "after": "simplify", "params": {"precision": "int8", "skip_slow": False},
                     "tolerance": {"cosine_min": 0.99}},
         "ort-int8": {"pass": "int8", "after": "simplify", "params": {"mode": "static"}, "tolerance": {"cosine_min": 0.99}},
     })

@@ -89,3 +89,32 @@ def test_target_results_are_typed():
     with pytest.raises(ValidationError):
         TargetResult(kind="ort", stage="export", status="failed: boom")
     assert RunReport.model_validate_json(data.model_dump_json()).targets == data.targets
+
+
+def test_an_out_of_tolerance_stage_has_its_own_verdict_in_the_table_the_page_and_report_json():
+    data = report()
+    fp16 = data.stage("fp16")
+    assert fp16.status == "ok" and fp16.verdict == "out-of-tolerance"  # it ran; it is not usable
+    assert markdown_cells(stage_table(data), "fp16")[3].startswith("out-of-tolerance")
+    assert markdown_cells(stage_table(data), "export")[3] == "ok"
+    dumped = __import__("json").loads(data.model_dump_json())
+    assert {s["name"]: s["verdict"] for s in dumped["stages"]} == {
+        "pytorch-eager": "ok", "export": "ok", "fp16": "out-of-tolerance", "int8": "failed"}
+    assert dumped["schema_version"] == 3 and RunReport.model_validate(dumped).stage("fp16").verdict == "out-of-tolerance"
+    assert "out-of-tolerance" in render_html(data)
+
+
+def test_the_frontier_is_latency_vs_accuracy_error_and_the_report_says_so():
+    """A MobileNet's int8 stage: smaller than fuse but slower and less accurate; size is no axis, so no star."""
+    stages = [
+        StageResult(name="fuse", pass_name="fuse", status="ok", latency=[latency(1.0)], size_bytes=4_000_000, accuracy=accuracy(1.0, True)),
+        StageResult(name="int8", pass_name="int8", parent="fuse", status="ok", latency=[latency(16.0)], size_bytes=1_000_000,
+                    accuracy=accuracy(0.995, True)),
+        StageResult(name="fp16", pass_name="fp16", parent="fuse", status="ok", latency=[latency(0.5)], size_bytes=2_000_000,
+                    accuracy=accuracy(0.999, True)),
+    ]
+    assert pareto_frontier(stages) == ["fuse", "fp16"]
+    data = RunReport(optpipe_version="dev", recipe="t", created="now", machine={}, evaluation={"batch_sizes": [1]},
+                     reference="fuse", stages=stages, pareto=pareto_frontier(stages))
+    assert "Pareto frontier (p50 latency at the first batch size vs accuracy error" in render_markdown(data)
+    assert data.frontier_axes[0].startswith("p50 latency") and len(data.frontier_axes) == 2

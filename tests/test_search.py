@@ -250,12 +250,14 @@ def test_optuna_nsga2_within_a_trial_budget_is_repeatable(tmp_path, cache_dir):
 # --- figures from several kinds of machine ----------------------------------------------------
 
 
-def _measured(name: str, p50: float, size: int, cpu: str):
-    from optpipe.core.results import Latency, StageResult
+def _measured(name: str, p50: float, size: int, cpu: str, cosine: float = 1.0):
+    from optpipe.core.results import Accuracy, Latency, OutputAccuracy, StageResult
 
+    accuracy = Accuracy(reference="export", samples=4, within_tolerance=True,
+                        outputs=[OutputAccuracy(name="y", max_abs=0.01, mean_abs=0.001, cosine_mean=cosine, cosine_min=cosine)])
     lat = Latency(batch_size=1, shape={}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1 / p50,
                   iterations=3, provider="CPUExecutionProvider")
-    return StageResult(name=name, pass_name="int8", status="ok", latency=[lat], size_bytes=size,
+    return StageResult(name=name, pass_name="int8", status="ok", latency=[lat], size_bytes=size, accuracy=accuracy,
                        measured_on={"host": cpu, "cpu": cpu, "cores": 8, "gpu": []})
 
 
@@ -264,7 +266,8 @@ def test_one_frontier_across_kinds_of_machine_is_refused_unless_grouped():
     from optpipe.core.results import RunReport
 
     def report():
-        stages = [_measured("a", 1.0, 100, "Xeon"), _measured("b", 2.0, 50, "Xeon"), _measured("c", 0.5, 100, "EPYC")]
+        # a faster, b more accurate: both on the (latency, accuracy error) frontier of the Xeon.
+        stages = [_measured("a", 1.0, 100, "Xeon", cosine=0.995), _measured("b", 2.0, 50, "Xeon"), _measured("c", 0.5, 100, "EPYC")]
         return RunReport(optpipe_version="t", recipe="r", created="now", machine={}, evaluation={}, reference=None,
                          stages=stages, pareto=["a", "b", "c"])
 

@@ -78,10 +78,15 @@ def test_minilm_requests_are_merged_and_out_of_dims_refused(served):
     feeds = eval_feeds(run_dir, 1, 32)
     gate = threading.Barrier(12)
 
+    failures = []
+
     def one() -> None:
         own = grpcclient.InferenceServerClient(server.grpc_url)
         gate.wait()
-        own.infer(name, grpc_inputs(feeds))
+        try:
+            own.infer(name, grpc_inputs(feeds))
+        except Exception as exc:  # shown by the assertion below, not lost in the thread
+            failures.append(repr(exc))
         own.close()
 
     threads = [threading.Thread(target=one) for _ in range(12)]
@@ -92,9 +97,12 @@ def test_minilm_requests_are_merged_and_out_of_dims_refused(served):
     after = client.get_inference_statistics(name, as_json=True)["model_stats"][0]
     inferences = int(after["inference_count"]) - int(before.get("inference_count", 0))
     executions = int(after["execution_count"]) - int(before.get("execution_count", 0))
-    assert inferences == 12 and executions < inferences  # 12 requests arriving while one runs: merged
+    assert not failures and inferences == 12 and executions < inferences, (failures, inferences, executions)  # merged
     too_many = {key: np.repeat(value, MAX_BATCH + 1, axis=0) for key, value in feeds.items()}
     with pytest.raises(InferenceServerException, match=f"batch-size must be <= {MAX_BATCH}"):
         client.infer(name, grpc_inputs(too_many))
+    long = {key: np.repeat(value, 10, axis=1) for key, value in feeds.items()}  # sequence 320 > dims.sequence.max 256
+    with pytest.raises(InferenceServerException, match="input 'input_ids' dim 1 is 320, outside 8..256"):
+        client.infer(name, grpc_inputs(long))
     assert client.infer(name, grpc_inputs(feeds)).as_numpy("last_hidden_state").shape == (1, 32, 384)
     client.close()

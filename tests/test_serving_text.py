@@ -6,8 +6,6 @@ against transformers' tokenizer, the stage's own ONNX Runtime session and a mean
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -91,14 +89,34 @@ def test_strings_in_sentence_vectors_out(served, protocol):
     client.close()
 
 
-def test_a_text_ensemble_on_a_model_without_token_inputs_is_refused(tmp_path):
-    import yaml
-    from conftest import TINY_RECIPE
+def test_a_text_ensemble_on_a_model_without_token_inputs_is_refused():
+    from optpipe.core.errors import TargetError
+    from optpipe.targets.base import TritonParams
+    from optpipe.targets.triton_ensemble import write_text_ensemble
 
-    data = json.loads(json.dumps(TINY_RECIPE))
-    data.update({"output": str(tmp_path / "run"), "targets": [{"kind": "triton", "stages": ["export"], "params": {"text_ensemble": True}}]})
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    report = compile_recipe(load_recipe(path), RunOptions(cache_dir=tmp_path / "cache"))
-    (target,) = report.targets
-    assert target.status == "failed" and "text_ensemble needs a batched model whose inputs are a tokenizer's" in target.reason
+    model = {"name": "tiny_export", "max_batch_size": 16, "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [32]}],
+             "output": [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}]}
+    with pytest.raises(TargetError, match="text_ensemble needs a batched model whose inputs are a tokenizer's .* this one takes x"):
+        write_text_ensemble(None, TritonParams(text_ensemble=True), model)
+    unbatched = {**model, "max_batch_size": 0, "input": [{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [1, 8]}]}
+    with pytest.raises(TargetError, match="needs a batched model"):
+        write_text_ensemble(None, TritonParams(text_ensemble=True), unbatched)
+
+
+@pytest.mark.parametrize("sequence", [4, 40])
+def test_a_sequence_outside_the_recipes_dims_is_refused_by_the_model(served, sequence):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from optpipe.serving.loadtest import request_inputs
+
+    _, _, server = served
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    ids = np.full((1, sequence), 1012, np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    # Triton's dims say only -1: model.py holds the request to the shapes the stage was measured on.
+    with pytest.raises(InferenceServerException, match=f"input 'input_ids' dim 1 is {sequence}, outside 8..32 .*dims.sequence"):
+        client.infer("tinybert_export", request_inputs(feeds))
+    inside = {key: value[:, :8] if sequence > 8 else np.repeat(value, 2, axis=1) for key, value in feeds.items()}
+    assert client.infer("tinybert_export", request_inputs(inside)).as_numpy("last_hidden_state").shape == (1, 8, 32)
+    client.close()

@@ -347,3 +347,26 @@ def test_an_integer_output_is_held_by_equality_not_cosine():
     assert compare({"cls": worse}, {"cls": ref}, inputs, Tolerance(cosine_min=0.99, max_abs=9), "ref").within_tolerance
     floats = compare({"y": worse.astype(np.float32)}, {"y": ref.astype(np.float32)}, inputs, TOL, "ref")
     assert floats.outputs[0].equal_share is None and floats.within_tolerance  # float outputs: cosine, as before
+
+
+def test_segmentation_judges_per_pixel_classes_that_cosine_lets_flip():
+    """Near-tied logits (a random-weight head's): a 0.02 nudge flips a fifth of the pixels at cosine 0.9999."""
+    rng = np.random.default_rng(3)
+    ref = 10.0 + rng.normal(0, 0.01, (4, 3, 16, 16))
+    ref[:, 0] += 0.01
+    cand = ref.copy()
+    tied = rng.random((4, 16, 16)) < 0.2
+    cand[:, 1][tied] = ref.max(1)[tied] + 0.02
+    spec = TaskSpec(kind="segmentation")
+    acc = compare({"logits": cand}, {"logits": ref}, {}, Tolerance(cosine_min=0.9), "export", task=spec)
+    metrics = acc.task.metrics
+    assert acc.worst_cosine > 0.999, acc.worst_cosine  # what cosine alone would pass
+    assert 0.75 < metrics["pixel_agreement"] < 0.85 and metrics["miou"] < 0.9, metrics  # measured 0.80
+    assert not acc.within_tolerance and any("per-pixel class agreement" in v for v in acc.violations)
+    labels = ref.argmax(1)
+    labelled = compare({"logits": cand}, {"logits": ref}, {}, Tolerance(cosine_min=0.9), "export", task=spec, labels=labels)
+    assert labelled.task.labels["reference_miou"] == 1.0 and labelled.task.labels["miou"] < 0.9
+    with pytest.raises(DataError, match="one class per pixel"):
+        compare({"logits": cand}, {"logits": ref}, {}, Tolerance(cosine_min=0.9), "export", task=spec, labels=labels[:, 0])
+    with pytest.raises(RecipeError, match=r"\[N, classes, H, W\]"):
+        compare({"logits": cand[:, :, 0]}, {"logits": ref[:, :, 0]}, {}, Tolerance(cosine_min=0.9), "export", task=spec)

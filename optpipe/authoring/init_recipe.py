@@ -165,7 +165,8 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
 # Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
 # checks the predictions (top-1, next token), which cosine alone lets flip.
 HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classification": "classification",
-                    "audio-classification": "classification", "causal-lm": "language-model"}
+                    "audio-classification": "classification", "causal-lm": "language-model",
+                    "semantic-segmentation": "segmentation"}
 
 
 def _classifier_task(kind: str, output_shapes: list[list]) -> Optional[str]:
@@ -278,6 +279,8 @@ OPENVINO_INT8 = ("ov-int8", "openvino", "simplify", {"precision": "int8"},
                  "(skipped without: slower than FP32 there, docs/openvino.md)")
 OPENVINO_FP32 = ("ov-fp32", "openvino", "simplify", {"precision": "fp32"},
                  "OpenVINO IR in FP32: lossless, and the OpenVINO candidate on CPUs without VNNI")
+OPENVINO_BF16 = ("ov-bf16", "openvino", "simplify", {"precision": "bf16"},
+                 "OpenVINO IR at the bf16 hint: near int8's speed on AMX CPUs (skipped without AMX: slower than FP32 there)")
 
 STAGES = {
     "cnn": [
@@ -291,6 +294,7 @@ STAGES = {
          "removes 25% of the channels, no fine-tuning: the report shows what it costs"),
         OPENVINO_INT8,
         OPENVINO_FP32,
+        OPENVINO_BF16,
     ],
     "transformer": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -300,6 +304,7 @@ STAGES = {
         ("fp16", "fp16", "fuse", {}, "half precision, for GPUs"),
         OPENVINO_INT8,
         OPENVINO_FP32,
+        OPENVINO_BF16,
     ],
     "dense": [
         ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
@@ -308,12 +313,14 @@ STAGES = {
         ("int8", "int8", "simplify", {"mode": "dynamic"}, "int8 weights, activations quantized at run time"),
         OPENVINO_INT8,
         OPENVINO_FP32,
+        OPENVINO_BF16,
     ],
 }
 
 
 TASK_WHY = {"classification": "the verdict also holds top-1 agreement (cosine alone lets classes flip)",
-            "language-model": "the verdict also holds next-token agreement (cosine alone lets tokens flip)"}
+            "language-model": "the verdict also holds next-token agreement (cosine alone lets tokens flip)",
+            "segmentation": "the verdict also holds per-pixel class agreement (cosine alone let 13% of a SegFormer's pixels flip)"}
 
 
 def render_recipe(facts: ModelFacts, source: str) -> str:

@@ -39,7 +39,9 @@ class ComputeMix:
         return "transformer" if attention else "dense"
 
     def describe(self) -> str:
-        return f"{self.conv_share:.0%} of its MACs in convolutions, {self.attention_share:.0%} in attention"
+        attention = (f"{self.attention_share:.0%} in attention" if self.attention_share or not self.attention_layers
+                     else "attention layers (their MACs not counted)")
+        return f"{self.conv_share:.0%} of its MACs in convolutions, {attention}"
 
 
 def torch_mix(net, kwargs: dict, args: tuple = ()) -> ComputeMix | None:

@@ -3,8 +3,8 @@
 A manifest (`entry.json`) names an entry's files and their sha256. Whoever can write to a
 shared cache (a bucket, a shared folder, a local cache another user can write) can write any
 manifest, so nothing in it is used as a path until it passes these rules:
-- every name is a plain file name: letters, digits, `.`, `_`, `-`, not starting with a dot,
-  at most NAME_MAX characters: no folder separator of any system (`/`, `\\`), no `..`, no
+- every name is a plain file name: letters, digits, `.`, `_`, `-`, at most NAME_MAX
+  characters, not `.` and without `..`: no folder separator of any system (`/`, `\\`), no
   drive letter (`:`), no NUL, so `folder / name` stays inside the entry's own folder;
 - names differ when case is ignored (on a case-insensitive filesystem two would be one file);
 - at most MAX_FILES names, each hash 64 lowercase hex digits, each declared size (when the
@@ -23,7 +23,7 @@ MAX_FILES = 64
 NAME_MAX = 128
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_FILE_BYTES = 1 << 40  # 1 TiB: far above any model, far below what a forged size could claim
-_NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{NAME_MAX - 1}}}")
+_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{NAME_MAX}}}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -32,7 +32,7 @@ class UntrustedEntry(ValueError):
 
 
 def check_name(name: Any) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name or name == ".":
         raise UntrustedEntry(f"the manifest names {str(name)[:80]!r}, not a plain file name inside the entry")
     if name == MANIFEST_FILE:
         raise UntrustedEntry(f"the manifest lists itself ({MANIFEST_FILE})")

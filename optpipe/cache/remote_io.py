@@ -41,10 +41,7 @@ def check_plain(fs: Any, path: str) -> None:
     """On a mounted folder, a symlink (or a fifo, a device) in an entry is refused: the entry
     would make optpipe read a file outside the remote cache into its own."""
     if is_local(fs):
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            raise
+        mode = os.lstat(path).st_mode  # FileNotFoundError: absent, as on an object store
         if not stat.S_ISREG(mode):
             raise UntrustedEntry(f"{Path(path).name} is a link or a special file, not a plain file")
 
@@ -177,18 +174,32 @@ def check_remote(url: str, fs: Any, root: str) -> str:
     return url
 
 
+def check_apart(url: str, cache_root: Path) -> None:
+    """A remote folder that is the local cache, or nests with it, would be pruned by `cache gc`
+    (or publish into itself): refused, naming --remote-cache."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    if not is_local(fs):
+        return
+    remote, cache = (Path(os.path.realpath(p)) for p in (root, cache_root.expanduser()))
+    if remote == cache or remote.is_relative_to(cache) or cache.is_relative_to(remote):
+        raise OptpipeError(f"--remote-cache {url}: the remote folder and the local cache '{cache_root}' are the same or "
+                           "nest; point --remote-cache at a folder apart from --cache-dir")
+
+
 def _check_local(url: str, root: Path) -> str:
+    """Nothing is created here (the first publish creates the folders): a check has no side effects."""
     if root.exists() and not root.is_dir():
         raise OptpipeError(f"--remote-cache {url}: '{root}' is a file, not a folder; point --remote-cache at a folder "
                            "(a missing one is created)")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OptpipeError(f"--remote-cache {url}: cannot create the folder '{root}' ({_why(exc)}); point --remote-cache "
-                           "at a folder you can write") from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise OptpipeError(f"--remote-cache {url}: the folder '{root}' is not writable; point --remote-cache at a folder "
-                           "you can write")
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        raise OptpipeError(f"--remote-cache {url}: cannot create the folder '{root}' ('{existing}' is a file); point "
+                           "--remote-cache at a folder you can write")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OptpipeError(f"--remote-cache {url}: the folder '{existing}' is not writable; point --remote-cache at a "
+                           "folder you can write")
     return str(root)
 
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import computed_field, BaseModel, Field, PrivateAttr
 
 from optpipe.core.artifact import ModelArtifact
 
@@ -48,6 +48,7 @@ class TaskAccuracy(BaseModel):
     def headline(self) -> float | None:
         """The task's agreement with the reference in one number (1 = the same), the worst of its key metrics."""
         keys = {"classification": ("top1_agreement",), "detection": ("class_agreement", "map50"),
+                "segmentation": ("pixel_agreement",),
                 "language-model": ("next_token_agreement",), "embeddings": ("token_cosine",)}.get(self.kind, ())
         values = [self.metrics[k] for k in keys if self.metrics.get(k) is not None]
         return min(values) if values else None
@@ -179,6 +180,15 @@ class StageResult(BaseModel):
         self._model = model
         return self
 
+    @computed_field  # in report.json beside `status`: an "ok" run that broke its tolerance is not "ok"
+    @property
+    def verdict(self) -> str:
+        """ok | out-of-tolerance | failed | skipped: `status` says whether the stage ran, this what it is worth
+        (out-of-tolerance: it ran and was measured, and broke the stage's tolerance; exit code unchanged)."""
+        if self.status != "ok":
+            return self.status
+        return "out-of-tolerance" if self.accuracy is not None and not self.accuracy.within_tolerance else "ok"
+
     @property
     def headline(self) -> Latency | None:
         return headline_latency(self.latency)
@@ -232,6 +242,15 @@ class TargetResult(BaseModel):
     def failed(self) -> bool:
         return self.status == "failed"
 
+    @computed_field  # in report.json beside `status`: an "ok" run that broke its tolerance is not "ok"
+    @property
+    def verdict(self) -> str:
+        """ok | out-of-tolerance | failed | skipped: `status` says whether the stage ran, this what it is worth
+        (out-of-tolerance: it ran and was measured, and broke the stage's tolerance; exit code unchanged)."""
+        if self.status != "ok":
+            return self.status
+        return "out-of-tolerance" if self.accuracy is not None and not self.accuracy.within_tolerance else "ok"
+
     @property
     def headline(self) -> Latency | None:
         return headline_latency(self.latency)
@@ -241,7 +260,9 @@ class TargetResult(BaseModel):
         return self.status if self.reason is None else f"{self.status}: {self.reason}"
 
 
-SCHEMA_VERSION = 2  # 2: targets are TargetResult rows (status and reason apart)
+SCHEMA_VERSION = 3  # 3: a stage's `verdict` (out-of-tolerance apart from ok), `frontier_axes`; 2: targets are TargetResult rows (status and reason apart)
+#: What the Pareto frontier is taken over (README: "latency vs accuracy error"); size is shown, not an axis.
+FRONTIER_AXES = ["p50 latency at the first batch size", "accuracy error (1 - worst cosine, or the task metric's)"]
 EAGER = "pytorch-eager"
 
 
@@ -258,6 +279,8 @@ class RunReport(BaseModel):
     baseline: Optional[str] = None
     stages: list[StageResult]
     pareto: list[str] = Field(default_factory=list)
+    frontier_axes: list[str] = Field(default_factory=lambda: list(FRONTIER_AXES),
+                                     description="what `pareto` is over: stages within tolerance that no other beats on these")
     targets: list[TargetResult] = Field(default_factory=list)
     search: Optional[dict[str, Any]] = Field(None, description="a search's trials, frontier, best and param effects (optpipe.search)")
     hardware: Optional[dict[str, Any]] = Field(None, description="multi-node runs: the kinds of machine that measured, the frontier rule")

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from optpipe.core.errors import OptpipeError, first_line
+from optpipe.execution.signals import signal_handlers_kept
 from optpipe.execution.executors import Plan, Progress, outcome_label, result_detail, result_label
 from optpipe.execution.ray_targets import RayTargets, ray_options as _ray_resources, ray_start_flags
 from optpipe.execution.stage_tasks import evaluate, node_description, run_stage
@@ -63,12 +64,14 @@ class RayExecutor:
         # stay off the console, whose lines are optpipe's; its refusals still arrive as exceptions, below.
         quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
         try:
-            if address is None:
-                # No cluster named: a Ray instance on this machine, one benchmark slot.
-                # address="local": a new instance even where another Ray cluster left its address in /tmp/ray.
-                ray.init(address="local", resources={BENCHMARK: 1}, include_dashboard=False, **quiet)
-            else:
-                ray.init(address=address, **quiet)
+            # Ray installs its own SIGTERM handlers in the driver: optpipe's (exit 143, one line) are kept.
+            with signal_handlers_kept():
+                if address is None:
+                    # No cluster named: a Ray instance on this machine, one benchmark slot.
+                    # address="local": a new instance even where another Ray cluster left its address in /tmp/ray.
+                    ray.init(address="local", resources={BENCHMARK: 1}, include_dashboard=False, **quiet)
+                else:
+                    ray.init(address=address, **quiet)
         except ConnectionError as exc:
             raise OptpipeError(f"--address {address}: no Ray cluster answers there ({first_line(exc)}); start one with `ray start --head` or fix the address") from None
         except Exception as exc:  # ray.init's other refusals (bad address syntax, version mismatch)

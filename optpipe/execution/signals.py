@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -34,6 +35,26 @@ def terminate_as_interrupt() -> None:
         signal.signal(signal.SIGINT, handler)
 
 
+@contextlib.contextmanager
+def signal_handlers_kept():
+    """Keep this process's SIGINT and SIGTERM handlers across a library call that replaces them: ray.init
+    in the driver installs its own SIGTERM handlers (a Python one that exits 1 without a word, and its
+    core worker's C one that prints a stack dump and aborts, exit -6), where optpipe's say what the cache
+    kept and exit 143 (measured, issue 22). Installed again afterwards, which also redoes them in C."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; an API caller elsewhere keeps the library's
+        return
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:  # None: set outside Python; nothing of ours to put back
+                signal.signal(signum, handler)
+
+
 def interrupts_received() -> int:
     """How many SIGINT/SIGTERM this process received since terminate_as_interrupt()."""
     return len(_received)
@@ -44,7 +65,25 @@ def interrupted_exit(exc: BaseException | None) -> None:
         "interrupted: finished stages stay in the cache; rerun the same command to resume"
     )
     click.echo(message, err=True)
+    _forget_unhandled_interrupt()
     sys.exit(143 if signal.SIGTERM in _received else 130)
+
+
+def _forget_unhandled_interrupt() -> None:
+    """CPython marks a KeyboardInterrupt "unhandled" when it leaves code a C extension ran through
+    PyRun_String (OpenVINO's bindings do, during its stage), and then ends the process by SIGINT at exit,
+    whatever sys.exit said: a Ctrl-C in the OpenVINO stage exited -2, not 130 (measured, issue 22). Every
+    PyRun_* call clears that mark before running its code, so running an empty statement through the
+    public C API (PyRun_SimpleString) clears it; the Ctrl-C was handled here. Hand-written: Python has
+    no other way to say so."""
+    if sys.implementation.name != "cpython":
+        return
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyRun_SimpleString(b"pass")
+    except Exception:  # no ctypes or no pythonapi (an embedded interpreter): exit as Python decides
+        pass
 
 
 def internal_error_exit(exc: Exception) -> None:

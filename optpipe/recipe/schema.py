@@ -133,16 +133,20 @@ class Tolerance(Strict):
         return self.model_copy(update={key: getattr(own, key) for key in own.model_fields_set})
 
 
+#: Tasks that read the evaluation set's labels (classification: one class per sample; segmentation: per pixel).
+LABELLED_TASKS = ("classification", "segmentation")
+
+
 class TaskSpec(Strict):
     """What the model is for: the stage verdict then uses this task's metric instead of cosine alone."""
 
-    kind: Literal["classification", "detection", "language-model", "embeddings"]
+    kind: Literal["classification", "detection", "segmentation", "language-model", "embeddings"]
     output: Optional[str] = Field(None, description="the output the task reads (default: the first)")
     agreement_min: float = Field(
         0.99, ge=0, le=1, description="classification: top-1 agreement; detection: class agreement on confident "
-        "predictions; language-model: next-token top-1 agreement (all against the reference stage)",
+        "predictions; segmentation: per-pixel class agreement; language-model: next-token top-1 agreement (all against the reference stage)",
     )
-    label_drop_max: float = Field(0.01, ge=0, le=1, description="with labels: most top-1 accuracy may drop below the reference's")
+    label_drop_max: float = Field(0.01, ge=0, le=1, description="with labels: most top-1 accuracy (segmentation: mIoU) may drop below the reference's")
     score_threshold: float = Field(0.25, gt=0, lt=1, description="detection: a prediction is confident above this score")
     iou_threshold: float = Field(0.45, gt=0, lt=1, description="detection: NMS overlap")
     map50_min: float = Field(0.9, ge=0, le=1, description="detection: mAP@0.5 of the NMS'd boxes against the reference's")
@@ -354,9 +358,9 @@ class Recipe(Strict):
             if which == "calibration":
                 raise ValueError("data.calibration.labels: calibration reads no labels (only the evaluation set's count); "
                                  "move them to data.eval.labels, or remove them")
-            if task is None or task.kind != "classification":
+            if task is None or task.kind not in LABELLED_TASKS:
                 now = f"evaluate.task is {task.kind}" if task else "evaluate.task is not set"
-                raise ValueError(f"data.eval.labels: only a classification task reads labels, and {now}; set "
+                raise ValueError(f"data.eval.labels: only a classification or segmentation task reads labels, and {now}; set "
                                  "`evaluate.task: {kind: classification}` to check top-1 against them, or remove data.eval.labels")
         return self
 

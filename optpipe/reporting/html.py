@@ -139,7 +139,10 @@ def _stage_table(report: RunReport) -> str:
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     note = f"<p class='note'>{html.escape(table_note(report))}</p>"
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers())
-    return note + "<table><thead><tr>" + head + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+    # The stage table has ~18 columns: headers wrap and the table scrolls inside its own box, so the
+    # page keeps its width (it ran 1.6x past a 1200 px page before).
+    return (note + "<div class='wide'><table class='stages'><thead><tr>" + head + "</tr></thead><tbody>" + "".join(rows)
+            + "</tbody></table></div>")
 
 
 def _html_cell(cell: Cell) -> str:
@@ -262,29 +265,47 @@ def _pareto_svg(report: RunReport) -> str:
     if tolerance is not None:
         ax.axhline(1 - tolerance, color=FAILED, ls="--", lw=1, label=f"tolerance (cosine {tolerance})")
     ax.set_yscale("symlog", linthresh=1e-6)
+    ax.set_ylim(bottom=0)  # an error is never negative: symlog's axis otherwise runs below 0
     ax.set_xlabel(f"p50 latency, ms (batch {report.headline_batch})")
     ax.set_ylabel("accuracy error (1 − worst mean cosine)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="best")
-    note = ("<p class='note'>Point area is proportional to the model's size on disk; gold = on the frontier; "
-            "red X = out of tolerance (never on the frontier).</p>")
+    note = ("<p class='note'>The frontier: stages within tolerance that no other stage beats on both "
+            f"{' and '.join(html.escape(a) for a in report.frontier_axes)}. Point area is the model's size on disk "
+            "(shown, not an axis); gold = on the frontier; red X = out of tolerance (never on the frontier).</p>")
     return _svg(fig, "pareto") + note
 
 
 def _latency_curves(report: RunReport) -> list[tuple[str, dict[str, list[tuple[int, Latency]]]]]:
     """(title, {stage: [(x, latency)]}): one chart for batch_sizes (when several) and one per swept dim."""
     charts: dict[str, dict[str, list[tuple[int, Latency]]]] = {}
+    on_batch = _sweeps_of_the_batch(report)
     for s in report.stages:
         if s.status != "ok":
             continue
+        seen: set[tuple[str, int]] = set()
         for lat in s.latency:
-            if lat.sweep is None:
+            if lat.sweep is None or lat.sweep in on_batch:  # a sweep of the batch dim is the batch-size chart
                 title, x = "Latency vs batch size", lat.batch_size
+                if (title, x) in seen:
+                    continue
+                seen.add((title, x))
             else:
                 title, x = f"Latency vs {lat.sweep}", lat.sweep_value if lat.sweep_value is not None else lat.batch_size
             charts.setdefault(title, {}).setdefault(s.name, []).append((x, lat))
     return [(title, curves) for title, curves in charts.items() if max(len(v) for v in curves.values()) > 1]
+
+
+def _sweeps_of_the_batch(report: RunReport) -> set[str]:
+    """Swept dims whose every point sets the batch size (sweep value = batch size): the same curve as
+    `batch_sizes`' own, drawn once (report.html showed "latency vs batch size" and "latency vs batch")."""
+    points: dict[str, list[bool]] = {}
+    for s in report.stages:
+        for lat in s.latency:
+            if lat.sweep is not None:
+                points.setdefault(lat.sweep, []).append(lat.sweep_value == lat.batch_size)
+    return {sweep for sweep, same in points.items() if all(same)}
 
 
 def _curves_svg(curves: dict[str, list[tuple[int, Latency]]], title: str) -> str:
@@ -325,6 +346,8 @@ h1 { font-size: 1.5em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ddd; p
 .meta, .note { color: #666; font-size: .9em; }
 table { border-collapse: collapse; font-size: .85em; margin-top: .5em; }
 th, td { border: 1px solid #ddd; padding: .3em .6em; text-align: right; white-space: nowrap; }
+div.wide { overflow-x: auto; max-width: 100%; } table.stages { font-size: .78em; }
+table.stages th { white-space: normal; vertical-align: bottom; } table.stages td { padding: .25em .4em; }
 th { background: #f5f5f5; } td:nth-child(-n+4) { text-align: left; }
 figure.plot { margin: 1em 0; } figure.plot svg { max-width: 100%; height: auto; }
 code { background: #f3f3f3; padding: 0 .2em; }

@@ -34,7 +34,7 @@ def inspect_stage(handle: StageHandle) -> dict[str, Any]:
         "stage": result.name,
         "pass": result.pass_name,
         "parent": result.parent,
-        "status": result.status,
+        "status": result.verdict,  # out-of-tolerance apart from ok, as in the report
         "reason": result.reason,
         "size_bytes": result.size_bytes,
         "accuracy": result.accuracy.model_dump(mode="json") if result.accuracy else None,
@@ -69,7 +69,7 @@ def inspect_run(run_dir: str | Path) -> list[dict[str, Any]]:
             "stage": result.name,
             "pass": result.pass_name,
             "parent": result.parent,
-            "status": result.status,
+            "status": result.verdict,  # out-of-tolerance apart from ok, as in the report
             "nodes": graph["nodes"] if graph else None,
             "fused": sum(graph["fused_ops"].values()) if graph else None,
             "precision": _mix_text(graph["precision_mix"]) if graph else "",

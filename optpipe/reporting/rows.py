@@ -113,7 +113,7 @@ def guard_figure(accuracy: Accuracy) -> str:
 def _status(c: RowContext) -> Cell:
     s = c.stage
     tone: Tone = "failed" if s.status != "ok" else "out" if out_of_tolerance(s) else "ok"
-    return Cell(s.status + (f" ({s.reused})" if s.reused else ""), tone)
+    return Cell(s.verdict + (f" ({s.reused})" if s.reused else ""), tone)
 
 
 def _cosine(c: RowContext) -> Cell:
@@ -136,7 +136,7 @@ def meaningless_mark(accuracy: Accuracy) -> str:
 
 TASK_HEADLINES = {"top1_agreement": "top-1 agree", "top5_agreement": "top-5 agree", "class_agreement": "class agree",
                   "map50": "mAP@0.5", "next_token_agreement": "next-token agree", "perplexity_ratio": "ppl ×",
-                  "token_cosine": "token cosine"}
+                  "token_cosine": "token cosine", "pixel_agreement": "pixel agree", "miou": "mIoU"}
 
 
 def _task(c: RowContext) -> Cell:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from optpipe.core.errors import DataError, RecipeError
-from optpipe.recipe.schema import Recipe
+from optpipe.recipe.schema import LABELLED_TASKS, Recipe
 
 if TYPE_CHECKING:
     from optpipe.cache.store import StageCache
@@ -114,7 +114,7 @@ def _warn_unread_labels(recipe: Recipe, eval_set: Callable[[], object]) -> None:
     """Labels the data carries by itself (an npz `labels` array, class subfolders) count only for a
     classification task; a file named in data.eval.labels without one is refused at validation."""
     task = recipe.evaluate.task
-    if (task is None or task.kind != "classification") and getattr(eval_set(), "labels", None) is not None:
+    if (task is None or task.kind not in LABELLED_TASKS) and getattr(eval_set(), "labels", None) is not None:
         now = f"evaluate.task is {task.kind}" if task else "evaluate.task is not set"
         log.warning("data.eval: the evaluation data carries labels (an npz `labels` array or class subfolders), but %s: "
                     "they are not checked; set `evaluate.task: {kind: classification}` to hold top-1 on them", now)

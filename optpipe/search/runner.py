@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from optpipe.cache.remote_io import check_apart
 from optpipe.cache.store import LeaseSet
 from optpipe.core.errors import OptpipeError
 from optpipe.execution.executors import Executor, Progress, settings_for
@@ -36,6 +37,8 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
     _distinct_run_folders(recipes, [paths.run_dir for paths in folders])
     for recipe, paths in zip(recipes, folders):
         run_dir, cache = paths.run_dir, paths.cache_dir
+        if remote_cache:
+            check_apart(remote_cache, cache)
         settings = settings_for(cache, run_dir, force, providers, remote_cache, storage_options)
         _preflight(recipe, settings)
         if SearchSpace.declared(recipe):

@@ -10,7 +10,6 @@ works against a KServe or Seldon deployment unchanged.
 from __future__ import annotations
 
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -73,7 +72,7 @@ def bench_run(run_dir: Path, stages: tuple[str, ...], concurrencies: tuple[int, 
     """The load test of `stages` (default: the frontier), with and without dynamic batching; its rows go
     into report.json (`serving`) and its plot into report.html."""
     from optpipe.core.results import RunReport
-    from optpipe.reporting.run_report import write_report
+    from optpipe.reporting.run_report import machine_description, write_report
 
     chosen = chosen_stages(run_dir, stages)
     repository, served = write_serving_repository(run_dir, chosen, without_batching=True)
@@ -90,7 +89,7 @@ def bench_run(run_dir: Path, stages: tuple[str, ...], concurrencies: tuple[int, 
         "server": "tritonserver 2.51 (nvidia-pytriton 0.7.0), python backend",
         "protocol": "gRPC, Open Inference Protocol; one batch-1 request per client at a time",
         "duration_s": duration_s,
-        "cpu": {"processor": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "cpu": {"processor": machine_description()["processor"], "cores": os.cpu_count(),
                 "load_before": [round(v, 2) for v in load_before], "load_after": [round(v, 2) for v in os.getloadavg()]},
         "models": [vars(m) for m in served],
         "points": [p.row() for p in points],

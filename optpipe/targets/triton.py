@@ -191,7 +191,26 @@ def python_backend(config: dict[str, Any], job: TargetJob, params: TritonParams,
         "threads": str(job.settings.evaluate.threads),
         **({"hint": ir["hint"]} if ir else {}),
     }
+    ranges = dim_ranges(job, served)
+    if ranges:
+        served["parameters"]["dim_ranges"] = ranges
     return served
+
+
+def dim_ranges(job: TargetJob, config: dict[str, Any]) -> str:
+    """The recipe's ranges for the named non-batch dims, for model.py to refuse a request outside what was
+    measured (Triton's dims say only -1): `input,axis,min,max,dim` entries joined by ';'."""
+    names = {t["name"] for t in config["input"]}
+    first = 1 if config["max_batch_size"] > 0 else 0  # the batch dim: Triton's own max_batch_size check
+    entries = []
+    for spec in job.settings.shapes.inputs:
+        if spec.name not in names or re.search(r'[;,"\\]', spec.name):
+            continue
+        for axis, dim in enumerate(spec.shape):
+            if axis >= first and isinstance(dim, str) and dim in job.settings.shapes.dims:
+                limit = job.settings.shapes.dims[dim]
+                entries.append(f"{spec.name},{axis},{limit.min},{limit.max},{dim}")
+    return ";".join(entries)
 
 
 def served_precision(ir: dict[str, Any]) -> dict[str, Any]:

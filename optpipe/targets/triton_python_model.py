@@ -27,6 +27,9 @@ class TritonPythonModel:
         self.input_names = [tensor["name"] for tensor in config["input"]]
         self.outputs = [(tensor["name"], pb_utils.triton_string_to_numpy(tensor["data_type"])) for tensor in config["output"]]
         threads = int(params.get("threads", "1"))
+        # (input, axis, min, max, dim name): the recipe's ranges, the shapes this model was measured on
+        self.ranges = [(name, int(axis), int(low), int(high), dim) for name, axis, low, high, dim in
+                       (entry.split(",") for entry in params.get("dim_ranges", "").split(";") if entry)]
         if params.get("runtime") == "openvino":
             self.run = self._openvino(os.path.join(folder, params.get("model_file", "model.xml")), threads, params.get("hint", "f32"))
         else:
@@ -74,7 +77,11 @@ class TritonPythonModel:
         feeds = [{name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names}
                  for request in requests]
         responses = [None] * len(requests)
-        for group in self._groups(feeds):
+        for index, feed in enumerate(feeds):
+            refusal = self._outside_ranges(feed)
+            if refusal:
+                responses[index] = pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal))
+        for group in self._groups([i for i, response in enumerate(responses) if response is None], feeds):
             try:
                 outputs = self._run_group([feeds[i] for i in group])
             except Exception as exc:  # the runtime's own message, to the client of each request in the group
@@ -86,10 +93,19 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
         return responses
 
-    def _groups(self, feeds):
+    def _outside_ranges(self, feed):
+        for name, axis, low, high, dim in self.ranges:
+            size = feed[name].shape[axis] if axis < feed[name].ndim else None
+            if size is not None and not low <= size <= high:
+                return (f"input '{name}' dim {axis} is {size}, outside {low}..{high} (the recipe's dims.{dim}), "
+                        "the shapes this model was measured on")
+        return None
+
+    def _groups(self, indices, feeds):
         """Request indices by their inputs' non-batch shapes: only those can share one run."""
         groups = {}
-        for index, feed in enumerate(feeds):
+        for index in indices:
+            feed = feeds[index]
             key = tuple((name, feed[name].shape[1:] if self.batched else feed[name].shape, feed[name].dtype.str) for name in self.input_names)
             groups.setdefault(key, []).append(index)
         return list(groups.values())
