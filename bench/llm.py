@@ -12,6 +12,9 @@ side by side), or `--separate` (one process per stage: the only way a 1 B model'
 shared machine; the ratios then come from runs minutes apart, and the table says so).
 Prints a table: size on disk, peak RSS per step, TTFT, decode tokens/s per batch, vs eager, next-token
 agreement with eager (teacher-forced), perplexity on held-out docs text (byte tokens).
+
+Measured (docs/llm.md): 1.1 B params (4.40 GB FP32), every step's peak RSS <= 1.38x the FP32 weights;
+decode at batch 1, 1 thread: ORT INT4 6.0x eager with its KV cache, 1.85x ORT INT8; OpenVINO INT4 6.5x.
 """
 from __future__ import annotations
 

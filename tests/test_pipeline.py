@@ -114,7 +114,7 @@ def test_report_has_accuracy_latency_size_and_frontier(tiny_recipe, cache_dir, t
     path = tiny_recipe({"evaluate": {"batch_sizes": [1, 4]}})
     report = compile_recipe(load_recipe(path), RunOptions(cache_dir=cache_dir))
     data = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert data["schema_version"] == 2 and data["reference"] == "export"
+    assert data["schema_version"] == 3 and data["reference"] == "export"
     export = next(s for s in data["stages"] if s["name"] == "export")
     assert [lat["batch_size"] for lat in export["latency"]] == [1, 4]
     lat = export["latency"][0]

@@ -555,7 +555,7 @@ EVALUATION_INPUT = {
     "labels beyond the output's classes": (lambda d: _labelled_eval(d, np.arange(6) + 3), USER, "data.eval: labels run from 3 to 8, but the task's output has 4 classes"),
     "negative labels": (lambda d: _labelled_eval(d, np.array([0, 1, -1, 2])), USER, "data.eval: labels run from -1 to 2"),
     # A labels file nothing reads: the user would believe top-1 on it was held.
-    "labels without a task": (lambda d: _labels_file(d, None), USER, "data.eval.labels: only a classification task reads labels, and evaluate.task is not set"),
+    "labels without a task": (lambda d: _labels_file(d, None), USER, "data.eval.labels: only a classification or segmentation task reads labels, and evaluate.task is not set"),
     "labels for a detector": (lambda d: _labels_file(d, {"kind": "detection"}), USER, "evaluate.task is detection"),
     "labels on calibration data": (lambda d: _labels_file(d, {"kind": "classification"}, "calibration"), USER, "data.calibration.labels: calibration reads no labels"),
     "eval ids beyond the model's vocabulary": (lambda d: _ids_beyond_vocabulary(d), USER, "data.eval: the recipe's own model fails on the evaluation data"),
