@@ -87,9 +87,10 @@ def test_ir_stages_are_rows_of_the_same_report_labelled_with_their_runtime(run):
     # The precision column: an IR has no ONNX to count MACs on; the runtime's compute layers per precision.
     precision = {row[0].strip("| "): row[headers().index("precision (MACs)")] for row in rows if len(row) == len(headers())}
     layers = sum(int8.info["compute_layer_precisions"].values())
-    assert precision["ov-int8"] == f"int8 {int8.info['int8_layers']}/{layers} layers", precision
+    assert precision["ov-int8"].removesuffix(" ⚠") == f"int8 {int8.info['int8_layers']}/{layers} layers", precision
     assert precision["ov-fp32"] == f"fp32 {layers}/{layers} layers", precision
-    assert not int8.warnings and not fp32.warnings
+    # This module calibrates on synthetic data: the one warning an int8 stage carries here (verdict.py) says so.
+    assert all("calibrated on synthetic data" in w for w in int8.warnings) and not fp32.warnings
 
 
 def test_an_openvino_int8_stage_that_runs_no_int8_layer_says_so():

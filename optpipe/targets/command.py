@@ -26,8 +26,11 @@ def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Pa
 
     if to.exists() and not to.is_dir():
         raise TargetError(f"--to: '{to}' is a file; give a folder to write the {kind} artifact into (new or existing)")
-    check_verdict(run_dir, stage, allow_out_of_tolerance)
+    warnings = check_verdict(run_dir, stage, allow_out_of_tolerance)
     result = export_stage(run_dir, stage, kind, to, cache_dir=cache_dir, force=force)
+    # After the export: a refusal (an IR stage in an ONNX format, a bad folder) stays one line, no warnings before it.
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
     where = to / result.path if result.path else to
     click.echo(f"{kind} {stage}: {result.describe()}" + (f" -> {where}" if result.ok else ""))
     click.echo(f"manifest: {to / 'manifest.json'}")
@@ -35,19 +38,18 @@ def export_command(run_dir: Path, stage: str, kind: str, to: Path, cache_dir: Pa
         sys.exit(1)
 
 
-def check_verdict(run_dir: Path, stage: str, allow_out_of_tolerance: bool) -> None:
-    """Refuse an out-of-tolerance stage unless allowed; print the warnings its report carries."""
+def check_verdict(run_dir: Path, stage: str, allow_out_of_tolerance: bool) -> list[str]:
+    """Refuse an out-of-tolerance stage unless allowed; the warnings its report carries, to print."""
     from optpipe.core.errors import TargetError
     from optpipe.evaluation.verdict import export_refusal
     from optpipe.core.results import RunReport
 
     if not (run_dir / "report.json").is_file():
-        return  # export_stage says what is wrong with the folder
+        return []  # export_stage says what is wrong with the folder
     result = RunReport.load(run_dir).stage(stage)
     if result is None:
-        return
+        return []
     refusal, warnings = export_refusal(result, allow_out_of_tolerance)
     if refusal:
         raise TargetError(refusal)
-    for warning in warnings:
-        click.echo(f"warning: {warning}", err=True)
+    return warnings
