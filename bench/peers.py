@@ -78,8 +78,9 @@ def _nncf(recipe, out: Path) -> Path:
     if final.is_file():
         return final
     try:
-        import nncf
-        import openvino as ov
+        from optpipe.evaluation import openvino_runtime as ovr
+
+        nncf, ov = ovr.nncf(), ovr.openvino()  # imported with their telemetry off, as the openvino pass does
     except ImportError as exc:
         raise PeerUnavailable(f"nncf/openvino not importable ({exc})") from None
     from optpipe.cache.store import StageCache, default_cache_dir
@@ -91,7 +92,8 @@ def _nncf(recipe, out: Path) -> Path:
         raise PeerUnavailable("needs the run's export stage and the recipe's data.calibration")
     cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
     samples = build_sample_set(recipe.data.calibration, recipe.model_source(), cache.root)
-    model = ov.convert_model(str(exported))
+    with ovr.telemetry_off():
+        model = ov.convert_model(str(exported))
     names = {port.get_any_name() for port in model.inputs}
     items = [{k: v for k, v in batch.items() if k in names} for batch in samples.batches(1)]
     # NNCF's documented call for a transformer (its docs' BERT example): model_type TRANSFORMER, else its defaults.

@@ -76,8 +76,14 @@ class OpenVinoPass(Pass):
     # 5: an FP32 conversion that breaks the tolerance is refused; fused attention ops make the graph a transformer
     # 6: a smooth_quant_alpha NNCF ignores (no transformer) is recorded
     # 7: the guard tries cheap fixes first (the worst MatMuls in float, the other preset) within guard_budget_s
-    version = "7"
+    # 8: the CPU class OpenVINO runs at joins the key (isa_dependent); NNCF's overflow fix in every layer where
+    #    int8 sums saturate (x86 without VNNI)
+    version = "8"
     Params = OpenVinoParams
+    # The int8 guard, NNCF's accuracy control and its statistics run on OpenVINO: their decisions hold for the
+    # class OpenVINO ran at (ONEDNN_MAX_CPU_ISA included), and a shared cache must not hand them to another.
+    isa_dependent = True
+    isa_engine = "openvino"
     libraries = ("onnx", "openvino", "nncf")
     produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.plan.validate)
 

@@ -49,6 +49,9 @@ class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
 
     name = "openvino_weights"
     version = "1"
+    # Data-aware compression (AWQ, scale estimation) collects its statistics by running the model on OpenVINO.
+    isa_dependent = True
+    isa_engine = "openvino"
     Params = OpenVinoWeightsParams
     libraries = ("onnx", "openvino", "nncf")
     produces = "openvino-ir"  # no ONNX pass may follow this stage (optpipe.plan.validate)
