@@ -47,18 +47,18 @@ def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Opt
     if IMAGE in names and ("image_size" in vision_config or "num_channels" in vision_config):
         size = vision_config.get("image_size", 224)
         size = size if isinstance(size, int) else size[0]
-        inputs.append(_entry(IMAGE, "float32", ["batch", vision_config.get("num_channels", 3), size, size]))
+        inputs.append(input_entry(IMAGE, "float32", ["batch", vision_config.get("num_channels", 3), size, size]))
         known.add(IMAGE)
     if "input_ids" in names and "vocab_size" in text_config:
         vocab = int(text_config["vocab_size"])
         longest = int(text_config.get("max_position_embeddings", text_config.get("n_positions", 512)))
         wanted = tokenizer_names or ["input_ids", "attention_mask"]
         for name in [n for n in TEXT if n in names and (n == "input_ids" or n in wanted)]:
-            inputs.append(_entry(name, "int64", ["batch", "sequence"], **({"range": [0, vocab]} if name == "input_ids" else {})))
+            inputs.append(input_entry(name, "int64", ["batch", "sequence"], **({"range": [0, vocab]} if name == "input_ids" else {})))
             known.add(name)
         dims["sequence"] = {"min": 1, "opt": min(128, longest), "max": min(512, longest)}
     if AUDIO in names and not known:
-        inputs.append(_entry(AUDIO, "float32", ["batch", "samples"]))
+        inputs.append(input_entry(AUDIO, "float32", ["batch", "samples"]))
         dims["samples"] = {"min": 1600, "opt": 16000, "max": 160000}
         known.add(AUDIO)
     unknown_required(params, known, owner)
@@ -69,7 +69,8 @@ def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Opt
     return inputs, dims
 
 
-def _entry(name: str, dtype: str, shape: list, **extra) -> dict[str, Any]:
+def input_entry(name: str, dtype: str, shape: list, **extra) -> dict[str, Any]:
+    """One recipe input; a mask is filled with ones and token types with zeros, as tokenizers make them."""
     entry: dict[str, Any] = {"name": name, "dtype": dtype, "shape": shape}
     if name == "attention_mask":
         entry["fill"] = 1

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
-from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, real_tensors, unknown_required
+from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, input_entry, real_tensors, unknown_required
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.core.errors import ModelSourceError, first_line
 
@@ -78,7 +78,7 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
             dims.setdefault(name, _dim_range(name, axis, dtype))
             shape.append(name)
         extra = {"range": [0, vocab[value.name]]} if value.name in vocab and dtype.startswith("int") else {}
-        inputs.append(_input_entry(value.name, dtype, shape, **extra))
+        inputs.append(input_entry(value.name, dtype, shape, **extra))
     kind = onnx_mix(graph, {name: rng["opt"] for name, rng in dims.items()}).kind()
     outputs = [[d.dim_value if d.HasField("dim_value") else None for d in o.type.tensor_type.shape.dim] for o in graph.graph.output]
     return ModelFacts(path.stem, {"onnx": _relative(path, recipe_dir)}, inputs, _rename_batch(inputs, dims), kind,
@@ -120,15 +120,6 @@ def _rename_batch(inputs: list[dict], dims: dict) -> dict:
             spec["shape"] = ["batch" if d == first else d for d in spec["shape"]]
     return dims
 
-
-def _input_entry(name: str, dtype: str, shape: list, **extra) -> dict[str, Any]:
-    entry: dict[str, Any] = {"name": name, "dtype": dtype, "shape": shape}
-    if name == "attention_mask":
-        entry["fill"] = 1
-    elif name == "token_type_ids":
-        entry["fill"] = 0
-    entry.update(extra)
-    return entry
 
 
 # --- Hugging Face folder ---------------------------------------------------------------------
@@ -239,15 +230,15 @@ def _first_layer_input(net) -> tuple[list[dict], dict, list[str]]:
     first = next((m for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Embedding, torch.nn.Linear, torch.nn.Conv1d))), None)
     dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
     if isinstance(first, torch.nn.Conv2d):
-        return [_input_entry("images", "float32", ["batch", first.in_channels, 224, 224])], dims, []
+        return [input_entry("images", "float32", ["batch", first.in_channels, 224, 224])], dims, []
     if isinstance(first, torch.nn.Embedding):
         dims["sequence"] = {"min": 1, "opt": 128, "max": 512}
-        return [_input_entry("input_ids", "int64", ["batch", "sequence"], range=[0, first.num_embeddings])], dims, []
+        return [input_entry("input_ids", "int64", ["batch", "sequence"], range=[0, first.num_embeddings])], dims, []
     if isinstance(first, torch.nn.Conv1d):
-        return [_input_entry("signal", "float32", ["batch", first.in_channels, 16000])], dims, []
+        return [input_entry("signal", "float32", ["batch", first.in_channels, 16000])], dims, []
     if isinstance(first, torch.nn.Linear):
-        return [_input_entry("x", "float32", ["batch", first.in_features])], dims, []
-    return ([_input_entry("x", "float32", ["batch", 3, 224, 224])], dims,
+        return [input_entry("x", "float32", ["batch", first.in_features])], dims, []
+    return ([input_entry("x", "float32", ["batch", 3, 224, 224])], dims,
             ["no Conv/Linear/Embedding layer found: the input below is a guess, check it"])
 
 

@@ -141,7 +141,25 @@ def error_kind(exc: BaseException) -> ErrorKind:
     return "input" if isinstance(exc, UserInputError) else "stage"
 
 
-class StageResult(BaseModel):
+class MeasuredResult(BaseModel):
+    """What a stage and a target share: the verdict read from their `status` and `accuracy`, and the
+    headline of their `latency` (both subclasses declare those fields)."""
+
+    @computed_field  # in report.json beside `status`: an "ok" run that broke its tolerance is not "ok"
+    @property
+    def verdict(self) -> str:
+        """ok | out-of-tolerance | failed | skipped: `status` says whether the stage ran, this what it is worth
+        (out-of-tolerance: it ran and was measured, and broke the stage's tolerance; exit code unchanged)."""
+        if self.status != "ok":
+            return self.status
+        return "out-of-tolerance" if self.accuracy is not None and not self.accuracy.within_tolerance else "ok"
+
+    @property
+    def headline(self) -> Latency | None:
+        return headline_latency(self.latency)
+
+
+class StageResult(MeasuredResult):
     name: str
     pass_name: str
     parent: Optional[str] = None
@@ -180,19 +198,6 @@ class StageResult(BaseModel):
         self._model = model
         return self
 
-    @computed_field  # in report.json beside `status`: an "ok" run that broke its tolerance is not "ok"
-    @property
-    def verdict(self) -> str:
-        """ok | out-of-tolerance | failed | skipped: `status` says whether the stage ran, this what it is worth
-        (out-of-tolerance: it ran and was measured, and broke the stage's tolerance; exit code unchanged)."""
-        if self.status != "ok":
-            return self.status
-        return "out-of-tolerance" if self.accuracy is not None and not self.accuracy.within_tolerance else "ok"
-
-    @property
-    def headline(self) -> Latency | None:
-        return headline_latency(self.latency)
-
     @property
     def reused(self) -> str | None:
         """What of a finished stage came from the cache, in words: "cached" (its model and its figures),
@@ -215,7 +220,7 @@ class StageResult(BaseModel):
 TargetStatus = Literal["ok", "skipped", "failed"]
 
 
-class TargetResult(BaseModel):
+class TargetResult(MeasuredResult):
     """One artifact written (or not) for one stage: the row of the report's targets and of the manifest."""
 
     kind: str
@@ -241,19 +246,6 @@ class TargetResult(BaseModel):
     @property
     def failed(self) -> bool:
         return self.status == "failed"
-
-    @computed_field  # in report.json beside `status`: an "ok" run that broke its tolerance is not "ok"
-    @property
-    def verdict(self) -> str:
-        """ok | out-of-tolerance | failed | skipped: `status` says whether the stage ran, this what it is worth
-        (out-of-tolerance: it ran and was measured, and broke the stage's tolerance; exit code unchanged)."""
-        if self.status != "ok":
-            return self.status
-        return "out-of-tolerance" if self.accuracy is not None and not self.accuracy.within_tolerance else "ok"
-
-    @property
-    def headline(self) -> Latency | None:
-        return headline_latency(self.latency)
 
     def describe(self) -> str:
         """One line for people: the status, and the reason where there is one."""
