@@ -13,7 +13,8 @@ import yaml
 from onnx import numpy_helper, parser
 
 from helpers_passes import artifact_of, context, graph_recipe, small_mlp
-from optpipe.evaluation.guard import AccuracyGuard, GuardParams, fold_guard_verdict
+from optpipe.evaluation.guard import AccuracyGuard, GuardParams
+from optpipe.evaluation.guard_verdict import fold_guard_verdict
 from optpipe.pass_infra.pass_base import PassParams
 from optpipe.core.results import Accuracy, OutputAccuracy
 

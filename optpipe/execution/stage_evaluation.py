@@ -16,7 +16,7 @@ from optpipe.cache.store import StageCache
 from optpipe.execution.interrupt import escalate
 from optpipe.core.errors import OptpipeError, first_line
 from optpipe.evaluation.evaluator import Evaluator
-from optpipe.evaluation.guard import fold_guard_verdict
+from optpipe.evaluation.guard_verdict import fold_guard_verdict
 from optpipe.evaluation.verdict import flag_unchanged_stages, stage_coverage
 from optpipe.execution.services import RunServices
 from optpipe.pass_infra.instruments import Instrument
