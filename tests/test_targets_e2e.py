@@ -36,11 +36,12 @@ def targets_by(report, kind):
 
 
 def ort_bundle(report):
-    """The ORT bundle of `simplify`: the recipe gives the ORT target no stages, so it bundles
-    the Pareto frontier, which holds simplify (smaller than export, as fast up to noise)."""
+    """An ORT bundle of a frontier stage: the recipe gives the ORT target no stages, so it bundles the
+    Pareto frontier (latency vs accuracy error). export and simplify are the same model up to noise,
+    so which of them the frontier holds is the timing's call: take whichever it is."""
     bundles = targets_by(report, "ort")
-    assert {b["stage"] for b in bundles} == set(report.pareto)
-    return next(b for b in bundles if b["stage"] == "simplify")
+    assert bundles and {b["stage"] for b in bundles} == set(report.pareto)
+    return bundles[0]
 
 
 def stage_outputs(run_dir: Path, stage: str, feeds):
@@ -54,7 +55,7 @@ def feeds(batch: int = 5):
 def test_every_target_is_recorded(run):
     run_dir, report = run
     statuses = {(t.kind, t.stage): t.status for t in report.targets}
-    assert statuses[("ort", "simplify")] == "ok"  # the default: the Pareto frontier
+    assert report.pareto and all(statuses[("ort", stage)] == "ok" for stage in report.pareto)  # the default: the frontier
     assert statuses[("triton", "export")] == statuses[("triton", "simplify")] == "ok"
     saved = json.loads((run_dir / "report.json").read_text())["targets"]
     assert [(t["kind"], t["stage"], t["status"], t["reason"]) for t in saved] == [(t.kind, t.stage, t.status, t.reason) for t in report.targets]
@@ -80,7 +81,7 @@ def test_load_round_trips_the_bundle(run):
     run_dir, report = run
     bundle = ort_bundle(report)
     folder = run_dir / bundle["path"]
-    expected = stage_outputs(run_dir, "simplify", feeds())
+    expected = stage_outputs(run_dir, bundle["stage"], feeds())
     session = optpipe.load(folder)
     assert session.get_providers() == ["CPUExecutionProvider"]
     got = session.run(None, feeds())[0]
@@ -98,7 +99,7 @@ def test_bundle_records_the_measured_settings(run):
     assert settings["providers"] == ["CPUExecutionProvider"]
     assert settings["intra_op_num_threads"] == 2 and settings["graph_optimization_level"] == "all"
     assert settings["precision"] == "fp32" and settings["ort_format"]["status"] == "ok"
-    stage = report.stage("simplify")
+    stage = report.stage(bundle["stage"])
     assert bundle["latency"][0]["provider"] == stage.latency[0].provider == "CPUExecutionProvider"
 
 
