@@ -17,11 +17,11 @@ from optpipe.source.model_source import TorchModel, forward_failure, onnx_source
 from optpipe.pass_infra.pass_base import Pass, PassContext
 from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import eager_runner
+from optpipe.passes import _torch_export as exporters
+from optpipe.passes._torch_export import DYNAMO_MIN_OPSET
 
 
 EXPORTERS = ("dynamo", "torchscript")  # `auto`'s order
-DYNAMO_MIN_OPSET = 18
-TORCHSCRIPT_MAX_OPSET = 20  # torch.onnx's TorchScript exporter writes no later opset
 
 
 class ExportParams(SelfCheckParams):
@@ -139,9 +139,11 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
     branches: list[str] = []
     try:
         if exporter == "dynamo":
-            _export_dynamo(torch_model, feeds, shapes, params.opset, path)
+            if params.opset < DYNAMO_MIN_OPSET:  # only `auto` gets here (ExportParams refuses it for `exporter: dynamo`)
+                raise _ExportFailed(f"the dynamo exporter needs opset >= {DYNAMO_MIN_OPSET} (asked: {params.opset})")
+            exporters.export_dynamo(torch_model, feeds, shapes, params.opset, path)
         else:
-            branches = _export_torchscript(torch_model, feeds, shapes, params.opset, path)
+            branches = exporters.export_torchscript(torch_model, feeds, shapes, params.opset, path)
     except (_ExportFailed, MemoryError, UserInputError):
         # MemoryError: the machine's limit, not this exporter's; a user-input error (the model or
         # recipe itself) the next exporter would share. Ctrl-C is no Exception: it is never caught.
@@ -294,102 +296,6 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)
-
-
-def _dynamic_dims(shapes: ModelInputs) -> dict[str, dict[int, str]]:
-    return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in shapes.inputs}
-
-
-def _export_dynamo(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> None:
-    import torch
-
-    if opset < DYNAMO_MIN_OPSET:  # only `auto` gets here (ExportParams refuses it for `exporter: dynamo`)
-        raise _ExportFailed(f"the dynamo exporter needs opset >= {DYNAMO_MIN_OPSET} (asked: {opset})")
-    dims = {name: _export_dim(name, d) for name, d in shapes.dims.items()}
-    dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in _dynamic_dims(shapes).values())
-    args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
-    if _takes_varargs(torch_model.module):
-        dynamic = (dynamic,)  # forward(*args): the spec of the one `args` parameter is the whole tuple
-    _quiet_exporter()
-    program = torch.onnx.export(
-        torch_model.module,
-        args,
-        dynamo=True,
-        opset_version=opset,
-        input_names=torch_model.input_names,
-        output_names=torch_model.output_names,
-        dynamic_shapes=dynamic,
-        verbose=False,
-    )
-    program.save(str(path), external_data=True)
-    _name_derived_dims(path, shapes)
-
-
-def _export_dim(name: str, dim):
-    """A torch.export Dim for a recipe dim; `multiple_of: N` becomes the derived dim N * k, so the
-    exporter knows every size is a multiple (a detector's Concat of strided maps then lines up)."""
-    import torch
-
-    if not dim.multiple_of:
-        return torch.export.Dim(name, min=max(1, dim.min), max=dim.max)
-    n = dim.multiple_of
-    return n * torch.export.Dim(f"{name}_div", min=dim.min // n, max=dim.max // n)
-
-
-def _name_derived_dims(path: Path, shapes: ModelInputs) -> None:
-    """Derived dims come out named "32*h_div": give them the recipe's name `h` again, wherever they appear."""
-    import onnx
-
-    names = {f"{d.multiple_of}*{name}_div": name for name, d in shapes.dims.items() if d.multiple_of}
-    if not names:
-        return
-    model = onnx.load(str(path), load_external_data=False)  # the weights stay in their file
-    graph = model.graph
-    for value in [*graph.input, *graph.output, *graph.value_info]:
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param in names:
-                dim.dim_param = names[dim.dim_param]
-    onnx.save(model, str(path))
-
-
-def _export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> list[str]:
-    """Trace and export; returns the tracer's warnings about tensors turned into Python booleans
-    (control flow that the trace fixes to the branch the trace inputs took)."""
-    import warnings
-
-    import torch
-
-    args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
-    dynamic_axes = {name: axes for name, axes in _dynamic_dims(shapes).items() if axes}
-    for out in torch_model.output_names:  # outputs share the batch dim with the inputs
-        batch = shapes.batch_dim()
-        if batch:
-            dynamic_axes[out] = {0: batch}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", torch.jit.TracerWarning)
-        torch.onnx.export(
-            torch_model.module,
-            args,
-            str(path),
-            dynamo=False,
-            opset_version=min(opset, TORCHSCRIPT_MAX_OPSET),
-            input_names=torch_model.input_names,
-            output_names=torch_model.output_names,
-            dynamic_axes=dynamic_axes,
-        )
-    return [str(w.message).split(".")[0] for w in caught if "Python boolean" in str(w.message)]
-
-
-def _takes_varargs(module) -> bool:
-    import inspect
-
-    params = list(inspect.signature(module.forward).parameters.values())
-    return len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL
-
-
-def _quiet_exporter() -> None:
-    for name in ("torch.onnx", "torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _remove_tree(path: Path) -> None:

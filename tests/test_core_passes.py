@@ -161,7 +161,7 @@ def test_auto_does_not_swallow_memory_errors_or_model_errors(tiny_recipe, tmp_pa
         def failing(*args, error=error, **kwargs):
             raise error
 
-        monkeypatch.setattr(export_module, "_export_dynamo", failing)
+        monkeypatch.setattr(export_module.exporters, "export_dynamo", failing)
         with pytest.raises(KeyboardInterrupt if error is wrapped else type(error)):
             ExportPass(ExportParams()).run(None, _context(recipe, tmp_path, f"stage-{id(error)}"))
 

@@ -117,7 +117,7 @@ def test_auto_falls_back_to_torchscript_and_says_why(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("Cannot view a tensor with shape [2, 4] and strides [1, 2] as a tensor with shape [8]")
 
-    monkeypatch.setattr(export_module, "_export_dynamo", broken)
+    monkeypatch.setattr(export_module.exporters, "export_dynamo", broken)
     artifact = _export(_recipe(_factory("structured"), VECTOR), tmp_path)
     assert artifact.info["exporter"] == "torchscript" and artifact.info["exporter_requested"] == "auto"
     assert artifact.info["fallback"]["from"] == ["dynamo"]

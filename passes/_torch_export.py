@@ -1,0 +1,107 @@
+"""The two torch.onnx exporters as the export pass calls them (passes/export.py): dynamo with the
+recipe's dims as torch.export Dims, and the TorchScript tracer with dynamic axes. Each writes
+`model.onnx` + its data; the pass checks the result against eager."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from optpipe.recipe.schema import ModelInputs
+from optpipe.source.model_source import TorchModel
+
+DYNAMO_MIN_OPSET = 18
+TORCHSCRIPT_MAX_OPSET = 20  # torch.onnx's TorchScript exporter writes no later opset
+
+
+def dynamic_dims(shapes: ModelInputs) -> dict[str, dict[int, str]]:
+    return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in shapes.inputs}
+
+
+def export_dynamo(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> None:
+    import torch
+
+    dims = {name: export_dim(name, d) for name, d in shapes.dims.items()}
+    dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in dynamic_dims(shapes).values())
+    args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
+    if takes_varargs(torch_model.module):
+        dynamic = (dynamic,)  # forward(*args): the spec of the one `args` parameter is the whole tuple
+    quiet_exporter()
+    program = torch.onnx.export(
+        torch_model.module,
+        args,
+        dynamo=True,
+        opset_version=opset,
+        input_names=torch_model.input_names,
+        output_names=torch_model.output_names,
+        dynamic_shapes=dynamic,
+        verbose=False,
+    )
+    program.save(str(path), external_data=True)
+    name_derived_dims(path, shapes)
+
+
+def export_dim(name: str, dim):
+    """A torch.export Dim for a recipe dim; `multiple_of: N` becomes the derived dim N * k, so the
+    exporter knows every size is a multiple (a detector's Concat of strided maps then lines up)."""
+    import torch
+
+    if not dim.multiple_of:
+        return torch.export.Dim(name, min=max(1, dim.min), max=dim.max)
+    n = dim.multiple_of
+    return n * torch.export.Dim(f"{name}_div", min=dim.min // n, max=dim.max // n)
+
+
+def name_derived_dims(path: Path, shapes: ModelInputs) -> None:
+    """Derived dims come out named "32*h_div": give them the recipe's name `h` again, wherever they appear."""
+    import onnx
+
+    names = {f"{d.multiple_of}*{name}_div": name for name, d in shapes.dims.items() if d.multiple_of}
+    if not names:
+        return
+    model = onnx.load(str(path), load_external_data=False)  # the weights stay in their file
+    graph = model.graph
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in names:
+                dim.dim_param = names[dim.dim_param]
+    onnx.save(model, str(path))
+
+
+def export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> list[str]:
+    """Trace and export; returns the tracer's warnings about tensors turned into Python booleans
+    (control flow that the trace fixes to the branch the trace inputs took)."""
+    import warnings
+
+    import torch
+
+    args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
+    dynamic_axes = {name: axes for name, axes in dynamic_dims(shapes).items() if axes}
+    for out in torch_model.output_names:  # outputs share the batch dim with the inputs
+        batch = shapes.batch_dim()
+        if batch:
+            dynamic_axes[out] = {0: batch}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        torch.onnx.export(
+            torch_model.module,
+            args,
+            str(path),
+            dynamo=False,
+            opset_version=min(opset, TORCHSCRIPT_MAX_OPSET),
+            input_names=torch_model.input_names,
+            output_names=torch_model.output_names,
+            dynamic_axes=dynamic_axes,
+        )
+    return [str(w.message).split(".")[0] for w in caught if "Python boolean" in str(w.message)]
+
+
+def takes_varargs(module) -> bool:
+    import inspect
+
+    params = list(inspect.signature(module.forward).parameters.values())
+    return len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL
+
+
+def quiet_exporter() -> None:
+    for name in ("torch.onnx", "torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
