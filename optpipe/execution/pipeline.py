@@ -31,6 +31,7 @@ from optpipe.pass_infra.pass_base import Pass
 from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import Recipe
 from optpipe.recipe.run_paths import RunPaths
+from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
 from optpipe.reporting.run_report import RunReport, build_report, write_report
@@ -121,6 +122,9 @@ class PassManager:
                                      reason=f"parent stage '{parent.name}' {parent.status}", duration_s=0.0, not_run=parent.not_run)
             else:
                 result = self.runner.run(name, passes[name], parent.model if parent else None)
+                # What the pass freed goes back to the system before the next stage peaks on top of it
+                # (BERT-base: 2.0 GB kept after simplify without this, 0.56 GB with; core/process_memory.py).
+                release_freed_memory()
             results[name] = result
             self.instruments.stage_done(result)
         return results

@@ -23,6 +23,7 @@ from optpipe.pass_infra.instruments import Instrument
 from optpipe.source.model_source import source_fingerprint
 from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import EvaluateSpec, ModelSource, OnnxModel, Tolerance
+from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import StageResult, error_kind
 from optpipe.core.signal_stack import restore_signal_stack
 
@@ -114,6 +115,7 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
     dims = {dim: spec_.opt for dim, spec_ in parts.source.dims.items()}
     result.coverage, result.warnings = stage_coverage(artifact, dims, result.pass_name, artifact.info.get("excluded"), evaluator.cache)
     restore_signal_stack()  # OpenVINO may have left it dangling: Ctrl-C must not crash
+    release_freed_memory()  # the last stage's session and outputs, freed, leave this one's peak (core/process_memory.py)
     instruments.before_evaluation(result.name)
     try:
         accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, parts.tolerance_for(result.name))
