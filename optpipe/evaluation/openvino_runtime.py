@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from optpipe.core.runtime import Feeds, Outputs
+from optpipe.core.runtime import Feeds, Outputs, prefill_feeds
 from optpipe.hardware.cpu_features import engine_target, native_bf16
 
 IR_FILE = "model.xml"
@@ -275,8 +275,11 @@ def runner(compiled, output_names: list[str] | None = None) -> Callable[[Feeds],
     request = compiled.create_infer_request()
     inputs = {port.get_any_name() for port in compiled.inputs}
     ports = [(pick_name(port, output_names), port) for port in compiled.outputs]
+    shapes = [(port.get_any_name(), [d.get_length() if d.is_static else None for d in port.get_partial_shape()])
+              for port in compiled.inputs]
 
     def run(feeds: Feeds) -> Outputs:
+        feeds = prefill_feeds(feeds, shapes)  # a KV-cache decoder's one forward is its prefill
         request.infer({k: v for k, v in feeds.items() if k in inputs})
         return {name: np.array(request.get_tensor(port).data, copy=True) for name, port in ports}
 

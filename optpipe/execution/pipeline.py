@@ -60,6 +60,7 @@ def compile_recipe(recipe: Recipe, options: RunOptions | None = None) -> RunRepo
 
 
 def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
+    from optpipe.plan.source_preflight import source_preflight
     from optpipe.safety.preflight import preflight
 
     graph, passes = validate_recipe(recipe)
@@ -73,6 +74,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         services = RunServices(plan.model_source(), plan.data, cache)
         preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
+        source_preflight(recipe, onnx_path(recipe.model_source()))
         order = _stages_to_run(graph, options.only)
 
         manager = PassManager(plan, cache, services, run_dir, options)

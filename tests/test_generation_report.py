@@ -1,0 +1,170 @@
+"""A decoder measured by generation in optpipe compile (evaluate.generation): KV-cache export, TTFT,
+decode tokens/s per batch size, agreement and perplexity per stage and for eager, into report.json,
+the console, the table and the frontier; the one-line refusals; the memory preflight of torch sources.
+Tiny Llama decoders built from configs (2 layers, hidden 64)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+from onnx import helper, TensorProto
+
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> Path:
+    """One cache for this file's compiles: the KV-cache export (the slow part) is made once."""
+    return tmp_path_factory.mktemp("generation-cache")
+
+
+@pytest.fixture
+def compile_(cli_run, shared_cache):
+    return lambda recipe: cli_run("compile", str(recipe), cache=shared_cache)
+
+
+def decoder_recipe(tmp_path: Path, generation: dict | None = None, stages: dict | None = None, **top) -> Path:
+    data = {
+        "name": "tiny-decoder",
+        "model": {"hf_config": LLAMA, "task": "causal-lm", "outputs": ["logits"]},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 256]}],
+        "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 2, "opt": 8, "max": 32}},
+        "data": {"eval": {"source": "synthetic", "samples": 2}},
+        "stages": stages or {"export": {"pass": "export"},
+                             "int4": {"pass": "weight_only", "after": "export", "params": {"bits": 4, "block_size": 32}}},
+        "evaluate": {"task": {"kind": "language-model"}, "threads": 1, "warmup": 1, "iterations": 2,
+                     "generation": {"new_tokens": 4, "batch_sizes": [2], "rounds": 1, "max_past": 40, **(generation or {})}},
+        "output": str(tmp_path / "run"),
+    }
+    data.update(top)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_every_stage_and_eager_report_generation_figures(tmp_path, compile_):
+    recipe = decoder_recipe(tmp_path)
+    first = compile_(recipe)
+    assert first.exit_code == 0, first.output  # out of tolerance (int4 on random weights) is a verdict, not a failure
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    stages = {s["name"]: s for s in report["stages"]}
+    assert set(stages) == {"pytorch-eager", "export", "int4"}
+    for name, stage in stages.items():
+        g = stage["generation"]
+        assert [r["batch_size"] for r in g["rows"]] == [1, 2], name
+        assert all(r["ttft_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in g["rows"]), name
+        assert g["weights"] == "random" and g["tokens"].startswith("UTF-8 bytes")
+        assert g["perplexity"] > 1 and g["peak_rss_bytes"] is not None
+        assert stage["latency"][0]["shape"] == {"input_ids": [1, 1]}  # the headline is one decode step at batch 1
+    export, int4 = stages["export"], stages["int4"]
+    # The exported FP32 graph generates as eager with its cache does: the same tokens, the same perplexity.
+    assert export["generation"]["next_token_agreement"] == 1.0
+    assert export["generation"]["perplexity"] == pytest.approx(stages["pytorch-eager"]["generation"]["perplexity"], rel=1e-4)
+    assert export["accuracy"]["reference"] == "pytorch-eager"
+    assert export["latency"][0]["eager_p50_ms"] > 0  # eager timed interleaved beside the stage
+    # The frontier's accuracy figure is the disagreement, not the cosine: int4's error is 1 - its agreement (or ppl).
+    task = int4["accuracy"]["task"]["metrics"]
+    assert int4["generation"]["next_token_agreement"] == task["next_token_agreement"]
+    assert any("random weights" in w and "mean nothing" in w for w in export["warnings"])
+    assert "generation" in (tmp_path / "run" / "report.md").read_text()
+    assert "tok/s b2" in (tmp_path / "run" / "report.html").read_text()
+    assert "tok/s @ batch 1" in first.output and "next-token agreement" in first.output
+    again = compile_(recipe)
+    rerun = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
+    assert all(s["evaluation_cached"] for s in rerun.values()), again.output
+    assert rerun["int4"]["generation"] == int4["generation"]
+
+
+def test_generation_settings_are_in_the_evaluation_key(tmp_path, compile_):
+    recipe = decoder_recipe(tmp_path, stages={"export": {"pass": "export"}})
+    compile_(recipe)
+    recipe = decoder_recipe(tmp_path, generation={"new_tokens": 3}, stages={"export": {"pass": "export"}})
+    result = compile_(recipe)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    export = next(s for s in report["stages"] if s["name"] == "export")
+    assert export["generation"]["new_tokens"] == 3 and not export["evaluation_cached"], result.output
+
+
+def test_a_prompt_longer_than_the_export_dims_is_one_line_before_any_stage(tmp_path, compile_):
+    recipe = decoder_recipe(tmp_path, generation={"prompts": ["x" * 40]})
+    result = compile_(recipe)
+    assert result.exit_code == 2
+    assert "evaluate.generation.prompts.0: 40 tokens, more than the export's max sequence 32" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run" / "report.json").exists()
+
+
+def test_a_decoder_recipe_on_a_model_without_kv_cache_export_is_refused(tmp_path, compile_):
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["input_ids"], ["f"], to=TensorProto.FLOAT),
+         helper.make_node("Unsqueeze", ["f", "axes"], ["logits"])],
+        "no_cache", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", 1])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [2])])
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]), str(tmp_path / "plain.onnx"))
+    recipe = decoder_recipe(tmp_path, model={"onnx": str(tmp_path / "plain.onnx")}, stages={"export": {"pass": "export"}})
+    result = compile_(recipe)
+    assert result.exit_code == 2, result.output
+    assert "has no past_key_values inputs" in result.output and "Traceback" not in result.output
+    # A factory model has no KV-cache export at all: refused with the recipe.
+    recipe = decoder_recipe(tmp_path, model={"factory": "tests.failing_models:build_length_branch"})
+    result = compile_(recipe)
+    assert result.exit_code == 2 and "evaluate.generation: a decoder needs an export with its KV cache" in result.output
+
+
+def test_a_generation_producing_nan_fails_its_stage_in_one_line(tmp_path, compile_, monkeypatch):
+    from optpipe.evaluation import generation as gen
+
+    real = gen.OrtRunner.forward
+
+    def broken(self, ids, mask, past):
+        logits, presents = real(self, ids, mask, past)
+        return (np.full_like(logits, np.nan) if self.name == "int4" else logits), presents
+
+    monkeypatch.setattr(gen.OrtRunner, "forward", broken)
+    result = compile_(decoder_recipe(tmp_path, generation={"batch_sizes": [1]}))
+    assert result.exit_code == 1, result.output
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    stages = {s["name"]: s for s in report["stages"]}
+    assert stages["int4"]["status"] == "failed" and "not finite" in stages["int4"]["reason"]
+    assert "\n" not in stages["int4"]["reason"]
+    assert stages["export"]["status"] == "ok"  # the other stages still ran
+
+
+# --- memory preflight of torch sources ------------------------------------------------------------
+
+
+def test_weight_bytes_from_the_config_and_from_safetensors_headers_before_loading(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source.torch_weights import fp32_weight_bytes
+
+    config = {k: v for k, v in LLAMA.items() if k != "model_type"}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    params = sum(p.numel() for p in model.parameters())
+    recipe = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path).read_text()))
+    assert fp32_weight_bytes(recipe.model_source()) == 4 * params
+    model.half().save_pretrained(tmp_path / "hf")  # fp16 on disk: the estimate counts FP32 copies all the same
+    folder = parse_recipe({**yaml.safe_load(decoder_recipe(tmp_path).read_text()), "model": {"hf": str(tmp_path / "hf"), "task": "causal-lm"}})
+    assert fp32_weight_bytes(folder.model_source()) == 4 * params
+
+
+def test_a_torch_source_that_will_not_fit_is_refused_naming_the_stage(tmp_path, compile_, monkeypatch):
+    from optpipe.safety import memory_estimate
+
+    monkeypatch.setattr(memory_estimate, "available_bytes", lambda: 400 << 20)  # the injected limit: 400 MB
+    big = {**LLAMA, "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+           "num_attention_heads": 16, "num_key_value_heads": 4}  # ~0.17 B params: 0.7 GB FP32, never built
+    recipe = decoder_recipe(tmp_path, model={"hf_config": big, "task": "causal-lm", "outputs": ["logits"]},
+                            inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 32000]}])
+    result = compile_(recipe)
+    assert result.exit_code == 2, result.output
+    assert "stage 'export' (export) needs about" in result.output and "GB is available" in result.output
+    assert not (tmp_path / "run" / "report.json").exists()
