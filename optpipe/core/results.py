@@ -132,7 +132,9 @@ class GenerationRow(BaseModel):
 class Generation(BaseModel):
     """A decoder measured by generation (evaluate.generation): the figures its row and report.json show."""
 
-    weights: Literal["random", "real", "unknown"] = Field(description="random: built from a config; agreement and perplexity then mean nothing")
+    weights: Literal["random", "checkpoint", "unknown"] = Field(
+        description="random: built from a config (seeded), agreement and perplexity then mean nothing; checkpoint: read from the "
+        "model's files (real weights where that checkpoint was trained); unknown: a factory or ONNX source")
     tokens: str = Field(description="how the prompts and text became token ids (a tokenizer, or UTF-8 bytes)")
     prompts: int
     new_tokens: int

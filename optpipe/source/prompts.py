@@ -27,7 +27,7 @@ class Texts:
 def weights_kind(source: ModelSource) -> str:
     if isinstance(source.model, HFConfigModel):
         return "random"
-    return "real" if isinstance(source.model, HFModel) else "unknown"
+    return "checkpoint" if isinstance(source.model, HFModel) else "unknown"
 
 
 def texts(spec: GenerationSpec, source: ModelSource, vocab: int, max_sequence: int) -> Texts:

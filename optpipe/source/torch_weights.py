@@ -22,6 +22,16 @@ FP32 = 4
 
 
 def fp32_weight_bytes(source: ModelSource) -> int | None:
+    """None where the source cannot tell its size without running: no estimate. A broken file or config
+    is no estimate either: loading the model names the real problem in its own line, as before."""
+    try:
+        return _weight_bytes(source)
+    except Exception:  # noqa: BLE001 - an estimate only (a garbage safetensors header, a config that is not JSON)
+        log.debug("no weight estimate for this source", exc_info=True)
+        return None
+
+
+def _weight_bytes(source: ModelSource) -> int | None:
     spec = source.model
     if isinstance(spec, HFModel):
         from optpipe.source.model_source import hf_folder
