@@ -34,6 +34,7 @@ class ModelFacts:
     kind: str  # cnn | transformer | dense
     notes: list[str] = field(default_factory=list)
     task: Optional[str] = None  # evaluate.task.kind, where the model says what it is for
+    conv_widths: list[int] = field(default_factory=list)  # output channels of each convolution
 
 
 def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
@@ -81,8 +82,22 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
         inputs.append(input_entry(value.name, dtype, shape, **extra))
     kind = onnx_mix(graph, {name: rng["opt"] for name, rng in dims.items()}).kind()
     outputs = [[d.dim_value if d.HasField("dim_value") else None for d in o.type.tensor_type.shape.dim] for o in graph.graph.output]
+    widths = _onnx_conv_widths(graph.graph)
     return ModelFacts(path.stem, {"onnx": _relative(path, recipe_dir)}, inputs, _rename_batch(inputs, dims), kind,
-                      task=_classifier_task(kind, outputs))
+                      task=_classifier_task(kind, outputs), conv_widths=widths)
+
+
+def _onnx_conv_widths(graph) -> list[int]:
+    """Output channels of each Conv whose weight is an initializer (its first dim)."""
+    shapes = {init.name: list(init.dims) for init in graph.initializer}
+    return [shapes[node.input[1]][0] for node in graph.node
+            if node.op_type == "Conv" and len(node.input) > 1 and shapes.get(node.input[1])]
+
+
+def _torch_conv_widths(net) -> list[int]:
+    import torch
+
+    return [m.out_channels for m in net.modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d))]
 
 
 def _index_ranges(graph) -> dict[str, int]:
@@ -150,7 +165,8 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     owner = type(net).__name__
     inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
     kind, notes = model_kind(net, inputs, dims, owner)
-    return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task))
+    return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task),
+                      conv_widths=_torch_conv_widths(net))
 
 
 # Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
@@ -220,7 +236,8 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     origin = getattr(module, "__file__", None)
     if origin and Path(origin).resolve().is_relative_to(Path.cwd().resolve()):
         model["path"] = _relative(Path.cwd(), recipe_dir)  # compile finds the module from the recipe's folder
-    return ModelFacts(func_name, model, inputs, dims, kind, notes, task=_classifier_task(kind, output_shapes))
+    return ModelFacts(func_name, model, inputs, dims, kind, notes, task=_classifier_task(kind, output_shapes),
+                      conv_widths=_torch_conv_widths(net))
 
 
 def _first_layer_input(net) -> tuple[list[dict], dict, list[str]]:
@@ -320,14 +337,14 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
     lines = [f"# Recipe written by `optpipe init {source}`: a {facts.kind} model.",
              "# Filled in from the model: inputs, dtypes, dynamic dims, the stages. Check the dims' ranges,",
              f"# then replace every {FILL_IN} in `data` with your own samples and run `optpipe compile` on this file."]
-    lines += [f"# NOTE: {note}" for note in facts.notes]
+    lines += [f"# NOTE: {note}" for note in facts.notes + _prune_notes(facts)]
     lines += [f"name: {flow(facts.name)}", f"model: {flow(facts.model)}", "inputs:"]
     lines += [f"  - {flow(spec)}" for spec in facts.inputs]
     lines.append("dims:  # dynamic dims: the range the exported model accepts; `opt` is what latency is measured at")
     lines += [f"  {name}: {flow(rng)}" for name, rng in facts.dims.items()] or ["  {}"]
     lines += _data_section(facts)
     lines.append("stages:")
-    for name, pass_name, after, params, why in STAGES[facts.kind]:
+    for name, pass_name, after, params, why in _stages(facts):
         entry = {"pass": pass_name, **({"after": after} if after else {}), **({"params": params} if params else {})}
         lines.append(f"  {name}: {flow(entry)}  # {why}")
     lines += ["evaluate:",
@@ -337,6 +354,34 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
               "  threads: 2",
               f"output: runs/{facts.name}", ""]
     return "\n".join(lines)
+
+
+# The prune stage's kept channel counts are rounded up to the SIMD width (16 on AVX-512), so 25% of
+# a convolution narrower than 4 x 16 channels rounds back to all of them, and the stage fails
+# ("removes nothing"), as it did on a tiny CNN (16 channels). Narrow nets round to 4; under 16 channels none.
+PRUNE_SIMD_WIDTH_MIN = 64
+PRUNE_NARROW_MIN = 16
+
+
+def _stages(facts: ModelFacts) -> list[tuple]:
+    widest = max(facts.conv_widths, default=None)
+    stages = []
+    for stage in STAGES[facts.kind]:
+        if stage[1] == "prune" and widest is not None and widest < PRUNE_SIMD_WIDTH_MIN:
+            if widest < PRUNE_NARROW_MIN:
+                continue
+            name, pass_name, after, params, why = stage
+            stage = (name, pass_name, after, {**params, "round_to": 4},
+                     f"{why}; kept counts rounded to 4: at the SIMD width its {widest}-channel convolutions would lose none")
+        stages.append(stage)
+    return stages
+
+
+def _prune_notes(facts: ModelFacts) -> list[str]:
+    widest = max(facts.conv_widths, default=None)
+    if facts.kind == "cnn" and widest is not None and widest < PRUNE_NARROW_MIN:
+        return [f"no prune stage: the widest convolution has {widest} channels, too few to remove 25% of"]
+    return []
 
 
 def _flow(value: Any) -> str:
