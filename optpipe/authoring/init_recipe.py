@@ -18,6 +18,7 @@ import yaml
 
 from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, input_entry, real_tensors, unknown_required
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
+from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
 
 FILL_IN = "FILL-IN"
@@ -280,52 +281,6 @@ def _probe(net, inputs: list[dict], dims: dict, owner: str) -> list[list]:
 
 # --- the recipe text -------------------------------------------------------------------------
 
-# Every kind's best CPU candidate on CPUs with VNNI/AMX (MiniLM 3.95x eager, ResNet-50 5.24x: docs/benchmarks.md);
-# without VNNI it runs slower than OpenVINO FP32 and the stage is skipped, saying so: the FP32 IR beside it stands in.
-OPENVINO_INT8 = ("ov-int8", "openvino", "simplify", {"precision": "int8"},
-                 "OpenVINO IR, int8 by NNCF on the calibration set: the fastest CPU candidate where the CPU has VNNI "
-                 "(skipped without: slower than FP32 there, docs/openvino.md)")
-OPENVINO_FP32 = ("ov-fp32", "openvino", "simplify", {"precision": "fp32"},
-                 "OpenVINO IR in FP32: lossless, and the OpenVINO candidate on CPUs without VNNI")
-OPENVINO_BF16 = ("ov-bf16", "openvino", "simplify", {"precision": "bf16"},
-                 "OpenVINO IR at the bf16 hint: near int8's speed on AMX CPUs (skipped without AMX: slower than FP32 there)")
-
-STAGES = {
-    "cnn": [
-        ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
-        ("simplify", "simplify", "export", {}, "constant folding, dead code"),
-        ("fp16", "fp16", "simplify", {}, "half precision, for GPUs"),
-        ("int8", "int8", "simplify", {"mode": "static", "target": "ort-cpu"},
-         "calibrated int8 on the calibration images; before fuse: FusedConv is not what ORT's quantizer quantizes"),
-        ("fuse", "fuse", "simplify", {"transformer": "off"}, "Conv+BN+activation fusion for ONNX Runtime"),
-        ("prune", "prune", "simplify", {"method": "structured", "amount": 0.25},
-         "removes 25% of the channels, no fine-tuning: the report shows what it costs"),
-        OPENVINO_INT8,
-        OPENVINO_FP32,
-        OPENVINO_BF16,
-    ],
-    "transformer": [
-        ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
-        ("simplify", "simplify", "export", {}, "constant folding, dead code"),
-        ("fuse", "fuse", "simplify", {}, "attention, layer norm and GELU fusion"),
-        ("int8", "int8", "fuse", {"mode": "dynamic"}, "after fuse: dynamic int8 quantizes the fused attention's MatMuls"),
-        ("fp16", "fp16", "fuse", {}, "half precision, for GPUs"),
-        OPENVINO_INT8,
-        OPENVINO_FP32,
-        OPENVINO_BF16,
-    ],
-    "dense": [
-        ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
-        ("simplify", "simplify", "export", {}, "constant folding, dead code"),
-        ("fp16", "fp16", "simplify", {}, "half precision, for GPUs"),
-        ("int8", "int8", "simplify", {"mode": "dynamic"}, "int8 weights, activations quantized at run time"),
-        OPENVINO_INT8,
-        OPENVINO_FP32,
-        OPENVINO_BF16,
-    ],
-}
-
-
 TASK_WHY = {"classification": "the verdict also holds top-1 agreement (cosine alone lets classes flip)",
             "language-model": "the verdict also holds next-token agreement (cosine alone lets tokens flip)",
             "segmentation": "the verdict also holds per-pixel class agreement (cosine alone let 13% of a SegFormer's pixels flip)"}
@@ -337,14 +292,14 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
     lines = [f"# Recipe written by `optpipe init {source}`: a {facts.kind} model.",
              "# Filled in from the model: inputs, dtypes, dynamic dims, the stages. Check the dims' ranges,",
              f"# then replace every {FILL_IN} in `data` with your own samples and run `optpipe compile` on this file."]
-    lines += [f"# NOTE: {note}" for note in facts.notes + _prune_notes(facts)]
+    lines += [f"# NOTE: {note}" for note in facts.notes + stage_notes(facts.kind, facts.conv_widths)]
     lines += [f"name: {flow(facts.name)}", f"model: {flow(facts.model)}", "inputs:"]
     lines += [f"  - {flow(spec)}" for spec in facts.inputs]
     lines.append("dims:  # dynamic dims: the range the exported model accepts; `opt` is what latency is measured at")
     lines += [f"  {name}: {flow(rng)}" for name, rng in facts.dims.items()] or ["  {}"]
     lines += _data_section(facts)
     lines.append("stages:")
-    for name, pass_name, after, params, why in _stages(facts):
+    for name, pass_name, after, params, why in stages_for(facts.kind, facts.conv_widths):
         entry = {"pass": pass_name, **({"after": after} if after else {}), **({"params": params} if params else {})}
         lines.append(f"  {name}: {flow(entry)}  # {why}")
     lines += ["evaluate:",
@@ -354,34 +309,6 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
               "  threads: 2",
               f"output: runs/{facts.name}", ""]
     return "\n".join(lines)
-
-
-# The prune stage's kept channel counts are rounded up to the SIMD width (16 on AVX-512), so 25% of
-# a convolution narrower than 4 x 16 channels rounds back to all of them, and the stage fails
-# ("removes nothing"), as it did on a tiny CNN (16 channels). Narrow nets round to 4; under 16 channels none.
-PRUNE_SIMD_WIDTH_MIN = 64
-PRUNE_NARROW_MIN = 16
-
-
-def _stages(facts: ModelFacts) -> list[tuple]:
-    widest = max(facts.conv_widths, default=None)
-    stages = []
-    for stage in STAGES[facts.kind]:
-        if stage[1] == "prune" and widest is not None and widest < PRUNE_SIMD_WIDTH_MIN:
-            if widest < PRUNE_NARROW_MIN:
-                continue
-            name, pass_name, after, params, why = stage
-            stage = (name, pass_name, after, {**params, "round_to": 4},
-                     f"{why}; kept counts rounded to 4: at the SIMD width its {widest}-channel convolutions would lose none")
-        stages.append(stage)
-    return stages
-
-
-def _prune_notes(facts: ModelFacts) -> list[str]:
-    widest = max(facts.conv_widths, default=None)
-    if facts.kind == "cnn" and widest is not None and widest < PRUNE_NARROW_MIN:
-        return [f"no prune stage: the widest convolution has {widest} channels, too few to remove 25% of"]
-    return []
 
 
 def _flow(value: Any) -> str:
