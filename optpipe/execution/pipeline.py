@@ -38,6 +38,7 @@ from optpipe.safety.os_errors import folder_errors
 from optpipe.safety.recipe_loading import write_recipe_snapshot
 from optpipe.targets import run_targets
 from optpipe.plan.validate import validate_recipe
+from optpipe.core.library_files import keep_library_files_in
 
 
 @dataclass
@@ -69,6 +70,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     run_dir, cache_root = paths.run_dir, paths.cache_dir
     with folder_errors("cache folder", cache_root):
         cache = StageCache(cache_root)
+    keep_library_files_in(cache.root)
     try:  # from here on, leases this run takes (preflight takes some) are dropped however it ends
         with folder_errors("output folder", run_dir):
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from typing import Callable, Literal, Optional
 
 from optpipe.evaluation.latency import BUSY_SPREAD
 from optpipe.evaluation.openvino_runtime import PRECISION_NAMES
+from optpipe.evaluation.speed_verdict import SLOWER_THAN_PARENT
 from optpipe.core.results import Accuracy, RunReport, StageResult
 
 Tone = Optional[Literal["ok", "out", "failed"]]
@@ -235,9 +236,11 @@ def runtime_label(stage: StageResult, machine: Optional[dict] = None) -> str:
 
 
 def _precision(c: RowContext) -> Cell:
-    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning; an OpenVINO IR's
-    compute layers per precision the runtime runs them at (it has no ONNX graph to count MACs on)."""
-    flag = "out" if c.stage.warnings else None
+    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning of its graph or pass (an
+    accuracy warning flags the accuracy cell instead: "fp32 100% ⚠" on a model that ignores its inputs
+    pointed at the wrong column); an OpenVINO IR's compute layers per precision the runtime runs them
+    at (it has no ONNX graph to count MACs on)."""
+    flag = "out" if _graph_warnings(c.stage) else None
     if c.stage.coverage:
         return Cell(c.stage.coverage.summary(), flag)
     layers = c.stage.info.get("compute_layer_precisions")
@@ -250,6 +253,12 @@ def _precision(c: RowContext) -> Cell:
         by_name[name] = by_name.get(name, 0) + count
     mix = " · ".join(f"{name} {count}/{total}" for name, count in sorted(by_name.items(), key=lambda kv: -kv[1]))
     return Cell(f"{mix} layers", flag)
+
+
+def _graph_warnings(stage: StageResult) -> list[str]:
+    """The stage's warnings less its accuracy's and the speed verdict's (each flags its own column)."""
+    accuracy = set(stage.accuracy.warnings) if stage.accuracy else set()
+    return [w for w in stage.warnings if w not in accuracy and not w.startswith(SLOWER_THAN_PARENT)]
 
 
 def _eager_beside(report: RunReport) -> list[float]:
