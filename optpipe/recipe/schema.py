@@ -196,9 +196,7 @@ class EvaluateSpec(Strict):
     eager_baseline: bool = True
     top1: Optional[bool] = Field(None, description="compare argmax of outputs; default: outputs named *logits*")
     task: Optional[TaskSpec] = Field(None, description="what the model is for; the stage verdict then uses the task's metric")
-    generation: Optional[GenerationSpec] = Field(
-        None, description="language-model task: export with the KV cache and measure every stage by greedy generation "
-        "(time to first token, decode tokens/s, next-token agreement with eager, perplexity) instead of one forward")
+    generation: Optional[GenerationSpec] = Field(None, description="language-model task: KV-cache export, every stage measured by generation")
     min_input_sensitivity: float = Field(
         1e-3, ge=0, description="outputs whose spread across samples is below this fraction of their magnitude make "
         "the accuracy figures meaningless: the report says so",
@@ -351,10 +349,9 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
-    def _generation_measurable(self):
+    def _generation_measurable(self):  # recipe/generation_spec.py: a causal LM, its token input, batch sizes within dims
         spec = self.evaluate.generation
-        problem = spec and generation_problem(spec, self.evaluate.task, self.model, self.inputs, self.dims)
-        if problem:
+        if spec and (problem := generation_problem(spec, self.evaluate.task, self.model, self.inputs, self.dims)):
             raise ValueError(problem)
         return self
 
