@@ -211,3 +211,21 @@ def test_a_decoders_error_on_the_frontier_is_its_disagreement_or_perplexity():
     assert same.accuracy.error == 0.0
     assert set(pareto_frontier([same, faster_worse_ppl])) == {"fp32", "int4"}  # a trade-off, not a domination
     assert pareto_frontier([same, stage("int8", 5.0, 1.0, 1.0)]) == ["int8"]
+
+
+def test_an_onnx_decoder_with_its_kv_cache_is_measured_against_its_reference_stage(tmp_path, compile_):
+    (tmp_path / "made").mkdir()
+    made = decoder_recipe(tmp_path / "made", stages={"export": {"pass": "export"}})
+    assert compile_(made).exit_code == 0
+    exported = tmp_path / "made" / "run" / "stages" / "export" / "model.onnx"
+    recipe = decoder_recipe(tmp_path, model={"onnx": str(exported)},
+                            stages={"export": {"pass": "export"}, "int8w": {"pass": "weight_only", "after": "export",
+                                                                            "params": {"bits": 8, "block_size": 32}}})
+    result = compile_(recipe)  # the recipe names only input_ids: the mask and the past are the generation loop's
+    assert result.exit_code == 0, result.output
+    stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
+    assert "pytorch-eager" not in stages
+    assert stages["int8w"]["accuracy"]["reference"] == "export"
+    assert stages["export"]["generation"]["next_token_agreement"] == 1.0
+    assert stages["int8w"]["generation"]["weights"] == "unknown"
+    assert "over export's generated tokens" in (tmp_path / "run" / "report.md").read_text()

@@ -69,7 +69,17 @@ class GenerationEvaluator:
         key = self._key("eager:" + source_digest, {"runtime": "torch", **library_versions(("torch", "transformers"))})
         return self._cached(key, "eager", lambda: self._measure_eager(build))
 
+    def set_reference_stage(self, name: str, artifact) -> None:
+        """The yardstick where eager is not measured (an ONNX source, eager_baseline: false): the reference stage."""
+        self._reference = (name, lambda: self._runner(name, artifact)[0]())
+
     def evaluate_stage(self, name: str, artifact, tolerance: Tolerance):
+        build, runtime = self._runner(name, artifact)
+        key = self._key(artifact.content_hash(), runtime)
+        return self._cached(key, artifact.content_hash(), lambda: self._measure_stage(build, runtime["runtime"] == "openvino"))
+
+    def _runner(self, name: str, artifact):
+        """(() -> (runner, layout), the runtime's part of the cache key) for a stage's model."""
         ir = openvino_runtime.is_ir(artifact.folder)
         path, hint, _ = openvino_runtime.stage_settings(artifact)
         layout = inputs.layout_of_stage(path, ir, self.evaluate, self.source, name)
@@ -80,10 +90,7 @@ class GenerationEvaluator:
             return (gen.OpenVinoRunner(path, layout, self.evaluate.threads, hint, name=name) if ir else
                     gen.OrtRunner(path, layout, self.evaluate.threads, name=name)), layout
 
-        if self._reference is None:  # an ONNX source: the first (reference) stage is the yardstick
-            self._reference = (name, build)
-        key = self._key(artifact.content_hash(), runtime)
-        return self._cached(key, artifact.content_hash(), lambda: self._measure_stage(build, ir))
+        return build, runtime
 
     def generation_of(self, digest: str | None) -> Generation | None:
         return self.figures.get(digest or "")
@@ -135,6 +142,8 @@ class GenerationEvaluator:
             logits = [runner.forward(p[None], np.ones((1, len(p)), np.int64), gen.empty_past(layout, 1))[0] for p in texts.prompts]
             self._ref_figures = {"prompts": texts.prompts, "tokens": tokens, "logits": logits, "text": texts.text,
                                  "how": texts.tokens, "perplexity": gen.perplexity(runner, layout, texts.text)}
+            if self._reference[0] != EAGER_NAME:
+                runner.close()  # a reference stage's session: its figures are kept, its weights need not be
         return self._ref_figures
 
     def _speed(self, runner, layout, beside, provider: str) -> tuple[list[GenerationRow], list[Latency]]:

@@ -72,6 +72,8 @@ def evaluate_stages(
         from optpipe.evaluation.generation_eval import GenerationEvaluator
 
         generation = GenerationEvaluator(parts.evaluate, parts.source, cache, instruments.step, force)
+        if ref_stage is not None and ref_stage.model is not None:  # the yardstick where eager is not measured
+            generation.set_reference_stage(reference, ref_stage.model)
     results = []
     if parts.evaluate.eager_baseline and not isinstance(parts.source.model, OnnxModel):
         results.append(_evaluate_eager(parts, generation or evaluator, services, instruments, source_check))

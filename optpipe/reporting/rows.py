@@ -75,20 +75,28 @@ def _generation(c: RowContext) -> Cell:
     if g is None:
         return Cell()
     parts = [f"TTFT {g.rows[0].ttft_ms:.1f} ms"] if g.rows else []
-    parts += [f"{r.decode_tokens_per_s:.0f} tok/s b{r.batch_size}" for r in g.rows]
+    parts += [f"{r.decode_tokens_per_s:.0f} tok/s b{r.batch_size}" + _eager_ratio(r) for r in g.rows]
     if g.perplexity is not None:
         parts.append(f"ppl {g.perplexity:.2f}")
     parts.append(f"{g.weights} weights")
     return Cell(" · ".join(parts), "out" if g.weights == "random" else None)
 
 
+def _eager_ratio(row) -> str:
+    """Decode tokens/s against eager's, timed interleaved with it (absent on eager's own row)."""
+    if not row.eager_decode_tokens_per_s:
+        return ""
+    return f" ({row.decode_tokens_per_s / row.eager_decode_tokens_per_s:.2f}x eager)"
+
+
 def generation_note(report: RunReport) -> str:
     if not any(s.generation for s in report.stages):
         return ""
     g = next(s.generation for s in report.stages if s.generation)
+    reference = next((s.accuracy.reference for s in report.stages if s.generation and s.accuracy), report.reference)
     note = (f" Decoder measured by greedy generation ({g.new_tokens} new tokens after {g.prompts} prompts, {g.tokens}): "
             "p50/p90 ms are one decode step of the batch (ms per generated token at batch 1), 'vs eager' against PyTorch "
-            "eager with its KV cache timed interleaved; accuracy is next-token agreement over eager's generated tokens.")
+            f"eager with its KV cache timed interleaved; accuracy is next-token agreement over {reference}'s generated tokens.")
     if g.weights == "random":
         note += " ⚠ Random weights (built from a config): agreement and perplexity mean nothing here."
     return note
