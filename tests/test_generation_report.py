@@ -229,3 +229,23 @@ def test_an_onnx_decoder_with_its_kv_cache_is_measured_against_its_reference_sta
     assert stages["export"]["generation"]["next_token_agreement"] == 1.0
     assert stages["int8w"]["generation"]["weights"] == "unknown"
     assert "over export's generated tokens" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_the_memory_preflight_names_the_first_stage_that_will_not_fit(tmp_path, monkeypatch):
+    from optpipe.plan.source_preflight import check_torch_memory
+    from optpipe.safety import memory_estimate
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source.torch_weights import fp32_weight_bytes
+    from optpipe.core.errors import UserInputError
+
+    stages = {"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"}}
+    recipe = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path, stages=stages).read_text()))
+    weights = fp32_weight_bytes(recipe.model_source())
+    estimates = memory_estimate.stage_estimates(weights, {"export": "export", "simplify": "simplify"})
+    assert estimates["export"] < estimates["simplify"]  # simplify is unmeasured: the 2x floor, above export's 1.6x
+    between = (estimates["export"] + estimates["simplify"]) / 2 / memory_estimate.HEADROOM
+    monkeypatch.setattr(memory_estimate, "available_bytes", lambda: int(between))
+    with pytest.raises(UserInputError, match=r"stage 'simplify' \(simplify\) needs about"):
+        check_torch_memory(recipe)
+    monkeypatch.setattr(memory_estimate, "available_bytes", lambda: int(estimates["simplify"] / memory_estimate.HEADROOM) + 1)
+    check_torch_memory(recipe)  # fits: nothing raised

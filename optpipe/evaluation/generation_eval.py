@@ -24,14 +24,15 @@ from optpipe.cache.store import StageCache, library_versions
 from optpipe.core.results import Accuracy, Generation, GenerationRow, Latency, Memory, OutputAccuracy, TaskAccuracy
 from optpipe.evaluation import generation as gen
 from optpipe.evaluation import generation_inputs as inputs
-from optpipe.evaluation import openvino_runtime
+from optpipe.evaluation import cpu_contention, openvino_runtime
 from optpipe.evaluation.cosine import row_cosines
 from optpipe.evaluation.evaluator import machine_id
+from optpipe.evaluation.latency import busy_reason
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.hardware.cpu_features import engine_target
 from optpipe.recipe.schema import EvaluateSpec, ModelSource, Tolerance
 
-FORMAT = 1
+FORMAT = 2  # 2: busy flags (tail, rounds spread, other processes) on the decode-step rows
 EAGER_NAME = "pytorch-eager"
 RANDOM_WEIGHTS = ("model.hf_config builds random weights: these accuracy figures mean nothing (a random decoder's logits "
                   "are near ties, so agreement and perplexity say nothing about quality); point `model` at an hf folder "
@@ -156,6 +157,7 @@ class GenerationEvaluator:
             for r in pair:
                 gen.greedy(r, layout, prompt, 2)
             runs: dict[str, list[gen.Generation]] = {r.name: [] for r in pair}
+            before = cpu_contention.snapshot()
             for index in range(self.spec.rounds):
                 for r in pair:
                     runs[r.name].append(gen.greedy(r, layout, prompt, self.spec.new_tokens))
@@ -165,17 +167,22 @@ class GenerationEvaluator:
                                       decode_tokens_per_s=statistics.median(g.decode_tokens_per_s for g in own),
                                       eager_ttft_ms=_median_ms(g.ttft_s for g in eager) if eager else None,
                                       eager_decode_tokens_per_s=statistics.median(g.decode_tokens_per_s for g in eager) if eager else None))
-            latency.append(self._latency(batch, own, eager, provider))
+            others = cpu_contention.others_share(before, cpu_contention.snapshot())
+            latency.append(self._latency(batch, own, eager, provider, others))
         return rows, latency
 
-    def _latency(self, batch: int, own: list, eager: list | None, provider: str) -> Latency:
+    def _latency(self, batch: int, own: list, eager: list | None, provider: str, others: float | None) -> Latency:
+        """One decode step (ms) per round; busy as latency.py judges it (tail, rounds' spread, other processes' CPU)."""
         steps = [g.decode_s / max(g.tokens.shape[1] - 1, 1) * 1e3 for g in own]
         p50 = statistics.median(steps)
         eager_steps = [g.decode_s / max(g.tokens.shape[1] - 1, 1) * 1e3 for g in eager] if eager else None
         engine = "openvino" if provider == openvino_runtime.PROVIDER else "onnxruntime"
+        busy = [r for r in (busy_reason(np.array(steps), steps, others),
+                            eager_steps and busy_reason(np.array(eager_steps), eager_steps, None)) if r]
         return Latency(batch_size=batch, shape={"input_ids": [batch, 1]}, p50_ms=p50, p90_ms=float(np.percentile(steps, 90)),
                        p99_ms=max(steps), mean_ms=statistics.fmean(steps), throughput=batch * 1e3 / p50, iterations=len(steps),
-                       provider=provider, load_average=os.getloadavg()[0],
+                       provider=provider, load_average=os.getloadavg()[0], others_cpu=others,
+                       unreliable="; ".join(busy) or None, spread=(max(steps) - min(steps)) / p50 if p50 else None,
                        eager_p50_ms=statistics.median(eager_steps) if eager_steps else None,
                        eager_p90_ms=float(np.percentile(eager_steps, 90)) if eager_steps else None,
                        cpu_class=engine_target(engine).cpu_class)
