@@ -72,7 +72,7 @@ class ExportPass(Pass[ExportParams]):
         if ctx.evaluate.generation is not None:  # a decoder measured by generation: the graph with its KV cache
             from optpipe.passes._decoder_export import export_with_cache
 
-            return export_with_cache(torch_model, ctx, self.params.check_atol)
+            return export_with_cache(torch_model, ctx, self.params.check_atol, self.params.opset)
         feeds = trace_inputs(ctx.inputs)
         expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
         params = self.params
