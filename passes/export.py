@@ -61,6 +61,8 @@ class ExportPass(Pass[ExportParams]):
             "source": source_fingerprint(source),
             "inputs": [spec.model_dump() for spec in source.inputs],
             "dims": {name: dim.model_dump() for name, dim in source.dims.items()},
+            # with evaluate.generation the graph carries the KV cache, sized by these settings
+            **({"kv_cache": _kv_settings(ctx)} if ctx.evaluate.generation is not None else {}),
         }
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
@@ -72,6 +74,10 @@ class ExportPass(Pass[ExportParams]):
         steps("load the PyTorch model")
         torch_model = ctx.torch_model()
         attention = set_attention(torch_model, self.params.attention)
+        if ctx.evaluate.generation is not None:  # a decoder measured by generation: the graph with its KV cache
+            from optpipe.passes._decoder_export import export_with_cache
+
+            return export_with_cache(torch_model, ctx, self.params.check_atol, self.params.opset)
         feeds = trace_inputs(ctx.inputs)
         steps("PyTorch eager on the trace inputs")
         expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
@@ -108,6 +114,13 @@ class ExportPass(Pass[ExportParams]):
             ctx.log.warning("exported with %s after %s", exporter, "; ".join(f"{k} failed: {v}" for k, v in failures.items()))
         info["graph"] = graph_stats(artifact.load(with_weights=False))
         return write_info(ctx.workdir, info)
+
+
+def _kv_settings(ctx: PassContext) -> dict:
+    from optpipe.recipe.generation_spec import decoder_dims
+
+    task = ctx.evaluate.task
+    return {"dims": decoder_dims(ctx.evaluate.generation, ctx.inputs.inputs, ctx.inputs.dims, task.tokens if task else "input_ids")}
 
 
 def set_attention(torch_model: TorchModel, implementation: str | None) -> str | None:

@@ -38,6 +38,7 @@ from optpipe.safety.os_errors import folder_errors
 from optpipe.safety.recipe_loading import write_recipe_snapshot
 from optpipe.targets import run_targets
 from optpipe.plan.validate import validate_recipe
+from optpipe.core.library_files import keep_library_files_in
 
 
 @dataclass
@@ -60,6 +61,7 @@ def compile_recipe(recipe: Recipe, options: RunOptions | None = None) -> RunRepo
 
 
 def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
+    from optpipe.plan.source_preflight import source_preflight
     from optpipe.safety.preflight import preflight
 
     graph, passes = validate_recipe(recipe)
@@ -68,11 +70,13 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     run_dir, cache_root = paths.run_dir, paths.cache_dir
     with folder_errors("cache folder", cache_root):
         cache = StageCache(cache_root)
+    keep_library_files_in(cache.root)
     try:  # from here on, leases this run takes (preflight takes some) are dropped however it ends
         with folder_errors("output folder", run_dir):
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         services = RunServices(plan.model_source(), plan.data, cache)
         preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
+        source_preflight(recipe, onnx_path(recipe.model_source()))
         order = _stages_to_run(graph, options.only)
 
         manager = PassManager(plan, cache, services, run_dir, options)

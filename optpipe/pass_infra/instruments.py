@@ -127,8 +127,19 @@ def evaluation_summary(result: "StageResult") -> str:
     parts = []
     if result.headline:
         parts.append(f"p50 {result.headline.p50_ms:.2f} ms @ batch {result.headline.batch_size}")
-    if result.accuracy:
+    generation = result.generation
+    if generation is not None and generation.rows:
+        parts[:1] = [f"TTFT {generation.rows[0].ttft_ms:.1f} ms, "
+                     + ", ".join(f"{r.decode_tokens_per_s:.0f} tok/s @ batch {r.batch_size}" for r in generation.rows)]
+        if generation.next_token_agreement is not None:
+            parts.append(f"next-token agreement {generation.next_token_agreement:.3f}")
+        if generation.perplexity is not None:
+            parts.append(f"perplexity {generation.perplexity:.3f}")
+        if result.memory and result.memory.host_rss_bytes is not None:
+            parts.append(f"peak {result.memory.host_rss_bytes / 1e6:.0f} MB")
+    elif result.accuracy:
         parts.append(f"cosine {result.accuracy.worst_cosine:.5f}")
+    if result.accuracy:
         if not result.accuracy.within_tolerance:
             parts.append("OUT OF TOLERANCE")
     if result.coverage:
