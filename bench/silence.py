@@ -38,6 +38,12 @@ class Clocked(Instrument):
             self.scope = scope
         self.events.append((time.perf_counter(), self.scope, what))
 
+    def before_phase(self, label: str) -> None:
+        self._mark("start", label.split(":")[0])
+
+    def phase_done(self, label: str, ok: bool) -> None:
+        self._mark("done")
+
     def before_stage(self, info) -> None:
         self._mark("start", f"stage {info.name}")
 
@@ -112,9 +118,10 @@ def main() -> int:
     console = longest_gaps(stream.lines, started)
     cpu = cpu_record()
     first = clock.events[0][0] - started if clock.events else wall
+    tail = started + wall - clock.events[-1][0] if clock.events else 0.0
     print(f"\ncompile {wall:.1f} s; load {load[0]:.2f} -> {os.getloadavg()[0]:.2f}; CPU class {cpu['class']} "
           f"(OpenVINO: {cpu['openvino_class']}); {len(clock.events)} progress events, {len(stream.lines)} console lines; "
-          f"start-up (recipe, preflight) before the first stage {first:.1f} s")
+          f"before the first event {first:.1f} s, after the last {tail:.1f} s")
     print("| step | longest progress silence s | ended by | longest console silence s (no terminal) |\n|---|---|---|---|")
     for scope, (gap, what) in progress.items():
         shown = console.get(scope, (0.0, ""))[0]

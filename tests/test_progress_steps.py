@@ -169,6 +169,9 @@ def test_a_compile_reports_warm_up_each_timed_call_each_accuracy_batch_and_the_s
     assert {6, 7, 8, 9, 10, 11, 12} <= set(timed), timed
     accuracy = [(done, total) for task, done, total in steps if task == "accuracy batch"]
     assert (2, 2) in accuracy  # 16 samples in the default accuracy batches of 8
+    phases = [e for e in events.events if e[0] in ("before_phase", "phase_done")]
+    assert [e[0] for e in phases] == ["before_phase", "phase_done"] * 2 and phases[0][1].startswith("preflight: ")
+    assert phases[2][1].startswith("report: ") and all(e[2] for e in phases if e[0] == "phase_done")
     swept = [e for e in events.events if e[0] in ("before_sweep", "sweep_done")]
     assert ("before_sweep", "pytorch-eager") in swept and any(e[0] == "sweep_done" and e[2] == 2 for e in swept), swept
     assert any(task.startswith("batch sweep") for task in tasks)
@@ -230,3 +233,17 @@ def test_the_heartbeat_counts_from_the_last_line_printed_not_from_the_phase_star
     console.tick(console._started + 0.6)
     assert stream.getvalue().strip().endswith("export: export ... (1s, still running)")
     console.stage_done(StageResult(name="export", pass_name="export", status="ok"))
+
+
+def test_a_phase_that_raises_stops_the_spinner_and_prints_nothing_of_its_own():
+    from optpipe.pass_infra.instruments import Instruments
+
+    stream = io.StringIO()
+    console = ConsoleProgress(stream, ticker=False)
+    with pytest.raises(ValueError):
+        with Instruments([console]).phase("preflight: the model"):
+            raise ValueError("bad input")  # the CLI prints its one line for it
+    assert stream.getvalue() == "" and console._status is None
+    with Instruments([console]).phase("report: report.json"):
+        pass
+    assert "ok report (" in stream.getvalue()

@@ -3,6 +3,7 @@
 An instrument subclasses `Instrument` and overrides the hooks it wants; the pass
 manager calls them through `Instruments`, in this order for one compile:
 
+    before_phase(label) -> phase_done(label, ok): work around the stages (the preflight, writing the report)
     run_start(stages)
     per stage:   before_stage(info) -> [after_stage(info, input, output)] -> stage_done(result)
     per stage:   before_evaluation(stage) -> after_evaluation(result)
@@ -16,11 +17,12 @@ checks and before the output is published: an instrument there may add to
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, TextIO
+from typing import TYPE_CHECKING, Iterable, Iterator, TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -42,6 +44,12 @@ class StageInfo:
 
 class Instrument:
     """Hooks the pass manager calls; every hook is optional."""
+
+    def before_phase(self, label: str) -> None:
+        """Work of the compile that is no stage starts: "preflight: ...", "report: ..." (the text before ':' names it)."""
+
+    def phase_done(self, label: str, ok: bool) -> None:
+        """It ended; not ok: it raised, and the error is reported elsewhere (the CLI's one line)."""
 
     def run_start(self, stages: list[str]) -> None: ...
 
@@ -76,6 +84,25 @@ class Instruments(Instrument):
 
     def __init__(self, items: Iterable[Instrument] = ()):
         self.items = list(items)
+
+    def before_phase(self, label: str) -> None:
+        for item in self.items:
+            item.before_phase(label)
+
+    def phase_done(self, label: str, ok: bool) -> None:
+        for item in self.items:
+            item.phase_done(label, ok)
+
+    @contextlib.contextmanager
+    def phase(self, label: str) -> Iterator[None]:
+        """`before_phase(label)`, the block, `phase_done(label, ok)`: ok unless the block raised."""
+        self.before_phase(label)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.phase_done(label, ok)
 
     def run_start(self, stages: list[str]) -> None:
         for item in self.items:
@@ -190,6 +217,19 @@ class ConsoleProgress(Instrument):
         self._lock = threading.RLock()
         self._ticker = ticker
         self._stop: threading.Event | None = None
+
+    def before_phase(self, label: str) -> None:
+        self._start(label)
+
+    def phase_done(self, label: str, ok: bool) -> None:
+        if ok:
+            self._end(label.split(":")[0], "ok", "")
+        else:  # the error's own line follows (the CLI's): the spinner only stops
+            with self._lock:
+                self._stop_ticker()
+                if self._status is not None:
+                    self._status.stop()
+                    self._status = None
 
     def before_stage(self, info: StageInfo) -> None:
         self._start(f"{info.name}: {info.pass_.name}")
@@ -319,6 +359,12 @@ class StepRecorder(Instrument):
 
     def after_evaluation(self, result: "StageResult") -> None:
         self.events.append(("after_evaluation", result.name, result.status))
+
+    def before_phase(self, label: str) -> None:
+        self.events.append(("before_phase", label))
+
+    def phase_done(self, label: str, ok: bool) -> None:
+        self.events.append(("phase_done", label, ok))
 
     def before_sweep(self, stage: str) -> None:
         self.events.append(("before_sweep", stage))
