@@ -4,10 +4,18 @@ Microsoft Olive and plain NNCF, run by their documented commands.
 They are not optimpipe dependencies: install them into a scratch virtual environment of their own
 (their pins differ from optpipe's) and point PEERS_BIN at its bin folder, e.g.
 
-    python -m venv --system-site-packages /tmp/peers
-    echo torch==2.13.0 >/tmp/peers/constraints.txt   # keep the CPU torch already here
+    python3.11 -m venv /tmp/peers
+    printf '%s\n' torch==2.13.0 transformers==4.57.6 optimum==2.1.0 optimum-onnx==0.1.0 \
+        onnxruntime==1.32.0 onnx==1.23.2 sympy==1.14.0 olive-ai==0.13.0 >/tmp/peers/constraints.txt
     /tmp/peers/bin/pip install -c /tmp/peers/constraints.txt "optimum[onnxruntime]" olive-ai
     PEERS_BIN=/tmp/peers/bin python bench/run.py recipes/minilm.yaml
+
+The pins are the set every peer row of docs/benchmarks.md was made with (2026-12-02): torch 2.13.0 is
+the CPU build optpipe uses; transformers 4.57.6 is the newest optimum-onnx 0.1.0 takes (its export
+differs from optpipe's transformers 5); the rest is what pip resolved then. With them the Optimum
+path below runs end to end (its preprocess step included: an earlier session's venv, of unrecorded
+versions, failed there with a TypeError in symbolic shape inference; a clean venv with these pins
+does not). A different set may change the peers' graphs: pin it again and say so beside the figures.
 
 Each peer writes into a scratch folder outside the repository (PEERS_DIR, default
 /tmp/optpipe-peers/<model>); bench/run.py then times the ONNX file it produced in its own

@@ -137,13 +137,17 @@ def isa_flags() -> str:
 
 
 def cpu_class_line() -> str:
-    """The CPU class each engine runs at: OpenVINO's (held by ONEDNN_MAX_CPU_ISA where set), ORT's and PyTorch's (the CPU's own)."""
-    from optpipe.hardware.cpu_features import engine_target, machine_target
+    """The CPU class each engine runs at: OpenVINO's (held by ONEDNN_MAX_CPU_ISA where set), ORT's and PyTorch's
+    (the CPU's own: OPTPIPE_CPU_FEATURES changes optpipe's choices, never their kernels)."""
+    from optpipe.hardware.cpu_features import engine_target, hardware_target, machine_target
 
-    machine, openvino = machine_target(), engine_target("openvino")
-    if openvino.restricted_by:
-        return (f"OpenVINO at {openvino.cpu_class} ({openvino.restricted_by}); ONNX Runtime and PyTorch at the CPU's own "
-                f"class, {machine.cpu_class} (they have no such switch)")
+    machine, openvino, kernels = machine_target(), engine_target("openvino"), hardware_target()
+    injected = machine.cpu_class != kernels.cpu_class
+    choices = f"optpipe's choices for {machine.cpu_class} (OPTPIPE_CPU_FEATURES); " if injected else ""
+    if openvino.restricted_by or injected:
+        at = f"OpenVINO at {openvino.cpu_class}" + (f" ({openvino.restricted_by})" if openvino.restricted_by else "")
+        return (f"{choices}{at}; ONNX Runtime and PyTorch kernels at the CPU's own class, {kernels.cpu_class} "
+                "(they have no switch to lower their ISA)")
     return f"{machine.cpu_class} (every engine)"
 
 
@@ -363,8 +367,16 @@ def verdict_lines(rows: list[dict]) -> list[str]:
     def say(r):
         return f"`{r['candidate']}` {r['speedup_vs_eager']:.2f}x at cosine {r['cosine']:.4f}" if r else "none"
 
-    return [f"Best within tolerance: optpipe {say(best(ours))}; optpipe ONNX Runtime only {say(best(ort))}; "
-            f"best peer {say(best(peers))}."]
+    lines = [f"Best within tolerance: optpipe {say(best(ours))}; optpipe ONNX Runtime only {say(best(ort))}; "
+             f"best peer {say(best(peers))}."]
+    # Issue 17's test, peer by peer: optpipe's fastest at equal or better accuracy than that peer's.
+    for peer in sorted(peers, key=lambda r: -r["speedup_vs_eager"]):
+        for side, group in (("optpipe", ours), ("ONNX Runtime only", ort)):
+            match = best([r for r in group if r["cosine"] is not None and r["cosine"] >= peer["cosine"]])
+            verdict = "none at that accuracy" if match is None else \
+                f"{say(match)}: {'at least as fast' if match['speedup_vs_eager'] >= peer['speedup_vs_eager'] else '**slower**'}"
+            lines.append(f"- vs `{peer['candidate']}` ({peer['speedup_vs_eager']:.2f}x at {peer['cosine']:.4f}), {side}: {verdict}")
+    return lines
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
