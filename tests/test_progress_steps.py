@@ -247,3 +247,17 @@ def test_a_phase_that_raises_stops_the_spinner_and_prints_nothing_of_its_own():
     with Instruments([console]).phase("report: report.json"):
         pass
     assert "ok report (" in stream.getvalue()
+
+
+def test_on_a_terminal_the_spinner_shows_the_seconds_the_phase_has_run():
+    from rich.console import Console
+
+    console = ConsoleProgress(io.StringIO(), ticker=False)
+    console.console = Console(file=io.StringIO(), force_terminal=True)
+    console.before_stage(_Info())
+    console.step("torch.onnx.export (TorchScript trace, no progress inside)", 3, 6)
+    console.tick(console._started + 3.2)
+    assert "no progress inside) 3/6" in console._shown and "3s" in console._shown
+    console.tick(console._started + 4.2)  # no new step: the seconds still move
+    assert "4s" in console._shown
+    console.stage_done(StageResult(name="export", pass_name="export", status="ok"))
