@@ -351,7 +351,17 @@ def render_model(result: dict) -> str:
           cell(r.get("speedup_vs_eager"), ".2f", "x") + (" ⚠busy" if r.get("busy") else ""), cell(r.get("cosine"), ".5f"), cell(r.get("max_abs"), ".2e"), cell(r.get("top1"), ".3f"),
           {True: "yes", False: "**no**", None: ""}[r.get("within_tolerance")], cell(r.get("size_mb"), ".1f")]
          for r in result["rows"]])
-    return "\n".join(lines + [""] + verdict_lines(result["rows"]))
+    return "\n".join(lines + [""] + verdict_lines(result["rows"]) + injected_note(result.get("cpu_class", "")))
+
+
+def injected_note(cpu_line: str) -> list[str]:
+    """Under OPTPIPE_CPU_FEATURES the verdicts mix classes: say which of the figures are not the injected class's."""
+    if "(OPTPIPE_CPU_FEATURES)" not in cpu_line:
+        return []
+    return ["", "The CPU's features were injected (OPTPIPE_CPU_FEATURES): optpipe chose for that class, but ONNX Runtime "
+            "and PyTorch ran this CPU's own kernels, so their rows' speeds, and the accuracy of formats that saturate only "
+            "on the injected class (u8s8 without VNNI), are this CPU's; the verdicts above hold for the OpenVINO rows "
+            "(under ONEDNN_MAX_CPU_ISA) and for the accuracy of saturation-free formats."]
 
 
 def verdict_lines(rows: list[dict]) -> list[str]:

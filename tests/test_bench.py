@@ -93,6 +93,7 @@ def test_the_cpu_line_says_injected_features_change_choices_not_ort_kernels(monk
     monkeypatch.setenv("OPTPIPE_CPU_FEATURES", "avx2,fma,avx512f,avx512_vnni")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert bench.cpu_class_line() == "x86-avx512-vnni (every engine)"
+    assert bench.injected_note(line)[1].startswith("The CPU's features were injected") and bench.injected_note("x86-amx (every engine)") == []
 
 
 def test_the_verdict_line_names_the_best_within_tolerance_of_each_side():
