@@ -261,3 +261,22 @@ def test_on_a_terminal_the_spinner_shows_the_seconds_the_phase_has_run():
     console.tick(console._started + 4.2)  # no new step: the seconds still move
     assert "4s" in console._shown
     console.stage_done(StageResult(name="export", pass_name="export", status="ok"))
+
+
+def test_bench_silence_tells_progress_silence_from_console_silence():
+    """bench/silence.py: a heartbeat line ends a console silence, never a progress silence."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_silence", Path(__file__).resolve().parent.parent / "bench" / "silence.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    events = [(1.0, "stage a", "start"), (2.0, "stage a", "step 1"), (14.0, "stage a", "step 2"), (15.0, "stage b", "start")]
+    lines = [(2.0, "stage a", "... step 1"), (10.0, "stage a", "... still running"), (14.5, "stage a", "ok a"), (15.5, "stage b", "ok b")]
+    progress, console = bench.longest_gaps(events, 0.0), bench.longest_gaps(lines, 0.0)
+    assert progress["stage a"] == (12.0, "step 2") and console["stage a"][0] == 8.0
+    clock = bench.Clocked()
+    stream = bench.ClockedLines(clock)
+    clock.before_phase("preflight: the model")
+    stream.write("  ... preflight\n  partial")
+    assert [(scope, text) for _, scope, text in stream.lines] == [("preflight", "... preflight")]
