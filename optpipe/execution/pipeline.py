@@ -75,8 +75,10 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         with folder_errors("output folder", run_dir):
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         services = RunServices(plan.model_source(), plan.data, cache)
-        preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
-        source_preflight(recipe, onnx_path(recipe.model_source()))
+        # Seconds on a loaded machine (the model loaded and run once, the data sets built): a console phase.
+        with Instruments(options.instruments).phase("preflight: the model, its inputs and the data sets"):
+            preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
+            source_preflight(recipe, onnx_path(recipe.model_source()))
         order = _stages_to_run(graph, options.only)
 
         manager = PassManager(plan, cache, services, run_dir, options)
@@ -94,7 +96,8 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
                 write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
                 run_targets(plan.target_settings(cache.root), report, run_dir, cache, options.providers, instruments)
             finally:
-                write_report(report, run_dir)  # once, with the targets' rows
+                with instruments.phase("report: report.json, report.md, report.html"):
+                    write_report(report, run_dir)  # once, with the targets' rows
     finally:
         cache.release_leases()  # `cache gc` may prune what this run used from now on
     return report

@@ -98,6 +98,7 @@ def _sweep(results: list[StageResult], parts: EvaluationParts, evaluator: Evalua
             continue
         if result.name == EAGER_STAGE and not chosen - {EAGER_STAGE}:
             continue  # no stage has curves: the baseline's alone would compare with nothing
+        instruments.before_sweep(result.name)  # a sweep point at batch 16 can take seconds: shown as progress
         try:
             if result.name == EAGER_STAGE:
                 points, cached = evaluator.sweep_eager(_eager_digest(parts), result.latency)
@@ -107,7 +108,9 @@ def _sweep(results: list[StageResult], parts: EvaluationParts, evaluator: Evalua
             escalate(exc, evaluator.cache.root)
             logging.getLogger("optpipe").debug("sweep of %s failed", result.name, exc_info=True)
             result.warnings.append(f"latency sweep failed: {type(exc).__name__}: {first_line(exc)}")
+            instruments.sweep_done(result.name, 0, False, result.warnings[-1])
             continue
+        instruments.sweep_done(result.name, len(points), cached)
         result.latency = [*result.latency, *points]
         result.evaluation_cached = bool(result.evaluation_cached) and cached
 
