@@ -4,13 +4,21 @@ Microsoft Olive and plain NNCF, run by their documented commands.
 They are not optimpipe dependencies: install them into a scratch virtual environment of their own
 (their pins differ from optpipe's) and point PEERS_BIN at its bin folder, e.g.
 
-    python -m venv --system-site-packages /tmp/peers
-    echo torch==2.13.0 >/tmp/peers/constraints.txt   # keep the CPU torch already here
+    python3.11 -m venv /tmp/peers
+    printf '%s\n' torch==2.13.0 transformers==4.57.6 optimum==2.1.0 optimum-onnx==0.1.0 \
+        onnxruntime==1.32.0 onnx==1.23.2 sympy==1.14.0 olive-ai==0.13.0 >/tmp/peers/constraints.txt
     /tmp/peers/bin/pip install -c /tmp/peers/constraints.txt "optimum[onnxruntime]" olive-ai
     PEERS_BIN=/tmp/peers/bin python bench/run.py recipes/minilm.yaml
 
-Each peer writes into a scratch folder outside the repository (PEERS_DIR, default
-/tmp/optpipe-peers/<model>); bench/run.py then times the ONNX file it produced in its own
+The pins are the set every peer row of docs/benchmarks.md was made with (2026-12-02): torch 2.13.0 is
+the CPU build optpipe uses; transformers 4.57.6 is the newest optimum-onnx 0.1.0 takes (its export
+differs from optpipe's transformers 5); the rest is what pip resolved then. With them the Optimum
+path below runs end to end (its preprocess step included: an earlier session's venv, of unrecorded
+versions, failed there with a TypeError in symbolic shape inference; a clean venv with these pins
+does not). A different set may change the peers' graphs: pin it again and say so beside the figures.
+
+Each peer runs with Hugging Face Hub access off (HF_HUB_OFFLINE) and writes into a scratch folder
+outside the repository (PEERS_DIR, default /tmp/optpipe-peers/<model>); bench/run.py then times the ONNX file it produced in its own
 process, beside optpipe's stages, on the same ONNX Runtime, inputs and threads. Only
 Hugging Face folder models (`model: {hf: ...}` or `{package: ...}`) have peer rows.
 """
@@ -114,10 +122,16 @@ def _tool(name: str) -> str:
 def _run(command: list[str], log: Path) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=PEER_TIMEOUT_S)
+        # Nothing from a model hub: the peers read the local model folder only (a hub call would fail, not fetch).
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=PEER_TIMEOUT_S, env=offline_env())
     if done.returncode != 0:
         raise PeerUnavailable(f"`{' '.join(Path(c).name if i == 0 else c for i, c in enumerate(command))}` failed "
                               f"(exit {done.returncode}, log {log})")
+
+
+def offline_env() -> dict[str, str]:
+    """The peers' environment with Hugging Face Hub access off (transformers, optimum, huggingface_hub, Olive)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 def _optimum(model: Path, out: Path, preset: str = "avx512_vnni") -> Path:

@@ -137,13 +137,17 @@ def isa_flags() -> str:
 
 
 def cpu_class_line() -> str:
-    """The CPU class each engine runs at: OpenVINO's (held by ONEDNN_MAX_CPU_ISA where set), ORT's and PyTorch's (the CPU's own)."""
-    from optpipe.hardware.cpu_features import engine_target, machine_target
+    """The CPU class each engine runs at: OpenVINO's (held by ONEDNN_MAX_CPU_ISA where set), ORT's and PyTorch's
+    (the CPU's own: OPTPIPE_CPU_FEATURES changes optpipe's choices, never their kernels)."""
+    from optpipe.hardware.cpu_features import engine_target, hardware_target, machine_target
 
-    machine, openvino = machine_target(), engine_target("openvino")
-    if openvino.restricted_by:
-        return (f"OpenVINO at {openvino.cpu_class} ({openvino.restricted_by}); ONNX Runtime and PyTorch at the CPU's own "
-                f"class, {machine.cpu_class} (they have no such switch)")
+    machine, openvino, kernels = machine_target(), engine_target("openvino"), hardware_target()
+    injected = machine.cpu_class != kernels.cpu_class
+    choices = f"optpipe's choices for {machine.cpu_class} (OPTPIPE_CPU_FEATURES); " if injected else ""
+    if openvino.restricted_by or injected:
+        at = f"OpenVINO at {openvino.cpu_class}" + (f" ({openvino.restricted_by})" if openvino.restricted_by else "")
+        return (f"{choices}{at}; ONNX Runtime and PyTorch kernels at the CPU's own class, {kernels.cpu_class} "
+                "(they have no switch to lower their ISA)")
     return f"{machine.cpu_class} (every engine)"
 
 
@@ -347,7 +351,17 @@ def render_model(result: dict) -> str:
           cell(r.get("speedup_vs_eager"), ".2f", "x") + (" ⚠busy" if r.get("busy") else ""), cell(r.get("cosine"), ".5f"), cell(r.get("max_abs"), ".2e"), cell(r.get("top1"), ".3f"),
           {True: "yes", False: "**no**", None: ""}[r.get("within_tolerance")], cell(r.get("size_mb"), ".1f")]
          for r in result["rows"]])
-    return "\n".join(lines + [""] + verdict_lines(result["rows"]))
+    return "\n".join(lines + [""] + verdict_lines(result["rows"]) + injected_note(result.get("cpu_class", "")))
+
+
+def injected_note(cpu_line: str) -> list[str]:
+    """Under OPTPIPE_CPU_FEATURES the verdicts mix classes: say which of the figures are not the injected class's."""
+    if "(OPTPIPE_CPU_FEATURES)" not in cpu_line:
+        return []
+    return ["", "The CPU's features were injected (OPTPIPE_CPU_FEATURES): optpipe chose for that class, but ONNX Runtime "
+            "and PyTorch ran this CPU's own kernels, so their rows' speeds, and the accuracy of formats that saturate only "
+            "on the injected class (u8s8 without VNNI), are this CPU's; the verdicts above hold for the OpenVINO rows "
+            "(under ONEDNN_MAX_CPU_ISA) and for the accuracy of saturation-free formats."]
 
 
 def verdict_lines(rows: list[dict]) -> list[str]:
@@ -363,8 +377,16 @@ def verdict_lines(rows: list[dict]) -> list[str]:
     def say(r):
         return f"`{r['candidate']}` {r['speedup_vs_eager']:.2f}x at cosine {r['cosine']:.4f}" if r else "none"
 
-    return [f"Best within tolerance: optpipe {say(best(ours))}; optpipe ONNX Runtime only {say(best(ort))}; "
-            f"best peer {say(best(peers))}."]
+    lines = [f"Best within tolerance: optpipe {say(best(ours))}; optpipe ONNX Runtime only {say(best(ort))}; "
+             f"best peer {say(best(peers))}."]
+    # Issue 17's test, peer by peer: optpipe's fastest at equal or better accuracy than that peer's.
+    for peer in sorted(peers, key=lambda r: -r["speedup_vs_eager"]):
+        for side, group in (("optpipe", ours), ("ONNX Runtime only", ort)):
+            match = best([r for r in group if r["cosine"] is not None and r["cosine"] >= peer["cosine"]])
+            verdict = "none at that accuracy" if match is None else \
+                f"{say(match)}: {'at least as fast' if match['speedup_vs_eager'] >= peer['speedup_vs_eager'] else '**slower**'}"
+            lines.append(f"- vs `{peer['candidate']}` ({peer['speedup_vs_eager']:.2f}x at {peer['cosine']:.4f}), {side}: {verdict}")
+    return lines
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -6,7 +6,7 @@ batches and keep the inputs a model actually takes, so one set serves every cons
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -37,8 +37,12 @@ def model_input_names(model_path: Path) -> list[str]:
     return [i.name for i in model.graph.input if i.name not in initializers]
 
 
-def ort_calibration_reader(samples: SampleSet, model_path: Path, batch_size: int = 1):
-    """An `onnxruntime.quantization.CalibrationDataReader` over the set, rewindable."""
+def ort_calibration_reader(samples: SampleSet, model_path: Path, batch_size: int = 1,
+                           progress: Callable[[int, int], None] | None = None):
+    """An `onnxruntime.quantization.CalibrationDataReader` over the set, rewindable.
+
+    `progress(n, total)`: told as ORT's calibrator takes batch n of its range; (total + 1, total)
+    when it asks past the end (it has read them all: it computes the ranges next)."""
     from onnxruntime.quantization import CalibrationDataReader
 
     batches = sample_batches(samples, batch_size, model_input_names(model_path))
@@ -49,9 +53,14 @@ def ort_calibration_reader(samples: SampleSet, model_path: Path, batch_size: int
             self._position = 0
 
         def get_next(self) -> Feeds | None:
+            total = self._end - self._start
             if self._position >= self._end:
+                if progress is not None:
+                    progress(total + 1, total)
                 return None
             self._position += 1
+            if progress is not None:
+                progress(self._position - self._start, total)
             return batches[self._position - 1]
 
         def __len__(self) -> int:

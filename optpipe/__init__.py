@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from optpipe.core.library_files import ort_telemetry_off
+
+ort_telemetry_off()  # before anything imports onnxruntime: its telemetry writes into the home folder
+
 __all__ = ["compile_recipe", "load_recipe", "load", "RunOptions", "RunReport"]
 
 if TYPE_CHECKING:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from optpipe.pass_infra.progress import Progress, no_progress, printed_progress
 from optpipe.recipe.schema import ModelInputs
 from optpipe.source.model_source import TorchModel
 
@@ -17,7 +18,11 @@ def dynamic_dims(shapes: ModelInputs) -> dict[str, dict[int, str]]:
     return {spec.name: {axis: dim for axis, dim in enumerate(spec.shape) if isinstance(dim, str)} for spec in shapes.inputs}
 
 
-def export_dynamo(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> None:
+def export_dynamo(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path,
+                  progress: Progress = no_progress, log: logging.Logger | None = None) -> None:
+    """`progress`: the exporter's own phases ("Obtain model graph ...", "Run decompositions...",
+    "Translate the graph into ONNX...", "Optimize the ONNX graph..."), which it prints with
+    `verbose=True`: each printed line is a step, none reaches the terminal (the stage log keeps them)."""
     import torch
 
     dims = {name: export_dim(name, d) for name, d in shapes.dims.items()}
@@ -26,16 +31,17 @@ def export_dynamo(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: in
     if takes_varargs(torch_model.module):
         dynamic = (dynamic,)  # forward(*args): the spec of the one `args` parameter is the whole tuple
     quiet_exporter()
-    program = torch.onnx.export(
-        torch_model.module,
-        args,
-        dynamo=True,
-        opset_version=opset,
-        input_names=torch_model.input_names,
-        output_names=torch_model.output_names,
-        dynamic_shapes=dynamic,
-        verbose=False,
-    )
+    with printed_progress(progress, "torch.onnx dynamo", "[torch.onnx]", log):
+        program = torch.onnx.export(
+            torch_model.module,
+            args,
+            dynamo=True,
+            opset_version=opset,
+            input_names=torch_model.input_names,
+            output_names=torch_model.output_names,
+            dynamic_shapes=dynamic,
+            verbose=True,
+        )
     program.save(str(path), external_data=True)
     name_derived_dims(path, shapes)
 

@@ -15,6 +15,7 @@ from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.source.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
 from optpipe.pass_infra.pass_base import Pass, PassContext
+from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import eager_runner
 from optpipe.passes import _torch_export as exporters
@@ -60,14 +61,25 @@ class ExportPass(Pass[ExportParams]):
             "source": source_fingerprint(source),
             "inputs": [spec.model_dump() for spec in source.inputs],
             "dims": {name: dim.model_dump() for name, dim in source.dims.items()},
+            # with evaluate.generation the graph carries the KV cache, sized by these settings
+            **({"kv_cache": _kv_settings(ctx)} if ctx.evaluate.generation is not None else {}),
         }
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         if isinstance(ctx.model_source.model, OnnxModel):
             return import_onnx(ctx)
+        # Each step is a progress line (issue 17): the TorchScript tracer has no hook inside, the
+        # dynamo exporter prints its phases (passes/_torch_export.py).
+        steps = Steps(ctx.progress, "export", 6)
+        steps("load the PyTorch model")
         torch_model = ctx.torch_model()
         attention = set_attention(torch_model, self.params.attention)
+        if ctx.evaluate.generation is not None:  # a decoder measured by generation: the graph with its KV cache
+            from optpipe.passes._decoder_export import export_with_cache
+
+            return export_with_cache(torch_model, ctx, self.params.check_atol, self.params.opset)
         feeds = trace_inputs(ctx.inputs)
+        steps("PyTorch eager on the trace inputs")
         expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
         params = self.params
         exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
@@ -75,7 +87,8 @@ class ExportPass(Pass[ExportParams]):
         for exporter in exporters:
             raw = ctx.workdir / f"raw-{exporter}"
             try:
-                checked = _export_checked(exporter, torch_model, feeds, expected, ctx.inputs, ctx.evaluate.threads, params, raw)
+                checked = _export_checked(exporter, torch_model, feeds, expected, ctx.inputs, ctx.evaluate.threads, params, raw,
+                                          steps, ctx.log)
             except _ExportFailed as exc:
                 ctx.log.warning("%s export failed: %s", exporter, exc)
                 failures[exporter] = str(exc)
@@ -86,6 +99,7 @@ class ExportPass(Pass[ExportParams]):
             raise PassError(_failure_message(failures, bool(ctx.inputs.dims)))
         import onnx
 
+        steps("save the model")
         exported = onnx.load(str(raw / "model.onnx"))
         opset = next((o.version for o in exported.opset_import if o.domain in ("", "ai.onnx")), params.opset)
         if opset != params.opset:
@@ -100,6 +114,13 @@ class ExportPass(Pass[ExportParams]):
             ctx.log.warning("exported with %s after %s", exporter, "; ".join(f"{k} failed: {v}" for k, v in failures.items()))
         info["graph"] = graph_stats(artifact.load(with_weights=False))
         return write_info(ctx.workdir, info)
+
+
+def _kv_settings(ctx: PassContext) -> dict:
+    from optpipe.recipe.generation_spec import decoder_dims
+
+    task = ctx.evaluate.task
+    return {"dims": decoder_dims(ctx.evaluate.generation, ctx.inputs.inputs, ctx.inputs.dims, task.tokens if task else "input_ids")}
 
 
 def set_attention(torch_model: TorchModel, implementation: str | None) -> str | None:
@@ -130,10 +151,11 @@ class _ExportFailed(Exception):
 
 
 def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, shapes: ModelInputs, threads: int, params: ExportParams,
-                    raw: Path) -> dict:
+                    raw: Path, steps: Steps | None = None, log: logging.Logger | None = None) -> dict:
     """Export with one exporter into `raw`, then check the result against eager at the trace shape and
     at other shapes of the dynamic dims (the same rule for every exporter and every `exporter:` mode,
     so `auto` moves on exactly when the stage would be wrong). Returns what the check saw."""
+    steps = steps or Steps(lambda *_: None, "export", 0)
     raw.mkdir()
     path = raw / "model.onnx"
     branches: list[str] = []
@@ -141,8 +163,10 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
         if exporter == "dynamo":
             if params.opset < DYNAMO_MIN_OPSET:  # only `auto` gets here (ExportParams refuses it for `exporter: dynamo`)
                 raise _ExportFailed(f"the dynamo exporter needs opset >= {DYNAMO_MIN_OPSET} (asked: {params.opset})")
-            exporters.export_dynamo(torch_model, feeds, shapes, params.opset, path)
+            steps("torch.onnx.export (dynamo)")
+            exporters.export_dynamo(torch_model, feeds, shapes, params.opset, path, steps.progress, log)
         else:
+            steps("torch.onnx.export (TorchScript trace, no progress inside)")
             branches = exporters.export_torchscript(torch_model, feeds, shapes, params.opset, path)
     except (_ExportFailed, MemoryError, UserInputError):
         # MemoryError: the machine's limit, not this exporter's; a user-input error (the model or
@@ -152,6 +176,7 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
         _reraise_interrupt(exc)
         logging.getLogger("optpipe.export").debug("%s export traceback", exporter, exc_info=True)
         raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
+    steps(f"check the {exporter} export against eager")
     try:
         numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
     except PassError as exc:
@@ -159,7 +184,9 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
     # A trace records one branch of any control flow on a tensor's values or shape (the tracer's
     # "Python boolean" warnings): such a warning alone proves nothing (T5 and Swin warn and are
     # right at every shape), so the export is judged by the other shapes, with other values.
-    checked = _check_shapes(exporter, torch_model, shapes, threads, params, path, branches)
+    steps(f"check the {exporter} export at other shapes")
+    checked = _check_shapes(exporter, torch_model, shapes, threads, params, path, branches,
+                            steps.sub(f"check the {exporter} export at other shapes"))
     return {"checked_shapes": checked, **({"trace_branches": branches} if branches else {})}
 
 
@@ -204,14 +231,16 @@ def _high_size(dim) -> int:
 
 
 def _check_shapes(exporter: str, torch_model: TorchModel, shapes: ModelInputs, threads: int, params: ExportParams, path: Path,
-                  branches: list[str]) -> list[dict]:
+                  branches: list[str], report=lambda done, total: None) -> list[dict]:
     """The export against eager at check_shapes() (fresh values, another seed); _ExportFailed naming
     the first shape where it is wrong. A model that caches a shape-dependent tensor (a detector's
     grid) or a trace that fixed a branch is right at the trace size and wrong there."""
     from optpipe.recipe.example_inputs import synthetic_inputs
 
     checked = []
-    for seed, sizes in enumerate(check_shapes(shapes), start=1):
+    corners = check_shapes(shapes)
+    for seed, sizes in enumerate(corners, start=1):
+        report(seed, len(corners))
         feeds = synthetic_inputs(shapes, seed=seed, **sizes)
         try:
             expected = eager_runner(torch_model, threads=threads)(feeds)

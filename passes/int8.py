@@ -92,6 +92,7 @@ class Int8Pass(Pass[Int8Params]):
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params
+        ctx.progress("int8: prepare the input for ORT's quantizer", 0, 0)
         model, prepared = prepared_input(model, ctx)
         quantizer = Quantizer(model, params, ctx)
         candidates = quantized_nodes(model, quantizer.op_types, params.exclude)
@@ -105,6 +106,7 @@ class Int8Pass(Pass[Int8Params]):
             guard = AccuracyGuard(ctx, model, params, quantizer.quantize,
                                   candidates={n.name for n in candidates}, node_facts=float_weights)
             result = guard.run(params.exclude)
+            ctx.progress("int8: save the model and count its int8 coverage", 0, 0)
             artifact = save_model(onnx.load(str(result.model)), ctx.workdir)
         finally:
             shutil.rmtree(quantizer.scratch, ignore_errors=True)  # the cache entry holds only the model
@@ -161,6 +163,9 @@ class Quantizer:
         self.runs += 1
         out = self.scratch / f"quantized-{self.runs}.onnx"
         started = time.perf_counter()
+        # Dynamic: one call with no hook inside (the console's heartbeat shows its time); static: the
+        # calibration reader counts the batches ORT reads (_static).
+        self.ctx.progress(f"int8: ORT quantize_{self.params.mode} ({len(excluded)} nodes in float)", self.runs, self.runs)
         try:
             with root_logs_to(self.ctx.log):
                 if self.params.mode == "static":
@@ -198,7 +203,8 @@ class Quantizer:
 
         samples = self.ctx.calibration_set()  # built once per content, then loaded from its cache
         ranges = self._ranges(samples.key)
-        reader = None if ranges.cached else ort_calibration_reader(samples, self.model.path, self.params.calibration_batch)
+        reader = None if ranges.cached else ort_calibration_reader(samples, self.model.path, self.params.calibration_batch,
+                                                                  progress=self._calibration_progress)
         with CalibrationCache(self.ctx.cache_dir).lock(ranges.key):
             started = time.perf_counter()
             quantize_static(
@@ -228,6 +234,14 @@ class Quantizer:
                 "set_cached": samples.cached,
                 "seconds": None if ranges.cached else round(time.perf_counter() - started, 2),
             }
+
+    def _calibration_progress(self, done: int, total: int) -> None:
+        """ORT's calibrator reads the batches one by one (CalibrationDataReader.get_next); after the last
+        one (done > total: it asked for more) it computes the ranges and quantizes the weights."""
+        if done <= total:
+            self.ctx.progress("int8: ORT calibration batch", done, total)
+        else:
+            self.ctx.progress("int8: ORT computes the ranges and quantizes the weights", 0, 0)
 
     def _ranges(self, samples_key: str):
         cache = CalibrationCache(self.ctx.cache_dir)

@@ -79,6 +79,23 @@ def test_optimum_runs_its_preset_for_this_cpu(monkeypatch, features, preset):
     assert peers.optimum_preset() == preset
 
 
+def test_the_cpu_line_says_injected_features_change_choices_not_ort_kernels(monkeypatch):
+    """Under OPTPIPE_CPU_FEATURES the tables' ORT and PyTorch speeds are still the CPU's own: the line says so."""
+    from optpipe.hardware import cpu_features
+
+    bench = load_bench()
+    monkeypatch.setattr(cpu_features, "hardware_target", lambda: cpu_features.parse_features("avx2,fma,avx512f,avx512_vnni"))
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", "avx2,fma")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    line = bench.cpu_class_line()
+    assert "optpipe's choices for x86-avx2" in line and "OpenVINO at x86-avx2 (ONEDNN_MAX_CPU_ISA=AVX2)" in line
+    assert "ONNX Runtime and PyTorch kernels at the CPU's own class, x86-avx512-vnni" in line
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", "avx2,fma,avx512f,avx512_vnni")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert bench.cpu_class_line() == "x86-avx512-vnni (every engine)"
+    assert bench.injected_note(line)[1].startswith("The CPU's features were injected") and bench.injected_note("x86-amx (every engine)") == []
+
+
 def test_the_verdict_line_names_the_best_within_tolerance_of_each_side():
     bench = load_bench()
     rows = [{"candidate": "optpipe:ov-int8", "what": "openvino (OpenVINO, int8)", "speedup_vs_eager": 4.0, "cosine": 0.996, "within_tolerance": True},
@@ -89,6 +106,10 @@ def test_the_verdict_line_names_the_best_within_tolerance_of_each_side():
     line = bench.verdict_lines(rows)[0]
     assert "optpipe `optpipe:ov-int8` 4.00x" in line and "ONNX Runtime only `optpipe:int8-qattention` 2.80x" in line
     assert "best peer `optimum:int8-avx2-per-channel` 2.90x" in line
+    # Peer by peer at equal or better accuracy: ov-int8 beats Optimum; ORT alone (2.80x) is slower at 0.991.
+    details = bench.verdict_lines(rows)[1:]
+    assert details == ["- vs `optimum:int8-avx2-per-channel` (2.90x at 0.9910), optpipe: `optpipe:ov-int8` 4.00x at cosine 0.9960: at least as fast",
+                       "- vs `optimum:int8-avx2-per-channel` (2.90x at 0.9910), ONNX Runtime only: `optpipe:int8-qattention` 2.80x at cosine 0.9910: **slower**"]
 
 
 def test_the_gpu_document_is_written_and_timed_by_the_cpu_benchmark_s_functions():

@@ -346,3 +346,19 @@ def test_an_lm_head_fused_with_its_transposed_embedding_is_counted_at_its_own_si
                    [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", vocab])], inits, tmp_path)
     coverage = precision_coverage(model, {"batch": batch, "sequence": seq})
     assert coverage.unknown_shapes == 0 and coverage.total_macs == batch * seq * hidden * vocab
+
+
+def test_an_accuracy_warning_flags_the_accuracy_cell_not_the_precision_cell(cnn_setup):
+    # "fp32 100% ⚠" on a model that ignores its inputs pointed the user at the precision column.
+    tmp, recipe, images, exported, _, passes = cnn_setup
+    coverage, _ = stage_coverage(exported, {"batch": 1}, "simplify")
+    from optpipe.core.results import Accuracy, OutputAccuracy, StageResult
+    from optpipe.reporting.run_report import build_report, render_markdown
+
+    output = OutputAccuracy(name="logits", max_abs=0.0, mean_abs=0.0, cosine_mean=1.0, cosine_min=1.0, input_sensitivity=1e-4)
+    meaningless = "the reference's outputs barely change ...: so these accuracy figures mean nothing"
+    accuracy = Accuracy(reference="export", samples=4, outputs=[output], within_tolerance=True, warnings=[meaningless])
+    stage = StageResult(name="simplify", pass_name="simplify", status="ok", coverage=coverage, accuracy=accuracy,
+                        warnings=[meaningless])
+    text = render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
+    assert "fp32 100% |" in text and "fp32 100% ⚠" not in text

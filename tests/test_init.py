@@ -93,3 +93,44 @@ def test_init_on_something_that_is_no_model_is_one_line(tmp_path, cli_run, monke
     (tmp_path / "notes.txt").write_text("hello")
     result = cli_run("init", "notes.txt")
     assert result.exit_code == 2 and "is not an .onnx file, a Hugging Face folder or module:factory" in result.output
+
+
+NARROW_CNNS = '''
+import torch
+
+
+def _cnn(width):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, width, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(width, width, 3, padding=1),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(width, 10)).eval()
+
+
+def narrow():
+    return _cnn(24)
+
+
+def tiny():
+    return _cnn(8)
+'''
+
+
+def test_init_writes_a_prune_stage_that_prunes_narrow_cnns_or_none(tmp_path, cli_run, monkeypatch):
+    # A 25% prune rounded to the SIMD width (16) removed nothing from a 16/32-channel CNN, and the
+    # stage init wrote failed. Narrow nets round to 4; nets under 16 channels get no prune stage.
+    (tmp_path / "narrow_cnns.py").write_text(NARROW_CNNS)
+    monkeypatch.chdir(tmp_path)
+    assert cli_run("init", "narrow_cnns:tiny", "-o", "tiny.yaml").exit_code == 0
+    text = Path("tiny.yaml").read_text()
+    assert "prune" not in yaml.safe_load(text)["stages"] and "no prune stage: the widest convolution has 8 channels" in text
+    assert cli_run("init", "narrow_cnns:narrow", "-o", "narrow.yaml").exit_code == 0
+    recipe = yaml.safe_load(Path("narrow.yaml").read_text())
+    assert recipe["stages"]["prune"]["params"]["round_to"] == 4
+    synthetic = {"source": "synthetic", "samples": 4}
+    _fill(Path("narrow.yaml"), {"eval": synthetic, "calibration": synthetic},
+          evaluate={"batch_sizes": [1], "warmup": 1, "iterations": 2, "eager_baseline": False},
+          inputs=[{"name": "images", "dtype": "float32", "shape": ["batch", 3, 32, 32]}])
+    compiled = cli_run("compile", "narrow.yaml", "--only", "prune")
+    assert compiled.exit_code == 0, compiled.output
+    assert "| prune | prune | simplify | ok" in compiled.output or "| prune | prune | simplify | out-of-tolerance" in compiled.output
+    assert "removes nothing" not in compiled.output

@@ -137,11 +137,11 @@ def test_unquoted_off_reaches_a_string_mode_as_off():
 def test_round_to_auto_is_the_targets_vector_width(monkeypatch):
     from optpipe.hardware import simd
 
-    monkeypatch.setattr(simd, "_cpu_flags", lambda: {"sse4_2", "avx", "avx2", "avx512f"})
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", "avx2,fma,avx512f")
     assert simd.channel_multiple([]) == 16
-    monkeypatch.setattr(simd, "_cpu_flags", lambda: {"sse4_2", "avx", "avx2"})
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", "avx2,fma")
     assert simd.channel_multiple(["ort"]) == 8 and simd.channel_multiple(["tensorrt"]) == 16
-    monkeypatch.setattr(simd, "_cpu_flags", lambda: {"asimd"})
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", "arm64:asimd,asimddp")
     assert simd.channel_multiple([]) == 4
 
 

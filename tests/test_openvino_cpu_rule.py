@@ -170,3 +170,19 @@ def test_no_progress_line_before_the_heartbeat_interval():
     console.before_stage(Info())
     console.step("task", 1, 2)  # right after the start: the spinner's text only
     assert "task 1/2" not in stream.getvalue()
+
+
+def test_a_layer_onednn_refuses_under_a_restricted_isa_blames_the_restriction(monkeypatch):
+    # OpenVINO 2026.4's compressed-weight layers fail under ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 host
+    # (they run on an emulated AVX2 CPU): the line names the variable to unset.
+    from optpipe.evaluation.openvino_runtime import _blamed_on_restriction
+
+    refusal = RuntimeError("[CPU] FullyConnectedCompressed node with name 'mm' could not create a primitive descriptor")
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", AMX)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert _blamed_on_restriction(refusal) is refusal  # no restriction: OpenVINO's own words
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    blamed = _blamed_on_restriction(refusal)
+    assert "under ONEDNN_MAX_CPU_ISA=AVX2" in str(blamed) and "unset ONEDNN_MAX_CPU_ISA" in str(blamed)
+    other = RuntimeError("Exception from src/inference: input shape mismatch")
+    assert _blamed_on_restriction(other) is other

@@ -18,6 +18,7 @@ import yaml
 
 from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, input_entry, real_tensors, unknown_required
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
+from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
 
 FILL_IN = "FILL-IN"
@@ -34,6 +35,7 @@ class ModelFacts:
     kind: str  # cnn | transformer | dense
     notes: list[str] = field(default_factory=list)
     task: Optional[str] = None  # evaluate.task.kind, where the model says what it is for
+    conv_widths: list[int] = field(default_factory=list)  # output channels of each convolution
 
 
 def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
@@ -81,8 +83,22 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
         inputs.append(input_entry(value.name, dtype, shape, **extra))
     kind = onnx_mix(graph, {name: rng["opt"] for name, rng in dims.items()}).kind()
     outputs = [[d.dim_value if d.HasField("dim_value") else None for d in o.type.tensor_type.shape.dim] for o in graph.graph.output]
+    widths = _onnx_conv_widths(graph.graph)
     return ModelFacts(path.stem, {"onnx": _relative(path, recipe_dir)}, inputs, _rename_batch(inputs, dims), kind,
-                      task=_classifier_task(kind, outputs))
+                      task=_classifier_task(kind, outputs), conv_widths=widths)
+
+
+def _onnx_conv_widths(graph) -> list[int]:
+    """Output channels of each Conv whose weight is an initializer (its first dim)."""
+    shapes = {init.name: list(init.dims) for init in graph.initializer}
+    return [shapes[node.input[1]][0] for node in graph.node
+            if node.op_type == "Conv" and len(node.input) > 1 and shapes.get(node.input[1])]
+
+
+def _torch_conv_widths(net) -> list[int]:
+    import torch
+
+    return [m.out_channels for m in net.modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d))]
 
 
 def _index_ranges(graph) -> dict[str, int]:
@@ -150,7 +166,8 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     owner = type(net).__name__
     inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
     kind, notes = model_kind(net, inputs, dims, owner)
-    return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task))
+    return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task),
+                      conv_widths=_torch_conv_widths(net))
 
 
 # Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
@@ -220,7 +237,8 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     origin = getattr(module, "__file__", None)
     if origin and Path(origin).resolve().is_relative_to(Path.cwd().resolve()):
         model["path"] = _relative(Path.cwd(), recipe_dir)  # compile finds the module from the recipe's folder
-    return ModelFacts(func_name, model, inputs, dims, kind, notes, task=_classifier_task(kind, output_shapes))
+    return ModelFacts(func_name, model, inputs, dims, kind, notes, task=_classifier_task(kind, output_shapes),
+                      conv_widths=_torch_conv_widths(net))
 
 
 def _first_layer_input(net) -> tuple[list[dict], dict, list[str]]:
@@ -263,52 +281,6 @@ def _probe(net, inputs: list[dict], dims: dict, owner: str) -> list[list]:
 
 # --- the recipe text -------------------------------------------------------------------------
 
-# Every kind's best CPU candidate on CPUs with VNNI/AMX (MiniLM 3.95x eager, ResNet-50 5.24x: docs/benchmarks.md);
-# without VNNI it runs slower than OpenVINO FP32 and the stage is skipped, saying so: the FP32 IR beside it stands in.
-OPENVINO_INT8 = ("ov-int8", "openvino", "simplify", {"precision": "int8"},
-                 "OpenVINO IR, int8 by NNCF on the calibration set: the fastest CPU candidate where the CPU has VNNI "
-                 "(skipped without: slower than FP32 there, docs/openvino.md)")
-OPENVINO_FP32 = ("ov-fp32", "openvino", "simplify", {"precision": "fp32"},
-                 "OpenVINO IR in FP32: lossless, and the OpenVINO candidate on CPUs without VNNI")
-OPENVINO_BF16 = ("ov-bf16", "openvino", "simplify", {"precision": "bf16"},
-                 "OpenVINO IR at the bf16 hint: near int8's speed on AMX CPUs (skipped without AMX: slower than FP32 there)")
-
-STAGES = {
-    "cnn": [
-        ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
-        ("simplify", "simplify", "export", {}, "constant folding, dead code"),
-        ("fp16", "fp16", "simplify", {}, "half precision, for GPUs"),
-        ("int8", "int8", "simplify", {"mode": "static", "target": "ort-cpu"},
-         "calibrated int8 on the calibration images; before fuse: FusedConv is not what ORT's quantizer quantizes"),
-        ("fuse", "fuse", "simplify", {"transformer": "off"}, "Conv+BN+activation fusion for ONNX Runtime"),
-        ("prune", "prune", "simplify", {"method": "structured", "amount": 0.25},
-         "removes 25% of the channels, no fine-tuning: the report shows what it costs"),
-        OPENVINO_INT8,
-        OPENVINO_FP32,
-        OPENVINO_BF16,
-    ],
-    "transformer": [
-        ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
-        ("simplify", "simplify", "export", {}, "constant folding, dead code"),
-        ("fuse", "fuse", "simplify", {}, "attention, layer norm and GELU fusion"),
-        ("int8", "int8", "fuse", {"mode": "dynamic"}, "after fuse: dynamic int8 quantizes the fused attention's MatMuls"),
-        ("fp16", "fp16", "fuse", {}, "half precision, for GPUs"),
-        OPENVINO_INT8,
-        OPENVINO_FP32,
-        OPENVINO_BF16,
-    ],
-    "dense": [
-        ("export", "export", None, {}, "PyTorch -> ONNX (an .onnx source is imported as is)"),
-        ("simplify", "simplify", "export", {}, "constant folding, dead code"),
-        ("fp16", "fp16", "simplify", {}, "half precision, for GPUs"),
-        ("int8", "int8", "simplify", {"mode": "dynamic"}, "int8 weights, activations quantized at run time"),
-        OPENVINO_INT8,
-        OPENVINO_FP32,
-        OPENVINO_BF16,
-    ],
-}
-
-
 TASK_WHY = {"classification": "the verdict also holds top-1 agreement (cosine alone lets classes flip)",
             "language-model": "the verdict also holds next-token agreement (cosine alone lets tokens flip)",
             "segmentation": "the verdict also holds per-pixel class agreement (cosine alone let 13% of a SegFormer's pixels flip)"}
@@ -320,14 +292,14 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
     lines = [f"# Recipe written by `optpipe init {source}`: a {facts.kind} model.",
              "# Filled in from the model: inputs, dtypes, dynamic dims, the stages. Check the dims' ranges,",
              f"# then replace every {FILL_IN} in `data` with your own samples and run `optpipe compile` on this file."]
-    lines += [f"# NOTE: {note}" for note in facts.notes]
+    lines += [f"# NOTE: {note}" for note in facts.notes + stage_notes(facts.kind, facts.conv_widths)]
     lines += [f"name: {flow(facts.name)}", f"model: {flow(facts.model)}", "inputs:"]
     lines += [f"  - {flow(spec)}" for spec in facts.inputs]
     lines.append("dims:  # dynamic dims: the range the exported model accepts; `opt` is what latency is measured at")
     lines += [f"  {name}: {flow(rng)}" for name, rng in facts.dims.items()] or ["  {}"]
     lines += _data_section(facts)
     lines.append("stages:")
-    for name, pass_name, after, params, why in STAGES[facts.kind]:
+    for name, pass_name, after, params, why in stages_for(facts.kind, facts.conv_widths):
         entry = {"pass": pass_name, **({"after": after} if after else {}), **({"params": params} if params else {})}
         lines.append(f"  {name}: {flow(entry)}  # {why}")
     lines += ["evaluate:",

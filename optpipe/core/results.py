@@ -51,6 +51,8 @@ class TaskAccuracy(BaseModel):
                 "segmentation": ("pixel_agreement",),
                 "language-model": ("next_token_agreement",), "embeddings": ("token_cosine",)}.get(self.kind, ())
         values = [self.metrics[k] for k in keys if self.metrics.get(k) is not None]
+        if self.kind == "language-model" and values and self.metrics.get("perplexity_ratio"):
+            values.append(min(1.0, 1.0 / self.metrics["perplexity_ratio"]))  # a decoder's error: disagreement or perplexity
         return min(values) if values else None
 
 
@@ -115,6 +117,37 @@ class Latency(BaseModel):
     def speedup_vs_eager(self) -> Optional[float]:
         """Against the eager figure timed beside this one (None where eager was not timed beside it)."""
         return self.eager_p50_ms / self.p50_ms if self.eager_p50_ms and self.p50_ms else None
+
+
+class GenerationRow(BaseModel):
+    """Greedy generation at one batch size, medians over the rounds; eager's timed interleaved with it."""
+
+    batch_size: int
+    ttft_ms: float = Field(description="time to first token: the prefill over the prompt")
+    decode_tokens_per_s: float = Field(description="generated tokens per second after the first, all rows of the batch")
+    eager_ttft_ms: Optional[float] = None
+    eager_decode_tokens_per_s: Optional[float] = None
+
+
+class Generation(BaseModel):
+    """A decoder measured by generation (evaluate.generation): the figures its row and report.json show."""
+
+    weights: Literal["random", "checkpoint", "unknown"] = Field(
+        description="random: built from a config (seeded), agreement and perplexity then mean nothing; checkpoint: read from the "
+        "model's files (real weights where that checkpoint was trained); unknown: a factory or ONNX source")
+    tokens: str = Field(description="how the prompts and text became token ids (a tokenizer, or UTF-8 bytes)")
+    prompts: int
+    new_tokens: int
+    prompt_tokens: int = Field(description="tokens of each batch-1 prompt, the shortest")
+    rows: list[GenerationRow]
+    next_token_agreement: Optional[float] = Field(None, description="teacher-forced greedy agreement with eager over its generated tokens")
+    perplexity: Optional[float] = None
+    eager_perplexity: Optional[float] = None
+    text_tokens: int = Field(0, description="tokens the perplexity covers")
+    peak_rss_bytes: Optional[int] = Field(None, description="peak RSS above the process's before, while loading and generating")
+
+    def row(self, batch: int) -> Optional[GenerationRow]:
+        return next((r for r in self.rows if r.batch_size == batch), None)
 
 
 class Memory(BaseModel):
@@ -184,6 +217,7 @@ class StageResult(MeasuredResult):
     memory: Optional[Memory] = None
     info: dict[str, Any] = Field(default_factory=dict)
     coverage: Optional[Coverage] = Field(None, description="share of weights and MACs per precision, float compute left and why")
+    generation: Optional[Generation] = Field(None, description="evaluate.generation: TTFT, decode tokens/s, agreement, perplexity")
     warnings: list[str] = Field(default_factory=list, description="what makes this stage's 'ok' or figures less than they seem")
     measured_on: Optional[dict[str, Any]] = Field(None, description="the node that measured the figures (multi-node runs)")
     evaluation_s: Optional[float] = Field(None, description="seconds its evaluation took (searches and fan-out runs)")

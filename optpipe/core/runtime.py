@@ -132,11 +132,36 @@ def ort_session(path: Path, threads: int, providers: list[str] | None = None, op
     )
 
 
+#: A decoder exported with its KV cache (optpipe/source/decoder_export.py) takes these beside the tokens.
+PAST_PREFIX, MASK_NAME, TOKENS_NAME = "past_key_values.", "attention_mask", "input_ids"
+
+
+def prefill_feeds(feeds: Feeds, inputs: list[tuple[str, list]]) -> Feeds:
+    """The feeds of one forward through a KV-cache decoder: the recipe's inputs name only the tokens, the
+    graph also takes an attention mask and a past key/value per layer. Every one-forward run (a pass's
+    self-check, a guard, a target's timing) is then the prefill: a mask of ones and an empty past (length
+    0, which ONNX Runtime and OpenVINO take). `inputs`: the graph's (name, shape); other graphs unchanged."""
+    if TOKENS_NAME not in feeds or not any(name.startswith(PAST_PREFIX) for name, _ in inputs):
+        return feeds
+    batch, sequence = np.shape(feeds[TOKENS_NAME])[:2]
+    completed = dict(feeds)
+    for name, shape in inputs:
+        if name in completed:
+            continue
+        if name == MASK_NAME:
+            completed[name] = np.ones((batch, sequence), np.int64)
+        elif name.startswith(PAST_PREFIX) and len(shape) == 4 and all(isinstance(d, int) for d in (shape[1], shape[3])):
+            completed[name] = np.zeros((batch, shape[1], 0, shape[3]), np.float32)
+    return completed
+
+
 def ort_runner(session) -> Callable[[Feeds], Outputs]:
     names = [o.name for o in session.get_outputs()]
     inputs = {i.name for i in session.get_inputs()}
+    shapes = [(i.name, list(i.shape)) for i in session.get_inputs()]
 
     def run(feeds: Feeds) -> Outputs:
+        feeds = prefill_feeds(feeds, shapes)
         return dict(zip(names, session.run(names, {k: v for k, v in feeds.items() if k in inputs})))
 
     return run

@@ -92,7 +92,11 @@ class Evaluator:
         self._reference = (name, digest, lazy)
 
     def onnx_outputs(self, artifact: ModelArtifact) -> Outputs:
-        return run_onnx(artifact.path, self.accuracy_batches, self.settings.threads, self.providers)
+        return run_onnx(artifact.path, self.accuracy_batches, self.settings.threads, self.providers,
+                        progress=lambda done, total: self.progress("the reference stage's outputs, batch", done, total))
+
+    def _accuracy_progress(self, done: int, total: int) -> None:
+        self.progress("accuracy batch", done, total)
 
     def evaluate_onnx(self, artifact: ModelArtifact, tolerance: Tolerance) -> Measured:
         if openvino_runtime.is_ir(artifact.folder):  # an `openvino` stage: OpenVINO's runtime, same protocol
@@ -107,13 +111,14 @@ class Evaluator:
             baseline = self._eager_baseline()
             # Peak memory covers what the session itself costs: its creation and the timed runs.
             with PeakMemory(device=self.providers[0] != "CPUExecutionProvider") as peak:
+                self.progress("ONNX Runtime session", 0, 0)
                 session = ort_session(artifact.path, self.settings.threads, self.providers)
                 latency = self._latency(ort_runner(session), self.providers[0], baseline)
             # The same session computes the accuracy outputs (outside the memory figure, as before):
             # one session per stage, and the reference stage's outputs computed once.
             digest = artifact.content_hash()
             accuracy = self._accuracy(lambda: run_onnx(artifact.path, self.accuracy_batches, self.settings.threads,
-                                                       session=session), tolerance, digest)
+                                                       session=session, progress=self._accuracy_progress), tolerance, digest)
             del session
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
@@ -142,6 +147,7 @@ class Evaluator:
             hit = None if self.force else self.cache.get_result(key)
             if hit is not None:
                 return [Latency.model_validate(lat) for lat in hit["latency"]], True
+            self.progress("build the runtime for the curves", 0, 0)
             points = self._sweep_latency(build(), provider, headline)
             self.cache.put_result(key, {"latency": [lat.model_dump(mode="json") for lat in points]})
         return points, False
@@ -158,9 +164,11 @@ class Evaluator:
                 return _decode(hit) + (True,)
             # Peak memory covers what ORT's rows cover: compiling the model and the timed runs.
             with PeakMemory() as peak:
+                self.progress("OpenVINO compile_model", 0, 0)
                 run = openvino_runtime.runner(openvino_runtime.compile_model(path, self.settings.threads, hint), names)
                 latency = self._latency(run, openvino_runtime.PROVIDER)
-            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance, artifact.content_hash())
+            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches, self._accuracy_progress), tolerance,
+                                      artifact.content_hash())
             del run
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
@@ -175,7 +183,7 @@ class Evaluator:
                 return _decode(hit) + (True,)
             # Built again when the shared one failed, so that its real error reaches the eager row.
             run = self._eager_baseline() or eager_runner(torch_model(), self.settings.threads)
-            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches), tolerance)
+            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches, self._accuracy_progress), tolerance)
             with PeakMemory() as peak:
                 latency = self._latency(run, "pytorch-cpu")
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
@@ -201,9 +209,11 @@ class Evaluator:
         if self._eager_run is None and self._eager_factory is not None:
             factory, self._eager_factory = self._eager_factory, None  # one try: a failing eager fails once
             try:
+                self.progress("PyTorch eager: load the model", 0, 0)
                 run = factory()
                 feeds = self.eval_set.first(self._batch_sizes()[0])
-                warm_for(run, feeds, EAGER_WARM_S)
+                warm_for(run, feeds, EAGER_WARM_S,
+                         progress=lambda calls, _: self.progress(f"PyTorch eager: {EAGER_WARM_S:g} s of warm-up calls", calls, 0))
                 self._warmth.record(run, feeds)  # its untimed calls are done; a timed run still settles it
                 self._eager_run = run
             except Exception:  # noqa: BLE001 - the eager row reports its own failure; stages time alone then
@@ -241,8 +251,10 @@ class Evaluator:
 
     def _measure(self, run, feeds: Feeds, iterations: int, provider: str, task: str, baseline=None) -> Latency:
         report = lambda done, total: self.progress(task, done, total)  # noqa: E731
+        warming = lambda calls: self.progress(f"{task}: warm-up call", calls, 0)  # noqa: E731
+        self.progress(f"{task}: warm-up", 0, 0)
         latency = measure(run, feeds, self.settings.warmup, iterations, self.settings.threads, provider, progress=report,
-                          baseline=baseline, adaptive=self.settings.adaptive, warmth=self._warmth)
+                          baseline=baseline, adaptive=self.settings.adaptive, warmth=self._warmth, warming=warming)
         # Every figure names the CPU class it was timed on: OpenVINO's own where ONEDNN_MAX_CPU_ISA holds it lower.
         engine = "openvino" if provider == openvino_runtime.PROVIDER else "onnxruntime"
         return latency.model_copy(update={"cpu_class": engine_target(engine).cpu_class})

@@ -167,7 +167,10 @@ class AccuracyGuard:
         self.batches = list(samples.batches(accuracy_batch(ctx.inputs, settings)))
         self.rank_feeds = {name: array[: params.rank_samples] for name, array in self.inputs.items()}
         self.scratch: Path | None = None  # made on first use, removed by run()
-        self.reference = run_onnx(source.path, self.batches, self.threads)
+        # Each conversion, measurement and ranking is a console step (issue 17), the batches counted.
+        self.progress = getattr(ctx, "progress", None) or (lambda *_: None)
+        self.conversions = 0
+        self.reference = run_onnx(source.path, self.batches, self.threads, progress=self._counter("the input's outputs"))
 
     def run(self, excluded: list[str]) -> GuardResult:
         try:
@@ -179,9 +182,18 @@ class AccuracyGuard:
                 shutil.rmtree(self.scratch, ignore_errors=True)  # the cache entry holds only the model
                 self.scratch = None
 
+    def _counter(self, what: str) -> Callable[[int, int], None]:
+        return lambda done, total: self.progress(f"guard: {what} (batch)", done, total)
+
+    def _convert(self, excluded: list[str]) -> Model:
+        self.conversions += 1
+        self.progress(f"guard: conversion {self.conversions} ({len(excluded)} nodes in float)", self.conversions,
+                      self.params.guard_trials + 1)
+        return self.convert(excluded)
+
     def _run(self, excluded: list[str]) -> GuardResult:
         started = time.perf_counter()
-        model = self.convert(excluded)
+        model = self._convert(excluded)
         accuracy = self.measure(model)
         first = _step([], accuracy)
         steps: list[GuardStep] = []
@@ -204,7 +216,7 @@ class AccuracyGuard:
                     break
             nodes = [b.node for b in pick]
             tried.update(nodes)
-            trial = self.convert(excluded + nodes)
+            trial = self._convert(excluded + nodes)
             result = self.measure(trial)
             step = _step(pick, result, accuracy, facts={n: self.node_facts(n) for n in nodes})
             # The blame is local; an exclusion that buys nothing end to end is undone. An overflowing
@@ -286,7 +298,8 @@ class AccuracyGuard:
 
     def measure(self, model: Model) -> Accuracy:
         """The model's outputs under the guard's numerics, against the pass's input."""
-        outputs = run_onnx(self._path(self._numerics(model)), self.batches, self.threads)
+        outputs = run_onnx(self._path(self._numerics(model)), self.batches, self.threads,
+                           progress=self._counter(f"outputs of conversion {self.conversions}"))
         return compare(outputs, self.reference, self.inputs, self.ctx.tolerance, "pass input", self.top1,
                        task=self.task, labels=self.labels)
 
@@ -295,6 +308,7 @@ class AccuracyGuard:
         from optpipe.evaluation.error_attribution import blame_nodes, float_activations, run_with_outputs
         from optpipe.evaluation.fp16_numerics import tensor_types
 
+        self.progress("guard: rank the nodes by the error each adds", 0, 0)
         if self._graph is None:
             self._graph = self.source.load()
         source = self._graph

@@ -110,10 +110,13 @@ def measure(
     adaptive: bool = True,
     clock: Clock = time.perf_counter,
     warmth: Warmth | None = None,
+    warming: Callable[[int], None] | None = None,
 ) -> Latency:
     """Time `run` (and `baseline`, interleaved) on `feeds`: at most `iterations` timed runs each.
 
-    `progress(done, total)` is told after warm-up and every block (outside the timed span).
+    `progress(done, total)` is told after warm-up and after every timed call of the candidate;
+    `warming(calls)` after every warm-up call (both between calls, outside each call's timed span:
+    a batch-16 call of a loaded machine takes seconds, the console shows each).
     `clock` is injectable so tests can make the machine look steady or busy. `warmth`: what this
     process already warmed (None: nothing, every runnable gets the full warm-up).
     """
@@ -121,8 +124,15 @@ def measure(
     runners = {"candidate": run} | ({"baseline": baseline} if baseline is not None else {})
     blocks: dict[str, list[np.ndarray]] = {name: [] for name in runners}
     load, cpu_start = _load_average(), cpu_contention.snapshot()
+    warm_calls = [0]
+
+    def warm_tick() -> None:
+        warm_calls[0] += 1
+        if warming is not None:
+            warming(warm_calls[0])
+
     with pinned_threads(threads):
-        settled = {name: warm_up(fn, feeds, warmup, clock, warmth) for name, fn in runners.items()}
+        settled = {name: warm_up(fn, feeds, warmup, clock, warmth, warm_tick) for name, fn in runners.items()}
         if all(block is not None for block in settled.values()):
             # Candidate's then baseline's, as warmed: the first pair of timed blocks; the next pair starts
             # with the baseline (the parity below), as when both were timed after warm-up.
@@ -139,7 +149,8 @@ def measure(
                 n = min(n, max(2, MIN_ITERATIONS - done))
             order = list(runners) if len(blocks["candidate"]) % 2 == 0 else list(reversed(runners))
             for name in order:
-                blocks[name].append(_time_block(runners[name], feeds, n, clock))
+                tick = _counter(progress, done, iterations) if name == "candidate" and progress is not None else None
+                blocks[name].append(_time_block(runners[name], feeds, n, clock, tick))
             done += n
             if adaptive and done >= MIN_ITERATIONS and all(median_is_tight(np.concatenate(b)) for b in blocks.values()):
                 break
@@ -161,8 +172,18 @@ def measure(
     return latency
 
 
+def _counter(progress: Callable[[int, int], None], done: int, total: int) -> Callable[[], None]:
+    calls = [done]
+
+    def tick() -> None:
+        calls[0] += 1
+        progress(calls[0], total)
+
+    return tick
+
+
 def warm_up(run: Run, feeds: Feeds, warmup: int, clock: Clock = time.perf_counter,
-            warmth: Warmth | None = None) -> np.ndarray | None:
+            warmth: Warmth | None = None, tick: Callable[[], None] | None = None) -> np.ndarray | None:
     """Untimed runs, then blocks until one is no faster than the block before it (or WARM_CAP_S).
 
     Returns that settled block's times (ms), steady state by the rule's definition, or None when
@@ -178,10 +199,12 @@ def warm_up(run: Run, feeds: Feeds, warmup: int, clock: Clock = time.perf_counte
             break
         run(feeds)
         call_s, last = clock() - last, clock()
+        if tick is not None:
+            tick()
     start, previous = clock(), None
     size = _settle_block(call_s)
     while clock() - start < WARM_CAP_S:
-        block = _time_block(run, feeds, size, clock)
+        block = _time_block(run, feeds, size, clock, tick)
         current = float(np.median(block))
         size = _settle_block(current / 1e3)
         if previous is not None and current >= WARM_SETTLED * previous:
@@ -199,12 +222,16 @@ def _settle_block(call_s: float | None) -> int:
     return max(2, min(BLOCK, int(WARM_BLOCK_S / call_s)))
 
 
-def warm_for(run: Run, feeds: Feeds, seconds: float, clock: Clock = time.perf_counter) -> None:
-    """Run untimed for `seconds` (at least once): for runtimes whose first seconds are slow, not their first calls."""
-    start = clock()
-    run(feeds)
-    while clock() - start < seconds:
+def warm_for(run: Run, feeds: Feeds, seconds: float, clock: Clock = time.perf_counter,
+             progress: Callable[[int, int], None] | None = None) -> None:
+    """Run untimed for `seconds` (at least once): for runtimes whose first seconds are slow, not their first calls.
+    `progress(calls, 0)` after each call."""
+    start, calls = clock(), 0
+    while calls == 0 or clock() - start < seconds:
         run(feeds)
+        calls += 1
+        if progress is not None:
+            progress(calls, 0)
 
 
 def median_is_tight(times: np.ndarray, target: float = CI_TARGET) -> bool:
@@ -238,12 +265,15 @@ def busy_reason(times_ms: np.ndarray, block_medians: list[float], others_cpu: fl
     return "machine busy: " + ", ".join(reasons) if reasons else None
 
 
-def _time_block(run: Run, feeds: Feeds, n: int, clock: Clock) -> np.ndarray:
+def _time_block(run: Run, feeds: Feeds, n: int, clock: Clock, tick: Callable[[], None] | None = None) -> np.ndarray:
+    """`n` calls, each timed alone; `tick` between them, outside any call's span."""
     times = np.empty(n)
     for i in range(n):
         start = clock()
         run(feeds)
         times[i] = clock() - start
+        if tick is not None:
+            tick()
     return times * 1e3
 
 

@@ -25,8 +25,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from optpipe.core.runtime import Feeds, Outputs
-from optpipe.hardware.cpu_features import engine_target, native_bf16
+from optpipe.core.errors import first_line
+from optpipe.core.runtime import Feeds, Outputs, prefill_feeds
+from optpipe.hardware.cpu_features import ONEDNN_ENV, engine_target, native_bf16
 
 IR_FILE = "model.xml"
 WEIGHTS_FILE = "model.bin"
@@ -209,7 +210,28 @@ def compile_config(threads: int, hint: str = "f32") -> dict[str, Any]:
 def compile_model(model_or_path, threads: int, hint: str = "f32"):
     """A compiled CPU model (from an ov.Model or a path to .xml/.onnx) with `compile_config`."""
     source = str(model_or_path) if isinstance(model_or_path, Path) else model_or_path
-    return core().compile_model(source, "CPU", compile_config(threads, hint))
+    try:
+        return core().compile_model(source, "CPU", compile_config(threads, hint))
+    except RuntimeError as exc:
+        blamed = _blamed_on_restriction(exc)
+        if blamed is exc:
+            raise
+        raise blamed from exc
+
+
+def _blamed_on_restriction(exc: RuntimeError) -> RuntimeError:
+    """oneDNN refusing a layer while ONEDNN_MAX_CPU_ISA holds it below this CPU: the restriction's fault.
+
+    Measured (OpenVINO 2026.4): NNCF-compressed weights (FullyConnectedCompressed) fail to build, at
+    compile or at the first inference of dynamic shapes, under ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512
+    host, and with some configurations run with empty outputs; the same IR runs on an emulated AVX2
+    CPU (qemu-x86_64 -cpu Haswell). So the line says what to unset, not that the model is broken."""
+    restricted = engine_target("openvino").restricted_by
+    if not restricted or "could not create a primitive descriptor" not in str(exc):
+        return exc
+    return RuntimeError(f"OpenVINO cannot build a layer of this model under {restricted} on this CPU "
+                        f"({first_line(exc)[:110]}); unset {ONEDNN_ENV} to run it at this CPU's own ISA "
+                        "(a real CPU of that class runs it)")
 
 
 def default_inference_precision() -> str:
@@ -275,9 +297,18 @@ def runner(compiled, output_names: list[str] | None = None) -> Callable[[Feeds],
     request = compiled.create_infer_request()
     inputs = {port.get_any_name() for port in compiled.inputs}
     ports = [(pick_name(port, output_names), port) for port in compiled.outputs]
+    shapes = [(port.get_any_name(), [d.get_length() if d.is_static else None for d in port.get_partial_shape()])
+              for port in compiled.inputs]
 
     def run(feeds: Feeds) -> Outputs:
-        request.infer({k: v for k, v in feeds.items() if k in inputs})
+        feeds = prefill_feeds(feeds, shapes)  # a KV-cache decoder's one forward is its prefill
+        try:
+            request.infer({k: v for k, v in feeds.items() if k in inputs})
+        except RuntimeError as exc:
+            blamed = _blamed_on_restriction(exc)
+            if blamed is exc:
+                raise
+            raise blamed from exc
         return {name: np.array(request.get_tensor(port).data, copy=True) for name, port in ports}
 
     return run

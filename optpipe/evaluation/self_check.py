@@ -35,6 +35,7 @@ from optpipe.evaluation.accuracy import compare
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.pass_infra.instruments import Instrument, StageInfo
 from optpipe.pass_infra.pass_base import PassParams
+from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel, Tolerance
 from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session
 
@@ -72,10 +73,14 @@ class NumericSelfCheck(Instrument):
             return  # an imported ONNX file is its own reference
         feeds = trace_inputs(ctx.inputs)
         threads = ctx.evaluate.threads
+        steps = Steps(ctx.progress, "self-check", 2)  # part of the stage's time: shown as its progress
         if input is None:
+            steps("PyTorch eager outputs")
             against, reference = EAGER, eager_outputs(ctx.torch_model(), feeds, threads)
         else:
+            steps("the input model's outputs (ONNX Runtime)")
             against, reference = INPUT, input_outputs(input.path, feeds, threads)
+        steps("the result's outputs (ONNX Runtime)")
         record = numeric_check(onnx_outputs(output.path, feeds, threads), reference, feeds, params, against, info.pass_.check_hint)
         output.info["self_check"] = record
         ctx.log.info("self-check against %s: %s", against, record)

@@ -39,6 +39,7 @@ from optpipe.safety.os_errors import folder_errors
 from optpipe.safety.recipe_loading import write_recipe_snapshot
 from optpipe.targets import run_targets
 from optpipe.plan.validate import validate_recipe
+from optpipe.core.library_files import keep_library_files_in
 
 
 @dataclass
@@ -61,6 +62,7 @@ def compile_recipe(recipe: Recipe, options: RunOptions | None = None) -> RunRepo
 
 
 def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
+    from optpipe.plan.source_preflight import source_preflight
     from optpipe.safety.preflight import preflight
 
     graph, passes = validate_recipe(recipe)
@@ -69,11 +71,15 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     run_dir, cache_root = paths.run_dir, paths.cache_dir
     with folder_errors("cache folder", cache_root):
         cache = StageCache(cache_root)
+    keep_library_files_in(cache.root)
     try:  # from here on, leases this run takes (preflight takes some) are dropped however it ends
         with folder_errors("output folder", run_dir):
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         services = RunServices(plan.model_source(), plan.data, cache)
-        preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
+        # Seconds on a loaded machine (the model loaded and run once, the data sets built): a console phase.
+        with Instruments(options.instruments).phase("preflight: the model, its inputs and the data sets"):
+            preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
+            source_preflight(recipe, onnx_path(recipe.model_source()))
         order = _stages_to_run(graph, options.only)
 
         manager = PassManager(plan, cache, services, run_dir, options)
@@ -91,7 +97,8 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
                 write_recipe_snapshot(recipe, run_dir)  # beside the report: `optpipe export` reads it
                 run_targets(plan.target_settings(cache.root), report, run_dir, cache, options.providers, instruments)
             finally:
-                write_report(report, run_dir)  # once, with the targets' rows
+                with instruments.phase("report: report.json, report.md, report.html"):
+                    write_report(report, run_dir)  # once, with the targets' rows
     finally:
         cache.release_leases()  # `cache gc` may prune what this run used from now on
     return report

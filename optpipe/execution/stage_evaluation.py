@@ -68,16 +68,23 @@ def evaluate_stages(
         evaluator.set_reference(reference, artifact.content_hash(), lambda: evaluator.onnx_outputs(artifact))
 
     source_check = SourceCheck(parts.source, evaluator, services.torch_model)
+    generation = None
+    if parts.evaluate.generation is not None:  # a decoder: measured by generation, not by one forward
+        from optpipe.evaluation.generation_eval import GenerationEvaluator
+
+        generation = GenerationEvaluator(parts.evaluate, parts.source, cache, instruments.step, force)
+        if ref_stage is not None and ref_stage.model is not None:  # the yardstick where eager is not measured
+            generation.set_reference_stage(reference, ref_stage.model)
     results = []
     if parts.evaluate.eager_baseline and not isinstance(parts.source.model, OnnxModel):
-        results.append(_evaluate_eager(parts, evaluator, services, instruments, source_check))
+        results.append(_evaluate_eager(parts, generation or evaluator, services, instruments, source_check))
     for name in order:
         result = stages[name]
         if result.status == "ok":
-            _evaluate_stage(result, parts, evaluator, instruments, source_check)
+            _evaluate_stage(result, parts, evaluator, instruments, source_check, generation)
         results.append(result)
     flag_unchanged_stages([stages[name] for name in order], stages, cache)
-    if parts.evaluate.sweep:
+    if parts.evaluate.sweep and generation is None:
         _sweep(results, parts, evaluator, instruments)
     return results
 
@@ -92,6 +99,7 @@ def _sweep(results: list[StageResult], parts: EvaluationParts, evaluator: Evalua
             continue
         if result.name == EAGER_STAGE and not chosen - {EAGER_STAGE}:
             continue  # no stage has curves: the baseline's alone would compare with nothing
+        instruments.before_sweep(result.name)  # a sweep point at batch 16 can take seconds: shown as progress
         try:
             if result.name == EAGER_STAGE:
                 points, cached = evaluator.sweep_eager(_eager_digest(parts), result.latency)
@@ -101,13 +109,15 @@ def _sweep(results: list[StageResult], parts: EvaluationParts, evaluator: Evalua
             escalate(exc, evaluator.cache.root)
             logging.getLogger("optpipe").debug("sweep of %s failed", result.name, exc_info=True)
             result.warnings.append(f"latency sweep failed: {type(exc).__name__}: {first_line(exc)}")
+            instruments.sweep_done(result.name, 0, False, result.warnings[-1])
             continue
+        instruments.sweep_done(result.name, len(points), cached)
         result.latency = [*result.latency, *points]
         result.evaluation_cached = bool(result.evaluation_cached) and cached
 
 
 def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Evaluator, instruments: Instrument,
-                    source_check: "SourceCheck | None" = None) -> None:
+                    source_check: "SourceCheck | None" = None, generation=None) -> None:
     artifact = result.model
     result.hash = artifact.content_hash()
     result.size_bytes = artifact.size_bytes()
@@ -118,7 +128,11 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
     release_freed_memory()  # the last stage's session and outputs, freed, leave this one's peak (core/process_memory.py)
     instruments.before_evaluation(result.name)
     try:
-        accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, parts.tolerance_for(result.name))
+        if generation is not None:
+            accuracy, latency, memory, cached = generation.evaluate_stage(result.name, artifact, parts.tolerance_for(result.name))
+            result.generation = generation.generation_of(artifact.content_hash())
+        else:
+            accuracy, latency, memory, cached = evaluator.evaluate_onnx(artifact, parts.tolerance_for(result.name))
     except OptpipeError as exc:
         escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
         result.error_kind = error_kind(exc)  # a task or labels the model cannot carry: the user's (exit 2)
@@ -159,6 +173,7 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
         _evaluation_failed(result, f"PyTorch eager baseline failed: {type(exc).__name__}: {first_line(exc)}", instruments)
         return result
     result.accuracy, result.latency, result.memory, result.cached = accuracy, latency, memory, cached
+    result.generation = getattr(evaluator, "generation_of", lambda _: None)("eager")
     result.evaluation_cached = cached  # the baseline has no pass: its figures are all there is to reuse
     result.warnings += accuracy.warnings if accuracy else []
     instruments.after_evaluation(result)

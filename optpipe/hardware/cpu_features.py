@@ -127,6 +127,12 @@ def machine_target() -> CpuTarget:
     return _detect(os.environ.get(FEATURES_ENV, ""))
 
 
+def hardware_target() -> CpuTarget:
+    """The CPU's own features, whatever OPTPIPE_CPU_FEATURES says: what ORT's MLAS and PyTorch
+    dispatch their kernels on when optpipe's choices are made for an injected class (benchmarks say both)."""
+    return _detect("")
+
+
 def engine_target(engine: Engine = "onnxruntime") -> CpuTarget:
     """The CPU as `engine` uses it: OpenVINO (oneDNN) under ONEDNN_MAX_CPU_ISA sees only part of it.
     ORT's MLAS and PyTorch dispatch on the machine's own features."""

@@ -10,34 +10,22 @@ machine's noise is larger than the effect, and a prune slower than its parent wa
 """
 from __future__ import annotations
 
-import platform
-from pathlib import Path
+from optpipe.hardware.cpu_features import machine_target
 
 # TensorRT's tensor cores want channel counts that are multiples of 8 (FP16) and 16/32 (INT8).
 TENSORRT_ALIGNMENT = 16
 
 
 def cpu_fp32_lanes() -> int:
-    """fp32 lanes of the widest vector unit: 16 (AVX-512), 8 (AVX/AVX2), 4 (SSE, NEON, unknown)."""
-    flags = _cpu_flags()
-    if "avx512f" in flags:
+    """fp32 lanes of the widest vector unit: 16 (AVX-512), 8 (AVX2), 4 (SSE, NEON, unknown). From
+    cpu_features, so OPTPIPE_CPU_FEATURES holds here as for every other per-CPU choice."""
+    target = machine_target()
+    if target.has("avx512f"):
         return 16
-    if "avx2" in flags or "avx" in flags:
-        return 8
-    return 4
+    return 8 if target.has("avx2") else 4
 
 
 def channel_multiple(target_kinds: list[str]) -> int:
     """What pruned channel counts are rounded to for the recipe's targets (CPU unless TensorRT is one)."""
     lanes = cpu_fp32_lanes()
     return max(lanes, TENSORRT_ALIGNMENT) if "tensorrt" in target_kinds else lanes
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return {"asimd"} if platform.machine() in ("arm64", "aarch64") else set()

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Mapping, Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from optpipe.core.errors import RecipeError
+from optpipe.recipe.generation_spec import GenerationSpec, generation_problem
 from optpipe.recipe.search_spec import Choices, SearchSettings, normalize_settings
 
 # Beyond these a run does not finish in any useful time (memory is bounded in safety/resource_bounds.py).
@@ -195,6 +196,7 @@ class EvaluateSpec(Strict):
     eager_baseline: bool = True
     top1: Optional[bool] = Field(None, description="compare argmax of outputs; default: outputs named *logits*")
     task: Optional[TaskSpec] = Field(None, description="what the model is for; the stage verdict then uses the task's metric")
+    generation: Optional[GenerationSpec] = Field(None, description="language-model task: KV-cache export, every stage measured by generation")
     min_input_sensitivity: float = Field(
         1e-3, ge=0, description="outputs whose spread across samples is below this fraction of their magnitude make "
         "the accuracy figures meaningless: the report says so",
@@ -344,6 +346,13 @@ class Recipe(Strict):
             off_grid = [b for b in self.evaluate.batch_sizes if not self.dims[batch].allows(b)]
             if off_grid:
                 raise ValueError(f"evaluate.batch_sizes: {off_grid} not a multiple of {self.dims[batch].multiple_of} (dims.{batch}.multiple_of)")
+        return self
+
+    @model_validator(mode="after")
+    def _generation_measurable(self):  # recipe/generation_spec.py: a causal LM, its token input, batch sizes within dims
+        spec = self.evaluate.generation
+        if spec and (problem := generation_problem(spec, self.evaluate.task, self.model, self.inputs, self.dims)):
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

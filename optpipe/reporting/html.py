@@ -138,7 +138,7 @@ def _stage_table(report: RunReport) -> str:
         cells[0] = f"<b>{cells[0]}</b>"
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     note = f"<p class='note'>{html.escape(table_note(report))}</p>"
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers())
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers(report))
     # The stage table has ~18 columns: headers wrap and the table scrolls inside its own box, so the
     # page keeps its width (it ran 1.6x past a 1200 px page before).
     return (note + "<div class='wide'><table class='stages'><thead><tr>" + head + "</tr></thead><tbody>" + "".join(rows)

@@ -13,6 +13,7 @@ from typing import Callable, Literal, Optional
 
 from optpipe.evaluation.latency import BUSY_SPREAD
 from optpipe.evaluation.openvino_runtime import PRECISION_NAMES
+from optpipe.evaluation.speed_verdict import SLOWER_THAN_PARENT
 from optpipe.core.results import Accuracy, RunReport, StageResult
 
 Tone = Optional[Literal["ok", "out", "failed"]]
@@ -53,19 +54,59 @@ def stage_rows(report: RunReport) -> list[StageRow]:
     for stage in report.stages:
         context = RowContext(stage, report.stage(stage.parent) if stage.parent else None, eager, typical,
                              report.machine.get("cpu"))
-        rows.append(StageRow(stage, [column.cell(context) for column in COLUMNS]))
+        rows.append(StageRow(stage, [column.cell(context) for column in columns(report)]))
     return rows
 
 
-def headers() -> list[str]:
-    return [column.header for column in COLUMNS]
+def columns(report: RunReport | None = None) -> list[Column]:
+    """The table's columns: the generation column only where a stage was measured by generation."""
+    if report is not None and any(s.generation for s in report.stages):
+        return COLUMNS[:-3] + [Column("generation", _generation)] + COLUMNS[-3:]
+    return COLUMNS
+
+
+def headers(report: RunReport | None = None) -> list[str]:
+    return [column.header for column in columns(report)]
+
+
+def _generation(c: RowContext) -> Cell:
+    """TTFT and decode tokens/s per batch size, agreement and perplexity: a decoder's own figures."""
+    g = c.stage.generation
+    if g is None:
+        return Cell()
+    parts = [f"TTFT {g.rows[0].ttft_ms:.1f} ms"] if g.rows else []
+    parts += [f"{r.decode_tokens_per_s:.0f} tok/s b{r.batch_size}" + _eager_ratio(r) for r in g.rows]
+    if g.perplexity is not None:
+        parts.append(f"ppl {g.perplexity:.2f}")
+    parts.append(f"{g.weights} weights")
+    return Cell(" · ".join(parts), "out" if g.weights == "random" else None)
+
+
+def _eager_ratio(row) -> str:
+    """Decode tokens/s against eager's, timed interleaved with it (absent on eager's own row)."""
+    if not row.eager_decode_tokens_per_s:
+        return ""
+    return f" ({row.decode_tokens_per_s / row.eager_decode_tokens_per_s:.2f}x eager)"
+
+
+def generation_note(report: RunReport) -> str:
+    if not any(s.generation for s in report.stages):
+        return ""
+    g = next(s.generation for s in report.stages if s.generation)
+    reference = next((s.accuracy.reference for s in report.stages if s.generation and s.accuracy), report.reference)
+    note = (f" Decoder measured by greedy generation ({g.new_tokens} new tokens after {g.prompts} prompts, {g.tokens}): "
+            "p50/p90 ms are one decode step of the batch (ms per generated token at batch 1), 'vs eager' against PyTorch "
+            f"eager with its KV cache timed interleaved; accuracy is next-token agreement over {reference}'s generated tokens.")
+    if g.weights == "random":
+        note += " ⚠ Random weights (built from a config): agreement and perplexity mean nothing here."
+    return note
 
 
 def table_note(report: RunReport) -> str:
     return (f"Latency at batch {report.headline_batch}; 'vs' columns are speed-ups (>1x is faster); Δ columns are against "
             "the stage's parent; 'vs eager' is against PyTorch eager timed interleaved with that stage; "
             "⚠busy: the machine was busy while it was timed, don't trust that ratio." + "".join(" " + n for n in timing_notes(report))
-            + _reuse_note(report))
+            + _reuse_note(report) + generation_note(report))
 
 
 def _reuse_note(report: RunReport) -> str:
@@ -129,6 +170,8 @@ MEANINGLESS = "these accuracy figures mean nothing"  # evaluation.accuracy's who
 
 def meaningless_mark(accuracy: Accuracy) -> str:
     """Marks a figure measured on outputs that barely depend on the inputs (see the Warnings section)."""
+    if any(MEANINGLESS in w and "random weights" in w for w in accuracy.warnings):
+        return " (meaningless: random weights)"
     if any(MEANINGLESS in w for w in accuracy.warnings):
         return " (meaningless: inputs barely matter)"
     return " (some outputs barely depend on the inputs)" if accuracy.warnings else ""
@@ -201,9 +244,11 @@ def runtime_label(stage: StageResult, machine: Optional[dict] = None) -> str:
 
 
 def _precision(c: RowContext) -> Cell:
-    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning; an OpenVINO IR's
-    compute layers per precision the runtime runs them at (it has no ONNX graph to count MACs on)."""
-    flag = "out" if c.stage.warnings else None
+    """The MAC mix (int8 / fp16 / fp32), flagged when the stage carries a warning of its graph or pass (an
+    accuracy warning flags the accuracy cell instead: "fp32 100% ⚠" on a model that ignores its inputs
+    pointed at the wrong column); an OpenVINO IR's compute layers per precision the runtime runs them
+    at (it has no ONNX graph to count MACs on)."""
+    flag = "out" if _graph_warnings(c.stage) else None
     if c.stage.coverage:
         return Cell(c.stage.coverage.summary(), flag)
     layers = c.stage.info.get("compute_layer_precisions")
@@ -216,6 +261,12 @@ def _precision(c: RowContext) -> Cell:
         by_name[name] = by_name.get(name, 0) + count
     mix = " · ".join(f"{name} {count}/{total}" for name, count in sorted(by_name.items(), key=lambda kv: -kv[1]))
     return Cell(f"{mix} layers", flag)
+
+
+def _graph_warnings(stage: StageResult) -> list[str]:
+    """The stage's warnings less its accuracy's and the speed verdict's (each flags its own column)."""
+    accuracy = set(stage.accuracy.warnings) if stage.accuracy else set()
+    return [w for w in stage.warnings if w not in accuracy and not w.startswith(SLOWER_THAN_PARENT)]
 
 
 def _eager_beside(report: RunReport) -> list[float]:

@@ -150,7 +150,7 @@ def export_fallbacks(stages: list[StageResult]) -> list[str]:
 
 def stage_table(report: RunReport) -> str:
     """The stage table in Markdown: the same StageRows report.html renders."""
-    head = headers()
+    head = headers(report)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in stage_rows(report):
         lines.append("| " + " | ".join(_markdown_cell(cell) for cell in row.cells) + " |")

@@ -24,6 +24,7 @@ from onnx import external_data_helper
 
 from optpipe.core.artifact import all_graphs
 from optpipe.core.errors import ModelSourceError, RecipeError, first_line
+from optpipe.core.runtime import MASK_NAME, PAST_PREFIX, prefill_feeds
 from optpipe.recipe.schema import ModelInputs
 
 # Above this size a model cannot be serialized as one protobuf (onnx.checker.MAXIMUM_PROTOBUF, 2 GiB).
@@ -199,7 +200,8 @@ def check_runs_on(path: Path, feeds: dict, where: str = "model.onnx") -> None:
     options.log_severity_level = 3
     options.intra_op_num_threads = 1
     try:
-        ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"]).run(None, feeds)
+        session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+        session.run(None, prefill_feeds(feeds, [(i.name, list(i.shape)) for i in session.get_inputs()]))
     except Exception as exc:  # ORT's own exception types: a Gather index out of range, a Reshape that cannot fit
         detail = first_line(exc, limit=2000).split("Status Message:", 1)[-1].strip()[:300]
         shapes = ", ".join(f"{name} {list(value.shape)}" for name, value in feeds.items())
@@ -214,6 +216,9 @@ def check_inputs_match(model: onnx.ModelProto, shapes: ModelInputs, where: str) 
     initializers = {i.name for i in model.graph.initializer}
     graph_inputs = {i.name: i for i in model.graph.input if i.name not in initializers}
     declared = {spec.name for spec in shapes.inputs}
+    if any(name.startswith(PAST_PREFIX) for name in graph_inputs):  # a KV-cache decoder: the recipe names its tokens;
+        graph_inputs = {n: i for n, i in graph_inputs.items()  # the mask and the past are the generation loop's
+                        if n in declared or not (n.startswith(PAST_PREFIX) or n == MASK_NAME)}
     if set(graph_inputs) != declared:
         raise ModelSourceError(
             f"inputs: the recipe declares {sorted(declared)} but '{where}' takes {sorted(graph_inputs)}; "

@@ -108,11 +108,13 @@ def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
     """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
     from optpipe.execution.services import RunServices
     from optpipe.source.model_source import onnx_path
+    from optpipe.plan.source_preflight import source_preflight
     from optpipe.safety.preflight import preflight
 
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
     try:
         services = RunServices(recipe.model_source(), recipe.data, cache)
         preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
+        source_preflight(recipe, onnx_path(recipe.model_source()))
     finally:
         cache.release_leases()

@@ -54,6 +54,15 @@ class DecoderLayout:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
+def hf_causal_lm(torch_model):
+    """The transformers model inside optpipe's TorchModel wrapper (source/model_outputs.flat_module)."""
+    model = getattr(torch_model.module, "model", None)
+    if model is None or not hasattr(model, "config") or not hasattr(model, "generate"):
+        raise ModelSourceError("evaluate.generation: the model is not a transformers causal LM (no generate()); "
+                               "use `model: {hf: FOLDER, task: causal-lm}`, or remove evaluate.generation")
+    return model
+
+
 def layout_of(model, max_batch: int, max_sequence: int, max_past: int) -> DecoderLayout:
     config = model.config
     heads = config.num_attention_heads

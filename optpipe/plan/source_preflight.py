@@ -1,0 +1,77 @@
+"""Preflight checks that read the model source itself, after safety/preflight.py's (called beside it by
+the compile and the search; here, not in safety/, because they read optpipe/source/):
+
+- memory: a PyTorch / Hugging Face source's estimated peak per stage from its FP32 weight bytes
+  (source/torch_weights.py: safetensors headers or the config), before anything loads;
+- a decoder measured by generation (evaluate.generation): the prompts fit the export's sequence dim
+  (tokenized as the evaluation will), and an ONNX source has the past_key_values inputs of a
+  KV-cache export.
+Each ends in one line naming what to change (exit 2)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from optpipe.core.errors import RecipeError
+from optpipe.recipe.generation_spec import decoder_dims
+from optpipe.recipe.schema import HFConfigModel, HFModel, Recipe
+
+PAST_PREFIX = "past_key_values."
+
+
+def source_preflight(recipe: Recipe, onnx_path: Path | None) -> None:
+    if onnx_path is None:
+        check_torch_memory(recipe)
+    check_generation(recipe, onnx_path)
+
+
+def check_torch_memory(recipe: Recipe) -> None:
+    """As check_memory, for a PyTorch / Hugging Face source: its FP32 weight bytes from the safetensors
+    headers or the config (safety/torch_weights.py), before anything loads; the eager baseline holds
+    the model as the export does. No estimate for sources that must run to know their size."""
+    from optpipe.safety.memory_estimate import check_fits
+    from optpipe.source.torch_weights import fp32_weight_bytes
+
+    weights = fp32_weight_bytes(recipe.model_source())
+    if weights is None:
+        return
+    stages = {name: stage.pass_name for name, stage in recipe.stages.items()}
+    if recipe.evaluate.eager_baseline:
+        stages["pytorch-eager"] = "export"  # the torch model and its runs: as much as exporting it
+    check_fits(weights, stages)
+
+
+def check_generation(recipe: Recipe, onnx_path: Path | None) -> None:
+    from optpipe.source.prompts import texts
+
+    spec = recipe.evaluate.generation
+    if spec is None:
+        return
+    vocab = _onnx_vocab(onnx_path) if onnx_path is not None else _torch_vocab(recipe)
+    _, max_sequence, _ = decoder_dims(spec, recipe.inputs, recipe.dims, recipe.evaluate.task.tokens)
+    if vocab:
+        texts(spec, recipe.model_source(), vocab, max_sequence)
+
+
+def _onnx_vocab(path: Path) -> int | None:
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    if not any(value.name.startswith(PAST_PREFIX) for value in graph.input):
+        raise RecipeError(f"evaluate.generation: model.onnx '{path.name}' has no past_key_values inputs (it was not exported "
+                          f"with a KV cache; inputs: {', '.join(v.name for v in graph.input)}); export the causal LM with "
+                          "its cache (model: {hf: FOLDER, task: causal-lm}), or remove evaluate.generation")
+    logits = next((v for v in graph.output if v.name == "logits"), None)
+    dim = logits.type.tensor_type.shape.dim[-1] if logits is not None and logits.type.tensor_type.shape.dim else None
+    return dim.dim_value if dim is not None and dim.HasField("dim_value") else None
+
+
+def _torch_vocab(recipe: Recipe) -> int | None:
+    model = recipe.model
+    if isinstance(model, HFConfigModel):
+        return model.hf_config.get("vocab_size")
+    if isinstance(model, HFModel):
+        from optpipe.source.model_source import hf_folder
+
+        return json.loads((hf_folder(recipe.model_source()) / "config.json").read_text()).get("vocab_size")
+    return None

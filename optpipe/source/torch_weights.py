@@ -1,0 +1,81 @@
+"""A PyTorch / Hugging Face source's FP32 weight bytes, known before anything loads: the memory
+preflight's input for torch sources (safety/memory_estimate.py's factors then give each stage's peak).
+
+- an `hf` folder (or package): the safetensors files' headers (tensor shapes, read without the data
+  through safetensors' own `safe_open`); a folder with only a config (or .bin weights): the
+  architecture built from config.json on the `meta` device (no memory behind its parameters);
+- `hf_config`: the same meta-device build from the recipe's config;
+- a factory with a .safetensors checkpoint: that file's header. Other factories and torchvision
+  models run user code or build the model to know their size: no estimate (the run goes on, as before).
+Counted as FP32 (4 bytes a parameter): the passes' copies are FP32 whatever the checkpoint's dtype.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource
+
+log = logging.getLogger("optpipe.safety")
+FP32 = 4
+
+
+def fp32_weight_bytes(source: ModelSource) -> int | None:
+    """None where the source cannot tell its size without running: no estimate. A broken file or config
+    is no estimate either: loading the model names the real problem in its own line, as before."""
+    try:
+        return _weight_bytes(source)
+    except Exception:  # noqa: BLE001 - an estimate only (a garbage safetensors header, a config that is not JSON)
+        log.debug("no weight estimate for this source", exc_info=True)
+        return None
+
+
+def _weight_bytes(source: ModelSource) -> int | None:
+    spec = source.model
+    if isinstance(spec, HFModel):
+        from optpipe.source.model_source import hf_folder
+
+        folder = hf_folder(source)
+        files = sorted(folder.glob("*.safetensors"))
+        if files:
+            return FP32 * sum(safetensors_parameters(f) for f in files)
+        config = json.loads((folder / "config.json").read_text())
+        return _meta_bytes(config.pop("model_type", None), config, spec.task)
+    if isinstance(spec, HFConfigModel):
+        options = dict(spec.hf_config)
+        return _meta_bytes(options.pop("model_type"), options, spec.task)
+    if isinstance(spec, FactoryModel) and spec.checkpoint and spec.checkpoint.endswith(".safetensors"):
+        return FP32 * safetensors_parameters(source.resolve(spec.checkpoint))
+    return None
+
+
+def safetensors_parameters(path: Path) -> int:
+    """Parameters in a .safetensors file, from its header (shapes) alone."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(path), framework="numpy") as handle:
+        for name in handle.keys():
+            count = 1
+            for dim in handle.get_slice(name).get_shape():
+                count *= dim
+            total += count
+    return total
+
+
+def _meta_bytes(model_type: str | None, options: dict, task: str) -> int | None:
+    """The architecture built on torch's meta device: its parameter count with no memory behind it."""
+    import torch
+    import transformers
+
+    from optpipe.source.model_source import HF_AUTO_CLASSES
+
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **options)
+        with torch.device("meta"):
+            model = getattr(transformers, HF_AUTO_CLASSES[task]).from_config(config)
+    except Exception:  # noqa: BLE001 - an estimate only: loading the model names the real problem later
+        log.debug("no weight estimate for this config", exc_info=True)
+        return None
+    return FP32 * sum(p.numel() for p in model.parameters())

