@@ -34,9 +34,9 @@ class SimplifyPass(Pass[SimplifyParams]):
             # onnxsim serializes the whole model as one protobuf, which cannot exceed 2 GB; onnxslim
             # goes through external data for large models.
             raise PassError("onnxsim cannot simplify a model over 2 GB (one protobuf); use `backend: onnxslim`")
-        steps = Steps(ctx.progress, "simplify", 3)
+        steps = Steps(ctx.progress, "simplify", 4 if params.backend == "onnxslim" else 3)
         steps("load the model")
-        source, shapes = _with_shapes(model, params.backend, ctx)
+        source, shapes = _with_shapes(model, params.backend, ctx, steps)
         before = graph_stats(source)
         steps(params.backend)
         try:
@@ -66,7 +66,7 @@ class SimplifyPass(Pass[SimplifyParams]):
 SHAPE_TENSOR_BYTES = 1 << 20
 
 
-def _with_shapes(model: ModelArtifact, backend: str, ctx: PassContext):
+def _with_shapes(model: ModelArtifact, backend: str, ctx: PassContext, steps: Steps):
     """The input, loaded, and for onnxslim with its tensor shapes already inferred on the graph alone.
 
     onnxslim runs ONNX Runtime's symbolic shape inference on the whole model, weights included, and
@@ -77,6 +77,7 @@ def _with_shapes(model: ModelArtifact, backend: str, ctx: PassContext):
     infers the shapes itself, as before: "onnxslim" in the stage info."""
     if backend != "onnxslim":
         return model.load(), None
+    steps("shape inference on the graph")
     inferred = _graph_only_shapes(model.path, ctx)
     source = model.load()
     if inferred is None:

@@ -108,7 +108,9 @@ def test_simplify_reports_onnxslims_own_phases_and_leaves_its_logging_as_it_was(
     run_checked(SimplifyPass(SimplifyParams()), exported, ctx)
     tasks = tasks_of(events)
     inside = [t for t in tasks if t.startswith("onnxslim: ")]
-    assert any("iter" in t for t in inside) and any("shape inference" in t.lower() for t in inside), inside
+    assert any("iter" in t for t in inside), inside
+    # The shapes are inferred on the graph alone before onnxslim runs (issue 20: memory), else by onnxslim itself.
+    assert "simplify: shape inference on the graph" in tasks or any("shape inference" in t.lower() for t in inside), tasks
     assert tasks[0] == "simplify: load the model" and "simplify: save the model" in tasks
     assert tasks[-2:] == ["self-check: the input model's outputs (ONNX Runtime)", "self-check: the result's outputs (ONNX Runtime)"]
     assert slim_utils.G_LOGGER.severity == severity and logging.getLogger("onnxslim").level == level
