@@ -40,6 +40,9 @@ SIZES = {  # Llama-style configs (random weights); trained: byte-level, trained 
 STAGES = {
     "ort-int4": ("weight_only", {"bits": 4, "block_size": 32, "accuracy_level": 4}),
     "ort-int8": ("weight_only", {"bits": 8, "block_size": 32, "accuracy_level": 4}),
+    # Block 128: fewer scales per weight; bench/matmulnbits.py measured it the faster int4 kernel at every batch.
+    "ort-int4-b128": ("weight_only", {"bits": 4, "block_size": 128, "accuracy_level": 4}),
+    "ort-int8-b128": ("weight_only", {"bits": 8, "block_size": 128, "accuracy_level": 4}),
     "ov-int4": ("openvino_weights", {"mode": "int4_sym", "group_size": 128, "all_layers": False}),
 }
 THREADS = 2  # --threads; on a loaded machine PyTorch at 2 threads fell 7x behind itself at 1 (OpenMP barriers)
