@@ -14,30 +14,11 @@ from optpipe.evaluation import generation as gen
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.source.decoder_export import export_decoder
 from optpipe.targets import openvino_genai as genai
+from helpers_decoders import SHAPE, config_source, hf_folder_with_tokenizer, tiny_llama
 
 pytest.importorskip("openvino_genai")
 CONFIG = ovr.compile_config(1)
 PROMPT = np.array([[5, 17, 99, 3, 42, 7, 11], [8, 1, 250, 33, 2, 19, 60]], np.int64)
-
-
-SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 128}
-
-
-def tiny_llama(vocab: int = 256, **extra):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **SHAPE, **extra)).eval()
-
-
-def config_source(tmp_path: Path):
-    """The recipe's `model: {hf_config: ...}` (random weights, no folder): its eos comes from the config class."""
-    from optpipe.recipe.model_specs import HFConfigModel
-    from optpipe.recipe.schema import ModelSource
-
-    return ModelSource((), {}, HFConfigModel(hf_config={"model_type": "llama", "vocab_size": 256, **SHAPE}, task="causal-lm"), tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -140,21 +121,6 @@ def test_the_hf_folders_tokenizer_is_converted_and_text_generates_as_token_ids_d
     assert pipe.get_tokenizer().encode(text).input_ids.data.tolist() == ids.tolist()
 
 
-def hf_folder_with_tokenizer(folder: Path) -> Path:
-    """A byte-level BPE tokenizer trained here on a few lines, saved as a Hugging Face folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    lines = ["a compiler turns a recipe into passes", "every pass is measured on the same inputs", "the quick brown fox"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(lines * 10, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
-    return folder
-
-
 def test_compile_writes_the_genai_folder_for_an_openvino_decoder_stage(tmp_path, cli_run):
     """optpipe compile with an openvino target on an NNCF INT4 decoder stage: the target's folder has genai/,
     checked in LLMPipeline against optpipe's loop, and the report's target row says so."""
@@ -171,7 +137,7 @@ def test_compile_writes_the_genai_folder_for_an_openvino_decoder_stage(tmp_path,
                    "ov_int4": {"pass": "openvino_weights", "after": "export", "params": {"mode": "int4_sym", "group_size": 32}}},
         "evaluate": {"task": {"kind": "language-model"}, "threads": 1, "warmup": 1, "iterations": 2,
                      "generation": {"new_tokens": 4, "batch_sizes": [1], "rounds": 1, "max_past": 40}},
-        "targets": [{"kind": "openvino", "stages": ["ov_int4"]}],
+        "targets": [{"kind": "openvino", "stages": ["ov_int4"]}, {"kind": "ort", "stages": ["export"]}],
         "output": str(tmp_path / "run"),
     }
     path = tmp_path / "recipe.yaml"
@@ -185,3 +151,8 @@ def test_compile_writes_the_genai_folder_for_an_openvino_decoder_stage(tmp_path,
     assert facts["folder"] == genai.FOLDER and facts["check"]["same_tokens"] is True, facts
     assert json.loads((tmp_path / "run" / row["path"] / genai.FOLDER / "generation_config.json").read_text())["eos_token_id"] == 2
     assert any(name.startswith("genai/") for name in row["files"])
+    # The ORT bundle of the export stage: genai_config.json beside model.onnx, checked where onnxruntime-genai imports.
+    ort = next(t for t in report["targets"] if t["kind"] == "ort")
+    assert ort["status"] == "ok" and "genai_config.json" in ort["files"], ort["details"]
+    check = ort["details"]["genai"]["check"]
+    assert check.get("same_tokens") is True or (check["verified"] is False and "not installed" in check["reason"]), check

@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from optpipe.core.errors import OptpipeError
 from optpipe.core.runtime import PAST_PREFIX
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.source.decoder_export import INPUT_IDS, DecoderLayout
+from optpipe.targets import decoder_facts as facts
 
 FOLDER = "genai"
 MODEL = "openvino_model.xml"
@@ -78,16 +78,6 @@ def stateful(ir_path: Path, layout: DecoderLayout):
     return model
 
 
-def generation_config(source) -> dict[str, Any]:
-    """The model's generation_config.json (its hf folder's, else the eos/bos/pad ids of its config)."""
-    folder = _hf_folder(source)
-    if folder is not None and (folder / "generation_config.json").is_file():
-        return json.loads((folder / "generation_config.json").read_text())
-    config = _hf_config(source, folder)
-    ids = {key: getattr(config, key, None) for key in ("bos_token_id", "eos_token_id", "pad_token_id")} if config else {}
-    return {key: value for key, value in ids.items() if value is not None}
-
-
 def write_genai(ir_path: Path, target_folder: Path, source, config: dict[str, Any]) -> dict[str, Any] | None:
     """`target_folder/genai/` for a decoder IR, checked in openvino-genai where it is installed; what was
     written and verified (the target's details), or None when the IR is not a decoder. `config`: the CPU
@@ -102,17 +92,17 @@ def write_genai(ir_path: Path, target_folder: Path, source, config: dict[str, An
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     ov.save_model(stateful(ir_path, layout), str(folder / MODEL), compress_to_fp16=False)
-    generation = generation_config(source)
+    generation = facts.generation_config(source)
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    facts: dict[str, Any] = {"folder": FOLDER, "form": "stateful (MakeStateful, beam_idx)", "tokenizer": _tokenizer(source, folder),
+    written: dict[str, Any] = {"folder": FOLDER, "form": "stateful (MakeStateful, beam_idx)", "tokenizer": _tokenizer(source, folder),
                              "properties": "openvino.json's config (LLMPipeline(folder, 'CPU', **config))"}
-    if _eos(generation) is None:
-        facts["eos"] = "the model's config names no eos_token_id: set GenerationConfig.eos_token_id before generate()"
-    facts["check"] = check(folder, ir_path, layout, config, _eos(generation))
-    if facts["check"].get("same_tokens") is False:
+    if facts.eos(generation) is None:
+        written["eos"] = "the model's config names no eos_token_id: set GenerationConfig.eos_token_id before generate()"
+    written["check"] = check(folder, ir_path, layout, config, facts.eos(generation))
+    if written["check"].get("same_tokens") is False:
         shutil.rmtree(folder, ignore_errors=True)
-        facts["folder"] = None
-    return facts
+        written["folder"] = None
+    return written
 
 
 def check(folder: Path, ir_path: Path, layout: DecoderLayout, config: dict[str, Any], eos: int | None) -> dict[str, Any]:
@@ -154,12 +144,7 @@ def generate(folder: Path, prompt: np.ndarray, new_tokens: int, properties: dict
 
 def _tokenizer(source, folder: Path) -> str:
     """openvino_tokenizer.xml / openvino_detokenizer.xml from the recipe's local tokenizer, where there is one."""
-    from optpipe.source.prompts import _tokenizer_folder
-
-    try:
-        hf = _tokenizer_folder(source) if source is not None else None
-    except OptpipeError:
-        hf = None  # a folder without config.json: no Hugging Face tokenizer to convert either
+    hf = facts.tokenizer_folder(source)
     if hf is None:
         return "none: the model has no tokenizer folder; generate from token ids (TokenizedInputs)"
     try:
@@ -176,37 +161,6 @@ def _tokenizer(source, folder: Path) -> str:
     except Exception as exc:  # noqa: BLE001 - the converter raises assorted errors on tokenizers it cannot translate
         return f"not converted ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}); generate from token ids"
     return f"converted from {hf.name} (openvino-tokenizers)"
-
-
-def _hf_folder(source) -> Path | None:
-    from optpipe.recipe.model_specs import HFModel
-    from optpipe.source.model_source import hf_folder
-
-    try:
-        return hf_folder(source) if source is not None and isinstance(source.model, HFModel) else None
-    except OptpipeError:
-        return None
-
-
-def _hf_config(source, folder: Path | None):
-    from optpipe.recipe.model_specs import HFConfigModel
-
-    try:
-        import transformers
-
-        if folder is not None:
-            return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        if source is not None and isinstance(source.model, HFConfigModel):
-            options = dict(source.model.hf_config)
-            return transformers.AutoConfig.for_model(options.pop("model_type"), **options)
-    except (OSError, ValueError, KeyError):
-        return None
-    return None
-
-
-def _eos(config: dict[str, Any]) -> int | None:
-    eos = config.get("eos_token_id")
-    return eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
 
 
 def _version() -> str:
