@@ -17,8 +17,8 @@ path below runs end to end (its preprocess step included: an earlier session's v
 versions, failed there with a TypeError in symbolic shape inference; a clean venv with these pins
 does not). A different set may change the peers' graphs: pin it again and say so beside the figures.
 
-Each peer writes into a scratch folder outside the repository (PEERS_DIR, default
-/tmp/optpipe-peers/<model>); bench/run.py then times the ONNX file it produced in its own
+Each peer runs with Hugging Face Hub access off (HF_HUB_OFFLINE) and writes into a scratch folder
+outside the repository (PEERS_DIR, default /tmp/optpipe-peers/<model>); bench/run.py then times the ONNX file it produced in its own
 process, beside optpipe's stages, on the same ONNX Runtime, inputs and threads. Only
 Hugging Face folder models (`model: {hf: ...}` or `{package: ...}`) have peer rows.
 """
@@ -122,10 +122,16 @@ def _tool(name: str) -> str:
 def _run(command: list[str], log: Path) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=PEER_TIMEOUT_S)
+        # Nothing from a model hub: the peers read the local model folder only (a hub call would fail, not fetch).
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=PEER_TIMEOUT_S, env=offline_env())
     if done.returncode != 0:
         raise PeerUnavailable(f"`{' '.join(Path(c).name if i == 0 else c for i, c in enumerate(command))}` failed "
                               f"(exit {done.returncode}, log {log})")
+
+
+def offline_env() -> dict[str, str]:
+    """The peers' environment with Hugging Face Hub access off (transformers, optimum, huggingface_hub, Olive)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 def _optimum(model: Path, out: Path, preset: str = "avx512_vnni") -> Path:

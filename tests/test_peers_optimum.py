@@ -46,3 +46,14 @@ def test_optimum_runs_export_optimize_preprocess_quantize_in_order(tmp_path, mon
     assert "--skip_optimization True" in lines[2] and f"--output {out / 'O2-shapes' / 'model_optimized.onnx'}" in lines[2]
     assert f"--onnx_model {out / 'O2-shapes'}" in lines[3] and (out / "O2-shapes" / "config.json").is_file()
     assert peers._optimum(tmp_path / "hf", out) == result and len(calls.read_text().splitlines()) == 4  # reused
+
+
+def test_peers_run_with_the_hub_off(tmp_path, monkeypatch):
+    """The peers read the local model folder only: their commands run with Hugging Face Hub access off."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import peers
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    seen = tmp_path / "env.txt"
+    peers._run(["/bin/sh", "-c", f'echo "$HF_HUB_OFFLINE $TRANSFORMERS_OFFLINE" > {seen}'], tmp_path / "log.txt")
+    assert seen.read_text().split() == ["1", "1"]

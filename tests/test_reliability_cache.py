@@ -202,6 +202,23 @@ def test_run_folder_copies_carry_their_manifest_and_are_restored(tmp_path, caplo
     assert "was modified" in caplog.text and verify_run_folder(run) == {"export": None}
 
 
+def test_a_stage_this_run_has_no_model_for_keeps_no_copy_from_an_earlier_run(tmp_path):
+    # Seen: a native run's ov-int8 stayed in the run folder beside a run that skipped it on the AVX2
+    # class, and passed for that run's output. The cache keeps the entry; other folders stay.
+    from optpipe.core.results import StageResult
+
+    cache = StageCache(tmp_path / "cache")
+    _entry(cache, "k1", payload=b"w" * 2048)
+    run = tmp_path / "run"
+    publish_stage_folders(run, [StageResult(name="ov-int8", pass_name="openvino", status="ok").with_model(cache.lookup("k1")),
+                                StageResult(name="export", pass_name="export", status="ok").with_model(cache.lookup("k1"))])
+    (run / "stages" / "notes").mkdir()  # not optpipe's: never touched
+    publish_stage_folders(run, [StageResult(name="ov-int8", pass_name="openvino", status="skipped"),
+                                StageResult(name="export", pass_name="export", status="ok").with_model(cache.lookup("k1"))])
+    assert sorted(p.name for p in (run / "stages").iterdir()) == ["export", "notes"]
+    assert cache.lookup("k1") is not None
+
+
 @pytest.mark.parametrize("cut_at", [1, 2, 3])  # files copied before Ctrl-C: the copy, then the manifest last
 def test_a_publish_cut_short_leaves_the_previous_copy_or_none_never_half_of_one(tmp_path, monkeypatch, cut_at):
     """Seen in CI: Ctrl-C while the run folder was being written left a stage folder without its

@@ -29,12 +29,23 @@ def publish_stage_folders(run_dir: Path, results: list[StageResult]) -> None:
     _sweep_cut_publishes(run_dir / "stages")
     for result in results:
         model = result.model
-        if model is None:
-            continue
         target = run_dir / "stages" / result.name
+        if model is None:
+            _drop_stale_copy(target, result)
+            continue
         result.artifact = str(target / "model.onnx")
         if not _is_intact_copy(target, model.folder, result.name):
             _replace_folder(target, model.files())
+
+
+def _drop_stale_copy(target: Path, result: StageResult) -> None:
+    """A stage this run has no model for (skipped on this CPU, failed) keeps no copy from an earlier
+    run: its folder would pass for this run's output (seen: a native ov-int8 left beside a run that
+    skipped it on the AVX2 class). Only optpipe's own copies (with their manifest) go; the cache keeps
+    the entry."""
+    if (target / MANIFEST_FILE).is_file():
+        log.info("run folder: removed the copy of stage '%s' left by an earlier run (%s now)", result.name, result.status)
+        shutil.rmtree(target, ignore_errors=True)
 
 
 def _replace_folder(target: Path, files) -> None:

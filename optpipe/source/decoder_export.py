@@ -82,9 +82,11 @@ def export_decoder(model, folder: Path, max_batch: int = 8, max_sequence: int = 
     example_ids = torch.zeros((2, 3), dtype=torch.int64)
     example_mask = torch.ones((2, 5), dtype=torch.int64)
     example_past = [torch.zeros((2, layout.kv_heads, 2, layout.head_dim)) for _ in layout.past_names]
-    batch = torch.export.Dim(BATCH, min=1, max=max_batch)
-    sequence = torch.export.Dim(SEQUENCE, min=1, max=max_sequence)
-    past = torch.export.Dim(PAST, min=1, max=max_past)
+    # torch.export refuses a Dim whose max equals its min ("inconsistent min=1, max=1"): a recipe whose batch
+    # (or sequence) max is 1 still gets a dynamic dim; the layout keeps the recipe's maxima for the checks.
+    batch = torch.export.Dim(BATCH, min=1, max=max(max_batch, 2))
+    sequence = torch.export.Dim(SEQUENCE, min=1, max=max(max_sequence, 2))
+    past = torch.export.Dim(PAST, min=1, max=max(max_past, 2))
     shapes = {"input_ids": {0: batch, 1: sequence}, "attention_mask": {0: batch, 1: torch.export.Dim.AUTO},
               "past": [{0: batch, 2: past} for _ in layout.past_names]}
     folder.mkdir(parents=True, exist_ok=True)

@@ -32,12 +32,28 @@ def write_ir(job: TargetJob) -> TargetResult:
     if measured_here and params.evaluate and job.measurer is not None:
         accuracy, latency = measure_ir(job, folder, settings)
         check_conversion(job, folder, accuracy)
+    genai = genai_folder(job, folder, settings)
     files, digest = hash_files(folder)
     return job.result(
         "ok", path=relative(folder, job.root), precision=settings["precision"], provider=ovr.PROVIDER,
         accuracy=accuracy, latency=latency, files=files, hash=digest,
-        details={"inference_precision": settings["inference_precision"], "converted_from_onnx": measured_here},
+        details={"inference_precision": settings["inference_precision"], "converted_from_onnx": measured_here,
+                 **({"genai": genai} if genai else {})},
     )
+
+
+def genai_folder(job: TargetJob, folder: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """A decoder's IR also as OpenVINO GenAI's stateful form in `folder/genai/` (targets/openvino_genai.py)."""
+    from optpipe.targets import openvino_genai
+
+    try:
+        return openvino_genai.write_genai(folder / ovr.IR_FILE, folder, job.settings.shapes, settings["config"])
+    except Exception as exc:  # noqa: BLE001 - the measured IR stays deployable; the GenAI form is an extra, said why not
+        import shutil
+
+        shutil.rmtree(folder / openvino_genai.FOLDER, ignore_errors=True)
+        return {"folder": None, "reason": f"the stateful GenAI form could not be written: {type(exc).__name__}: "
+                                          f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"}
 
 
 def place_ir(job: TargetJob, folder: Path) -> tuple[dict[str, Any], bool]:

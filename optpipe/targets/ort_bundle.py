@@ -40,6 +40,7 @@ def write_bundle(job: TargetJob) -> TargetResult:
     if params.ort_format:
         settings["ort_format"] = convert_to_ort_format(folder, job)
     (folder / SETTINGS_FILE).write_text(json.dumps(settings, indent=2))
+    genai = genai_files(job, folder)
     files, digest = hash_files(folder)
     stage = job.stage.result
     return job.result(
@@ -52,8 +53,21 @@ def write_bundle(job: TargetJob) -> TargetResult:
         latency=stage.latency if stage else [],
         files=files,
         hash=digest,
-        details={"providers": settings["providers"], "ort_format": settings.get("ort_format", {}).get("status", "not requested")},
+        details={"providers": settings["providers"], "ort_format": settings.get("ort_format", {}).get("status", "not requested"),
+                 **({"genai": genai} if genai else {})},
     )
+
+
+def genai_files(job: TargetJob, folder: Path) -> dict[str, Any] | None:
+    """A decoder's bundle also as ONNX Runtime GenAI loads it (targets/ort_genai.py): an extra, so a failure is said, not raised."""
+    from optpipe.targets import ort_genai
+
+    (folder / ort_genai.CONFIG_FILE).unlink(missing_ok=True)
+    try:
+        return ort_genai.write_genai(folder, job.stage.graph.graph, job.settings.shapes, job.settings.evaluate.threads)
+    except Exception as exc:  # noqa: BLE001 - the measured bundle stays deployable without it
+        (folder / ort_genai.CONFIG_FILE).unlink(missing_ok=True)
+        return {"config": None, "reason": f"genai_config.json could not be written: {type(exc).__name__}: {first_line(exc)}"}
 
 
 def bundle_settings(job: TargetJob) -> dict[str, Any]:
