@@ -18,6 +18,15 @@ from helpers_decoders import SHAPE, config_source, hf_folder_with_tokenizer, tin
 
 pytest.importorskip("openvino_genai")
 CONFIG = ovr.compile_config(1)
+
+
+def skip_compressed_under_isa_restriction():
+    """OpenVINO 2026.4's compressed-weight layers return empty outputs under ONEDNN_MAX_CPU_ISA=AVX2 on an
+    AVX-512 host (tests/test_weight_only.py says the same): an artifact of the restriction, not of AVX2 CPUs."""
+    from optpipe.hardware.cpu_features import engine_target
+
+    if engine_target("openvino").restricted_by:
+        pytest.skip("compressed weights do not run under ONEDNN_MAX_CPU_ISA on this host (an artifact of the restriction)")
 PROMPT = np.array([[5, 17, 99, 3, 42, 7, 11], [8, 1, 250, 33, 2, 19, 60]], np.int64)
 
 
@@ -50,6 +59,7 @@ def test_llm_pipeline_generates_eagers_tokens_from_the_stateful_ir(decoder, tmp_
 def test_an_nncf_int4_ir_runs_in_genai_as_in_optpipes_loop(decoder, tmp_path):
     import nncf
 
+    skip_compressed_under_isa_restriction()
     _, layout, ir = decoder
     compressed = nncf.compress_weights(ovr.read_model(ir), mode=nncf.CompressWeightsMode.INT4_SYM, group_size=32, ratio=1.0)
     ovr.save_ir(compressed, tmp_path / "int4")
@@ -126,6 +136,7 @@ def test_compile_writes_the_genai_folder_for_an_openvino_decoder_stage(tmp_path,
     checked in LLMPipeline against optpipe's loop, and the report's target row says so."""
     import yaml
 
+    skip_compressed_under_isa_restriction()
     recipe = {
         "name": "tiny-decoder-genai",
         "model": {"hf_config": {"model_type": "llama", "vocab_size": 256, **SHAPE, "tie_word_embeddings": False},
