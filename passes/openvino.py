@@ -4,7 +4,7 @@ The output is an IR stage (`model.xml` + `model.bin` + `openvino.json`, the comp
 is measured and deployed with); every later measurement of it runs on OpenVINO's CPU runtime.
 No ONNX pass can follow it.
 
-- fp32 / bf16: `openvino.convert_model` of the input ONNX; the same IR, compiled with
+- fp32 / bf16: the input ONNX read by OpenVINO's ONNX frontend (`Core.read_model`); the same IR, compiled with
   INFERENCE_PRECISION_HINT f32 or bf16 (bf16 only where the CPU plugin lists BF16).
 - int8: `nncf.quantize` on the cached calibration set (NNCF's TRANSFORMER model type where the
   graph has attention), FakeQuantize ops in the IR that the CPU plugin runs as int8 kernels.
@@ -78,7 +78,8 @@ class OpenVinoPass(Pass):
     # 7: the guard tries cheap fixes first (the worst MatMuls in float, the other preset) within guard_budget_s
     # 8: the CPU class OpenVINO runs at joins the key (isa_dependent); NNCF's overflow fix in every layer where
     #    int8 sums saturate (x86 without VNNI)
-    version = "8"
+    # 9: the ONNX read by Core.read_model (memory-mapped weights) instead of convert_model
+    version = "9"
     Params = OpenVinoParams
     # The int8 guard, NNCF's accuracy control and its statistics run on OpenVINO: their decisions hold for the
     # class OpenVINO ran at (ONEDNN_MAX_CPU_ISA included), and a shared cache must not hand them to another.
@@ -114,7 +115,7 @@ class OpenVinoPass(Pass):
             raise PassError(f"this CPU cannot run bf16 in OpenVINO (its capabilities: {', '.join(ovr.cpu_capabilities())}); "
                             "use precision fp32 or int8")
         try:
-            converted = ovr.convert_onnx(model.path)
+            converted = ovr.read_onnx(model.path)  # memory-mapped weights (openvino_runtime.read_onnx)
         except Exception as exc:  # the converter raises assorted errors on ops it cannot translate
             raise PassError(f"OpenVINO cannot convert this ONNX model: {ovr.conversion_failure(exc)}") from None
         check = InputCheck(model, ctx)

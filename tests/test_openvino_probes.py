@@ -241,10 +241,10 @@ def test_an_int8_stage_on_a_broken_conversion_is_refused_before_any_node_is_excl
     source, recipe, arrays = gemms(tmp_path)
     wrong = ov_pass.ovr.convert_onnx(gemms(tmp_path / "other")[0].path)  # other weights: computes something else
     converted = []
-    real = ov_pass.ovr.convert_onnx
-    monkeypatch.setattr(ov_pass.ovr, "convert_onnx", lambda path: converted.append(path) or wrong)
+    real = ov_pass.ovr.read_onnx  # the pass reads the ONNX with Core.read_model (memory-mapped weights)
+    monkeypatch.setattr(ov_pass.ovr, "read_onnx", lambda path: converted.append(path) or wrong)
     with pytest.raises(PassError, match=r"^OpenVINO's FP32 conversion does not compute what the input ONNX does"):
         run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8")
-    monkeypatch.setattr(ov_pass.ovr, "convert_onnx", real)
+    monkeypatch.setattr(ov_pass.ovr, "read_onnx", real)
     held = run_pass(source, recipe, arrays, tmp_path / "ov-ok", precision="int8")
     assert held.info["int8"]["guard"]["held"] and [s["method"] for s in held.info["int8"]["guard"]["steps"]] == ["nncf.quantize"]
