@@ -186,3 +186,19 @@ def test_a_layer_onednn_refuses_under_a_restricted_isa_blames_the_restriction(mo
     assert "under ONEDNN_MAX_CPU_ISA=AVX2" in str(blamed) and "unset ONEDNN_MAX_CPU_ISA" in str(blamed)
     other = RuntimeError("Exception from src/inference: input shape mismatch")
     assert _blamed_on_restriction(other) is other
+
+
+def test_all_outputs_emptied_under_a_restricted_isa_is_one_line(monkeypatch):
+    import numpy as np
+
+    from optpipe.evaluation.openvino_runtime import check_not_emptied
+
+    feeds = {"x": np.ones((4, 8), np.float32)}
+    emptied = {"y": np.zeros((0, 64), np.float32), "scores": np.zeros((0, 0), np.float32)}
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", AMX)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    check_not_emptied(emptied, feeds)  # unrestricted: an empty result is the model's (no detections)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    check_not_emptied({"boxes": np.zeros((0, 6)), "count": np.array([0])}, feeds)  # one output not empty
+    with pytest.raises(RuntimeError, match="unset ONEDNN_MAX_CPU_ISA"):
+        check_not_emptied(emptied, feeds)

@@ -67,8 +67,12 @@ class OpenVinoRunner:
 
     def forward(self, ids, mask, past):
         feeds = {INPUT_IDS: ids, ATTENTION_MASK: mask, **dict(zip(self.layout.past_names, past))}
+        from optpipe.evaluation.openvino_runtime import check_not_emptied
+
         result = self.request.infer(feeds)
-        return np.array(result[self.outputs["logits"]]), [np.array(result[self.outputs[n]]) for n in self.layout.present_names]
+        logits = np.array(result[self.outputs["logits"]])
+        check_not_emptied({"logits": logits}, {INPUT_IDS: ids})
+        return logits, [np.array(result[self.outputs[n]]) for n in self.layout.present_names]
 
     def close(self) -> None:
         self.request = self.compiled = None

@@ -319,9 +319,23 @@ def runner(compiled, output_names: list[str] | None = None) -> Callable[[Feeds],
             if blamed is exc:
                 raise
             raise blamed from exc
-        return {name: np.array(request.get_tensor(port).data, copy=True) for name, port in ports}
+        outputs = {name: np.array(request.get_tensor(port).data, copy=True) for name, port in ports}
+        check_not_emptied(outputs, feeds)
+        return outputs
 
     return run
+
+
+def check_not_emptied(outputs: Outputs, feeds: Feeds) -> None:
+    """Every output empty from non-empty inputs while ONEDNN_MAX_CPU_ISA restricts oneDNN: what
+    NNCF-compressed weights return under ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 host (measured,
+    OpenVINO 2026.4), which later failed as a bare IndexError. One line naming the variable instead."""
+    restricted = engine_target("openvino").restricted_by
+    if not restricted or not outputs or any(o.size for o in outputs.values()):
+        return
+    if all(np.asarray(v).size for v in feeds.values()):
+        raise RuntimeError(f"OpenVINO returned empty outputs for non-empty inputs under {restricted} on this CPU "
+                           f"(seen with compressed weights); unset {ONEDNN_ENV} to run it at this CPU's own ISA")
 
 
 def pick_name(port, wanted: list[str] | None) -> str:
