@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import onnx
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from optpipe.core.artifact import save_model
 from optpipe.evaluation import outputs_memo
 from optpipe.evaluation.accuracy import compare, run_onnx
+from optpipe.evaluation.guard_types import MAX_EXCLUDED_ALIASES, GuardParams, GuardReport, GuardStep  # noqa: F401  (the passes' names)
 from optpipe.core.results import Accuracy
 
 if TYPE_CHECKING:
@@ -57,64 +57,6 @@ if TYPE_CHECKING:
 
 Model = Union[onnx.ModelProto, Path]
 Convert = Callable[[list[str]], Model]
-
-
-MAX_EXCLUDED_ALIASES = AliasChoices("max_excluded", "max_kept_nodes")  # fp16's old name still reads
-
-
-class GuardParams(BaseModel):
-    """The guard's params, shared by every pass that has one: `class XParams(PassParams, GuardParams)`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    guard: bool = Field(True, description="keep the worst nodes in float until the stage's tolerance holds")
-    exclude: list[str] = Field(
-        default_factory=list, validation_alias=AliasChoices("exclude", "node_block_list"), description="node names always kept in float"
-    )
-    max_excluded: int = Field(
-        8, ge=0, validation_alias=MAX_EXCLUDED_ALIASES, description="guard: most nodes it keeps in float"
-    )
-    rank_samples: int = Field(
-        4, ge=1, validation_alias=AliasChoices("rank_samples", "localize_samples"),
-        description="guard: evaluation samples used to blame nodes",
-    )
-    guard_trials: int = Field(16, ge=0, description="guard: most conversions it tries after the first")
-    # A safety net: the trial and node limits bound the guard deterministically; a budget in seconds
-    # makes the result depend on the machine's load, so it is set where a quiet run never meets it.
-    guard_seconds: float = Field(300.0, gt=0, description="guard: time budget; it gives up after the trial that crosses it")
-
-
-class GuardStep(BaseModel):
-    """One try: these nodes in float, the figure it gave, and whether the guard kept them."""
-
-    nodes: list[str]
-    ops: list[str] = Field(default_factory=list)
-    reason: Optional[str] = Field(None, description="why the blame fell on them")
-    added_error: Optional[float] = None
-    cosine: float
-    max_abs: Union[float, str]
-    within_tolerance: bool
-    bought_cosine: Optional[float] = None
-    kept: bool = True
-    facts: dict = Field(default_factory=dict, description="what the pass says each node costs when kept in float")
-
-
-class GuardReport(BaseModel):
-    """What the guard did: the stage's `info["guard"]`."""
-
-    enabled: bool
-    numerics: str = Field(description="what computed the guard's figure")
-    held: bool = Field(description="the final model is within the stage's tolerance under `numerics`")
-    cosine: float
-    max_abs: Union[float, str]
-    violations: list[str] = Field(default_factory=list)
-    first: GuardStep = Field(description="the conversion with only the user's exclusions")
-    excluded: list[str] = Field(default_factory=list, description="nodes the guard kept in float (the user's not included)")
-    steps: list[GuardStep] = Field(default_factory=list, description="every try after the first")
-    trials: int = 0
-    seconds: float = 0.0
-    gave_up: Optional[str] = Field(None, description="why the guard stopped out of tolerance; None when it held")
-    unconverted: Optional[str] = Field(None, description="set when every node the pass converts is kept in float")
 
 
 @dataclass
