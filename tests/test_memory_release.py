@@ -31,9 +31,20 @@ def test_freed_blocks_go_back_to_the_system():
     keeper = bytearray(64 * 1024)  # above them on the heap: the heap's top cannot shrink past it
     del blocks
     before = current_rss()
-    assert release_freed_memory() is True
+    assert release_freed_memory(force=True) is True
     after = current_rss()
     assert before - after > 120e6, (before, after)
+    assert release_freed_memory() is False  # nothing grew since: not worth a collection
+    del keeper
+
+
+@glibc_linux
+def test_memory_is_released_once_the_process_grew_enough():
+    release_freed_memory(force=True)
+    blocks = [bytearray(64 * 1024) for _ in range(1600)]  # 100 MB > WORTH_RELEASING
+    keeper = bytearray(64 * 1024)
+    del blocks
+    assert release_freed_memory() is True
     del keeper
 
 
