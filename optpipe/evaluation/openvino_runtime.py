@@ -220,8 +220,15 @@ def compile_config(threads: int, hint: str = "f32") -> dict[str, Any]:
 def compile_model(model_or_path, threads: int, hint: str = "f32"):
     """A compiled CPU model (from an ov.Model or a path to .xml/.onnx) with `compile_config`."""
     source = str(model_or_path) if isinstance(model_or_path, Path) else model_or_path
-    try:
+    with _restriction_blamed():
         return core().compile_model(source, "CPU", compile_config(threads, hint))
+
+
+@contextlib.contextmanager
+def _restriction_blamed():
+    """Around an OpenVINO call: a oneDNN refusal under ONEDNN_MAX_CPU_ISA becomes _blamed_on_restriction's line."""
+    try:
+        yield
     except RuntimeError as exc:
         blamed = _blamed_on_restriction(exc)
         if blamed is exc:
@@ -312,13 +319,8 @@ def runner(compiled, output_names: list[str] | None = None) -> Callable[[Feeds],
 
     def run(feeds: Feeds) -> Outputs:
         feeds = prefill_feeds(feeds, shapes)  # a KV-cache decoder's one forward is its prefill
-        try:
+        with _restriction_blamed():
             request.infer({k: v for k, v in feeds.items() if k in inputs})
-        except RuntimeError as exc:
-            blamed = _blamed_on_restriction(exc)
-            if blamed is exc:
-                raise
-            raise blamed from exc
         outputs = {name: np.array(request.get_tensor(port).data, copy=True) for name, port in ports}
         check_not_emptied(outputs, feeds)
         return outputs
