@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 128}
@@ -38,3 +40,19 @@ def hf_folder_with_tokenizer(folder: Path) -> Path:
     tokenizer.train_from_iterator(lines * 10, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
     return folder
+
+
+# Two prompts of 7 token ids, the GenAI tests' greedy-decoding input.
+PROMPT = np.array([[5, 17, 99, 3, 42, 7, 11], [8, 1, 250, 33, 2, 19, 60]], np.int64)
+
+
+def skip_compressed_under_isa_restriction():
+    """OpenVINO 2026.4's compressed-weight layers fail or return empty outputs under ONEDNN_MAX_CPU_ISA=AVX2
+    on an AVX-512 host; on an emulated AVX2 CPU (qemu-x86_64 -cpu Haswell) they ran with the right shapes.
+    An artifact of the restriction, not of AVX2 CPUs."""
+    import pytest
+
+    from optpipe.hardware.cpu_features import engine_target
+
+    if engine_target("openvino").restricted_by:
+        pytest.skip("compressed weights do not run under ONEDNN_MAX_CPU_ISA on this host (an artifact of the restriction)")

@@ -14,20 +14,13 @@ from optpipe.evaluation import generation as gen
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.source.decoder_export import export_decoder
 from optpipe.targets import openvino_genai as genai
-from helpers_decoders import SHAPE, config_source, hf_folder_with_tokenizer, tiny_llama
+from helpers_decoders import (PROMPT, SHAPE, config_source, hf_folder_with_tokenizer, skip_compressed_under_isa_restriction,
+                              tiny_llama)
 
 pytest.importorskip("openvino_genai")
 CONFIG = ovr.compile_config(1)
 
 
-def skip_compressed_under_isa_restriction():
-    """OpenVINO 2026.4's compressed-weight layers return empty outputs under ONEDNN_MAX_CPU_ISA=AVX2 on an
-    AVX-512 host (tests/test_weight_only.py says the same): an artifact of the restriction, not of AVX2 CPUs."""
-    from optpipe.hardware.cpu_features import engine_target
-
-    if engine_target("openvino").restricted_by:
-        pytest.skip("compressed weights do not run under ONEDNN_MAX_CPU_ISA on this host (an artifact of the restriction)")
-PROMPT = np.array([[5, 17, 99, 3, 42, 7, 11], [8, 1, 250, 33, 2, 19, 60]], np.int64)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ import pytest
 from optpipe.evaluation import generation as gen
 from optpipe.source.decoder_export import export_decoder
 from optpipe.targets import ort_genai
-from helpers_decoders import config_source, hf_folder_with_tokenizer, tiny_llama
+from helpers_decoders import PROMPT, config_source, hf_folder_with_tokenizer, tiny_llama
 
 pytest.importorskip("onnxruntime_genai")
-PROMPT = np.array([[5, 17, 99, 3, 42, 7, 11], [8, 1, 250, 33, 2, 19, 60]], np.int64)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from helpers_decoders import skip_compressed_under_isa_restriction
 from helpers_passes import artifact_of, context, graph_recipe, run_model
 from optpipe.core.errors import PassError
 from optpipe.execution.stage_runner import run_checked
@@ -105,13 +106,7 @@ def test_weight_only_refusals_name_the_fix(setup):
 @pytest.mark.parametrize("mode, precision", [("int4_sym", "int4"), ("int8_asym", "int8")])
 def test_nncf_compress_weights_writes_an_ir_with_compressed_weights(setup, mode, precision):
     from optpipe.evaluation import openvino_runtime as ovr
-    from optpipe.hardware.cpu_features import engine_target
-
-    if engine_target("openvino").restricted_by:
-        # OpenVINO 2026.4's compressed-weight layers fail (or return empty outputs) under
-        # ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 host; on an emulated AVX2 CPU (qemu-x86_64 -cpu
-        # Haswell) this IR ran with the right shapes. The restriction cannot stand for that class here.
-        pytest.skip("compressed weights do not run under ONEDNN_MAX_CPU_ISA on this host (an artifact of the restriction)")
+    skip_compressed_under_isa_restriction()
 
     tmp, source, _, feeds, reference = setup
     params = {"mode": mode, "group_size": 32, "all_layers": True} if mode.startswith("int4") else {"mode": mode}
