@@ -20,7 +20,7 @@ from optpipe.recipe.generation_spec import decoder_dims
 CHECK_TOKENS = 4
 
 
-def export_with_cache(torch_model, ctx, check_atol: float | None, opset: int = 20) -> ModelArtifact:
+def export_with_cache(torch_model, ctx, check_atol: float | None, opset: int = 20, attention: str | None = None) -> ModelArtifact:
     import onnx
 
     from optpipe.graph.stats import graph_stats
@@ -30,12 +30,15 @@ def export_with_cache(torch_model, ctx, check_atol: float | None, opset: int = 2
     max_batch, max_sequence, max_past = decoder_dims(ctx.evaluate.generation, ctx.inputs.inputs, ctx.inputs.dims,
                                                      ctx.evaluate.task.tokens)
     raw = ctx.workdir / "raw-decoder"
+    if opset < 18:
+        ctx.log.warning("the decoder with its KV cache is exported at opset 18 (asked: %d): the dynamo exporter's minimum", opset)
     layout = export_decoder(model, raw, max_batch=max_batch, max_sequence=max_sequence, max_past=max_past,
                             opset=max(opset, 18))  # the dynamo exporter's minimum: the cache wrapper needs dynamo
     check = _generation_check(raw / "model.onnx", model, layout, ctx.evaluate.threads, check_atol)
     artifact = save_model(onnx.load(str(raw / "model.onnx")), ctx.workdir)
     _remove_tree(raw)
-    info = {"exporter": layout.exporter, "opset": max(opset, 18), "exporter_requested": "decoder with KV cache (evaluate.generation)",
+    info = {"exporter": layout.exporter, "opset": max(opset, 18), "opset_requested": opset, "attention": attention,
+            "exporter_requested": "decoder with KV cache (evaluate.generation)",
             "kv_cache": layout.to_dict(), "source": torch_model.description, "outputs": ["logits", *layout.present_names],
             "generation_check": check, "graph": graph_stats(artifact.load(with_weights=False))}
     return write_info(ctx.workdir, info)

@@ -98,6 +98,15 @@ def test_a_prompt_longer_than_the_export_dims_is_one_line_before_any_stage(tmp_p
     assert "Traceback" not in result.output and not (tmp_path / "run" / "report.json").exists()
 
 
+def test_a_torchscript_export_of_a_decoder_measured_by_generation_is_refused_not_ignored(tmp_path, compile_):
+    # the KV-cache export is dynamo's only: `exporter: torchscript` used to be dropped without a word
+    recipe = decoder_recipe(tmp_path, stages={"export": {"pass": "export", "params": {"exporter": "torchscript"}}})
+    result = compile_(recipe)
+    assert result.exit_code == 2, result.output
+    assert "stages.export.params.exporter: a decoder measured by generation" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run" / "report.json").exists()
+
+
 def test_a_decoder_recipe_on_a_model_without_kv_cache_export_is_refused(tmp_path, compile_):
     graph = helper.make_graph(
         [helper.make_node("Cast", ["input_ids"], ["f"], to=TensorProto.FLOAT),

@@ -23,6 +23,20 @@ def check_stage_rules(recipe: Recipe, passes: dict[str, Pass]) -> None:
     check_order(recipe)
     check_data_needs(recipe, passes)
     check_task(recipe)
+    check_decoder_export(recipe, passes)
+
+
+def check_decoder_export(recipe: Recipe, passes: dict[str, Pass]) -> None:
+    """With evaluate.generation the export writes the decoder with its KV cache, and only the dynamo
+    exporter can (the cache is a DynamicCache built from flat tensors): an `exporter: torchscript`
+    would otherwise be ignored without a word."""
+    if recipe.evaluate.generation is None:
+        return
+    for name, spec in recipe.stages.items():
+        if spec.pass_name == "export" and getattr(passes[name].params, "exporter", None) == "torchscript":
+            raise RecipeError(f"stages.{name}.params.exporter: a decoder measured by generation (evaluate.generation) is "
+                              "exported with its KV cache by the dynamo exporter only; set `exporter: auto` (or dynamo), "
+                              "or remove evaluate.generation to export the plain forward with TorchScript")
 
 
 def check_task(recipe: Recipe) -> None:
