@@ -200,6 +200,23 @@ def test_a_log_gets_a_heartbeat_line_marked_still_running_when_no_progress_came(
     assert "ok export" in lines[2]
 
 
+def test_no_heartbeat_follows_the_end_of_a_run_that_was_interrupted_mid_stage():
+    """A Ctrl-C leaves the stage running; the compile's end (run_end) must silence its ticker, or a
+    `still running` line follows the CLI's one `interrupted` line."""
+    import time
+
+    stream = io.StringIO()
+    console = ConsoleProgress(stream, ticker=True)
+    console.HEARTBEAT_S, console.TICK_S = 0.05, 0.01
+    console.before_stage(_Info())
+    time.sleep(0.2)
+    assert "still running" in stream.getvalue()  # the ticker runs: the test can fail
+    console.run_end()
+    printed = stream.getvalue()
+    time.sleep(0.3)
+    assert stream.getvalue() == printed
+
+
 def test_the_latest_step_is_shown_even_when_it_comes_right_after_another():
     """A short step followed at once by a long library call: the console must name the long one."""
     console = ConsoleProgress(io.StringIO(), ticker=False)

@@ -101,6 +101,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
                     write_report(report, run_dir)  # once, with the targets' rows
     finally:
         cache.release_leases()  # `cache gc` may prune what this run used from now on
+        Instruments(options.instruments).run_end()
     return report
 
 

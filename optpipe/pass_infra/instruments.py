@@ -78,6 +78,9 @@ class Instrument:
     def step(self, task: str, done: int, total: int) -> None:
         """Progress inside a stage: calibration batches, timing iterations, ...; `total` 0 when not known."""
 
+    def run_end(self) -> None:
+        """The compile is over, however it ended (an error or a Ctrl-C included): stop drawing."""
+
 
 class Instruments(Instrument):
     """Several instruments called as one, in order."""
@@ -107,6 +110,10 @@ class Instruments(Instrument):
     def run_start(self, stages: list[str]) -> None:
         for item in self.items:
             item.run_start(stages)
+
+    def run_end(self) -> None:
+        for item in self.items:
+            item.run_end()
 
     def before_stage(self, info: StageInfo) -> None:
         for item in self.items:
@@ -233,6 +240,15 @@ class ConsoleProgress(Instrument):
 
     def before_stage(self, info: StageInfo) -> None:
         self._start(f"{info.name}: {info.pass_.name}")
+
+    def run_end(self) -> None:
+        # A Ctrl-C leaves the phase running: its ticker would print "still running" after the CLI's
+        # one `interrupted` line (seen in a log), so the ticker and the spinner stop here.
+        with self._lock:
+            self._stop_ticker()
+            if self._status is not None:
+                self._status.stop()
+                self._status = None
 
     def stage_done(self, result: "StageResult") -> None:
         status = "cached" if result.status == "ok" and result.cached else result.status
