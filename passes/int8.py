@@ -14,8 +14,6 @@ The stage info lists each try, what it bought (cosine) and cost (weights left in
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import shutil
 import tempfile
 import time
@@ -36,6 +34,7 @@ from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.graph.quant_prep import needs_preparation, prepare_for_quantizer
 from optpipe.hardware.cpu_features import engine_target
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
+from optpipe.passes._library_logs import root_logs_to
 from optpipe.passes._int8_formats import FormatName, Int8Format, ort_format, tensorrt_format
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
@@ -308,25 +307,6 @@ def _quant_type(dtype: str):
     from onnxruntime.quantization import QuantType
 
     return QuantType.QUInt8 if dtype == "uint8" else QuantType.QInt8
-
-
-@contextlib.contextmanager
-def root_logs_to(log: logging.Logger):
-    """ORT's quantizer logs advice on the root logger: keep it in the stage log, off the terminal."""
-
-    class Forward(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            # Only the root logger's own records (ORT's), never ours propagating up: no loop.
-            if record.name == "root":
-                log.log(record.levelno, "onnxruntime.quantization: %s", record.getMessage())
-
-    root = logging.getLogger()
-    handler = Forward()
-    root.addHandler(handler)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
 
 
 def dynamic_exclusions(excluded: list[str]) -> list[str]:

@@ -13,8 +13,6 @@ and what was left in float and why.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 from typing import Literal
 
 import onnx
@@ -25,6 +23,7 @@ from optpipe.core.errors import PassError, first_line
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
+from optpipe.passes._library_logs import root_logs_to, warnings_only
 
 
 class WeightOnlyParams(PassParams):
@@ -104,8 +103,6 @@ def quantize(source: onnx.ModelProto, params: WeightOnlyParams, ctx: PassContext
     from onnxruntime.quantization import matmul_nbits_quantizer as mnb
     from onnxruntime.quantization.quant_utils import QuantFormat
 
-    from optpipe.passes.int8 import root_logs_to
-
     op_types = ("MatMul", "Gather") if params.gather else ("MatMul",)
     if params.algorithm == "hqq":
         config = mnb.HQQWeightOnlyQuantConfig(block_size=params.block_size, bits=params.bits, op_types_to_quantize=op_types)
@@ -115,7 +112,7 @@ def quantize(source: onnx.ModelProto, params: WeightOnlyParams, ctx: PassContext
             quant_format=QuantFormat.QOperator, op_types_to_quantize=op_types, bits=params.bits,
         )
     try:
-        with root_logs_to(ctx.log), _quiet(mnb.logger):
+        with root_logs_to(ctx.log), warnings_only(mnb.logger):
             quantizer = mnb.MatMulNBitsQuantizer(
                 source, bits=params.bits, block_size=params.block_size, is_symmetric=params.symmetric,
                 accuracy_level=params.accuracy_level, nodes_to_exclude=list(params.exclude), algo_config=config,
@@ -129,17 +126,6 @@ def quantize(source: onnx.ModelProto, params: WeightOnlyParams, ctx: PassContext
     if params.algorithm == "hqq":
         _set_accuracy_level(result, params.accuracy_level)  # HQQ's config has no accuracy level of its own
     return result
-
-
-@contextlib.contextmanager
-def _quiet(logger: logging.Logger):
-    """The quantizer logs a line per node at INFO on its own logger: keep its warnings only."""
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def weight_matmuls(model: onnx.ModelProto, excluded: list[str]) -> tuple[list[str], list[dict]]:
