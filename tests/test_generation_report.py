@@ -98,6 +98,19 @@ def test_a_prompt_longer_than_the_export_dims_is_one_line_before_any_stage(tmp_p
     assert "Traceback" not in result.output and not (tmp_path / "run" / "report.json").exists()
 
 
+def test_a_decoders_ort_bundle_has_its_checked_ort_format_model_and_names_its_int4(tmp_path, compile_):
+    # The model.ort check fed the evaluation batch (token ids only) to a graph that also takes the mask
+    # and the past: every decoder's model.ort was removed as "does not convert"; the int4 bundle said fp32.
+    recipe = decoder_recipe(tmp_path, targets=[{"kind": "ort", "stages": ["export", "int4"]}])
+    result = compile_(recipe)
+    assert result.exit_code == 0, result.output
+    targets = {t["stage"]: t for t in json.loads((tmp_path / "run" / "report.json").read_text())["targets"]}
+    for stage, precision in (("export", "fp32"), ("int4", "int4")):
+        assert targets[stage]["details"]["ort_format"] == "ok", targets[stage]
+        assert targets[stage]["precision"] == precision
+        assert (tmp_path / "run" / "targets" / "ort" / stage / "model.ort").is_file()
+
+
 def test_a_torchscript_export_of_a_decoder_measured_by_generation_is_refused_not_ignored(tmp_path, compile_):
     # the KV-cache export is dynamo's only: `exporter: torchscript` used to be dropped without a word
     recipe = decoder_recipe(tmp_path, stages={"export": {"pass": "export", "params": {"exporter": "torchscript"}}})

@@ -93,6 +93,23 @@ def test_precision_is_read_from_the_graph():
     assert precision_of(onnx.parser.parse_model(QDQ)) == "int8"
 
 
+@pytest.mark.parametrize("op, domain, bits, expected", [
+    ("MatMulInteger", "", None, "int8"),  # ORT's dynamic int8: no Q/DQ node, it was labelled fp32
+    ("QAttention", "com.microsoft", None, "int8"),
+    ("MatMulNBits", "com.microsoft", 4, "int4"),  # weight-only
+    ("MatMulNBits", "com.microsoft", 8, "int8"),
+])
+def test_integer_compute_without_qdq_is_named_by_its_op(op, domain, bits, expected):
+    from onnx import helper
+
+    attrs = {"bits": bits} if bits else {}
+    node = helper.make_node(op, ["x", "w"], ["y"], domain=domain, **attrs)
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph([node], "g", [x], [y], [numpy_helper.from_array(np.zeros((4, 4), np.uint8), "w")])
+    assert precision_of(helper.make_model(graph)) == expected
+
+
 def test_microsoft_ops_are_found():
     assert microsoft_ops(onnx.parser.parse_model(FUSED)) == ["SkipLayerNormalization"]
     assert microsoft_ops(onnx.parser.parse_model(FP16_CAST)) == []

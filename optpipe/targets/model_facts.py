@@ -13,6 +13,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from optpipe.graph.coverage import INTEGER_OPS
+from optpipe.graph.weight_mix import nbits_precision
+
 MICROSOFT_DOMAIN = "com.microsoft"
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 # Ops whose second input is a weight TensorRT's sparse kernels can use, with its reduction axis.
@@ -57,12 +60,16 @@ def microsoft_ops(model: onnx.ModelProto) -> list[str]:
 
 
 def precision_of(model: onnx.ModelProto) -> str:
-    """The compute precision the graph itself declares: int8 (Q/DQ), fp16, bf16, or fp32; '+' joins mixes."""
+    """The compute precision the graph itself declares: int4 / int8 (weight-only MatMulNBits in its
+    weights' bits; Q/DQ; ORT's dynamic and QOperator integer ops), fp16, bf16, or fp32; '+' joins
+    mixes. (Q/DQ alone had been read as int8: a dynamic int8 or an int4 bundle was labelled fp32.)"""
     nodes = list(_all_nodes(model))
-    quantized = any(node.op_type in QDQ_OPS for node in nodes)
+    integer = {nbits_precision(node) for node in nodes if node.op_type == "MatMulNBits"}
+    if any(node.op_type in QDQ_OPS or node.op_type in INTEGER_OPS for node in nodes):
+        integer.add("int8")
     types = _float_types(model, nodes)
     half = [name for name, code in (("fp16", TensorProto.FLOAT16), ("bf16", TensorProto.BFLOAT16)) if code in types]
-    parts = (["int8"] if quantized else []) + half
+    parts = sorted(integer) + half
     return "+".join(parts) or "fp32"
 
 

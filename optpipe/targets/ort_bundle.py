@@ -120,14 +120,32 @@ def _max_abs_vs_onnx(folder: Path, job: TargetJob) -> Optional[float]:
     """Largest difference between model.ort and model.onnx on one evaluation batch."""
     if job.measurer is None:
         return None
-    feeds = job.measurer.batches[0]
     onnx_out = load_bundle(folder, format="onnx", providers=["CPUExecutionProvider"], settings=bundle_settings(job))
     ort_out = load_bundle(folder, format="ort", providers=["CPUExecutionProvider"], settings=bundle_settings(job))
     names = [o.name for o in onnx_out.get_outputs()]
-    wanted = {i.name for i in onnx_out.get_inputs()}
-    feeds = {k: v for k, v in feeds.items() if k in wanted}
+    feeds = _check_feeds(job, onnx_out.get_inputs())
     pairs = zip(onnx_out.run(names, feeds), ort_out.run(names, feeds))
     return max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0)) for a, b in pairs)
+
+
+def _check_feeds(job: TargetJob, inputs) -> dict[str, np.ndarray]:
+    """One evaluation batch as the graph's inputs. A decoder's batch holds its token ids only (the
+    evaluation generates): the check runs its prefill, an all-ones mask and an empty past. (Without
+    this, every decoder's model.ort was removed as "does not convert", which it did.)"""
+    from optpipe.evaluation.generation import empty_past
+    from optpipe.source.decoder_export import ATTENTION_MASK, INPUT_IDS
+    from optpipe.targets.ort_genai import decoder_layout
+
+    feeds = dict(job.measurer.batches[0])
+    layout = decoder_layout(job.stage.graph.graph)
+    if layout is not None and INPUT_IDS in feeds:
+        ids = feeds[INPUT_IDS]
+        types = {i.name: i.type for i in inputs}
+        past = [p.astype(np.float16) if types.get(name) == "tensor(float16)" else p
+                for name, p in zip(layout.past_names, empty_past(layout, ids.shape[0]))]
+        feeds = {INPUT_IDS: ids, ATTENTION_MASK: np.ones_like(ids), **dict(zip(layout.past_names, past))}
+    wanted = {i.name for i in inputs}
+    return {k: v for k, v in feeds.items() if k in wanted}
 
 
 def load_bundle(path: str | Path, format: str = "auto", providers: list[str] | None = None, settings: dict | None = None):
