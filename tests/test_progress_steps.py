@@ -183,6 +183,17 @@ class _Info:
     name, pass_ = "export", type("P", (), {"name": "export"})()
 
 
+def test_a_pass_in_a_worker_process_sends_its_steps_to_the_console(tiny_recipe, cache_dir):
+    # `timeout_s` runs the pass in a worker: its steps used to stay there, the console showing only the clock.
+    path = tiny_recipe({"stages": {"export": {"pass": "export", "timeout_s": 300}}, "evaluate": {"iterations": 3, "adaptive": False}})
+    events = StepRecorder()
+    compile_recipe(load_recipe(path), RunOptions(cache_dir=cache_dir, instruments=[events]))
+    start = events.events.index(("before_stage", "export", "export"))
+    end = events.events.index(("stage_done", "export", "ok"))
+    during = [e[1] for e in events.events[start:end] if e[0] == "step"]
+    assert any(task.startswith("export: ") for task in during), events.events[start:end]
+
+
 def test_a_log_gets_a_heartbeat_line_marked_still_running_when_no_progress_came():
     stream = io.StringIO()
     console = ConsoleProgress(stream, ticker=False)

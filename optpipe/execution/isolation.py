@@ -7,7 +7,9 @@ bytecodes; a process can always be killed. The worker rebuilds the run's
 services from the compile's plan (the torch model, the cached sample sets), runs the pass
 under the same contract (optpipe/execution/contract.py) into the same private
 workdir, and reports back through a small JSON file (status, the returned
-artifact's info, the data sets it read); the parent publishes the workdir as usual. The limit counts from the
+artifact's info, the data sets it read); the parent publishes the workdir as usual. The
+pass's progress steps come back through another small file, which the parent reads as it
+polls and hands to its console: a worker's stage shows its steps as an in-process one does. The limit counts from the
 moment the worker has started (imports done), not from its spawn.
 
     python -m optpipe.execution.isolation REQUEST.json
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 
 POLL_S = 0.1
 GRACE_S = 2.0  # between SIGTERM and SIGKILL when stopping a worker
+PROGRESS_S = 0.1  # the worker writes its progress file at most this often
 
 
 def run_pass_isolated(pass_: Pass, model: ModelArtifact | None, ctx: PassContext, plan: "CompilePlan", log_path: Path,
@@ -54,6 +57,7 @@ def run_pass_isolated(pass_: Pass, model: ModelArtifact | None, ctx: PassContext
         "log": str(log_path),
         "started": str(files.started),
         "result": str(files.result),
+        "progress": str(files.progress),
     }))
     try:
         with open(log_path, "a", encoding="utf-8") as log_file:
@@ -62,7 +66,7 @@ def run_pass_isolated(pass_: Pass, model: ModelArtifact | None, ctx: PassContext
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
             )
         try:
-            returncode = _wait(worker, files.started, timeout_s, stage)
+            returncode = _wait(worker, files, timeout_s, stage, ctx.progress)
         except BaseException:  # the time limit, Ctrl-C: the worker must not outlive the stage
             _stop(worker)
             raise
@@ -81,6 +85,18 @@ class _WorkerFiles:
         self.request = workdir.with_name(workdir.name + ".request.json")
         self.started = workdir.with_name(workdir.name + ".started")
         self.result = workdir.with_name(workdir.name + ".result.json")
+        self.progress = workdir.with_name(workdir.name + ".progress.json")
+        self._step: list | None = None
+
+    def forward_progress(self, progress) -> None:
+        """The worker's latest step, once, to the parent's progress (a torn or missing file: none yet)."""
+        try:
+            step = json.loads(self.progress.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(step, list) and len(step) == 3 and step != self._step:
+            self._step = step
+            progress(str(step[0]), int(step[1]), int(step[2]))
 
     def read_result(self) -> dict[str, Any] | None:
         try:
@@ -89,18 +105,19 @@ class _WorkerFiles:
             return None
 
     def remove(self) -> None:
-        for path in (self.request, self.started, self.result):
+        for path in (self.request, self.started, self.result, self.progress):
             path.unlink(missing_ok=True)
 
 
-def _wait(worker: subprocess.Popen, started: Path, timeout_s: float, stage: str) -> int:
+def _wait(worker: subprocess.Popen, files: _WorkerFiles, timeout_s: float, stage: str, progress) -> int:
     deadline = None
     while True:
         try:
             return worker.wait(timeout=POLL_S)
         except subprocess.TimeoutExpired:
             pass
-        if deadline is None and started.exists():
+        files.forward_progress(progress)
+        if deadline is None and files.started.exists():
             deadline = time.monotonic() + timeout_s
         if deadline is not None and time.monotonic() > deadline:
             raise StageTimeout(stage, timeout_s)
@@ -150,7 +167,7 @@ def worker_main(request_path: Path) -> int:
         outcome = _run_request(request)
     except KeyboardInterrupt:
         return 130
-    _write_result(result_path, outcome)
+    _write_json(result_path, outcome)
     return 0
 
 
@@ -169,7 +186,9 @@ def _run_request(request: dict[str, Any]) -> dict[str, Any]:
             cls = get_pass(request["pass"])
             pass_ = cls(cls.Params.model_validate(request["params"]))
             model = ModelArtifact.open(Path(request["input"])) if request["input"] else None
-            ctx = make_pass_context(plan, RunServices(plan.model_source(), plan.data, cache), stage, Path(request["workdir"]), log)
+            progress = _progress_file(Path(request["progress"])) if request.get("progress") else None
+            ctx = make_pass_context(plan, RunServices(plan.model_source(), plan.data, cache), stage, Path(request["workdir"]), log,
+                                    progress)
             Path(request["started"]).touch()
             artifact = run_pass(pass_, model, ctx)
             return {"status": "ok", "info": artifact.info, "data_used": ctx.data_used}
@@ -187,12 +206,30 @@ def _run_request(request: dict[str, Any]) -> dict[str, Any]:
             return {"status": "internal", "message": f"{type(exc).__name__}: {first_line(exc)}"}
 
 
+def _progress_file(path: Path):
+    """The worker's progress: its latest step in a file the parent polls (every POLL_S), written at
+    most every PROGRESS_S (a pass may report thousands of steps) and always when the task changes."""
+    last = {"at": 0.0, "task": None}
+
+    def report(task: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if task == last["task"] and now - last["at"] < PROGRESS_S:
+            return
+        last.update(at=now, task=task)
+        try:
+            _write_json(path, [task, done, total])
+        except OSError:  # progress is a nicety: a full disk must not fail the pass
+            pass
+
+    return report
+
+
 def memory_message(exc: MemoryError) -> str:
     detail = f" ({first_line(exc)})" if str(exc) else ""
     return f"ran out of memory{detail}; free memory, use a machine with more, or lower the pass's sizes"
 
 
-def _write_result(path: Path, outcome: dict[str, Any]) -> None:
+def _write_json(path: Path, outcome: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(outcome, default=str))
     os.replace(tmp, path)
