@@ -206,6 +206,6 @@ def test_the_pass_reads_its_precision_facts_from_the_model_its_check_compiled(tm
     monkeypatch.setattr(ovr, "compile_model", lambda *a, **k: calls.append(a[0]) or compile_model(*a, **k))
     out = run_pass(source, recipe, arrays, tmp_path / "ov", precision=precision, guard=False)
     assert not any(isinstance(c, type(tmp_path)) for c in calls), calls  # the saved IR was not compiled again
-    assert len(calls) == {"fp32": 1, "int8": 1, "bf16": 2}[precision]  # bf16: the fp32 conversion check, then bf16
+    assert len(calls) == 1  # int8 and bf16: a result within tolerance vouches for the conversion (no f32 check)
     fresh = ovr.precision_facts(compile_model(out.folder / "model.xml", 2, ovr.read_settings(out.folder)["hint"]))
     assert {k: out.info[k] for k in fresh} == fresh
