@@ -4,6 +4,7 @@
     python bench/llm.py /tmp/llm --size 0.1b            # random weights from a config: size and speed
     python bench/llm.py /tmp/llm-tiny --size trained    # a small byte-level model trained here on the docs
     python bench/llm.py /tmp/llm1b --size 1b --separate # >= 1 B params; each stage in its own process
+    python bench/llm.py /tmp/llmc --size 1b --compile --new-tokens 4   # through `optpipe compile` in one process
 
 Every step (build, export, each quantization, each measurement) runs in its own process, so its
 peak RSS (the child's own high-water mark) is the step's alone and nothing of one step stays in
@@ -58,11 +59,21 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=THREADS, help="intra-op threads of every runtime")
     parser.add_argument("--separate", action="store_true", help="measure each stage in its own process")
+    parser.add_argument("--compile", action="store_true", help="the recipe through optpipe's compile in one process (bench/llm_compile.py)")
+    # simplify left out by default: through compile at 0.37 B onnxslim peaked at 5.35x the FP32 weights
+    # (7.87 GB; 23 GB at 1.1 B) and decode was no faster (6.5 vs 6.2 tok/s): it does not pay here.
+    parser.add_argument("--compile-stages", default="export,int4,int8w,ov_int4",
+                        help="--compile: a subset of recipes/llm-int4.yaml's stages (comma-separated)")
+    parser.add_argument("--cold", action="store_true", help="--compile: empty the cache first")
     parser.add_argument("--step", help=argparse.SUPPRESS)  # internal: run one step in this process
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
     if args.step:
         return run_step(args)
+    if args.compile:
+        from llm_compile import run
+
+        return run(args.folder, args.size, SIZES[args.size], args.compile_stages.split(","), args.new_tokens, args.threads, args.cold)
     return drive(args)
 
 

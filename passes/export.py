@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
-from optpipe.evaluation.self_check import EAGER, SelfCheckParams, numeric_check, onnx_outputs
+from optpipe.evaluation.self_check import EAGER, SelfCheckParams, load_session, numeric_check, onnx_outputs
 from optpipe.core.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
@@ -178,7 +178,11 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
         raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
     steps(f"check the {exporter} export against eager")
     try:
-        numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
+        # One session for the trace shape and every check_shapes() corner: a session per shape built the
+        # same 90 MB MiniLM graph five times (~0.3 s each on 2 loaded cores); ORT's outputs do not depend on
+        # the runs before (no state), so the figures are the same.
+        session = load_session(path, threads)
+        numeric_check(onnx_outputs(path, feeds, threads, session), expected, feeds, params, EAGER)
     except PassError as exc:
         raise _ExportFailed(f"the exported model does not match PyTorch eager ({exc})") from None
     # A trace records one branch of any control flow on a tensor's values or shape (the tracer's
@@ -186,7 +190,8 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
     # right at every shape), so the export is judged by the other shapes, with other values.
     steps(f"check the {exporter} export at other shapes")
     checked = _check_shapes(exporter, torch_model, shapes, threads, params, path, branches,
-                            steps.sub(f"check the {exporter} export at other shapes"))
+                            steps.sub(f"check the {exporter} export at other shapes"), session)
+    del session  # the export's session is not kept past its checks (its arena holds the weights)
     return {"checked_shapes": checked, **({"trace_branches": branches} if branches else {})}
 
 
@@ -231,7 +236,7 @@ def _high_size(dim) -> int:
 
 
 def _check_shapes(exporter: str, torch_model: TorchModel, shapes: ModelInputs, threads: int, params: ExportParams, path: Path,
-                  branches: list[str], report=lambda done, total: None) -> list[dict]:
+                  branches: list[str], report=lambda done, total: None, session=None) -> list[dict]:
     """The export against eager at check_shapes() (fresh values, another seed); _ExportFailed naming
     the first shape where it is wrong. A model that caches a shape-dependent tensor (a detector's
     grid) or a trace that fixed a branch is right at the trace size and wrong there."""
@@ -249,7 +254,7 @@ def _check_shapes(exporter: str, torch_model: TorchModel, shapes: ModelInputs, t
         except Exception:  # eager itself refuses that size: nothing to compare against
             continue
         try:
-            record = numeric_check(onnx_outputs(path, feeds, threads), expected, feeds, params, EAGER)
+            record = numeric_check(onnx_outputs(path, feeds, threads, session), expected, feeds, params, EAGER)
         except MemoryError:
             raise
         except Exception as exc:  # a PassError, or ORT refusing the shape outright

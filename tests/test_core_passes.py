@@ -221,3 +221,18 @@ def test_missing_package_model_is_one_sentence(tiny_recipe, tmp_path):
     recipe = load_recipe(tiny_recipe({"model": None}, model={"package": "no_such_model_pkg", "subdir": "model"}))
     with pytest.raises(ModelSourceError, match="package 'no_such_model_pkg' is not installed"):
         ExportPass(ExportParams()).fingerprint(_context(recipe, tmp_path))
+
+
+def test_export_checks_every_shape_in_one_ort_session(tiny_recipe, tmp_path, monkeypatch):
+    """The trace check and each check_shapes() corner run one session of the export (it was one per shape),
+    with every corner still checked against eager; the self-check of the saved result builds its own."""
+    from optpipe.evaluation import self_check
+
+    built, ort_session = [], self_check.ort_session
+    monkeypatch.setattr(self_check, "ort_session", lambda path, *a, **k: built.append(Path(path)) or ort_session(path, *a, **k))
+    recipe = load_recipe(tiny_recipe({"model": {"factory": "tiny:build_cnn"}, "inputs": CNN["inputs"]}))
+    artifact = run_checked(ExportPass(ExportParams(exporter="torchscript")), None, _context(recipe, tmp_path))
+    checked = artifact.info["checked_shapes"]
+    assert len(checked) >= 2 and all(c["max_abs"] < 1e-4 for c in checked)
+    raw = [p for p in built if p != artifact.path]
+    assert len(raw) == 1, built  # the raw export: once for the trace shape and every corner

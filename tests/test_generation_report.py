@@ -263,8 +263,8 @@ def test_the_memory_preflight_names_the_first_stage_that_will_not_fit(tmp_path, 
     stages = {"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"}}
     recipe = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path, stages=stages).read_text()))
     weights = fp32_weight_bytes(recipe.model_source())
-    estimates = memory_estimate.stage_estimates(weights, {"export": "export", "simplify": "simplify"})
-    assert estimates["export"] < estimates["simplify"]  # simplify is unmeasured: the 2x floor, above export's 1.6x
+    estimates = memory_estimate.stage_estimates(weights, {"export": "export", "simplify": "simplify"}, held=weights)
+    assert estimates["export"] < estimates["simplify"]  # onnxslim's 4x, beside the torch model the run holds
     between = (estimates["export"] + estimates["simplify"]) / 2 / memory_estimate.HEADROOM
     monkeypatch.setattr(memory_estimate, "available_bytes", lambda: int(between))
     with pytest.raises(UserInputError, match=r"stage 'simplify' \(simplify\) needs about"):

@@ -193,3 +193,19 @@ def test_no_onnx_pass_may_follow_an_openvino_stage():
     }
     with pytest.raises(RecipeError, match="stages.int8: stage 'ov' produces openvino-ir"):
         validate_recipe(parse_recipe(data))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "bf16"])
+def test_the_pass_reads_its_precision_facts_from_the_model_its_check_compiled(tmp_path, monkeypatch, precision):
+    """One compile fewer per stage (the check's compiled model is reused), and the same facts as a fresh
+    compile of the saved IR at the stage's hint."""
+    if not ovr.supports(precision):
+        pytest.skip(f"this CPU runs no {precision} in OpenVINO")
+    source, recipe, arrays = mlp(tmp_path)
+    calls, compile_model = [], ovr.compile_model
+    monkeypatch.setattr(ovr, "compile_model", lambda *a, **k: calls.append(a[0]) or compile_model(*a, **k))
+    out = run_pass(source, recipe, arrays, tmp_path / "ov", precision=precision, guard=False)
+    assert not any(isinstance(c, type(tmp_path)) for c in calls), calls  # the saved IR was not compiled again
+    assert len(calls) == 1  # int8 and bf16: a result within tolerance vouches for the conversion (no f32 check)
+    fresh = ovr.precision_facts(compile_model(out.folder / "model.xml", 2, ovr.read_settings(out.folder)["hint"]))
+    assert {k: out.info[k] for k in fresh} == fresh

@@ -248,3 +248,18 @@ def test_an_int8_stage_on_a_broken_conversion_is_refused_before_any_node_is_excl
     monkeypatch.setattr(ov_pass.ovr, "read_onnx", real)
     held = run_pass(source, recipe, arrays, tmp_path / "ov-ok", precision="int8")
     assert held.info["int8"]["guard"]["held"] and [s["method"] for s in held.info["int8"]["guard"]["steps"]] == ["nncf.quantize"]
+
+
+def test_a_bf16_stage_on_a_broken_conversion_is_refused_naming_the_conversion(tmp_path, monkeypatch):
+    """bf16 checks its own result first (within tolerance, it vouches for the FP32 translation it is
+    compiled from, as int8's does); a result that breaks it has its conversion checked: a broken one is
+    refused as the conversion's fault, never an 'ok' or a bf16 stage merely out of tolerance."""
+    from optpipe.passes import openvino as ov_pass
+
+    if not ov_pass.ovr.supports("bf16"):
+        pytest.skip("this CPU runs no bf16 in OpenVINO")
+    source, recipe, arrays = gemms(tmp_path)
+    wrong = ov_pass.ovr.convert_onnx(gemms(tmp_path / "other")[0].path)  # other weights: computes something else
+    monkeypatch.setattr(ov_pass.ovr, "read_onnx", lambda path: wrong)
+    with pytest.raises(PassError, match=r"^OpenVINO's FP32 conversion does not compute what the input ONNX does"):
+        run_pass(source, recipe, arrays, tmp_path / "ov", precision="bf16")

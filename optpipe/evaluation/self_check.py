@@ -129,12 +129,18 @@ def numeric_check(candidate: Outputs, reference: Outputs, feeds: Feeds, params: 
     return record
 
 
-def onnx_outputs(path: Path, feeds: Feeds, threads: int = 2) -> Outputs:
+def load_session(path: Path, threads: int = 2):
+    """The ORT session the self-check runs `path` in; PassError when ONNX Runtime cannot load it."""
     try:
-        session = ort_session(path, threads)
+        return ort_session(path, threads)
     except Exception as exc:  # ORT raises its own exception types for invalid graphs
         raise PassError(f"ONNX Runtime cannot load the result: {first_line(exc)}") from None
-    return ort_runner(session)(feeds)
+
+
+def onnx_outputs(path: Path, feeds: Feeds, threads: int = 2, session=None) -> Outputs:
+    """`path`'s outputs on `feeds`; `session`: one load_session(path, threads) built already (export
+    checks one model at several shapes: one session, not one per shape)."""
+    return ort_runner(session if session is not None else load_session(path, threads))(feeds)
 
 
 def input_outputs(path: Path, feeds: Feeds, threads: int) -> Outputs:

@@ -11,6 +11,12 @@ model and the packed weights), openvino_weights 2.4x / 2.1x with openvino.conver
 0.37 B once it read the ONNX memory-mapped (Core.read_model). The factors below take the larger.
 The factors are upper estimates for larger models: the copies scale with the weights, the baseline
 does not.
+
+Through `optpipe compile` in one process (bench/llm.py --compile, 0.37 B, 1.47 GB FP32; above each
+phase's start): export 2.24x (the torch model is loaded inside the export phase, then the ONNX is
+written beside it), onnxslim's simplify 3.95x (whole-model protobufs), weight_only int4 1.30x / int8
+1.41x, openvino_weights 1.17x; and the torch model stays resident for the eager rows from the export
+to the end of the run: `held` adds it to every later stage.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from optpipe.core.errors import UserInputError
 BASELINE_BYTES = 350 << 20
 #: pass -> peak RSS above the baseline, as a multiple of the FP32 weight bytes (measured, above).
 PASS_FACTORS = {
-    "export": 1.6, "weight_only": 1.3, "openvino_weights": 1.6,
+    "export": 2.3, "weight_only": 1.45, "openvino_weights": 1.6, "simplify": 4.0,
     "measure": 1.2,  # a generation measurement: the weights of the runtimes it holds, plus their KV caches
 }
 #: A pass not measured here (simplify, fuse, fp16, int8, ...): not a measurement, a floor (a whole
@@ -46,15 +52,17 @@ def available_bytes() -> int:
         return 8 << 30
 
 
-def stage_estimates(fp32_bytes: int, stages: dict[str, str]) -> dict[str, int]:
-    """stage name -> estimated peak RSS in bytes, for `stages` (name -> pass name)."""
-    return {name: int(BASELINE_BYTES + PASS_FACTORS.get(pass_name, DEFAULT_FACTOR) * fp32_bytes)
+def stage_estimates(fp32_bytes: int, stages: dict[str, str], held: int = 0) -> dict[str, int]:
+    """stage name -> estimated peak RSS in bytes, for `stages` (name -> pass name); `held`: bytes the run
+    keeps resident beside every stage but the export (the torch model, held for the eager rows)."""
+    return {name: int(BASELINE_BYTES + PASS_FACTORS.get(pass_name, DEFAULT_FACTOR) * fp32_bytes
+                      + (held if pass_name != "export" else 0))
             for name, pass_name in stages.items()}
 
 
-def check_fits(fp32_bytes: int, stages: dict[str, str], available: int | None = None) -> dict[str, int]:
+def check_fits(fp32_bytes: int, stages: dict[str, str], available: int | None = None, held: int = 0) -> dict[str, int]:
     """Refuse, naming the first stage that will not fit; return the estimates otherwise."""
-    estimates = stage_estimates(fp32_bytes, stages)
+    estimates = stage_estimates(fp32_bytes, stages, held)
     budget = int((available if available is not None else available_bytes()) * HEADROOM)
     for name, need in estimates.items():
         if need > budget:
