@@ -118,6 +118,10 @@ def library_failure(exc: BaseException) -> str:
     messages such as "list index out of range" say nothing alone."""
     import traceback
 
+    from optpipe.passes._ort_fuser import FuserWorkerFailed
+
+    if isinstance(exc, FuserWorkerFailed):  # the worker's line already names the type and where
+        return str(exc)
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" in {Path(frames[-1].filename).stem}.{frames[-1].name}" if frames else ""
     return f"{type(exc).__name__}{where}: {first_line(exc)}"
@@ -205,17 +209,18 @@ def fuse_up_to_multihead_attention(model):
 def fuse_with_ort(model: ModelArtifact, params: FuseParams, ctx: PassContext) -> tuple[onnx.ModelProto, dict]:
     from onnxruntime.transformers.optimizer import optimize_model
 
+    from optpipe.passes import _ort_fuser
+
     shape = attention_shape(params, ctx)
-    optimized = optimize_model(
-        str(model.path),
-        model_type=params.model_type,
-        num_heads=shape["num_heads"],
-        hidden_size=shape["hidden_size"],
-        opt_level=0,  # the Python fusions only; ORT's own graph optimizations are `generic`
-        use_gpu=False,
-    )
+    options = {"model_type": params.model_type, "num_heads": shape["num_heads"], "hidden_size": shape["hidden_size"]}
+    if model.size_bytes() >= _ort_fuser.WORKER_MIN_BYTES:  # weights on disk, in a worker (passes/_ort_fuser.py)
+        with tempfile.TemporaryDirectory(dir=ctx.workdir) as scratch:
+            fused, fusions = _ort_fuser.fuse_on_disk(model.path, options, Path(scratch))
+        return fused, {"fusions": fusions, **shape, "weights": "on disk (worker)"}
+    # the Python fusions only (opt_level 0); ORT's own graph optimizations are `generic`
+    optimized = optimize_model(str(model.path), opt_level=0, use_gpu=False, **options)
     stats = optimized.get_fused_operator_statistics() or {}
-    return optimized.model, {"fusions": {name: n for name, n in stats.items() if n}, **shape}
+    return optimized.model, {"fusions": {name: n for name, n in stats.items() if n}, **shape, "weights": "in memory"}
 
 
 def attention_shape(params: FuseParams, ctx: PassContext) -> dict:
