@@ -197,12 +197,17 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
 
 def _reraise_interrupt(exc: BaseException) -> None:
     """A Ctrl-C that the exporter wrapped in its own error (torch.onnx does): the run stops, `auto`
-    does not move on to the next exporter."""
-    from optpipe.safety.os_errors import chain
+    does not move on to the next exporter. A full or read-only disk is no exporter's fault either:
+    raised as it is, the run names the folder (it was "No space left on device; set `exporter:
+    dynamo`", advice that cannot help)."""
+    from optpipe.safety.os_errors import chain, disk_error_in
 
     interrupt = next((link for link in chain(exc) if isinstance(link, KeyboardInterrupt)), None)
     if interrupt is not None:
         raise interrupt
+    disk = disk_error_in(exc)
+    if disk is not None:
+        raise disk
 
 
 def check_shapes(shapes: ModelInputs) -> list[dict[str, int]]:
