@@ -27,6 +27,11 @@ EXTRA_STAGES = [
     ("int8-dynamic-packed", "int8", "fuse-packed", {"mode": "dynamic"}),
     ("int8-dynamic-per-tensor", "int8", "fuse", {"mode": "dynamic", "per_channel": False, "guard": False}),
     ("int8-dynamic-unfused", "int8", "simplify", {"mode": "dynamic"}),
+    # ORT's three x86 integer formats on the fused graph, guard off (issue 17: what each buys per CPU class;
+    # `auto` picks one of them for this CPU, passes/_int8_formats.py).
+    ("int8-u8s8", "int8", "fuse", {"mode": "dynamic", "format": "u8s8", "guard": False}),
+    ("int8-u8s8-reduce-range", "int8", "fuse", {"mode": "dynamic", "format": "u8s8-reduce-range", "guard": False}),
+    ("int8-u8u8", "int8", "fuse", {"mode": "dynamic", "format": "u8u8", "guard": False}),
 ]
 
 
@@ -44,7 +49,8 @@ def main() -> None:
     samples = services.eval_set().arrays
     runners = {"pytorch-eager": eager_runner(services.torch_model(), args.threads)}
     for name, artifact in stages.items():
-        runners[name] = ort_runner(artifact.path, args.threads)
+        if Path(artifact.path).is_file():  # not the OpenVINO stages (an IR beside it): bench/openvino_minilm.py
+            runners[name] = ort_runner(artifact.path, args.threads)
 
     reference = outputs_of(runners["pytorch-eager"], samples, args.accuracy_batch)
     cosines = {name: token_cosine(outputs_of(run, samples, args.accuracy_batch), reference, samples["attention_mask"]) for name, run in runners.items()}

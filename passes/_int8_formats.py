@@ -9,12 +9,14 @@ saturation). VNNI (VPDPBUSD, AVX-VNNI, AMX) accumulates into int32: full range i
 Optimum's presets (AutoQuantizationConfig, the reference) are u8 activations, symmetric
 per-channel weights, and: arm64 s8 weights; avx2 u8 weights (U8U8); avx512 and avx512_vnni s8
 weights, reduce_range off (its docs advise 7-bit weights on AVX-512 without VNNI). optpipe follows
-them except on x86 without VNNI, where it takes u8s8 with reduce_range, not U8U8: measured on
-the tiny BERT of tests/test_ort_qattention.py under `qemu-x86_64 -cpu Haswell` (MLAS's AVX2
-kernels), full-range u8s8 fell to token cosine 0.978 (worst 0.771) against 0.9997 natively on
-VNNI; reduce_range gave 0.99931 / 0.99648 and U8U8 0.99960 / 0.99676, both the same as on VNNI;
-reduce_range keeps the u8s8 kernel, which does twice U8U8's multiplies per instruction (VPMADDUBSW
-on bytes vs VPMADDWD on words). U8U8 stays a `format` to force. docs/int8.md, "per CPU class".
+them: u8s8 with VNNI and on Arm, U8U8 on x86 without VNNI or AVX-512 (AVX2, SSE), u8s8 with
+reduce_range on AVX-512 without VNNI. Measured on a real AVX2 EPYC (Zen 3, no AVX-512; MiniLM
+fused, QAttention, 2 threads; docs/int8.md, "per CPU class"): U8U8 ran as fast as Optimum's avx2
+preset at token cosine 0.9914 vs 0.9906, u8s8-reduce-range 10% faster than U8U8 at 0.9903 (worst
+sentence 0.965 vs 0.975): reduce_range loses a bit of every weight, U8U8 loses nothing. Full-range
+u8s8 saturates on AVX2 (under `qemu-x86_64 -cpu Haswell` the tiny BERT of
+tests/test_ort_qattention.py fell to token cosine 0.978, worst 0.771, against 0.9997 on VNNI), so
+it is only ever a `format` to force.
 """
 from __future__ import annotations
 
@@ -57,9 +59,12 @@ def auto_choice(cpu: CpuTarget) -> tuple[str, str]:
         return "u8s8", f"{klass}: VNNI dot products accumulate u8 x s8 into int32, full 8-bit range is exact (Optimum's avx512_vnni)"
     if cpu.arch == "arm64":
         return "u8s8", f"{klass}: NEON/dot-product kernels widen before adding, no saturation (Optimum's arm64)"
-    if int8_sums_saturate(cpu):
+    if int8_sums_saturate(cpu) and klass == "x86-avx512":
         return "u8s8-reduce-range", (f"{klass}: without VNNI, u8 x s8 sums saturate int16 (VPMADDUBSW); 7-bit weights "
                                      "fit (ORT's advice; Optimum's avx512 note) and keep the fast u8s8 kernel")
+    if int8_sums_saturate(cpu):
+        return "u8u8", (f"{klass}: without VNNI, u8 x s8 sums saturate int16 (VPMADDUBSW); u8 weights do not "
+                        "(Optimum's avx2): as fast as its preset on a real AVX2 EPYC, more accurate than 7-bit weights")
     return "u8s8", f"{klass}: ORT's default format (no int8 ISA facts for this architecture)"
 
 

@@ -52,7 +52,7 @@ class Int8Params(PassParams, GuardParams):
     op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention and LSTM)")
     format: FormatName = Field(
         "auto", description="ORT's integer kernels (dynamic, or static target ort-cpu): auto = per this CPU's class "
-        "(u8s8 with VNNI and on Arm, u8s8-reduce-range on x86 without VNNI: no int16 saturation); u8s8, u8s8-reduce-range, u8u8 force one")
+        "(u8s8 with VNNI and on Arm, u8u8 on AVX2, u8s8-reduce-range on AVX-512 without VNNI: no int16 saturation); u8s8, u8s8-reduce-range, u8u8 force one")
     reduce_range: Optional[bool] = Field(None, description="7-bit weights on or off; default: as the format says")
     target: Literal["tensorrt", "ort-cpu"] = Field(
         "tensorrt",
@@ -73,7 +73,7 @@ class Int8Pass(Pass[Int8Params]):
     """Quantize to INT8 (static QDQ calibrated on the recipe's data, or dynamic), guarded by the stage's tolerance."""
 
     name = "int8"
-    version = "4"  # 3: fused ops split and stale weight value_info dropped before quantizing; 4: format per CPU class
+    version = "5"  # 3: fused ops split and stale weight value_info dropped before quantizing; 4: format per CPU class; 5: u8u8 on AVX2
     Params = Int8Params
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
     # The format is chosen per CPU class and the guard decides on this CPU's numerics.

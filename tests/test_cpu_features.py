@@ -80,9 +80,9 @@ def test_onednn_max_cpu_isa_restricts_openvinos_class_not_orts(monkeypatch):
 
 
 @pytest.mark.parametrize("features, expected", [
-    ("avx2 fma", ("u8s8-reduce-range", "int8", True)),
+    ("avx2 fma", ("u8u8", "uint8", False)),
     ("avx2,fma,avx512f,avx512bw", ("u8s8-reduce-range", "int8", True)),
-    ("sse4_2", ("u8s8-reduce-range", "int8", True)),
+    ("sse4_2", ("u8u8", "uint8", False)),
     ("avx2,fma,avx_vnni", ("u8s8", "int8", False)),
     ("avx2,fma,avx512f,avx512bw,avx512_vnni", ("u8s8", "int8", False)),
     (AMX, ("u8s8", "int8", False)),
@@ -99,8 +99,10 @@ def test_a_forced_format_or_reduce_range_wins_and_says_so():
     avx2 = parse_features("avx2,fma")
     forced = ort_format("u8u8", avx2)
     assert (forced.name, forced.weights, forced.reduce_range) == ("u8u8", "uint8", False) and "params" in forced.why
-    full = ort_format("auto", avx2, reduce_range=False)
+    full = ort_format("auto", parse_features("avx2,fma,avx512f,avx512bw"), reduce_range=False)
     assert full.name == "u8s8-reduce-range" and not full.reduce_range and "reduce_range off" in full.why
+    seven_bit = ort_format("auto", avx2, reduce_range=True)
+    assert (seven_bit.name, seven_bit.reduce_range) == ("u8u8", True) and "reduce_range on" in seven_bit.why
     trt = tensorrt_format(avx2, None)
     assert (trt.name, trt.activations, trt.weights) == ("s8s8", "int8", "int8") and "lower bound" in trt.why
     assert "lower bound" not in tensorrt_format(parse_features(AMX), None).why
