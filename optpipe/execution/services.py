@@ -18,9 +18,11 @@ from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import DataSets, ModelSource
 
 
-#: A torch model this big is dropped once no stage left needs it (a reload costs seconds; a model
-#: under 1 GB of weights is not worth it).
-RELEASE_BYTES = 1 << 30
+#: A torch model this big is dropped once no stage left needs it, and loaded again for the eager
+#: rows. BERT-base (438 MB) held under every pass after its export was 0.44 GB on each of their peaks
+#: (docs/memory.md); its reload from the seeded config costs a few seconds. Below this (MiniLM, 90 MB)
+#: the reload is not worth its time.
+RELEASE_BYTES = 256 << 20
 
 
 class RunServices:
@@ -39,8 +41,10 @@ class RunServices:
     def release_torch_model(self) -> bool:
         """Drop the loaded torch model when it is big (>= RELEASE_BYTES of FP32 weights), so that the
         passes after the export do not run beside it; the eager evaluation loads it again (the same
-        seeded weights for hf_config). Measured through compile (bench/llm.py --compile, 0.37 B): it
-        stayed resident, 1x the FP32 weights, under every weight-only pass. True when dropped."""
+        seeded weights for hf_config, the same files for hf). Sources whose size is unknown (factories,
+        torchvision: not seeded, a reload could differ) are kept. Measured through compile (bench/llm.py
+        --compile, 0.37 B): it stayed resident, 1x the FP32 weights, under every weight-only pass. True
+        when dropped."""
         from optpipe.source.torch_weights import fp32_weight_bytes
 
         if self.torch_model.cache_info().currsize == 0 or (fp32_weight_bytes(self.source) or 0) < RELEASE_BYTES:
