@@ -144,3 +144,32 @@ def test_without_the_gguf_package_it_says_to_install_it(tmp_path, capsys, monkey
     monkeypatch.setattr(script.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     assert script.main([str(converted[0]), str(tmp_path / "out")]) == 2
     assert "pip install gguf" in _error_line(capsys)
+
+
+def test_the_folder_is_a_recipes_decoder_source_with_the_ggufs_tokenizer(converted, tmp_path, cli_run):
+    """The written folder through `optpipe compile`: KV-cache export checked against eager, prompts encoded
+    by the GGUF's tokenizer, the weights reported as a checkpoint (accuracy not marked meaningless)."""
+    import json
+
+    import yaml
+
+    _, out = converted
+    recipe = {
+        "name": "tiny-gguf", "model": {"hf": str(out), "task": "causal-lm", "outputs": ["logits"]},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 262]}],
+        "dims": {"batch": {"min": 1, "opt": 1, "max": 1}, "sequence": {"min": 2, "opt": 8, "max": 16}},
+        "data": {"eval": {"source": "synthetic", "samples": 1}},
+        "stages": {"export": {"pass": "export"}},
+        "evaluate": {"task": {"kind": "language-model"}, "threads": 1, "warmup": 1, "iterations": 2,
+                     "generation": {"prompts": ["the test"], "new_tokens": 4, "rounds": 1, "max_past": 24}},
+        "output": str(tmp_path / "run"),
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    result = cli_run("compile", str(path), "--allow-path", str(out.parent))
+    assert result.exit_code == 0, result.output
+    stage = next(s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"] if s["name"] == "export")
+    generation = stage["generation"]
+    assert generation["tokens"] == "tokenizer hf" and generation["weights"] == "checkpoint"
+    assert generation["next_token_agreement"] == 1.0  # the exported graph with its cache generates eager's tokens
+    assert not stage["accuracy"]["warnings"]
