@@ -11,8 +11,8 @@ per-channel weights, and: arm64 s8 weights; avx2 u8 weights (U8U8); avx512 and a
 weights, reduce_range off (its docs advise 7-bit weights on AVX-512 without VNNI). optpipe follows
 them: u8s8 with VNNI and on Arm, U8U8 on x86 without VNNI or AVX-512 (AVX2, SSE), u8s8 with
 reduce_range on AVX-512 without VNNI. Measured on a real AVX2 EPYC (Zen 3, no AVX-512; MiniLM
-fused, QAttention, 2 threads; docs/int8.md, "per CPU class"): U8U8 ran as fast as Optimum's avx2
-preset at token cosine 0.9914 vs 0.9906, u8s8-reduce-range 10% faster than U8U8 at 0.9903 (worst
+fused, QAttention, 2 threads; docs/int8.md, "per CPU class"): U8U8 ran level with Optimum's avx2
+preset (0.86-1.02x its speed over three runs) at token cosine 0.9914 vs 0.9906, u8s8-reduce-range 10% faster than U8U8 at 0.9903 (worst
 sentence 0.965 vs 0.975): reduce_range loses a bit of every weight, U8U8 loses nothing. Full-range
 u8s8 saturates on AVX2 (under `qemu-x86_64 -cpu Haswell` the tiny BERT of
 tests/test_ort_qattention.py fell to token cosine 0.978, worst 0.771, against 0.9997 on VNNI), so
@@ -64,7 +64,7 @@ def auto_choice(cpu: CpuTarget) -> tuple[str, str]:
                                      "fit (ORT's advice; Optimum's avx512 note) and keep the fast u8s8 kernel")
     if int8_sums_saturate(cpu):
         return "u8u8", (f"{klass}: without VNNI, u8 x s8 sums saturate int16 (VPMADDUBSW); u8 weights do not "
-                        "(Optimum's avx2): as fast as its preset on a real AVX2 EPYC, more accurate than 7-bit weights")
+                        "(Optimum's avx2): level with its preset on a real AVX2 EPYC, more accurate than 7-bit weights")
     return "u8s8", f"{klass}: ORT's default format (no int8 ISA facts for this architecture)"
 
 
