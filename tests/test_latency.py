@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from optpipe.evaluation.latency import BLOCK, MIN_ITERATIONS, Warmth, busy_reason, measure, median_is_tight
+from optpipe.evaluation.latency import BLOCK, CI_TARGET, MIN_ITERATIONS, Warmth, busy_reason, measure, median_interval, median_is_tight
 from optpipe.core.results import Latency
 
 FEEDS = {"x": np.zeros((2, 3), dtype=np.float32)}
@@ -93,6 +93,33 @@ def test_adaptive_timing_stops_early_on_a_steady_machine_but_not_on_a_noisy_one(
     assert noisy.iterations > 3 * MIN_ITERATIONS
 
 
+def test_a_noisy_figure_stops_at_its_time_budget_and_says_how_wide_its_median_is():
+    clock = FakeClock()
+    rng = np.random.default_rng(3)
+    # 200 ms calls spread as a cloud VM's: 15 calls are 3 s, the budget; the interval is still wide there.
+    slow = measure(clock.model("stage", iter(rng.lognormal(np.log(200.0), 0.6, size=400))), FEEDS, 0, 50, 1, "cpu",
+                   clock=clock, budget_s=3.0)
+    assert slow.stopped == "budget" and slow.iterations == MIN_ITERATIONS
+    assert slow.interval is not None and slow.interval > CI_TARGET
+    # The same spread at 4 ms a call: the budget is never reached, the cap is.
+    fast = measure(clock.model("stage", iter(rng.lognormal(np.log(4.0), 0.6, size=400))), FEEDS, 0, 50, 1, "cpu",
+                   clock=clock, budget_s=3.0)
+    assert fast.stopped == "iterations" and fast.iterations == 50
+    # Steady: the interval stops it first, budget or not; eager beside it counts towards the budget too.
+    quiet = measure(clock.model("stage", steady(300.0)), FEEDS, 0, 50, 1, "cpu", clock=clock, budget_s=3.0,
+                    baseline=clock.model("eager", steady(300.0, seed=1)))
+    assert quiet.stopped == "interval" and quiet.interval <= CI_TARGET and quiet.iterations == MIN_ITERATIONS
+    fixed = measure(clock.model("stage", steady(300.0)), FEEDS, 0, 20, 1, "cpu", clock=clock, budget_s=0.1, adaptive=False)
+    assert fixed.stopped is None and fixed.iterations == 20  # not adaptive: iterations is the count, no budget
+
+
+def test_median_interval_is_half_the_order_statistics_interval():
+    assert median_interval(np.full(20, 5.0)) == 0.0
+    assert median_interval(np.full(5, 5.0)) is None  # too few runs to bound the median
+    wide = median_interval(np.linspace(1, 10, 21))
+    assert 0.2 < wide < 0.6 and not median_is_tight(np.linspace(1, 10, 21))
+
+
 def test_warm_up_runs_until_the_runs_stop_getting_faster():
     clock = FakeClock()
     # Caches and thread pools warming: each block of calls faster than the one before, for five blocks.
@@ -145,6 +172,23 @@ def test_report_speedup_uses_the_eager_figure_timed_beside_the_stage_and_marks_b
     assert rows["export"][column("vs eager")] == "2.00x"  # 10 / 5, not 84 / 5
     assert rows["int8"][column("vs eager")] == "6.00x ⚠busy" and rows["int8"][column("vs parent")] == "2.50x ⚠busy"
     assert "p50 10.00 to 12.00 ms" in table and "int8: 1 of 1 latency figures unreliable" in table and "load average 7.5" in table
+
+
+def test_report_names_the_figures_that_stopped_at_the_time_budget_with_their_interval():
+    from optpipe.reporting.run_report import stage_table
+    from optpipe.core.results import RunReport, StageResult
+
+    def lat(batch, stopped, interval):
+        return Latency(batch_size=batch, shape={"x": [batch]}, p50_ms=9.0, p90_ms=9.5, p99_ms=10.0, mean_ms=9.2, throughput=1.0,
+                       iterations=15, provider="cpu", stopped=stopped, interval=interval)
+
+    stages = [StageResult(name="fuse", pass_name="fuse", status="ok", latency=[lat(1, "interval", 0.02), lat(8, "budget", 0.071)]),
+              StageResult(name="int8", pass_name="int8", parent="fuse", status="ok", latency=[lat(1, "iterations", 0.04)])]
+    report = RunReport(optpipe_version="dev", recipe="t", created="now", machine={}, evaluation={"batch_sizes": [1, 8]},
+                       reference="fuse", stages=stages)
+    table = stage_table(report)
+    assert "fuse: 1 of 2 latency figures stopped at the time budget" in table and "±7% after 15 calls (batch 8)" in table
+    assert "int8:" not in table.split("Latency at batch")[-1]  # a figure that ran to the cap is not the budget's
 
 
 

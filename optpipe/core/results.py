@@ -104,6 +104,11 @@ class Latency(BaseModel):
     sweep: Optional[str] = Field(None, description="the dim this point of a sweep varies; None for the batch_sizes measurements")
     sweep_value: Optional[int] = Field(None, description="the swept dim's value at this point")
     spread: Optional[float] = Field(None, description="run-to-run spread: (max - min) / p50 of the per-block medians")
+    interval: Optional[float] = Field(
+        None, description="half-width of the p50's 95% interval (order statistics), as a fraction of it; None with too few runs")
+    stopped: Optional[Literal["interval", "budget", "iterations"]] = Field(
+        None, description="why adaptive timing stopped: the interval within ±3%, evaluate.figure_budget_s spent, or the "
+        "iterations cap; None when timing was not adaptive")
     load_average: Optional[float] = Field(None, description="the machine's 1-minute load average while timed")
     others_cpu: Optional[float] = Field(
         None, description="share of this process's CPUs that other processes used while timed (Linux; None elsewhere or when too short to tell)")

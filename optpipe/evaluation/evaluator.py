@@ -29,8 +29,9 @@ from optpipe.core.results import Accuracy, Latency, Memory
 from optpipe.recipe.schema import EvaluateSpec, ModelInputs, Tolerance
 from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
 
-EVAL_FORMAT = 6  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
-# 5: sweeps measured and cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU time
+EVAL_FORMAT = 7  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
+# 5: sweeps measured and cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU time;
+# 7: a time budget per figure, each figure's interval and why its timing stopped
 #: Settings that shape only the sweep curves: not part of the headline's cache key.
 SWEEP_SETTINGS = {"sweep", "sweep_iterations", "sweep_stages"}
 #: Settings that shape no figure (a search's strategy or budget, the Ray resources, the eager baseline
@@ -254,7 +255,8 @@ class Evaluator:
         warming = lambda calls: self.progress(f"{task}: warm-up call", calls, 0)  # noqa: E731
         self.progress(f"{task}: warm-up", 0, 0)
         latency = measure(run, feeds, self.settings.warmup, iterations, self.settings.threads, provider, progress=report,
-                          baseline=baseline, adaptive=self.settings.adaptive, warmth=self._warmth, warming=warming)
+                          baseline=baseline, adaptive=self.settings.adaptive, warmth=self._warmth, warming=warming,
+                          budget_s=self.settings.figure_budget_s)
         # Every figure names the CPU class it was timed on: OpenVINO's own where ONEDNN_MAX_CPU_ISA holds it lower.
         engine = "openvino" if provider == openvino_runtime.PROVIDER else "onnxruntime"
         return latency.model_copy(update={"cpu_class": engine_target(engine).cpu_class})

@@ -16,7 +16,11 @@ the report marks the speed-up computed from it.
 
 Timing stops early once the median is known well enough (its 95% confidence
 interval, from order statistics, within CI_TARGET of it for every timed runnable):
-on a quiet machine a stage needs far fewer than `iterations` runs.
+on a quiet machine a stage needs far fewer than `iterations` runs. On a machine whose
+timings spread (a cloud VM's steal time) that interval may not come within reach: a
+figure then stops when its timed calls have taken `budget_s` (after MIN_ITERATIONS),
+and records the interval it did reach (`Latency.interval`, `Latency.stopped`), which
+the report shows, rather than spend 50 slow calls on a figure that stays as wide.
 
 Warm-up ends on a block that is no faster than the block before it: steady state by that rule's
 own definition, so that block is the first timed block (when every runnable's warm-up settled;
@@ -111,6 +115,7 @@ def measure(
     clock: Clock = time.perf_counter,
     warmth: Warmth | None = None,
     warming: Callable[[int], None] | None = None,
+    budget_s: float | None = None,
 ) -> Latency:
     """Time `run` (and `baseline`, interleaved) on `feeds`: at most `iterations` timed runs each.
 
@@ -118,7 +123,8 @@ def measure(
     `warming(calls)` after every warm-up call (both between calls, outside each call's timed span:
     a batch-16 call of a loaded machine takes seconds, the console shows each).
     `clock` is injectable so tests can make the machine look steady or busy. `warmth`: what this
-    process already warmed (None: nothing, every runnable gets the full warm-up).
+    process already warmed (None: nothing, every runnable gets the full warm-up). `budget_s`
+    (adaptive timing only): stop once the timed blocks took this long, at MIN_ITERATIONS or later.
     """
     warmth = warmth if warmth is not None else Warmth()
     runners = {"candidate": run} | ({"baseline": baseline} if baseline is not None else {})
@@ -139,6 +145,7 @@ def measure(
             for name, block in settled.items():
                 blocks[name].append(block[:iterations])
         done = len(blocks["candidate"][0]) if blocks["candidate"] else 0
+        timed_start, stopped = clock(), "iterations"
         while done < iterations:
             if progress is not None:
                 progress(done, iterations)
@@ -152,8 +159,13 @@ def measure(
                 tick = _counter(progress, done, iterations) if name == "candidate" and progress is not None else None
                 blocks[name].append(_time_block(runners[name], feeds, n, clock, tick))
             done += n
-            if adaptive and done >= MIN_ITERATIONS and all(median_is_tight(np.concatenate(b)) for b in blocks.values()):
-                break
+            if adaptive and done >= MIN_ITERATIONS:
+                if all(median_is_tight(np.concatenate(b)) for b in blocks.values()):
+                    stopped = "interval"
+                    break
+                if budget_s is not None and clock() - timed_start >= budget_s:
+                    stopped = "budget"
+                    break
         if progress is not None:
             progress(iterations, iterations)
     for name, fn in runners.items():
@@ -164,6 +176,7 @@ def measure(
     load = max(load, _load_average()) if load is not None else None
     others = cpu_contention.others_share(cpu_start, cpu_contention.snapshot())
     latency = _summarise(blocks["candidate"], feeds, provider, load, others)
+    latency = latency.model_copy(update={"stopped": stopped if adaptive else None})
     if baseline is not None:
         eager = _summarise(blocks["baseline"], feeds, "baseline", load, others)
         reasons = [r for r in (latency.unreliable, eager.unreliable and f"eager beside it: {eager.unreliable}") if r]
@@ -236,14 +249,21 @@ def warm_for(run: Run, feeds: Feeds, seconds: float, clock: Clock = time.perf_co
 
 def median_is_tight(times: np.ndarray, target: float = CI_TARGET) -> bool:
     """The distribution-free 95% interval of the median (order statistics) lies within ±target of it."""
+    interval = median_interval(times)
+    return interval is not None and interval <= target
+
+
+def median_interval(times: np.ndarray) -> float | None:
+    """Half the width of the median's distribution-free 95% interval (order statistics), as a fraction
+    of the median; None when too few runs bound it (fewer than 6) or the median is not positive."""
     n = len(times)
     half = 1.96 * math.sqrt(n) / 2
     lo, hi = int(math.floor(n / 2 - half)), int(math.ceil(n / 2 + half))
     if lo < 0 or hi >= n:
-        return False
+        return None
     ordered = np.sort(times)
     median = float(np.median(ordered))
-    return median > 0 and (ordered[hi] - ordered[lo]) / 2 <= target * median
+    return float((ordered[hi] - ordered[lo]) / 2 / median) if median > 0 else None
 
 
 def busy_reason(times_ms: np.ndarray, block_medians: list[float], others_cpu: float | None = None) -> str | None:
@@ -294,6 +314,7 @@ def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Opti
         iterations=len(ms),
         provider=provider,
         spread=(max(medians) - min(medians)) / p50 if len(medians) >= 2 and p50 > 0 else None,
+        interval=median_interval(ms),
         load_average=load,
         others_cpu=others_cpu,
         unreliable=busy_reason(ms, medians, others_cpu),

@@ -211,6 +211,13 @@ class EvaluateSpec(Strict):
         "frontier", description="which stages get the sweep curves: the Pareto frontier's (with the eager baseline), or all"
     )
     adaptive: bool = Field(True, description="stop timing once the median's 95% interval is within 3%; iterations is the cap")
+    # 3 s: on a quiet machine figures reach ±3% well within it (x86-amx: batch 8 in 15-50 calls of 30-60 ms); on a
+    # cloud VM whose timings spread 10-60% (an AVX2 EPYC) batch-8 figures ran to the 50-call cap, 10-12 s each,
+    # with the interval no tighter at the end (docs/compile-time.md).
+    figure_budget_s: Optional[float] = Field(
+        3.0, gt=0, allow_inf_nan=False,
+        description="adaptive timing: a figure whose interval is not within ±3% stops once its timed calls took this long "
+        "(at 15 calls or more), and the report gives the interval it reached; null: iterations is the only cap")
     search: Optional[SearchSettings] = Field(None, description="strategy and budget for stages that declare `search:`")
     providers: Literal["auto", "cpu", "cuda", "tensorrt"] = Field(
         "auto", description="where stages are evaluated: auto (CUDA where the machine, or the Ray task, has a GPU), cpu, "

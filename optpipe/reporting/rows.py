@@ -133,6 +133,20 @@ def timing_notes(report: RunReport) -> list[str]:
             loads = [lat.load_average for lat in busy if lat.load_average is not None]
             load = f", load average {max(loads):.1f}" if loads else ""
             notes.append(f"⚠ {s.name}: {len(busy)} of {len(s.latency)} latency figures unreliable ({busy[0].unreliable}{load}).")
+    notes.extend(_budget_notes(report))
+    return notes
+
+
+def _budget_notes(report: RunReport) -> list[str]:
+    """Figures whose timing stopped at evaluate.figure_budget_s before their median was known to ±3%: how well it is known."""
+    notes = []
+    for s in report.stages:
+        short = [lat for lat in s.latency if lat.stopped == "budget" and lat.interval is not None]
+        if short:
+            widest = max(short, key=lambda lat: lat.interval)
+            notes.append(f"{s.name}: {len(short)} of {len(s.latency)} latency figures stopped at the time budget "
+                         f"(evaluate.figure_budget_s), the widest p50 known to ±{widest.interval:.0%} after "
+                         f"{widest.iterations} calls (batch {widest.batch_size}).")
     return notes
 
 
