@@ -48,6 +48,6 @@ class Measurer:
         warmth = Warmth()  # one runner over the batch sizes: after the first, a new shape needs one untimed call
         return [
             measure(run, self.evaluator.eval_set.first(size), self.settings.warmup, self.settings.iterations, self.settings.threads,
-                    provider, warmth=warmth)
+                    provider, warmth=warmth, adaptive=self.settings.adaptive, budget_s=self.settings.figure_budget_s)
             for size in sizes
         ]
