@@ -14,7 +14,7 @@ import numpy as np
 
 from optpipe.core.artifact import sha256_file, sha256_json
 from optpipe.calibration.labels import labels_fingerprint, split_labels
-from optpipe.calibration.sources import load_samples, source_path
+from optpipe.calibration.sources import load_samples, running_text, source_path
 from optpipe.recipe.schema import DataSource, ModelSource
 
 DATASETS = "datasets"
@@ -50,13 +50,15 @@ def sample_set_key(source: DataSource, model: ModelSource) -> str:
     if path is not None:
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         content = {str(p.relative_to(path)) if path.is_dir() else "file": sha256_file(p) for p in files}
-    tokenizer = None
+    tokenizer, layout = None, {}
     if source.source == "text":
         from optpipe.source.model_source import source_fingerprint
 
         tokenizer = source_fingerprint(model)
+        layout = {"text": "windows of running text"} if running_text(model) else {}  # other sets keep their keys
     return sha256_json(
         {
+            **layout,
             "format": 2,
             "source": source.model_dump(exclude={"path", "labels"}),
             "content": content,

@@ -12,6 +12,7 @@ import numpy as np
 from optpipe.calibration.labels import attach_labels, class_folders, load_class_folders
 from optpipe.core.errors import DataError, first_line
 from optpipe.recipe.example_inputs import synthetic_inputs
+from optpipe.recipe.generation_spec import CAUSAL_TASKS
 from optpipe.recipe.schema import DataSource, ModelSource
 
 
@@ -107,9 +108,11 @@ def _text(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
         raise DataError(f"data: text file '{path}' has no non-empty lines")
-    lines = (lines * (source.samples // len(lines) + 1))[: source.samples]
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder), local_files_only=True)
     seq_len = _sequence_length(model)
+    if running_text(model):
+        return _text_windows(" ".join(lines), tokenizer, seq_len, source, model, path)
+    lines = (lines * (source.samples // len(lines) + 1))[: source.samples]
     encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np")
     out = {}
     for spec in model.inputs:
@@ -117,6 +120,32 @@ def _text(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
             raise DataError(f"data: the tokenizer gives {sorted(encoded)}, not the recipe's input '{spec.name}'")
         out[spec.name] = encoded[spec.name].astype(spec.dtype)
     return out
+
+
+def running_text(model: ModelSource) -> bool:
+    """A causal LM reads a text file as running text, not as a line per sample."""
+    return getattr(model.model, "task", None) in CAUSAL_TASKS
+
+
+def _text_windows(text: str, tokenizer, seq_len: int, source: DataSource, model: ModelSource, path: Path) -> dict[str, np.ndarray]:
+    """A causal LM's samples: the text as one token stream cut into windows of the `opt` sequence length,
+    each opening with the tokenizer's BOS where it has one, as LLM calibration sets are built (GPTQ's and
+    AWQ's windows of running text). Why not a padded line per sample: a decoder's one forward takes no
+    padding mask from the recipe's inputs (the prefill runs with a mask of ones), and Gemma's tokenizer pads
+    on the left, so the pad tokens would sit in every window's context and in its activation statistics."""
+    spec = model.inputs[0]
+    bos = tokenizer.bos_token_id
+    stream = tokenizer(text, add_special_tokens=False)["input_ids"]
+    step = seq_len - (bos is not None)
+    count = len(stream) // step
+    if count == 0:
+        raise DataError(f"data: text file '{path}' has {len(stream)} tokens, fewer than one window of {seq_len} (the "
+                        "sequence dim's opt) that a causal LM's samples are; give a longer text or lower that opt")
+    windows = np.asarray(stream[: count * step], np.int64).reshape(count, step)
+    if bos is not None:
+        windows = np.concatenate([np.full((count, 1), bos, np.int64), windows], axis=1)
+    windows = windows[np.arange(source.samples) % count]  # as lines are: repeated up to `samples`
+    return {spec.name: windows.astype(spec.dtype)}
 
 
 def _sequence_length(model: ModelSource) -> int:

@@ -154,3 +154,41 @@ def test_ranges_are_reused_until_the_data_content_changes(tmp_path):
     # Another method is another entry.
     entropy = run_stages(recipe_with_calibration(tmp_path, model_path, {**static, "method": "entropy"}), cache, runs)
     assert not entropy.model.info["calibration"]["cached"]
+
+
+def test_a_causal_lms_text_samples_are_windows_of_running_text_opening_with_bos(tmp_path):
+    """A decoder's text set: the file as one token stream in windows of the sequence dim's opt, each
+    starting with BOS, no padding (a padded line would put pad tokens in every decoder window's context,
+    and this tokenizer, like GPT-2's and Llama's, has no pad token at all); the set's cache key differs
+    from an encoder's line-per-sample set; a text shorter than a window is refused in one line."""
+    from helpers_decoders import hf_folder_with_tokenizer
+    from transformers import AutoTokenizer
+
+    from optpipe.calibration.dataset import sample_set_key
+    from optpipe.calibration.sources import load_samples
+    from optpipe.recipe.model_specs import HFModel
+    from optpipe.recipe.schema import DataSource, DimRange, InputSpec, ModelSource
+
+    hf = hf_folder_with_tokenizer(tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(str(hf))
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2).save_pretrained(hf)
+    text = tmp_path / "text.txt"
+    text.write_text("a compiler turns a recipe into passes\nevery pass is measured on the same inputs\n" * 4)
+    inputs = (InputSpec(name="input_ids", dtype="int64", shape=["batch", "sequence"], range=(0, len(tokenizer))),)
+    dims = {"batch": DimRange(min=1, opt=1, max=2), "sequence": DimRange(min=2, opt=8, max=16)}
+
+    def source(task):
+        return ModelSource(inputs, dims, HFModel(hf=str(hf), task=task), tmp_path)
+
+    data = DataSource(source="text", path=str(text), samples=5)
+    ids = load_samples(data, source("causal-lm"))["input_ids"]
+    stream = tokenizer(" ".join(text.read_text().splitlines()), add_special_tokens=False)["input_ids"]
+    assert ids.shape == (5, 8) and (ids[:, 0] == tokenizer.bos_token_id).all()
+    assert ids[0, 1:].tolist() == stream[:7] and ids[1, 1:].tolist() == stream[7:14]  # consecutive, no padding
+    assert tokenizer.pad_token_id is None or tokenizer.pad_token_id not in ids
+    assert sample_set_key(data, source("causal-lm")) != sample_set_key(data, source("feature-extraction"))
+    text.write_text("a compiler\n")
+    with pytest.raises(DataError, match="fewer than one window of 8"):
+        load_samples(data, source("causal-lm"))
