@@ -13,6 +13,7 @@ import numpy as np
 
 from optpipe.core.artifact import ModelArtifact
 from optpipe.core.errors import DataError, PassError, RecipeError, first_line
+from optpipe.core.runtime import prefill_feeds
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.passes._openvino_guard import fake_quantize_count, repair, model_feeds, nncf_logs_to
 from optpipe.hardware.cpu_features import engine_target, int8_sums_saturate
@@ -77,7 +78,10 @@ def calibration_batches(ctx: PassContext, converted) -> list[dict[str, np.ndarra
     if len(samples) < size:
         raise DataError(f"data.calibration: {len(samples)} samples, fewer than the model's fixed batch of {size}; "
                         f"give at least {size} samples")
-    return [model_feeds(b, converted) for b in samples.batches(size) if len(next(iter(b.values()))) == size]
+    # A KV-cache decoder's forward also takes a mask and a past per layer: each sample is its prefill.
+    shapes = ovr.input_shapes(converted)
+    return [model_feeds(prefill_feeds(b, shapes), converted) for b in samples.batches(size)
+            if len(next(iter(b.values()))) == size]
 
 
 def exclude_names(params: OpenVinoParams, model: ModelArtifact, converted, stage: str) -> list[str]:

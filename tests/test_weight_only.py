@@ -154,3 +154,28 @@ def test_nncf_data_aware_reads_the_calibration_set_and_the_column_shows_the_mix(
     mixed = _run(setup, "openvino_weights", "ov-ratio", mode="int4_sym", group_size=32, all_layers=True, ratio=0.5,
                  data_aware=True, subset_size=8)
     assert mixed.info["coverage"]["macs"].get("int8", 0) > 0
+
+
+def test_nncf_data_aware_calibrates_a_kv_cache_decoder_on_token_ids_alone(tmp_path):
+    """A decoder exported with its KV cache takes a mask and a past per layer beside the tokens; the
+    calibration set (a text source) has only input_ids. Each sample is fed as its prefill (a mask of
+    ones, an empty past): AWQ and scale estimation run, and the IR still generates."""
+    from helpers_decoders import PROMPT, tiny_llama
+    from optpipe.evaluation import generation as gen
+    from optpipe.source.decoder_export import export_decoder
+
+    skip_compressed_under_isa_restriction()
+    layout = export_decoder(tiny_llama(), tmp_path / "onnx", max_batch=2, max_sequence=16, max_past=40)
+    recipe = graph_recipe([{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 256]}],
+                          {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 2, "opt": 8, "max": 16}})
+    tokens = {"input_ids": np.random.default_rng(5).integers(0, 256, (8, 8)).astype(np.int64)}
+    cls = get_pass("openvino_weights")
+    params = cls.Params(mode="int4_asym", group_size=32, all_layers=True, data_aware=True, awq=True,
+                        scale_estimation=True, subset_size=8)
+    source = artifact_of(onnx.load(str(tmp_path / "onnx" / "model.onnx")), tmp_path / "source")
+    out = run_checked(cls(params), source, context(recipe, tmp_path / "ov", tokens))
+    assert out.info["options"]["awq"] is True and out.info["coverage"]["macs"].get("int4", 0) > 0.5
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    tokens_out = gen.greedy(gen.OpenVinoRunner(tmp_path / "ov" / ovr.IR_FILE, layout, 1), layout, PROMPT, 4).tokens
+    assert tokens_out.shape == (2, 4)

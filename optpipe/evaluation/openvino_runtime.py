@@ -304,6 +304,12 @@ def precision_facts(compiled) -> dict[str, Any]:
     }
 
 
+def input_shapes(model) -> list[tuple[str, list]]:
+    """(name, shape) of a model's or compiled model's inputs, None for a dynamic dim (what prefill_feeds takes)."""
+    return [(port.get_any_name(), [d.get_length() if d.is_static else None for d in port.get_partial_shape()])
+            for port in model.inputs]
+
+
 def runner(compiled, output_names: list[str] | None = None) -> Callable[[Feeds], Outputs]:
     """run(feeds) -> {output name: array} through one infer request (the latency protocol).
 
@@ -314,8 +320,7 @@ def runner(compiled, output_names: list[str] | None = None) -> Callable[[Feeds],
     request = compiled.create_infer_request()
     inputs = {port.get_any_name() for port in compiled.inputs}
     ports = [(pick_name(port, output_names), port) for port in compiled.outputs]
-    shapes = [(port.get_any_name(), [d.get_length() if d.is_static else None for d in port.get_partial_shape()])
-              for port in compiled.inputs]
+    shapes = input_shapes(compiled)
 
     def run(feeds: Feeds) -> Outputs:
         feeds = prefill_feeds(feeds, shapes)  # a KV-cache decoder's one forward is its prefill
