@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import onnx
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import SelfCheckParams
@@ -41,6 +41,16 @@ class FuseParams(SelfCheckParams):
     num_heads: int = Field(0, ge=0, description="ORT transformer optimizer: attention heads (0 = the Hugging Face config's, else detect)")
     hidden_size: int = Field(0, ge=0, description="ORT transformer optimizer: hidden size (0 = the Hugging Face config's, else detect)")
     generic: bool = Field(True, description="also apply ORT's generic fusions (EXTENDED level), saved offline")
+
+    @field_validator("model_type")
+    @classmethod
+    def _known_to_ort(cls, value: str) -> str:
+        """Checked when the recipe is read: ORT's optimizer fails on an unknown type only inside the pass."""
+        from onnxruntime.transformers.optimizer import MODEL_TYPES
+
+        if value not in MODEL_TYPES:
+            raise ValueError(f"ORT's transformer optimizer has no model type '{value}'; use one of {', '.join(sorted(MODEL_TYPES))}")
+        return value
 
 
 class FusePass(Pass[FuseParams]):

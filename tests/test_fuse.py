@@ -160,3 +160,14 @@ def test_onnxscript_fuses_attention_without_patching_it(tmp_path):
             assert op_histogram(out.load(with_weights=False))["MatMul"] == 3
         outputs = run_model(out.path, arrays)[0]
         np.testing.assert_allclose(outputs, run_model(source.path, arrays)[0], atol=1e-4)
+
+
+def test_an_unknown_ort_model_type_is_refused_when_the_params_are_read():
+    """ORT's optimizer fails on a model type it lacks only inside the pass, with an error about its
+    table; the params name the field and the types it has."""
+    import pydantic
+    import pytest
+
+    with pytest.raises(pydantic.ValidationError, match="no model type 'bret'; use one of .*bert"):
+        FuseParams(transformer="ort", model_type="bret")
+    assert FuseParams(model_type="vit").model_type == "vit"
