@@ -70,14 +70,15 @@ class ExportPass(Pass[ExportParams]):
             return import_onnx(ctx)
         # Each step is a progress line (issue 17): the TorchScript tracer has no hook inside, the
         # dynamo exporter prints its phases (passes/_torch_export.py).
-        steps = Steps(ctx.progress, "export", 6)
+        decoder = ctx.evaluate.generation is not None  # a decoder measured by generation: the graph with its KV cache
+        steps = Steps(ctx.progress, "export", 4 if decoder else 6)
         steps("load the PyTorch model")
         torch_model = ctx.torch_model()
         attention = set_attention(torch_model, self.params.attention)
-        if ctx.evaluate.generation is not None:  # a decoder measured by generation: the graph with its KV cache
+        if decoder:
             from optpipe.passes._decoder_export import export_with_cache
 
-            return export_with_cache(torch_model, ctx, self.params.check_atol, self.params.opset, attention)
+            return export_with_cache(torch_model, ctx, self.params.check_atol, self.params.opset, attention, steps)
         feeds = trace_inputs(ctx.inputs)
         steps("PyTorch eager on the trace inputs")
         expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)

@@ -95,6 +95,30 @@ def test_export_reports_its_steps_and_the_dynamo_exporters_phases(tiny_recipe, t
         assert "[torch.onnx]" not in capsys.readouterr().out  # none of it on the terminal
 
 
+
+def test_a_decoders_export_with_its_kv_cache_reports_its_steps(tmp_path):
+    """The KV-cache export (minutes on a 270M decoder) is not one step: export, generation check, save."""
+    import yaml
+
+    from helpers_decoders import SHAPE
+
+    recipe = {"model": {"hf_config": {"model_type": "llama", "vocab_size": 256, **SHAPE}, "task": "causal-lm",
+                        "outputs": ["logits"]},
+              "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 256]}],
+              "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 2, "opt": 8, "max": 16}},
+              "stages": {"export": {"pass": "export"}},
+              "evaluate": {"task": {"kind": "language-model"}, "threads": 1,
+                           "generation": {"new_tokens": 2, "batch_sizes": [1], "rounds": 1, "max_past": 24}}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    ctx = _context(load_recipe(path), tmp_path)
+    events = StepRecorder()
+    ctx.progress = events.step
+    run_checked(ExportPass(ExportParams()), None, ctx)
+    own = [s for s in steps_of(events) if s[0].startswith("export: ")]
+    assert own == [("export: load the PyTorch model", 1, 4), ("export: torch.onnx dynamo export with the KV cache", 2, 4),
+                   ("export: greedy generation against eager", 3, 4), ("export: save the model", 4, 4)]
+
 def test_simplify_reports_onnxslims_own_phases_and_leaves_its_logging_as_it_was(tiny_recipe, tmp_path, capsys):
     from onnxslim import utils as slim_utils
 
