@@ -17,12 +17,12 @@ from optpipe.core.errors import RecipeError
 from optpipe.recipe.generation_spec import GenerationSpec, generation_problem
 from optpipe.recipe.search_spec import Choices, SearchSettings, normalize_settings
 
-# Beyond these a run does not finish in any useful time (memory is bounded in safety/resource_bounds.py).
-MAX_SAMPLES = 100_000
+# Beyond this (and data_spec.MAX_SAMPLES) a run does not finish in any useful time (memory: safety/resource_bounds.py).
 MAX_ITERATIONS = 100_000
 DTYPES = ("float32", "float16", "int64", "int32", "int8", "uint8", "bool")
 GPU_PROVIDERS = ("cuda", "tensorrt")  # evaluate.providers that evaluate on a GPU
 
+from optpipe.recipe.data_spec import MAX_SAMPLES, DataSets, DataSource  # noqa: F401  (re-exported)
 from optpipe.recipe.error_lines import _suggest, describe_validation_error, suggest  # noqa: F401  (the last two re-exported)
 from optpipe.recipe.model_specs import (  # noqa: F401  (re-exported: recipes name these)
     MODEL_KINDS, FactoryModel, HFConfigModel, HFModel, ModelSpec, OnnxModel, Strict, TorchSource, TorchvisionModel,
@@ -79,31 +79,6 @@ class InputSpec(Strict):
         if value is not None and not (math.isfinite(value[0]) and math.isfinite(value[1]) and value[0] < value[1]):
             raise ValueError(f"expected [low, high] with finite low < high, got {list(value)}")
         return value
-
-
-class DataSource(Strict):
-    """Where samples come from: synthetic from the input specs, a text file, or arrays."""
-
-    source: Literal["synthetic", "text", "npy", "npz", "images"] = "synthetic"
-    path: Optional[str] = None
-    samples: int = Field(16, ge=1, le=MAX_SAMPLES)
-    seed: int = 0
-    preprocess: dict[str, Any] = Field(default_factory=dict, description="images: resize, crop, mean, std, layout")
-    labels: Optional[str] = Field(
-        None, description="an .npy file of integer labels, one per sample (an npz source may instead hold a `labels` array, "
-        "an images folder class subfolders)",
-    )
-
-    @model_validator(mode="after")
-    def _path_when_needed(self):
-        if self.source != "synthetic" and not self.path:
-            raise ValueError(f"source '{self.source}' needs a `path`")
-        return self
-
-
-class DataSets(Strict):
-    eval: DataSource = Field(default_factory=DataSource)
-    calibration: Optional[DataSource] = None
 
 
 # --- stages and evaluation -----------------------------------------------------------------
