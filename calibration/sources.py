@@ -98,7 +98,8 @@ def _synthetic(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
 
 
 def _text(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
-    """Lines of a text file through the model's own tokenizer, padded to the `opt` sequence length."""
+    """Lines of a text file through the model's own tokenizer, padded to the `opt` sequence length (a causal
+    LM's: windows of the file as running text)."""
     from optpipe.source.model_source import hf_folder
 
     tokenizer_folder = hf_folder(model)  # before importing transformers: a model without a tokenizer fails fast
@@ -114,6 +115,11 @@ def _text(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
         return _text_windows(" ".join(lines), tokenizer, seq_len, source, model, path)
     lines = (lines * (source.samples // len(lines) + 1))[: source.samples]
     encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np")
+    return _tokenizer_inputs(encoded, model)
+
+
+def _tokenizer_inputs(encoded, model: ModelSource) -> dict[str, np.ndarray]:
+    """The recipe's inputs, by name, from what the tokenizer gave."""
     out = {}
     for spec in model.inputs:
         if spec.name not in encoded:
@@ -133,7 +139,6 @@ def _text_windows(text: str, tokenizer, seq_len: int, source: DataSource, model:
     AWQ's windows of running text). Why not a padded line per sample: a decoder's one forward takes no
     padding mask from the recipe's inputs (the prefill runs with a mask of ones), and Gemma's tokenizer pads
     on the left, so the pad tokens would sit in every window's context and in its activation statistics."""
-    spec = model.inputs[0]
     bos = tokenizer.bos_token_id
     stream = tokenizer(text, add_special_tokens=False)["input_ids"]
     step = seq_len - (bos is not None)
@@ -145,7 +150,8 @@ def _text_windows(text: str, tokenizer, seq_len: int, source: DataSource, model:
     if bos is not None:
         windows = np.concatenate([np.full((count, 1), bos, np.int64), windows], axis=1)
     windows = windows[np.arange(source.samples) % count]  # as lines are: repeated up to `samples`
-    return {spec.name: windows.astype(spec.dtype)}
+    return _tokenizer_inputs({"input_ids": windows, "attention_mask": np.ones_like(windows),
+                              "token_type_ids": np.zeros_like(windows)}, model)
 
 
 def _sequence_length(model: ModelSource) -> int:

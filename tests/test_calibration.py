@@ -189,6 +189,10 @@ def test_a_causal_lms_text_samples_are_windows_of_running_text_opening_with_bos(
     assert ids[0, 1:].tolist() == stream[:7] and ids[1, 1:].tolist() == stream[7:14]  # consecutive, no padding
     assert tokenizer.pad_token_id is None or tokenizer.pad_token_id not in ids
     assert sample_set_key(data, source("causal-lm")) != sample_set_key(data, source("feature-extraction"))
+    masked = ModelSource((*inputs, InputSpec(name="attention_mask", dtype="int64", shape=["batch", "sequence"], range=(0, 2))),
+                         dims, HFModel(hf=str(hf), task="causal-lm"), tmp_path)
+    both = load_samples(data, masked)
+    assert (both["input_ids"] == ids).all() and (both["attention_mask"] == 1).all()  # a mask, where the recipe has one
     text.write_text("a compiler\n")
     with pytest.raises(DataError, match="fewer than one window of 8"):
         load_samples(data, source("causal-lm"))
