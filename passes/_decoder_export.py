@@ -20,8 +20,8 @@ from optpipe.recipe.generation_spec import decoder_dims
 CHECK_TOKENS = 4
 
 
-def export_with_cache(torch_model, ctx, check_atol: float | None, opset: int = 20, attention: str | None = None,
-                      steps=None) -> ModelArtifact:
+def export_with_cache(torch_model, ctx, steps, check_atol: float | None, opset: int = 20,
+                      attention: str | None = None) -> ModelArtifact:
     """The causal LM's graph with its KV cache, checked by greedy generation against eager; `steps`: the export's
     progress lines (torch.export of a 270M decoder runs for minutes with no hook inside)."""
     import onnx
@@ -35,13 +35,12 @@ def export_with_cache(torch_model, ctx, check_atol: float | None, opset: int = 2
     raw = ctx.workdir / "raw-decoder"
     if opset < 18:
         ctx.log.warning("the decoder with its KV cache is exported at opset 18 (asked: %d): the dynamo exporter's minimum", opset)
-    step = steps if steps is not None else (lambda what: None)
-    step("torch.onnx dynamo export with the KV cache")
+    steps("torch.onnx dynamo export with the KV cache")
     layout = export_decoder(model, raw, max_batch=max_batch, max_sequence=max_sequence, max_past=max_past,
                             opset=max(opset, 18))  # the dynamo exporter's minimum: the cache wrapper needs dynamo
-    step("greedy generation against eager")
+    steps("greedy generation against eager")
     check = _generation_check(raw / "model.onnx", model, layout, ctx.evaluate.threads, check_atol)
-    step("save the model")
+    steps("save the model")
     artifact = save_model(onnx.load(str(raw / "model.onnx")), ctx.workdir)
     _remove_tree(raw)
     info = {"exporter": layout.exporter, "opset": max(opset, 18), "opset_requested": opset, "attention": attention,

@@ -78,7 +78,7 @@ class ExportPass(Pass[ExportParams]):
         if decoder:
             from optpipe.passes._decoder_export import export_with_cache
 
-            return export_with_cache(torch_model, ctx, self.params.check_atol, self.params.opset, attention, steps)
+            return export_with_cache(torch_model, ctx, steps, self.params.check_atol, self.params.opset, attention)
         feeds = trace_inputs(ctx.inputs)
         steps("PyTorch eager on the trace inputs")
         expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)

@@ -175,8 +175,7 @@ def measure(
         warmth.record(fn, feeds, steady)
     load = max(load, _load_average()) if load is not None else None
     others = cpu_contention.others_share(cpu_start, cpu_contention.snapshot())
-    latency = _summarise(blocks["candidate"], feeds, provider, load, others)
-    latency = latency.model_copy(update={"stopped": stopped if adaptive else None})
+    latency = _summarise(blocks["candidate"], feeds, provider, load, others, stopped if adaptive else None)
     if baseline is not None:
         eager = _summarise(blocks["baseline"], feeds, "baseline", load, others)
         reasons = [r for r in (latency.unreliable, eager.unreliable and f"eager beside it: {eager.unreliable}") if r]
@@ -255,7 +254,7 @@ def median_is_tight(times: np.ndarray, target: float = CI_TARGET) -> bool:
 
 def median_interval(times: np.ndarray) -> float | None:
     """Half the width of the median's distribution-free 95% interval (order statistics), as a fraction
-    of the median; None when too few runs bound it (fewer than 6) or the median is not positive."""
+    of the median; None when too few runs bound it (fewer than 8) or the median is not positive."""
     n = len(times)
     half = 1.96 * math.sqrt(n) / 2
     lo, hi = int(math.floor(n / 2 - half)), int(math.ceil(n / 2 + half))
@@ -298,7 +297,7 @@ def _time_block(run: Run, feeds: Feeds, n: int, clock: Clock, tick: Callable[[],
 
 
 def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Optional[float],
-               others_cpu: Optional[float] = None) -> Latency:
+               others_cpu: Optional[float] = None, stopped: Optional[str] = None) -> Latency:
     ms = np.concatenate(blocks)
     medians = [float(np.median(b)) for b in blocks]
     batch = len(next(iter(feeds.values())))
@@ -315,6 +314,7 @@ def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Opti
         provider=provider,
         spread=(max(medians) - min(medians)) / p50 if len(medians) >= 2 and p50 > 0 else None,
         interval=median_interval(ms),
+        stopped=stopped,
         load_average=load,
         others_cpu=others_cpu,
         unreliable=busy_reason(ms, medians, others_cpu),
