@@ -31,6 +31,8 @@ EXTRA_STAGES = [
     # `auto` picks one of them for this CPU, passes/_int8_formats.py).
     ("int8-u8s8", "int8", "fuse", {"mode": "dynamic", "format": "u8s8", "guard": False}),
     ("int8-u8s8-reduce-range", "int8", "fuse", {"mode": "dynamic", "format": "u8s8-reduce-range", "guard": False}),
+    ("int8-u8s8-reduce-range-symmetric", "int8", "fuse",
+     {"mode": "dynamic", "format": "u8s8-reduce-range", "weight_symmetric": True, "guard": False}),
     ("int8-u8u8", "int8", "fuse", {"mode": "dynamic", "format": "u8u8", "guard": False}),
 ]
 

@@ -8,19 +8,25 @@ saturation). VNNI (VPDPBUSD, AVX-VNNI, AMX) accumulates into int32: full range i
 
 Optimum's presets (AutoQuantizationConfig, the reference) are u8 activations, symmetric
 per-channel weights, and: arm64 s8 weights; avx2 u8 weights (U8U8); avx512 and avx512_vnni s8
-weights, reduce_range off (its docs advise 7-bit weights on AVX-512 without VNNI). optpipe follows
-them: u8s8 with VNNI and on Arm, U8U8 on x86 without VNNI or AVX-512 (AVX2, SSE), u8s8 with
-reduce_range on AVX-512 without VNNI. Measured on a real AVX2 EPYC (Zen 3, no AVX-512; MiniLM
-fused, QAttention, 2 threads; docs/int8.md, "per CPU class"): U8U8 ran level with Optimum's avx2
-preset (0.86-1.02x its speed over three runs) at token cosine 0.9914 vs 0.9906, u8s8-reduce-range 10% faster than U8U8 at 0.9903 (worst
-sentence 0.965 vs 0.975): reduce_range loses a bit of every weight, U8U8 loses nothing. Full-range
-u8s8 saturates on AVX2 (under `qemu-x86_64 -cpu Haswell` the tiny BERT of
-tests/test_ort_qattention.py fell to token cosine 0.978, worst 0.771, against 0.9997 on VNNI), so
-it is only ever a `format` to force.
+weights, reduce_range off (its docs advise 7-bit weights on AVX-512 without VNNI). optpipe takes
+u8s8 with VNNI and on Arm, and without VNNI (AVX2, AVX-512, SSE) u8s8 with reduce_range and a zero
+point per weight channel. Measured on a real AVX2 EPYC (Zen 3, no AVX-512; MiniLM fused, QAttention,
+2 threads, 16 interleaved rounds; docs/int8.md, "On a real AVX2 CPU"), token cosine mean / worst sentence:
+
+    u8u8 (Optimum's avx2)              1.00x   0.9914 / 0.9750
+    u8s8 full range (its avx512_vnni)  1.19x   0.9904 / 0.9778   saturates on other weights
+    u8s8-reduce-range, symmetric       1.19x   0.9903 / 0.9654
+    u8s8-reduce-range, asymmetric      1.19x   0.9908 / 0.9720   <- auto without VNNI
+
+The zero points take back half of what the lost bit cost, and the kernel is u8s8's: 19% faster than
+u8u8 at 0.0006 lower cosine, above both Optimum presets on that CPU. Full-range u8s8 saturates on
+AVX2 (the tiny BERT of tests/test_ort_qattention.py falls to token cosine 0.978, worst 0.771,
+natively and under `qemu-x86_64 -cpu Haswell`, against 0.9997 on VNNI), so it is only ever a
+`format` to force. U8U8 stays a `format` for the last 0.0006.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from optpipe.hardware.cpu_features import INT32_ACCUMULATING, CpuTarget, int8_sums_saturate
@@ -36,20 +42,48 @@ class Int8Format:
     reduce_range: bool
     cpu_class: str
     why: str
+    # Asymmetric weights (a zero point per channel) spend the whole 7-bit range of reduce_range on each
+    # channel's [min, max] instead of [-|max|, |max|]: on a real AVX2 EPYC (MiniLM, QAttention) they took
+    # back half the accuracy reduce_range lost, at the same speed (MLAS applies the weights' zero points
+    # outside its u8 x s8 kernel, so the int16 sums still fit). Dynamic (MatMul) only: static Q/DQ keeps
+    # symmetric weights, which MLAS's faster symmetric convolution kernels need. Symmetric elsewhere, as Optimum.
+    weight_symmetric: bool = True
 
     def record(self) -> dict:
         return asdict(self)
 
 
-def ort_format(requested: FormatName, cpu: CpuTarget, reduce_range: bool | None = None) -> Int8Format:
+def ort_format(requested: FormatName, cpu: CpuTarget, reduce_range: bool | None = None,
+               weight_symmetric: bool | None = None, static: bool = False) -> Int8Format:
     """The format for ORT's CPU integer kernels: `requested`, or with `auto` the one for `cpu`'s class.
-    `reduce_range` True/False overrides the format's own (None: as the format says)."""
+    `reduce_range` and `weight_symmetric` True/False override the format's own (None: as the format says)."""
     name, why = (requested, "asked for in the stage's params") if requested != "auto" else auto_choice(cpu)
-    chosen = Int8Format(name, "uint8", "uint8" if name == "u8u8" else "int8", name == "u8s8-reduce-range", cpu.cpu_class, why)
+    seven_bit = name == "u8s8-reduce-range"
+    chosen = Int8Format(name, "uint8", "uint8" if name == "u8u8" else "int8", seven_bit, cpu.cpu_class, why,
+                        weight_symmetric=static or not seven_bit)
     if reduce_range is not None and reduce_range != chosen.reduce_range:
-        chosen = Int8Format(chosen.name, chosen.activations, chosen.weights, reduce_range, chosen.cpu_class,
-                            f"{chosen.why}; reduce_range {'on' if reduce_range else 'off'} as the params ask")
+        chosen = replace(chosen, reduce_range=reduce_range,
+                         why=f"{chosen.why}; reduce_range {'on' if reduce_range else 'off'} as the params ask")
+    if weight_symmetric is not None and weight_symmetric != chosen.weight_symmetric:
+        chosen = replace(chosen, weight_symmetric=weight_symmetric,
+                         why=f"{chosen.why}; {'symmetric' if weight_symmetric else 'asymmetric'} weights as the params ask")
     return chosen
+
+
+#: ORT ops whose integer kernels take no weight zero point ("DynamicQuantizeLSTM : InputWeight zero point must be zero").
+SYMMETRIC_WEIGHTS_ONLY = ("LSTM",)
+
+
+def for_graph(chosen: Int8Format, quantized_ops: set[str], forced: bool | None) -> Int8Format:
+    """`chosen`, with symmetric weights where the graph has an op to quantize whose kernel wants them."""
+    strict = sorted(set(SYMMETRIC_WEIGHTS_ONLY) & quantized_ops)
+    if chosen.weight_symmetric or not strict:
+        return chosen
+    if forced is False:
+        raise ValueError(f"weight_symmetric false: ORT's int8 {', '.join(strict)} takes symmetric weights only; "
+                         f"remove weight_symmetric or leave {', '.join(strict)} out of op_types")
+    return replace(chosen, weight_symmetric=True, why=f"{chosen.why}; symmetric weights: ORT's int8 {', '.join(strict)} "
+                   "takes no weight zero point")
 
 
 def auto_choice(cpu: CpuTarget) -> tuple[str, str]:
@@ -59,12 +93,10 @@ def auto_choice(cpu: CpuTarget) -> tuple[str, str]:
         return "u8s8", f"{klass}: VNNI dot products accumulate u8 x s8 into int32, full 8-bit range is exact (Optimum's avx512_vnni)"
     if cpu.arch == "arm64":
         return "u8s8", f"{klass}: NEON/dot-product kernels widen before adding, no saturation (Optimum's arm64)"
-    if int8_sums_saturate(cpu) and klass == "x86-avx512":
-        return "u8s8-reduce-range", (f"{klass}: without VNNI, u8 x s8 sums saturate int16 (VPMADDUBSW); 7-bit weights "
-                                     "fit (ORT's advice; Optimum's avx512 note) and keep the fast u8s8 kernel")
     if int8_sums_saturate(cpu):
-        return "u8u8", (f"{klass}: without VNNI, u8 x s8 sums saturate int16 (VPMADDUBSW); u8 weights do not "
-                        "(Optimum's avx2): level with its preset on a real AVX2 EPYC, more accurate than 7-bit weights")
+        return "u8s8-reduce-range", (f"{klass}: without VNNI, u8 x s8 sums saturate int16 (VPMADDUBSW); 7-bit weights "
+                                     "with a zero point per channel fit and keep the fast u8s8 kernel (ORT's advice; on a "
+                                     "real AVX2 EPYC 1.19x u8u8's speed at 0.0006 lower cosine, above Optimum's presets)")
     return "u8s8", f"{klass}: ORT's default format (no int8 ISA facts for this architecture)"
 
 

@@ -35,7 +35,7 @@ from optpipe.graph.quant_prep import needs_preparation, prepare_for_quantizer
 from optpipe.hardware.cpu_features import engine_target
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 from optpipe.passes._library_logs import root_logs_to
-from optpipe.passes._int8_formats import FormatName, Int8Format, ort_format, tensorrt_format
+from optpipe.passes._int8_formats import FormatName, Int8Format, for_graph, ort_format, tensorrt_format
 
 STATIC_OPS = ["MatMul", "Gemm", "Conv"]
 # never Gather: int8 embedding tables cost accuracy for no speed. LSTM: ORT's dynamic quantizer
@@ -52,8 +52,11 @@ class Int8Params(PassParams, GuardParams):
     op_types: Optional[list[str]] = Field(None, description="op types to quantize (default: static MatMul/Gemm/Conv, dynamic also Attention and LSTM)")
     format: FormatName = Field(
         "auto", description="ORT's integer kernels (dynamic, or static target ort-cpu): auto = per this CPU's class "
-        "(u8s8 with VNNI and on Arm, u8u8 on AVX2, u8s8-reduce-range on AVX-512 without VNNI: no int16 saturation); u8s8, u8s8-reduce-range, u8u8 force one")
+        "(u8s8 with VNNI and on Arm, u8s8-reduce-range without VNNI: no int16 saturation); u8s8, u8s8-reduce-range, u8u8 force one")
     reduce_range: Optional[bool] = Field(None, description="7-bit weights on or off; default: as the format says")
+    weight_symmetric: Optional[bool] = Field(
+        None, description="weights without (true) or with (false) a zero point per channel; default: as the format says "
+        "(asymmetric for dynamic u8s8-reduce-range, symmetric otherwise)")
     target: Literal["tensorrt", "ort-cpu"] = Field(
         "tensorrt",
         description="static: tensorrt = symmetric int8 Q/DQ on inputs (explicit quantization); "
@@ -66,6 +69,9 @@ class Int8Params(PassParams, GuardParams):
         if self.format != "auto" and self.mode == "static" and self.target == "tensorrt":
             raise ValueError(f"format '{self.format}' is for ORT's integer kernels (mode dynamic, or static with target "
                              "ort-cpu); target tensorrt always takes symmetric s8s8")
+        if self.weight_symmetric is False and self.mode == "static" and self.target == "tensorrt":
+            raise ValueError("weight_symmetric false is for ORT's integer kernels (mode dynamic, or static with target "
+                             "ort-cpu); TensorRT's explicit quantization takes symmetric weights only")
         return self
 
 
@@ -73,7 +79,8 @@ class Int8Pass(Pass[Int8Params]):
     """Quantize to INT8 (static QDQ calibrated on the recipe's data, or dynamic), guarded by the stage's tolerance."""
 
     name = "int8"
-    version = "5"  # 3: fused ops split and stale weight value_info dropped before quantizing; 4: format per CPU class; 5: u8u8 on AVX2
+    version = "6"  # 3: fused ops split and stale weight value_info dropped before quantizing; 4: format per CPU class; 5: u8u8 on AVX2
+    # 6: u8s8-reduce-range with asymmetric weights, and auto's pick on AVX2 again
     Params = Int8Params
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
     # The format is chosen per CPU class and the guard decides on this CPU's numerics.
@@ -155,7 +162,13 @@ class Quantizer:
         self.runs = 0
         cpu = engine_target("onnxruntime")
         self.format: Int8Format = (tensorrt_format(cpu, params.reduce_range) if params.mode == "static" and self.for_tensorrt
-                                   else ort_format(params.format, cpu, params.reduce_range))
+                                   else ort_format(params.format, cpu, params.reduce_range, params.weight_symmetric,
+                                                  static=params.mode == "static"))
+        try:
+            present = set(op_histogram(model.load(with_weights=False))) & set(self.op_types)
+            self.format = for_graph(self.format, present, params.weight_symmetric)
+        except ValueError as exc:
+            raise PassError(str(exc)) from None
         ctx.log.info("int8 format %s (%s)", self.format.name, self.format.why)
 
     def quantize(self, excluded: list[str]) -> Path:
@@ -193,8 +206,10 @@ class Quantizer:
             nodes_to_exclude=dynamic_exclusions(excluded),
             use_external_data_format=True,
             # Fused transformer ops (com.microsoft) carry no type information ORT's quantizer can read.
-            # Symmetric weights in every format, as Optimum's presets (u8 weights: zero point 128).
-            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True, "WeightSymmetric": True},
+            # Weights symmetric as Optimum's presets (u8 weights: zero point 128), except where the format
+            # says otherwise (passes/_int8_formats.py: 7-bit weights get a zero point per channel).
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True,
+                           "WeightSymmetric": self.format.weight_symmetric},
         )
 
     def _static(self, out: Path, excluded: list[str]) -> None:
@@ -269,7 +284,7 @@ class Quantizer:
             # inputs and outputs, int32 bias): the form its CPU provider fuses into QLinearConv /
             # QLinearMatMul. ResNet-50 measured 2.46x its FP32 speed this way, 0.82x with the
             # TensorRT form (symmetric int8 keeps ORT CPU on DequantizeLinear + FP32 kernels).
-            return {**self._calibration_options(), "MatMulConstBOnly": True, "WeightSymmetric": True}
+            return {**self._calibration_options(), "MatMulConstBOnly": True, "WeightSymmetric": self.format.weight_symmetric}
         return {
             **self._calibration_options(),
             # Symmetric int8 (zero point 0) activations and weights: what TensorRT requires.

@@ -80,18 +80,18 @@ def test_onednn_max_cpu_isa_restricts_openvinos_class_not_orts(monkeypatch):
 
 
 @pytest.mark.parametrize("features, expected", [
-    ("avx2 fma", ("u8u8", "uint8", False)),
-    ("avx2,fma,avx512f,avx512bw", ("u8s8-reduce-range", "int8", True)),
-    ("sse4_2", ("u8u8", "uint8", False)),
-    ("avx2,fma,avx_vnni", ("u8s8", "int8", False)),
-    ("avx2,fma,avx512f,avx512bw,avx512_vnni", ("u8s8", "int8", False)),
-    (AMX, ("u8s8", "int8", False)),
-    ("asimd,asimddp", ("u8s8", "int8", False)),
-    ("arm64:asimd,asimddp,i8mm", ("u8s8", "int8", False)),
+    ("avx2 fma", ("u8s8-reduce-range", "int8", True, False)),
+    ("avx2,fma,avx512f,avx512bw", ("u8s8-reduce-range", "int8", True, False)),
+    ("sse4_2", ("u8s8-reduce-range", "int8", True, False)),
+    ("avx2,fma,avx_vnni", ("u8s8", "int8", False, True)),
+    ("avx2,fma,avx512f,avx512bw,avx512_vnni", ("u8s8", "int8", False, True)),
+    (AMX, ("u8s8", "int8", False, True)),
+    ("asimd,asimddp", ("u8s8", "int8", False, True)),
+    ("arm64:asimd,asimddp,i8mm", ("u8s8", "int8", False, True)),
 ])
 def test_auto_format_per_class_never_saturates(features, expected):
     chosen = ort_format("auto", parse_features(features))
-    assert (chosen.name, chosen.weights, chosen.reduce_range) == expected
+    assert (chosen.name, chosen.weights, chosen.reduce_range, chosen.weight_symmetric) == expected
     assert chosen.activations == "uint8" and chosen.cpu_class in chosen.why
 
 
@@ -101,8 +101,12 @@ def test_a_forced_format_or_reduce_range_wins_and_says_so():
     assert (forced.name, forced.weights, forced.reduce_range) == ("u8u8", "uint8", False) and "params" in forced.why
     full = ort_format("auto", parse_features("avx2,fma,avx512f,avx512bw"), reduce_range=False)
     assert full.name == "u8s8-reduce-range" and not full.reduce_range and "reduce_range off" in full.why
-    seven_bit = ort_format("auto", avx2, reduce_range=True)
+    seven_bit = ort_format("u8u8", avx2, reduce_range=True)
     assert (seven_bit.name, seven_bit.reduce_range) == ("u8u8", True) and "reduce_range on" in seven_bit.why
+    symmetric = ort_format("auto", avx2, weight_symmetric=True)
+    assert (symmetric.name, symmetric.weight_symmetric) == ("u8s8-reduce-range", True) and "symmetric weights" in symmetric.why
+    assert not ort_format("u8s8", avx2, weight_symmetric=False).weight_symmetric
+    assert ort_format("auto", avx2, static=True).weight_symmetric  # static Q/DQ: MLAS's symmetric conv kernels
     trt = tensorrt_format(avx2, None)
     assert (trt.name, trt.activations, trt.weights) == ("s8s8", "int8", "int8") and "lower bound" in trt.why
     assert "lower bound" not in tensorrt_format(parse_features(AMX), None).why
@@ -111,6 +115,9 @@ def test_a_forced_format_or_reduce_range_wins_and_says_so():
 def test_format_is_refused_where_tensorrt_fixes_it():
     with pytest.raises(ValueError, match="target tensorrt always takes symmetric s8s8"):
         Int8Params(mode="static", target="tensorrt", format="u8u8")
+    with pytest.raises(ValueError, match="symmetric weights only"):
+        Int8Params(mode="static", target="tensorrt", weight_symmetric=False)
+    assert Int8Params(mode="static", target="ort-cpu", weight_symmetric=False).weight_symmetric is False
     assert Int8Params(mode="dynamic", format="u8u8").format == "u8u8"
     from optpipe.plan.validate import validate_recipe
 

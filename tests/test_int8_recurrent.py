@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
+from optpipe.core.errors import PassError
 from optpipe.passes.int8 import Int8Params, Int8Pass
 
 VOCAB = 50
@@ -51,6 +52,19 @@ def test_dynamic_int8_quantizes_the_lstm_itself(lstm_onnx, tmp_path):
     # The LSTM is ~99.8% of the MACs: before, only the head was int8 (0.2% of them).
     assert info["coverage"]["macs"].get("int8", 0) > 0.95, info["coverage"]
     assert info["guard"]["held"] and info["guard"]["cosine"] > 0.999 and info["guard"]["unconverted"] is None  # measured 0.99999
+
+
+def test_lstm_weights_stay_symmetric_even_where_the_format_gives_zero_points(lstm_onnx, tmp_path):
+    """DynamicQuantizeLSTM takes no weight zero point: u8s8-reduce-range (asymmetric elsewhere) writes
+    symmetric weights here and says why; asking for zero points is refused in one line."""
+    _, artifact, _ = _run(lstm_onnx, tmp_path / "rr", cosine_min=0.99, format="u8s8-reduce-range")
+    chosen = artifact.info["int8_format"]
+    assert chosen["weight_symmetric"] is True and "LSTM" in chosen["why"]
+    with pytest.raises(PassError, match="LSTM takes symmetric weights only; remove weight_symmetric"):
+        _run(lstm_onnx, tmp_path / "forced", cosine_min=0.99, format="u8s8-reduce-range", weight_symmetric=False)
+    # Without the LSTM among the ops to quantize, the head gets its zero points.
+    _, head_only, _ = _run(lstm_onnx, tmp_path / "head", cosine_min=0.9, format="u8s8-reduce-range", op_types=["Gemm"])
+    assert head_only.info["int8_format"]["weight_symmetric"] is False
 
 
 def test_the_one_quantized_node_blamed_is_kept_in_float_and_the_stage_says_it_is_the_fp32_model(lstm_onnx, tmp_path):
