@@ -6,7 +6,7 @@ point) per `group_size` weights; the CPU plugin decompresses it inside its Fully
 and computes with float (or, `activations: bf16`, bfloat16) activations. INT4 modes are mixed: NNCF
 keeps the embeddings and the last MatMul in a backup precision (INT8_ASYM) unless `all_layers`,
 and puts `ratio` of the other layers in 4 bits. With `data_aware`, the calibration set drives
-NNCF's mixed-precision choice and, if asked, AWQ and scale estimation.
+NNCF's mixed-precision choice and, if asked, AWQ, scale estimation, GPTQ and LoRA correction.
 
 Sits beside passes/openvino.py (FP32/BF16/INT8 activations): like it, the output is an IR stage
 measured on OpenVINO's CPU runtime, and no ONNX pass can follow it.
@@ -24,6 +24,9 @@ from optpipe.graph.ir_weights import ir_coverage
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 
 MODES = {"int4_sym": "INT4_SYM", "int4_asym": "INT4_ASYM", "int8_sym": "INT8_SYM", "int8_asym": "INT8_ASYM"}
+SENSITIVITY = {"weight_error": "WEIGHT_QUANTIZATION_ERROR", "hessian": "HESSIAN_INPUT_ACTIVATION", "mean_variance": "MEAN_ACTIVATION_VARIANCE",
+               "max_variance": "MAX_ACTIVATION_VARIANCE", "mean_magnitude": "MEAN_ACTIVATION_MAGNITUDE"}
+DATA_OPTIONS = ("awq", "scale_estimation", "gptq", "lora_correction")
 
 
 class OpenVinoWeightsParams(PassParams):
@@ -37,6 +40,13 @@ class OpenVinoWeightsParams(PassParams):
     data_aware: bool = Field(False, description="use data.calibration: NNCF picks the 4-bit layers by activation sensitivity")
     awq: bool = Field(False, description="data_aware: AWQ's activation-aware weight scaling")
     scale_estimation: bool = Field(False, description="data_aware: scale estimation (minimises each layer's output error)")
+    gptq: bool = Field(False, description="data_aware: GPTQ (rounds each weight column against the error the previous ones left)")
+    lora_correction: bool = Field(
+        False, description="data_aware: low-rank float adapters beside each 4-bit layer, fitted to its quantization error")
+    sensitivity_metric: Literal["weight_error", "hessian", "mean_variance", "max_variance", "mean_magnitude"] | None = Field(
+        None, description="ratio < 1: how NNCF ranks the layers it keeps in the backup precision (default: NNCF's, by data_aware)")
+    backup_mode: Literal["int8_asym", "int8_sym", "none"] = Field(
+        "int8_asym", description="int4: the precision of the layers not in 4 bits (none: float)")
     subset_size: int = Field(32, ge=1, description="data_aware: calibration samples NNCF reads")
     activations: Literal["fp32", "bf16"] = Field(
         "fp32", description="the precision the CPU plugin computes activations in (INFERENCE_PRECISION_HINT)"
@@ -48,7 +58,7 @@ class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
     """Convert to OpenVINO IR with INT4/INT8 weights (NNCF compress_weights); activations stay float."""
 
     name = "openvino_weights"
-    version = "1"
+    version = "2"  # 2: data-aware compression on weights stored [out, in] (scale estimation was broken without)
     # Data-aware compression (AWQ, scale estimation) collects its statistics by running the model on OpenVINO.
     isa_dependent = True
     isa_engine = "openvino"
@@ -97,6 +107,10 @@ def compress(converted, params: OpenVinoWeightsParams, ctx: PassContext):
     options = nncf_options(params)
     kwargs: dict[str, Any] = {key: value for key, value in options.items() if key != "mode"}
     kwargs["mode"] = getattr(nncf.CompressWeightsMode, options["mode"])
+    if "backup_mode" in kwargs:
+        kwargs["backup_mode"] = getattr(nncf.BackupMode, kwargs["backup_mode"])
+    if "sensitivity_metric" in kwargs:
+        kwargs["sensitivity_metric"] = getattr(nncf.SensitivityMetric, kwargs["sensitivity_metric"])
     if params.exclude:
         kwargs["ignored_scope"] = nncf.IgnoredScope(names=list(params.exclude), validate=True)
     if params.mode.startswith("int4"):
@@ -105,6 +119,13 @@ def compress(converted, params: OpenVinoWeightsParams, ctx: PassContext):
         kwargs.pop("group_size_fallback")
         kwargs["advanced_parameters"] = AdvancedCompressionParameters(
             group_size_fallback_mode=GroupSizeFallbackMode(params.group_size_fallback))
+    if params.data_aware:
+        # NNCF's data-aware algorithms expect nn.Linear's layout: GPTQ refuses another, and scale estimation
+        # silently broke Gemma 3 270M without it (perplexity 1.4e9 against 1.18x eager with it; AWQ alike
+        # either way). passes/_ov_weight_layout.py.
+        from optpipe.passes._ov_weight_layout import weights_out_in
+
+        ctx.log.info("data-aware: %d MatMul weights stored [out, in] for NNCF", weights_out_in(converted))
     if params.data_aware:
         # The same batches the openvino pass calibrates on (one sample each), read from the cached set.
         from optpipe.passes._openvino_nncf import calibration_batches
@@ -124,19 +145,29 @@ def nncf_options(params: OpenVinoWeightsParams) -> dict[str, Any]:
     options: dict[str, Any] = {"mode": MODES[params.mode]}
     if params.mode.startswith("int4"):
         options.update(group_size=params.group_size, ratio=params.ratio, all_layers=params.all_layers,
-                       group_size_fallback=params.group_size_fallback)
+                       group_size_fallback=params.group_size_fallback, backup_mode=params.backup_mode.upper())
+        if params.sensitivity_metric:
+            options["sensitivity_metric"] = SENSITIVITY[params.sensitivity_metric]
     if params.data_aware:
-        options.update(subset_size=params.subset_size, awq=params.awq, scale_estimation=params.scale_estimation)
+        options.update(subset_size=params.subset_size, **{name: getattr(params, name) for name in DATA_OPTIONS})
     return options
 
 
 def _check_params(params: OpenVinoWeightsParams) -> None:
-    int4_only = {"group_size", "ratio", "all_layers", "group_size_fallback"} & params.model_fields_set
+    int4_only = {"group_size", "ratio", "all_layers", "group_size_fallback", "backup_mode", "sensitivity_metric"} & params.model_fields_set
     if not params.mode.startswith("int4") and int4_only:
         raise PassError(f"{', '.join(sorted(int4_only))} apply to int4 modes only (NNCF compresses int8 per channel); "
                         f"remove them or set `mode: int4_sym`")
-    data_only = {"awq", "scale_estimation"} & {k for k in params.model_fields_set if getattr(params, k)}
+    data_only = set(DATA_OPTIONS) & {k for k in params.model_fields_set if getattr(params, k)}
     if data_only and not params.data_aware:
         raise PassError(f"{', '.join(sorted(data_only))} need activations: set `data_aware: true` (and data.calibration)")
+    if params.sensitivity_metric not in (None, "weight_error") and not params.data_aware:
+        raise PassError(f"sensitivity_metric {params.sensitivity_metric} ranks layers by their activations: set "
+                        "`data_aware: true` (and data.calibration), or use `weight_error`")
+    if params.gptq and params.lora_correction:
+        raise PassError("NNCF does not combine gptq with lora_correction: keep one")
+    if params.lora_correction and params.all_layers:
+        # NNCF's LoRA correction fails on a 4-bit embedding (a KeyError 'node_embedding', nncf 3.4).
+        raise PassError("lora_correction cannot take the embeddings in 4 bits: set `all_layers: false`")
     if params.group_size == 0:
         raise PassError("group_size 0 is not a group: give a positive size (e.g. 64, 128) or -1 for one scale per channel")

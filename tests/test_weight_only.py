@@ -124,6 +124,16 @@ def test_nncf_refusals_name_the_fix(setup):
         _run(setup, "openvino_weights", "ov-bad", mode="int8_sym", group_size=64)
     with pytest.raises(PassError, match="data_aware"):
         _run(setup, "openvino_weights", "ov-bad2", awq=True)
+    with pytest.raises(PassError, match="gptq need activations"):
+        _run(setup, "openvino_weights", "ov-bad3", gptq=True)
+    with pytest.raises(PassError, match="sensitivity_metric hessian .* or use `weight_error`"):
+        _run(setup, "openvino_weights", "ov-bad4", ratio=0.5, sensitivity_metric="hessian")
+    with pytest.raises(PassError, match="set `all_layers: false`"):
+        _run(setup, "openvino_weights", "ov-bad7", data_aware=True, lora_correction=True, all_layers=True)
+    with pytest.raises(PassError, match="keep one"):
+        _run(setup, "openvino_weights", "ov-bad5", data_aware=True, gptq=True, lora_correction=True)
+    with pytest.raises(PassError, match="backup_mode apply to int4 modes only"):
+        _run(setup, "openvino_weights", "ov-bad6", mode="int8_asym", backup_mode="none")
 
 
 def test_memory_preflight_names_the_stage_that_will_not_fit():
@@ -156,6 +166,27 @@ def test_nncf_data_aware_reads_the_calibration_set_and_the_column_shows_the_mix(
     assert mixed.info["coverage"]["macs"].get("int8", 0) > 0
 
 
+@pytest.mark.parametrize("option", ["gptq", "lora_correction"])
+def test_nncf_gptq_and_lora_correction_run_on_the_calibration_set(setup, option):
+    """GPTQ rewrites the 4-bit weights column by column; LoRA correction adds low-rank float adapters
+    (MatMuls beside each 4-bit layer). Both are told to NNCF, recorded, and stay close to the float model."""
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    _, _, _, feeds, reference = setup
+    out = _run(setup, "openvino_weights", "ov-" + option, mode="int4_asym", group_size=32, all_layers=option == "gptq",
+               data_aware=True, subset_size=8, **{option: True})
+    assert out.info["options"][option] is True and out.info["coverage"]["macs"].get("int4", 0) > 0.5
+    compiled = ovr.compile_model(out.folder / ovr.IR_FILE, 1)
+    assert _worst_cosine(compiled(feeds)[compiled.outputs[0]], reference) >= 0.98
+
+
+def test_nncf_backup_mode_none_keeps_the_other_layers_in_float(setup):
+    out = _run(setup, "openvino_weights", "ov-backup-none", mode="int4_sym", group_size=32, ratio=0.5,
+               backup_mode="none")
+    assert out.info["options"]["backup_mode"] == "NONE"
+    assert "int8" not in out.info["coverage"]["macs"]
+
+
 def test_nncf_data_aware_calibrates_a_kv_cache_decoder_on_token_ids_alone(tmp_path):
     """A decoder exported with its KV cache takes a mask and a past per layer beside the tokens; the
     calibration set (a text source) has only input_ids. Each sample is fed as its prefill (a mask of
@@ -179,3 +210,20 @@ def test_nncf_data_aware_calibrates_a_kv_cache_decoder_on_token_ids_alone(tmp_pa
 
     tokens_out = gen.greedy(gen.OpenVinoRunner(tmp_path / "ov" / ovr.IR_FILE, layout, 1), layout, PROMPT, 4).tokens
     assert tokens_out.shape == (2, 4)
+
+
+def test_weight_layout_for_gptq_keeps_the_product_and_the_names(setup):
+    """NNCF's GPTQ takes MatMul weights stored [out, in]; the ONNX frontend gives [in, out]. The rewrite
+    transposes each constant weight (not the activation x activation MatMul) and changes nothing else."""
+    from optpipe.evaluation import openvino_runtime as ovr
+    from optpipe.passes._ov_weight_layout import weights_out_in
+
+    _, source, _, feeds, _ = setup
+    model = ovr.read_onnx(source.path)
+    before = ovr.compile_model(model.clone(), 1)(feeds)
+    assert weights_out_in(model) == 2
+    matmuls = {n.get_friendly_name(): n.get_attributes()["transpose_b"] for n in model.get_ordered_ops() if n.get_type_name() == "MatMul"}
+    assert sum(matmuls.values()) == 2 and len(matmuls) == 3 and weights_out_in(model) == 0
+    after = ovr.compile_model(model, 1)(feeds)
+    for a, b in zip(before.values(), after.values()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
