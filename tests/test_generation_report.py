@@ -90,6 +90,27 @@ def test_generation_settings_are_in_the_evaluation_key(tmp_path, compile_):
     assert export["generation"]["new_tokens"] == 3 and not export["evaluation_cached"], result.output
 
 
+def test_a_stage_s_own_task_bound_decides_its_generation_verdict(tmp_path, compile_):
+    """tolerance.task on the int4 stage replaces evaluate.task's bounds for it alone; the verdict (cached with
+    the bound in its key) follows the stage's bound, and the export keeps the recipe's."""
+    stages = {"export": {"pass": "export"},
+              "int4": {"pass": "weight_only", "after": "export", "params": {"bits": 4, "block_size": 32}}}
+    strict = decoder_recipe(tmp_path, stages=stages)
+    compile_(strict)
+    int4 = next(s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"] if s["name"] == "int4")
+    metrics = int4["accuracy"]["task"]["metrics"]
+    assert not int4["accuracy"]["within_tolerance"]  # INT4 on random weights: far outside the default 1.05x / 0.99
+    stages["int4"]["tolerance"] = {"task": {"perplexity_ratio_max": metrics["perplexity_ratio"] * 1.01,
+                                            "agreement_min": metrics["next_token_agreement"] * 0.99}}
+    result = compile_(decoder_recipe(tmp_path, stages=stages))
+    rerun = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
+    assert rerun["int4"]["accuracy"]["within_tolerance"] and not rerun["int4"]["evaluation_cached"], result.output
+    assert rerun["export"]["evaluation_cached"] and rerun["export"]["accuracy"]["within_tolerance"]
+    assert set(rerun["int4"]["accuracy"]["task"]["own_bounds"]) == {"perplexity_ratio_max", "agreement_min"}
+    assert not rerun["export"]["accuracy"]["task"]["own_bounds"]
+    assert "(its own bounds: " in (tmp_path / "run" / "report.md").read_text()
+
+
 def test_a_prompt_longer_than_the_export_dims_is_one_line_before_any_stage(tmp_path, compile_):
     recipe = decoder_recipe(tmp_path, generation={"prompts": ["x" * 40]})
     result = compile_(recipe)

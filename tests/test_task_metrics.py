@@ -14,6 +14,7 @@ from optpipe.core.errors import DataError, RecipeError, UserInputError
 from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.task_metrics import box_iou, mean_average_precision, nms
 from optpipe.recipe.schema import TaskSpec, Tolerance
+from optpipe.recipe.task_bounds import TaskBounds
 from optpipe.safety.recipe_loading import parse_recipe
 from optpipe.reporting.run_report import build_report, render_markdown
 from optpipe.core.results import StageResult
@@ -243,6 +244,33 @@ def test_language_model_next_token_agreement_and_perplexity(tiny_decoder):
     worse = compare({"logits": damaged}, {"logits": reference}, inputs, TOL, "ref", task=task)
     assert worse.task.metrics["perplexity_ratio"] > 1.05 and worse.task.metrics["next_token_agreement"] < 0.95
     assert not worse.within_tolerance and any("perplexity" in v for v in worse.violations)
+    # A stage's own bounds (tolerance.task) replace the task's for that stage only: here looser than the damage.
+    ratio, agreement = worse.task.metrics["perplexity_ratio"], worse.task.metrics["next_token_agreement"]
+    loose = Tolerance(task=TaskBounds(perplexity_ratio_max=ratio * 1.01, agreement_min=agreement * 0.99))
+    assert compare({"logits": damaged}, {"logits": reference}, inputs, loose, "ref", task=task).within_tolerance
+    only_ppl = Tolerance(task=TaskBounds(perplexity_ratio_max=ratio * 1.01))
+    still = compare({"logits": damaged}, {"logits": reference}, inputs, only_ppl, "ref", task=task)
+    assert not still.within_tolerance and all("agreement" in v for v in still.violations)
+
+
+def test_a_stage_task_bound_needs_the_task_that_reads_it():
+    from optpipe.core.errors import RecipeError
+
+    def recipe(task, bounds):
+        return parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}],
+                             "stages": {"export": {"pass": "export"},
+                                        "q": {"pass": "int8", "after": "export", "tolerance": {"task": bounds}}},
+                             "evaluate": {"task": task} if task else {}})
+
+    bounded = recipe({"kind": "classification", "agreement_min": 0.99}, {"agreement_min": 0.95})
+    assert bounded.evaluate.task.bounded(bounded.tolerance_for("q").task).agreement_min == 0.95
+    assert bounded.evaluate.task.bounded(bounded.tolerance_for("export").task).agreement_min == 0.99
+    with pytest.raises(RecipeError, match=r"stages\.q\.tolerance\.task: bounds a task metric, and evaluate\.task is not set"):
+        recipe(None, {"agreement_min": 0.95})
+    with pytest.raises(RecipeError, match=r"tolerance\.task\.perplexity_ratio_max: a classification task does not read it"):
+        recipe({"kind": "classification"}, {"perplexity_ratio_max": 1.2})
+    with pytest.raises(RecipeError, match="perplexity_ratio_max"):
+        recipe({"kind": "language-model"}, {"perplexity_ratio_max": 0.5})  # below 1: no model could pass
 
 
 # --- rtol, input sensitivity -------------------------------------------------------------------

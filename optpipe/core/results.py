@@ -43,6 +43,7 @@ class TaskAccuracy(BaseModel):
     labels: dict[str, Optional[float]] = Field(default_factory=dict, description="candidate and reference against the labels")
     violations: list[str] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list, description="what could not be measured, and why")
+    own_bounds: dict[str, float] = Field(default_factory=dict, description="the stage's own bounds (tolerance.task) it was held to")
 
     @property
     def headline(self) -> float | None:

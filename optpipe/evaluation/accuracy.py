@@ -89,7 +89,9 @@ def compare(
     outputs = [_output_accuracy(name, c, r, mask, top1, tolerance.for_output(name)) for name, c, r in pairs]
     task_result = None
     if task is not None:
+        task = task.bounded(tolerance.task)
         task_result = task_accuracy(task, {n: c for n, c, _ in pairs}, {n: r for n, _, r in pairs}, inputs, labels)
+        task_result.own_bounds = tolerance.task.model_dump(exclude_none=True) if tolerance.task else {}
         violations = [f"output '{o.name}' has NaN or Inf values" for o in outputs if not o.finite]
         violations += task_result.violations + _violations(outputs, tolerance, only_explicit=True)
     else:

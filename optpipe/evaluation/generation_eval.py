@@ -30,7 +30,7 @@ from optpipe.evaluation.evaluator import machine_id
 from optpipe.evaluation.latency import busy_reason
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.hardware.cpu_features import engine_target
-from optpipe.recipe.schema import EvaluateSpec, ModelSource, Tolerance
+from optpipe.recipe.schema import EvaluateSpec, ModelSource, TaskSpec, Tolerance
 
 FORMAT = 2  # 2: busy flags (tail, rounds spread, other processes) on the decode-step rows
 EAGER_NAME = "pytorch-eager"
@@ -76,8 +76,9 @@ class GenerationEvaluator:
 
     def evaluate_stage(self, name: str, artifact, tolerance: Tolerance):
         build, runtime = self._runner(name, artifact)
-        key = self._key(artifact.content_hash(), runtime)
-        return self._cached(key, artifact.content_hash(), lambda: self._measure_stage(build, runtime["runtime"] == "openvino"))
+        task = self.evaluate.task.bounded(tolerance.task)
+        key = self._key(artifact.content_hash(), runtime, task)
+        return self._cached(key, artifact.content_hash(), lambda: self._measure_stage(build, runtime["runtime"] == "openvino", task))
 
     def _runner(self, name: str, artifact):
         """(() -> (runner, layout), the runtime's part of the cache key) for a stage's model."""
@@ -120,7 +121,7 @@ class GenerationEvaluator:
         figures = self._figures(layout, rows, None, ref["perplexity"], peak.result())
         return None, latency, peak.result(), figures
 
-    def _measure_stage(self, build, ir: bool):
+    def _measure_stage(self, build, ir: bool, task: TaskSpec):
         ref = self._reference_figures()
         reference_name, reference_build = self._reference
         beside = reference_build()[0] if reference_name == EAGER_NAME else None
@@ -131,7 +132,9 @@ class GenerationEvaluator:
             prefill = [runner.forward(p[None], np.ones((1, len(p)), np.int64), gen.empty_past(layout, 1))[0] for p in ref["prompts"]]
             perplexity = gen.perplexity(runner, layout, ref["text"])
             runner.close()
-        accuracy = self._accuracy(agreement, perplexity, ref, prefill)
+        accuracy = self._accuracy(agreement, perplexity, ref, prefill, task)
+        accuracy.task.own_bounds = {k: getattr(task, k) for k in ("agreement_min", "perplexity_ratio_max")
+                                    if getattr(task, k) != getattr(self.evaluate.task, k)}
         return accuracy, latency, peak.result(), self._figures(layout, rows, agreement, perplexity, peak.result(), ref["perplexity"])
 
     def _reference_figures(self) -> dict:
@@ -187,8 +190,7 @@ class GenerationEvaluator:
                        eager_p90_ms=float(np.percentile(eager_steps, 90)) if eager_steps else None,
                        cpu_class=engine_target(engine).cpu_class)
 
-    def _accuracy(self, agreement: float, perplexity: float, ref: dict, prefill: list[np.ndarray]) -> Accuracy:
-        task_spec = self.evaluate.task
+    def _accuracy(self, agreement: float, perplexity: float, ref: dict, prefill: list[np.ndarray], task_spec: TaskSpec) -> Accuracy:
         ratio = perplexity / ref["perplexity"]
         task = TaskAccuracy(kind="language-model", output="logits", metrics={
             "next_token_agreement": agreement, "perplexity": perplexity, "reference_perplexity": ref["perplexity"],
@@ -219,10 +221,10 @@ class GenerationEvaluator:
                           eager_perplexity=ref_perplexity if self._reference[0] == EAGER_NAME else None,
                           text_tokens=int(ref["text"].shape[1]), peak_rss_bytes=memory.host_rss_bytes)
 
-    def _key(self, model_digest: str, extra: dict) -> str:
+    def _key(self, model_digest: str, extra: dict, task: TaskSpec | None = None) -> str:
         reference = self._reference[0] if self._reference else None
         return StageCache.key(format=FORMAT, part="generation", model=model_digest, reference=reference,
-                              generation=self.spec.model_dump(mode="json"), task=self.evaluate.task.model_dump(mode="json"),
+                              generation=self.spec.model_dump(mode="json"), task=(task or self.evaluate.task).model_dump(mode="json"),
                               threads=self.evaluate.threads, source=_source_key(self.source), machine=machine_id(), extra=extra)
 
 

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from optpipe.core.errors import RecipeError
 from optpipe.recipe.generation_spec import GenerationSpec, generation_problem
 from optpipe.recipe.search_spec import Choices, SearchSettings, normalize_settings
+from optpipe.recipe.task_bounds import TaskBounds, task_bounds_problem
 
 # Beyond this (and data_spec.MAX_SAMPLES) a run does not finish in any useful time (memory: safety/resource_bounds.py).
 MAX_ITERATIONS = 100_000
@@ -100,6 +101,7 @@ class Tolerance(Strict):
     rtol: Optional[float] = Field(None, ge=0, allow_inf_nan=False, description="relative tolerance beside max_abs: |candidate - reference| <= max_abs + rtol * |reference|")
     top1_min: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False, description="top-1 agreement, for logits")
     outputs: dict[str, OutputTolerance] = Field(default_factory=dict, description="per output name: tolerances that replace the ones above")
+    task: Optional[TaskBounds] = Field(None, description="a stage's tolerance: its own bounds on evaluate.task's metric")
 
     def for_output(self, name: str) -> "Tolerance":
         """The tolerance one output is held to: the stage's, with that output's own keys replacing them."""
@@ -132,6 +134,10 @@ class TaskSpec(Strict):
     perplexity_ratio_max: float = Field(1.05, ge=1, description="language-model: most the perplexity may grow, as a ratio to the reference's")
     tokens: str = Field("input_ids", description="language-model: the input holding the token ids")
     cosine_min: float = Field(0.99, ge=-1, le=1, allow_inf_nan=False, description="embeddings: mean token cosine")
+
+    def bounded(self, bounds: TaskBounds | None) -> "TaskSpec":
+        """This task with a stage's own bounds (tolerance.task) in place of its own."""
+        return self.model_copy(update=bounds.model_dump(exclude_none=True)) if bounds else self
 
 
 # A Ray resource amount: finite and >= 0. NaN passed validation and the local executor, then crashed
@@ -334,6 +340,14 @@ class Recipe(Strict):
     def _generation_measurable(self):  # recipe/generation_spec.py: a causal LM, its token input, batch sizes within dims
         spec = self.evaluate.generation
         if spec and (problem := generation_problem(spec, self.evaluate.task, self.model, self.inputs, self.dims)):
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _task_bounds_are_read(self):  # recipe/task_bounds.py: a stage's own task bounds need the task that reads them
+        bounds = {f"stages.{name}.tolerance.task": spec.tolerance.task for name, spec in self.stages.items() if spec.tolerance}
+        bounds["evaluate.tolerance.task"] = self.evaluate.tolerance.task
+        if problem := task_bounds_problem(bounds, self.evaluate.task):
             raise ValueError(problem)
         return self
 

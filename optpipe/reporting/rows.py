@@ -204,6 +204,8 @@ def _task(c: RowContext) -> Cell:
     shown = {TASK_HEADLINES[k]: v for k, v in task.metrics.items() if k in TASK_HEADLINES and v is not None}
     shown.update({f"labels {k}": v for k, v in task.labels.items() if not k.startswith("reference") and v is not None})
     text = " · ".join(f"{k} {v:.3f}" for k, v in shown.items()) or "not measured"
+    if task.own_bounds:  # held to the stage's tolerance.task, not evaluate.task's: say so where the figure is
+        text += " (its own bounds: " + ", ".join(f"{k} {v:g}" for k, v in task.own_bounds.items()) + ")"
     return Cell(text, "out" if task.violations else None)
 
 
