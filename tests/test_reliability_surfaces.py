@@ -120,6 +120,8 @@ INIT = {
     "init: an empty .onnx": (lambda d: ["init", str(_file(d, "m.onnx"))], USER, "is empty"),
     "init: a 3 GiB file named .onnx": (lambda d: ["init", str(_sparse(d, "big.onnx", 3 * 2**30))], USER, "over the 2 GiB an ONNX protobuf can hold"),
     "init: a folder without config.json": (lambda d: (d.joinpath("hf").mkdir(parents=True), ["init", str(d / "hf")])[1], USER, "has no config.json"),
+    "compile: a model folder that does not exist (a GGUF not converted yet)": (
+        lambda d: _recipe(d, lambda r: r.update(model={"hf": "models/gemma"}), "compile"), USER, "scripts/gguf_to_hf.py"),
     "init: a config.json that is not JSON": (lambda d: (_file(d / "hf", "config.json", "{not json"), ["init", str(d / "hf")])[1], USER, "config.json"),
     "init: a text file": (lambda d: ["init", str(_file(d, "notes.txt", "hello"))], USER, "is not an .onnx file, a Hugging Face folder or module:factory"),
     "init: the standard library as factory": (lambda d: ["init", "os:system"], USER, "standard library"),

@@ -55,6 +55,9 @@ def hf_folder(source: ModelSource) -> Path:
                 f"{spec.package.replace('_', '-')}) or point `hf` at a local folder"
             )
         folder = Path(list(found.submodule_search_locations)[0]) / spec.subdir
+    if not folder.exists():
+        raise ModelSourceError(f"model: '{folder}' does not exist; point the recipe at a Hugging Face model folder (from a "
+                               "GGUF checkpoint, write one with scripts/gguf_to_hf.py, as the recipe's comments say)")
     if not (folder / "config.json").is_file():
         raise ModelSourceError(f"model: '{folder}' has no config.json; point the recipe at a Hugging Face model folder")
     return folder
