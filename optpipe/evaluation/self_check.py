@@ -31,6 +31,7 @@ import numpy as np
 from pydantic import Field
 
 from optpipe.core.errors import DataError, PassError, first_line
+from optpipe.core.process_memory import release_freed_memory
 from optpipe.evaluation.accuracy import compare
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.pass_infra.instruments import Instrument, StageInfo
@@ -71,6 +72,9 @@ class NumericSelfCheck(Instrument):
             return
         if input is None and isinstance(ctx.model_source.model, OnnxModel):
             return  # an imported ONNX file is its own reference
+        # The pass's copies are freed by now but still held by the allocator; the check's two sessions would
+        # peak on top of them (Gemma 3 270M's simplify: core/process_memory.py).
+        release_freed_memory()
         feeds = trace_inputs(ctx.inputs)
         threads = ctx.evaluate.threads
         steps = Steps(ctx.progress, "self-check", 2)  # part of the stage's time: shown as its progress
