@@ -56,7 +56,7 @@ class Int8Params(PassParams, GuardParams):
     reduce_range: Optional[bool] = Field(None, description="7-bit weights on or off; default: as the format says")
     weight_symmetric: Optional[bool] = Field(
         None, description="weights without (true) or with (false) a zero point per channel; default: as the format says "
-        "(asymmetric for dynamic u8s8-reduce-range, symmetric otherwise)")
+        "(asymmetric for dynamic u8s8-reduce-range, symmetric otherwise; static: always symmetric)")
     target: Literal["tensorrt", "ort-cpu"] = Field(
         "tensorrt",
         description="static: tensorrt = symmetric int8 Q/DQ on inputs (explicit quantization); "
@@ -69,9 +69,10 @@ class Int8Params(PassParams, GuardParams):
         if self.format != "auto" and self.mode == "static" and self.target == "tensorrt":
             raise ValueError(f"format '{self.format}' is for ORT's integer kernels (mode dynamic, or static with target "
                              "ort-cpu); target tensorrt always takes symmetric s8s8")
-        if self.weight_symmetric is False and self.mode == "static" and self.target == "tensorrt":
-            raise ValueError("weight_symmetric false is for ORT's integer kernels (mode dynamic, or static with target "
-                             "ort-cpu); TensorRT's explicit quantization takes symmetric weights only")
+        if self.weight_symmetric is False and self.mode == "static":
+            # ORT's QDQ quantizer wrote the same symmetric per-channel weights with or without it (ResNet-50, ort-cpu).
+            raise ValueError("weight_symmetric false is for mode dynamic: static Q/DQ writes symmetric int8 weights "
+                             "(and TensorRT's explicit quantization takes no other)")
         return self
 
 

@@ -106,7 +106,7 @@ def test_a_forced_format_or_reduce_range_wins_and_says_so():
     symmetric = ort_format("auto", avx2, weight_symmetric=True)
     assert (symmetric.name, symmetric.weight_symmetric) == ("u8s8-reduce-range", True) and "symmetric weights" in symmetric.why
     assert not ort_format("u8s8", avx2, weight_symmetric=False).weight_symmetric
-    assert ort_format("auto", avx2, static=True).weight_symmetric  # static Q/DQ: MLAS's symmetric conv kernels
+    assert ort_format("auto", avx2, static=True).weight_symmetric  # static Q/DQ writes symmetric weights
     trt = tensorrt_format(avx2, None)
     assert (trt.name, trt.activations, trt.weights) == ("s8s8", "int8", "int8") and "lower bound" in trt.why
     assert "lower bound" not in tensorrt_format(parse_features(AMX), None).why
@@ -115,9 +115,10 @@ def test_a_forced_format_or_reduce_range_wins_and_says_so():
 def test_format_is_refused_where_tensorrt_fixes_it():
     with pytest.raises(ValueError, match="target tensorrt always takes symmetric s8s8"):
         Int8Params(mode="static", target="tensorrt", format="u8u8")
-    with pytest.raises(ValueError, match="symmetric weights only"):
-        Int8Params(mode="static", target="tensorrt", weight_symmetric=False)
-    assert Int8Params(mode="static", target="ort-cpu", weight_symmetric=False).weight_symmetric is False
+    for target in ("tensorrt", "ort-cpu"):
+        with pytest.raises(ValueError, match="weight_symmetric false is for mode dynamic"):
+            Int8Params(mode="static", target=target, weight_symmetric=False)
+    assert Int8Params(mode="dynamic", weight_symmetric=False).weight_symmetric is False
     assert Int8Params(mode="dynamic", format="u8u8").format == "u8u8"
     from optpipe.plan.validate import validate_recipe
 
