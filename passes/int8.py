@@ -165,9 +165,9 @@ class Quantizer:
         self.format: Int8Format = (tensorrt_format(cpu, params.reduce_range) if params.mode == "static" and self.for_tensorrt
                                    else ort_format(params.format, cpu, params.reduce_range, params.weight_symmetric,
                                                   static=params.mode == "static"))
+        self.input_ops = op_histogram(model.load(with_weights=False))  # also the info's "before"
         try:
-            present = set(op_histogram(model.load(with_weights=False))) & set(self.op_types)
-            self.format = for_graph(self.format, present, params.weight_symmetric)
+            self.format = for_graph(self.format, set(self.input_ops) & set(self.op_types), params.weight_symmetric)
         except ValueError as exc:
             raise PassError(str(exc)) from None
         ctx.log.info("int8 format %s (%s)", self.format.name, self.format.why)
@@ -301,7 +301,6 @@ class Quantizer:
         }
 
     def info(self, artifact: ModelArtifact) -> dict:
-        before = op_histogram(self.model.load(with_weights=False))
         after = graph_stats(artifact.load(with_weights=False))
         return {
             "mode": self.params.mode,
@@ -314,7 +313,7 @@ class Quantizer:
             "target": self.params.target if self.params.mode == "static" else "ort-cpu",
             "calibration": self.calibration,
             "quantizations": self.runs,
-            "op_changes": op_changes(before, after["ops"]),
+            "op_changes": op_changes(self.input_ops, after["ops"]),
             "graph": after,
         }
 

@@ -125,10 +125,10 @@ def compress(converted, params: OpenVinoWeightsParams, ctx: PassContext):
         # either way). passes/_ov_weight_layout.py.
         from optpipe.passes._ov_weight_layout import weights_out_in
 
-        ctx.log.info("data-aware: %d MatMul weights stored [out, in] for NNCF", weights_out_in(converted))
-    if params.data_aware:
-        # The same batches the openvino pass calibrates on (one sample each), read from the cached set.
         from optpipe.passes._openvino_nncf import calibration_batches
+
+        ctx.log.info("data-aware: %d MatMul weights stored [out, in] for NNCF", weights_out_in(converted))
+        # The same batches the openvino pass calibrates on (one sample each), read from the cached set.
 
         kwargs["dataset"] = nncf.Dataset(calibration_batches(ctx, converted))
     try:
