@@ -20,6 +20,7 @@ from optpipe.core.results import Accuracy, OutputAccuracy
 from optpipe.evaluation.cosine import MASK_INPUT, cosine_of_rows, row_cosines, rows_of  # noqa: F401  (re-exported: layerwise, callers of compare)
 from optpipe.evaluation.task_metrics import task_accuracy
 from optpipe.recipe.schema import TaskSpec, Tolerance
+from optpipe.recipe.task_bounds import own_bounds
 from optpipe.core.runtime import Feeds, Outputs
 from optpipe.pass_infra.progress import counted
 
@@ -91,7 +92,7 @@ def compare(
     if task is not None:
         task = task.bounded(tolerance.task)
         task_result = task_accuracy(task, {n: c for n, c, _ in pairs}, {n: r for n, _, r in pairs}, inputs, labels)
-        task_result.own_bounds = tolerance.task.model_dump(exclude_none=True) if tolerance.task else {}
+        task_result.own_bounds = own_bounds(tolerance.task)
         violations = [f"output '{o.name}' has NaN or Inf values" for o in outputs if not o.finite]
         violations += task_result.violations + _violations(outputs, tolerance, only_explicit=True)
     else:

@@ -31,6 +31,7 @@ from optpipe.evaluation.latency import busy_reason
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.hardware.cpu_features import engine_target
 from optpipe.recipe.schema import EvaluateSpec, ModelSource, TaskSpec, Tolerance
+from optpipe.recipe.task_bounds import own_bounds
 
 FORMAT = 2  # 2: busy flags (tail, rounds spread, other processes) on the decode-step rows
 EAGER_NAME = "pytorch-eager"
@@ -78,7 +79,8 @@ class GenerationEvaluator:
         build, runtime = self._runner(name, artifact)
         task = self.evaluate.task.bounded(tolerance.task)
         key = self._key(artifact.content_hash(), runtime, task)
-        return self._cached(key, artifact.content_hash(), lambda: self._measure_stage(build, runtime["runtime"] == "openvino", task))
+        return self._cached(key, artifact.content_hash(),
+                            lambda: self._measure_stage(build, runtime["runtime"] == "openvino", task, own_bounds(tolerance.task)))
 
     def _runner(self, name: str, artifact):
         """(() -> (runner, layout), the runtime's part of the cache key) for a stage's model."""
@@ -121,7 +123,7 @@ class GenerationEvaluator:
         figures = self._figures(layout, rows, None, ref["perplexity"], peak.result())
         return None, latency, peak.result(), figures
 
-    def _measure_stage(self, build, ir: bool, task: TaskSpec):
+    def _measure_stage(self, build, ir: bool, task: TaskSpec, bounds: dict[str, float]):
         ref = self._reference_figures()
         reference_name, reference_build = self._reference
         beside = reference_build()[0] if reference_name == EAGER_NAME else None
@@ -133,8 +135,7 @@ class GenerationEvaluator:
             perplexity = gen.perplexity(runner, layout, ref["text"])
             runner.close()
         accuracy = self._accuracy(agreement, perplexity, ref, prefill, task)
-        accuracy.task.own_bounds = {k: getattr(task, k) for k in ("agreement_min", "perplexity_ratio_max")
-                                    if getattr(task, k) != getattr(self.evaluate.task, k)}
+        accuracy.task.own_bounds = bounds
         return accuracy, latency, peak.result(), self._figures(layout, rows, agreement, perplexity, peak.result(), ref["perplexity"])
 
     def _reference_figures(self) -> dict:

@@ -32,12 +32,17 @@ class TaskBounds(Strict):
     cosine_min: Optional[float] = Field(None, ge=-1, le=1, allow_inf_nan=False)
 
 
+def own_bounds(bounds: TaskBounds | None) -> dict[str, float]:
+    """The keys a stage set in its tolerance.task (what the report names beside its task figures)."""
+    return bounds.model_dump(exclude_none=True) if bounds else {}
+
+
 def task_bounds_problem(bounds: dict[str, TaskBounds | None], task) -> str | None:
     """One line naming the first bound no task reads (no evaluate.task, or a key its kind ignores)."""
     for where, own in bounds.items():
         if own is None:
             continue
-        keys = sorted(own.model_dump(exclude_none=True))
+        keys = sorted(own_bounds(own))
         if task is None:
             return f"{where}: bounds a task metric, and evaluate.task is not set; set evaluate.task or remove {where}"
         ignored = [key for key in keys if key not in READ_BY[task.kind]]
