@@ -160,7 +160,8 @@ def _check_params(params: OpenVinoWeightsParams) -> None:
                         f"remove them or set `mode: int4_sym`")
     data_only = set(DATA_OPTIONS) & {k for k in params.model_fields_set if getattr(params, k)}
     if data_only and not params.data_aware:
-        raise PassError(f"{', '.join(sorted(data_only))} need activations: set `data_aware: true` (and data.calibration)")
+        raise PassError(f"{', '.join(sorted(data_only))} {'needs' if len(data_only) == 1 else 'need'} activations: "
+                        "set `data_aware: true` (and data.calibration)")
     if params.sensitivity_metric not in (None, "weight_error") and not params.data_aware:
         raise PassError(f"sensitivity_metric {params.sensitivity_metric} ranks layers by their activations: set "
                         "`data_aware: true` (and data.calibration), or use `weight_error`")

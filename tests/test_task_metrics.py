@@ -269,6 +269,8 @@ def test_a_stage_task_bound_needs_the_task_that_reads_it():
         recipe(None, {"agreement_min": 0.95})
     with pytest.raises(RecipeError, match=r"tolerance\.task\.perplexity_ratio_max: a classification task does not read it"):
         recipe({"kind": "classification"}, {"perplexity_ratio_max": 1.2})
+    with pytest.raises(RecipeError, match=r"tolerance\.task\.perplexity_ratio_max: an embeddings task does not read it"):
+        recipe({"kind": "embeddings"}, {"perplexity_ratio_max": 1.2})
     with pytest.raises(RecipeError, match="perplexity_ratio_max"):
         recipe({"kind": "language-model"}, {"perplexity_ratio_max": 0.5})  # below 1: no model could pass
 

@@ -124,7 +124,7 @@ def test_nncf_refusals_name_the_fix(setup):
         _run(setup, "openvino_weights", "ov-bad", mode="int8_sym", group_size=64)
     with pytest.raises(PassError, match="data_aware"):
         _run(setup, "openvino_weights", "ov-bad2", awq=True)
-    with pytest.raises(PassError, match="gptq need activations"):
+    with pytest.raises(PassError, match="gptq needs activations"):
         _run(setup, "openvino_weights", "ov-bad3", gptq=True)
     with pytest.raises(PassError, match="sensitivity_metric hessian .* or use `weight_error`"):
         _run(setup, "openvino_weights", "ov-bad4", ratio=0.5, sensitivity_metric="hessian")

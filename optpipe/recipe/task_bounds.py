@@ -47,6 +47,7 @@ def task_bounds_problem(bounds: dict[str, TaskBounds | None], task) -> str | Non
             return f"{where}: bounds a task metric, and evaluate.task is not set; set evaluate.task or remove {where}"
         ignored = [key for key in keys if key not in READ_BY[task.kind]]
         if ignored:
-            return (f"{where}.{ignored[0]}: a {task.kind} task does not read it (it reads {', '.join(READ_BY[task.kind])}); "
+            article = "an" if task.kind[0] in "aeiou" else "a"
+            return (f"{where}.{ignored[0]}: {article} {task.kind} task does not read it (it reads {', '.join(READ_BY[task.kind])}); "
                     "remove it or use one of those")
     return None
