@@ -56,7 +56,7 @@ class OpenVinoParams(PassParams):
                                   "tolerance may take (cheap fixes, then NNCF's accuracy control); then it stops, keeps the "
                                   "best result so far and says so")
     skip_slow: bool = Field(True, description="int8 / bf16: skip the stage where OpenVINO was measured slower at that precision "
-                            "than at FP32 (int8: x86 without VNNI or AVX-512; bf16: without AMX); false: build it anyway "
+                            "than at FP32 (int8: x86 without VNNI or AVX-512; bf16: without AVX-512 BF16 or AMX); false: build it anyway "
                             "(e.g. for a deployment CPU of another class)")
 
 

@@ -44,13 +44,22 @@ def test_onednn_isa_cap_is_the_isa_openvino_runs_at(cap, runs):
         assert f"ONEDNN_MAX_CPU_ISA={cap.upper()}" in reason
 
 
-@pytest.mark.parametrize("features, runs", [(AMX, True), (VNNI, False), (AVX2, False), ("arm64:asimd,bf16", True)])
-def test_bf16_runs_only_with_amx(features, runs):
+@pytest.mark.parametrize("features, runs", [(AMX, True), (VNNI, True), (AVX512, False), (AVX2_VNNI, False), (AVX2, False),
+                                            ("arm64:asimd,bf16", True)])
+def test_bf16_runs_only_with_bf16_instructions(features, runs):
+    # VNNI here has avx512_bf16 (Zen 4's class): measured 1.78x FP32 on MiniLM, 1.93x on ResNet-50.
     reason = bf16_skip_reason(parse_features(features))
     assert (reason is None) == runs
     if not runs:
         assert reason.startswith(SLOW_BF16)
-    assert (bf16_skip_reason(restrict(parse_features(AMX), "AVX512_CORE_BF16")) is None) is False  # AMX held off
+
+
+@pytest.mark.parametrize("cap, runs", [("AVX512_CORE_BF16", True), ("AVX512_CORE_VNNI", False), ("AVX2", False)])
+def test_bf16_follows_the_onednn_cap(cap, runs):
+    reason = bf16_skip_reason(restrict(parse_features(AMX), cap))
+    assert (reason is None) == runs
+    if not runs:
+        assert f"ONEDNN_MAX_CPU_ISA={cap}" in reason
 
 
 def test_the_pass_skips_itself_by_the_rule_and_only_for_int8(tmp_path, monkeypatch):

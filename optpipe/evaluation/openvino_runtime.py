@@ -3,8 +3,8 @@
 The latency protocol matches ONNX Runtime's rows (optpipe.core.runtime): `threads` inference
 threads, one stream and one infer request (`PERFORMANCE_HINT: LATENCY`), so the figures
 are comparable row by row. The inference precision is pinned to f32 unless a stage asks
-for bf16: on a CPU with AVX-512 BF16 but no AMX, OpenVINO's default hint (bf16) was
-slower than f32 (measured, issue 13). What the plugin actually ran with is read back
+for bf16: on a CPU with bf16 instructions OpenVINO's default hint is bf16, a lossy precision an
+fp32 or int8 stage did not ask for. What the plugin actually ran with is read back
 from the compiled model and recorded, never assumed.
 
 openvino is imported inside the functions: `import optpipe` must not pay for it.
