@@ -81,10 +81,11 @@ def bench_recipe(recipe_path: Path, args) -> dict:
     run_dir = recipe.resolve(recipe.output)
     batch = args.batch or recipe.evaluate.batch_sizes[0]
     threads = recipe.evaluate.threads
-    candidates, rows = build_candidates(recipe, report, run_dir, threads)
+    reference = ReferenceOutputs(recipe, report, run_dir, threads)
+    candidates, rows = build_candidates(recipe, report, run_dir, threads, reference)
     feeds = evaluation_feeds(recipe, batch)
     if not getattr(args, "no_peers", False):
-        add_peers(recipe, report, run_dir, threads, candidates, rows)
+        add_peers(recipe, threads, candidates, rows, reference)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     timings = interleaved_timings(candidates, feeds, threads, args.rounds, args.iterations, args.warmup)
     eager_p50 = float(np.median(timings[EAGER])) if EAGER in timings else None
@@ -151,8 +152,8 @@ def cpu_class_line() -> str:
     return f"{machine.cpu_class} (every engine)"
 
 
-def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[str, Callable], list[dict]]:
-    """Runnables and their report rows: eager, plain ORT on the exported model, every finished stage."""
+def build_candidates(recipe, report, run_dir: Path, threads: int, reference: "ReferenceOutputs") -> tuple[dict[str, Callable], list[dict]]:
+    """Runnables and their report rows: eager, plain ORT and plain OpenVINO on the exported model, every finished stage."""
     from optpipe.core.runtime import eager_runner, ort_runner, session_options
 
     candidates: dict[str, Callable] = {}
@@ -173,8 +174,12 @@ def build_candidates(recipe, report, run_dir: Path, threads: int) -> tuple[dict[
         candidates[PLAIN_ORT] = ort_runner(_session(run_dir / "stages" / root.name / "model.onnx", options))
         rows.append(_row(PLAIN_ORT, f"ORT defaults on the exported model ({root.name})", root))
         if any(s.pass_name == "openvino" for s in report.stages):
-            candidates[PLAIN_OV] = _openvino_plain(run_dir / "stages" / root.name / "model.onnx", threads)
-            rows.append(_row(PLAIN_OV, f"OpenVINO reading the exported model ({root.name}), only the threads set", root))
+            run, precision = _openvino_plain(run_dir / "stages" / root.name / "model.onnx", threads)
+            candidates[PLAIN_OV] = run
+            # OpenVINO's default hint is bf16 on a CPU with bf16 instructions: the export's accuracy is not this
+            # row's, so its own outputs are compared, as the peers' are.
+            rows.append({**_row(PLAIN_OV, f"OpenVINO reading the exported model ({root.name}), only the threads set "
+                                f"(runs at {precision})", root), **reference.accuracy(run)})
     for stage in report.stages:
         if stage.name == EAGER:
             continue
@@ -200,28 +205,63 @@ def _openvino_stage(folder: Path, stage, threads: int) -> Callable:
     return ovr.runner(ovr.compile_model(folder / ovr.IR_FILE, threads, hint), stage.info.get("output_names"))
 
 
-def _openvino_plain(path: Path, threads: int) -> Callable:
-    """OpenVINO as a user would run the exported ONNX: `compile_model(path, "CPU")` with only the thread count set."""
+def _openvino_plain(path: Path, threads: int) -> tuple[Callable, str]:
+    """OpenVINO as a user would run the exported ONNX: `compile_model(path, "CPU")` with only the thread count set;
+    and the precision it chose to run at."""
     from optpipe.evaluation import openvino_runtime as ovr
 
     compiled = ovr.core().compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": threads})
-    return ovr.runner(compiled, ovr.output_names(path))
+    return ovr.runner(compiled, ovr.output_names(path)), ovr.inference_precision(compiled)
 
 
-def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, rows: list[dict]) -> None:
-    """Optimum's and Olive's own results (bench/peers.py), timed here beside optpipe's stages.
+class ReferenceOutputs:
+    """The reference stage's outputs on the recipe's evaluation data, computed once: what the rows whose
+    accuracy no optpipe report measured (the peers, plain OpenVINO) are compared against, with optpipe's
+    own comparison (the figure the report gives each stage)."""
 
-    Accuracy: their outputs against the reference stage's, on the recipe's evaluation data, with
-    optpipe's own comparison (the same figure the report gives each stage).
-    """
+    def __init__(self, recipe, report, run_dir: Path, threads: int):
+        self.recipe, self.report, self.threads = recipe, report, threads
+        self.path = run_dir / "stages" / (report.reference or "") / "model.onnx"
+        self._batches = None
+
+    def _data(self):
+        if self._batches is None:
+            from optpipe.cache.store import StageCache, default_cache_dir
+            from optpipe.calibration.dataset import build_sample_set
+            from optpipe.evaluation.accuracy import run_onnx
+
+            recipe = self.recipe
+            cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
+            sample_set = build_sample_set(recipe.data.eval, recipe.model_source(), cache.root)
+            batches = list(sample_set.batches(recipe.evaluate.accuracy_batch))
+            self._batches = batches, sample_set.arrays, run_onnx(self.path, batches, self.threads, ["CPUExecutionProvider"])
+        return self._batches
+
+    def accuracy(self, run: Callable | Path) -> dict:
+        """Row fields (cosine, max_abs, within_tolerance) of a runnable or an ONNX file; {} without a reference.
+        Outputs are matched to the reference's by position: peers name theirs their own way, and Optimum's
+        feature-extraction export has last_hidden_state only (compared on the outputs it has)."""
+        if not self.path.is_file():
+            return {}
+        from optpipe.evaluation.accuracy import compare, run_onnx
+
+        batches, arrays, expected = self._data()
+        got = run_onnx(run, batches, self.threads, ["CPUExecutionProvider"]) if isinstance(run, Path) else _outputs(run, batches)
+        got = dict(zip(expected, got.values()))
+        evaluate = self.recipe.evaluate
+        accuracy = compare(got, {k: expected[k] for k in got}, arrays, evaluate.tolerance, self.report.reference, evaluate.top1)
+        return {"cosine": accuracy.worst_cosine, "max_abs": max(o.max_abs for o in accuracy.outputs),
+                "within_tolerance": accuracy.within_tolerance}
+
+
+def add_peers(recipe, threads: int, candidates: dict, rows: list[dict], reference: ReferenceOutputs) -> None:
+    """Optimum's and Olive's own results (bench/peers.py), timed here beside optpipe's stages, their accuracy
+    measured against the reference stage's outputs."""
     sys.path.insert(0, str(Path(__file__).parent))
     from peers import peer_models
 
-    from optpipe.evaluation.accuracy import compare, run_onnx
     from optpipe.core.runtime import ort_runner, session_options
 
-    reference = run_dir / "stages" / (report.reference or "") / "model.onnx"
-    batches = None
     for name, (what, result) in peer_models(recipe).items():
         if not isinstance(result, Path):
             print(f"  {name}: {result}", file=sys.stderr)
@@ -230,30 +270,13 @@ def add_peers(recipe, report, run_dir: Path, threads: int, candidates: dict, row
         if result.suffix == ".xml":  # an OpenVINO IR (plain NNCF): OpenVINO's runtime, compiled as optpipe's IR stages are
             from optpipe.evaluation import openvino_runtime as ovr
 
-            candidates[name] = _named_like(ovr.runner(ovr.compile_model(result, threads)), reference)
+            candidates[name] = _named_like(ovr.runner(ovr.compile_model(result, threads)), reference.path)
             size = result.with_suffix(".bin").stat().st_size
         else:
             candidates[name] = ort_runner(_session(result, session_options(threads)))
             size = result.stat().st_size
-        row = {"candidate": name, "what": what, "size_mb": size / 1e6}
-        if reference.is_file():
-            from optpipe.cache.store import StageCache, default_cache_dir
-            from optpipe.calibration.dataset import build_sample_set
-
-            if batches is None:
-                cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
-                sample_set = build_sample_set(recipe.data.eval, recipe.model_source(), cache.root)
-                batches = list(sample_set.batches(recipe.evaluate.accuracy_batch)), sample_set.arrays
-                expected = run_onnx(reference, batches[0], threads, ["CPUExecutionProvider"])
-            got = _outputs(candidates[name], batches[0]) if result.suffix == ".xml" else \
-                run_onnx(result, batches[0], threads, ["CPUExecutionProvider"])
-            # Peers name their outputs their own way: matched to the reference's by position. Optimum's
-            # feature-extraction export has last_hidden_state only: compared on the outputs it has.
-            got = dict(zip(expected, got.values()))
-            accuracy = compare(got, {k: expected[k] for k in got}, batches[1], recipe.evaluate.tolerance, report.reference, recipe.evaluate.top1)
-            row |= {"cosine": accuracy.worst_cosine, "max_abs": max(o.max_abs for o in accuracy.outputs),
-                    "within_tolerance": accuracy.within_tolerance}
-        rows.append(row)
+        measured = reference.accuracy(candidates[name] if result.suffix == ".xml" else result)
+        rows.append({"candidate": name, "what": what, "size_mb": size / 1e6, **measured})
 
 
 def _named_like(run: Callable, reference: Path) -> Callable:
@@ -384,9 +407,22 @@ def verdict_lines(rows: list[dict]) -> list[str]:
         for side, group in (("optpipe", ours), ("ONNX Runtime only", ort)):
             match = best([r for r in group if r["cosine"] is not None and r["cosine"] >= peer["cosine"]])
             verdict = "none at that accuracy" if match is None else \
-                f"{say(match)}: {'at least as fast' if match['speedup_vs_eager'] >= peer['speedup_vs_eager'] else '**slower**'}"
+                f"{say(match)}: {speed_verdict(match['speedup_vs_eager'] / peer['speedup_vs_eager'])}"
             lines.append(f"- vs `{peer['candidate']}` ({peer['speedup_vs_eager']:.2f}x at {peer['cosine']:.4f}), {side}: {verdict}")
     return lines
+
+
+def speed_verdict(ratio: float) -> str:
+    """optpipe's speed over a peer's in words. Within the report's latency noise (5%: two p50s of one
+    interleaved run closer than that are no trade-off, optpipe.reporting.run_report) it is "level": the
+    same NNCF IR timed twice in one run came out 1.2% apart (docs/benchmarks.md)."""
+    from optpipe.reporting.run_report import LATENCY_NOISE
+
+    if ratio >= 1 + LATENCY_NOISE:
+        return f"faster ({ratio:.2f}x its speed)"
+    if ratio > 1 - LATENCY_NOISE:
+        return f"level ({ratio:.2f}x its speed, within the {LATENCY_NOISE:.0%} noise)"
+    return f"**slower** ({ratio:.2f}x its speed)"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:

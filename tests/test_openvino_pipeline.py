@@ -183,10 +183,16 @@ def test_export_format_openvino_writes_a_loadable_ir(run, tmp_path):
 def test_bench_runs_ir_stages_on_openvino_beside_plain_openvino(run):
     from test_bench import load_bench
 
+    from optpipe.hardware.cpu_features import engine_target, native_bf16
+
     run_dir, report = run
     bench = load_bench()
-    candidates, rows = bench.build_candidates(RECIPES[run_dir], report, run_dir, threads=1)
+    candidates, rows = bench.build_candidates(RECIPES[run_dir], report, run_dir, 1, bench.ReferenceOutputs(RECIPES[run_dir], report, run_dir, 1))
     assert bench.PLAIN_OV in candidates and "optpipe:ov-int8" in candidates
+    # Plain OpenVINO's row names the precision OpenVINO chose and carries its own accuracy, not the export's.
+    plain = next(r for r in rows if r["candidate"] == bench.PLAIN_OV)
+    assert plain["what"].endswith("(runs at bf16)" if native_bf16(engine_target("openvino")) else "(runs at f32)")
+    assert plain["cosine"] > 0.99 and plain["within_tolerance"] is not None and plain["max_abs"] >= 0
     what = next(r["what"] for r in rows if r["candidate"] == "optpipe:ov-int8")
     assert "OpenVINO, int8, runs at f32" in what
     expected = ort_runner(ort_session(run_dir / "stages" / "simplify" / "model.onnx", threads=1))(feeds())["logits"]
