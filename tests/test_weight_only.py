@@ -172,6 +172,7 @@ def test_nncf_gptq_and_lora_correction_run_on_the_calibration_set(setup, option)
     (MatMuls beside each 4-bit layer). Both are told to NNCF, recorded, and stay close to the float model."""
     from optpipe.evaluation import openvino_runtime as ovr
 
+    skip_compressed_under_isa_restriction()  # they ran natively on x86-avx2 (stop 28) and x86-avx512-vnni
     _, _, _, feeds, reference = setup
     out = _run(setup, "openvino_weights", "ov-" + option, mode="int4_asym", group_size=32, all_layers=option == "gptq",
                data_aware=True, subset_size=8, **{option: True})
