@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from optpipe.core.artifact import ModelArtifact, write_info
 from optpipe.core.errors import PassError, first_line
@@ -53,6 +53,29 @@ class OpenVinoWeightsParams(PassParams):
     )
     exclude: list[str] = Field(default_factory=list, description="IR op names kept in float (NNCF ignored scope)")
 
+    @model_validator(mode="after")
+    def _options_combine(self):
+        """Options NNCF would refuse or ignore in this combination: refused at recipe read (exit 2), one line each."""
+        int4_only = {"group_size", "ratio", "all_layers", "group_size_fallback", "backup_mode", "sensitivity_metric"} & self.model_fields_set
+        if not self.mode.startswith("int4") and int4_only:
+            raise ValueError(f"{', '.join(sorted(int4_only))} apply to int4 modes only (NNCF compresses int8 per channel); "
+                             f"remove them or set `mode: int4_sym`")
+        data_only = set(DATA_OPTIONS) & {k for k in self.model_fields_set if getattr(self, k)}
+        if data_only and not self.data_aware:
+            raise ValueError(f"{', '.join(sorted(data_only))} {'needs' if len(data_only) == 1 else 'need'} activations: "
+                             "set `data_aware: true` (and data.calibration)")
+        if self.sensitivity_metric not in (None, "weight_error") and not self.data_aware:
+            raise ValueError(f"sensitivity_metric {self.sensitivity_metric} ranks layers by their activations: set "
+                             "`data_aware: true` (and data.calibration), or use `weight_error`")
+        if self.gptq and self.lora_correction:
+            raise ValueError("NNCF does not combine gptq with lora_correction: keep one")
+        if self.lora_correction and self.all_layers:
+            # NNCF's LoRA correction fails on a 4-bit embedding (a KeyError 'node_embedding', nncf 3.4).
+            raise ValueError("lora_correction cannot take the embeddings in 4 bits: set `all_layers: false`")
+        if self.group_size == 0:
+            raise ValueError("group_size 0 is not a group: give a positive size (e.g. 64, 128) or -1 for one scale per channel")
+        return self
+
 
 class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
     """Convert to OpenVINO IR with INT4/INT8 weights (NNCF compress_weights); activations stay float."""
@@ -73,7 +96,6 @@ class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params: OpenVinoWeightsParams = self.params  # type: ignore[assignment]
-        _check_params(params)
         if params.activations == "bf16" and not ovr.supports("bf16"):
             raise PassError(f"this CPU cannot run bf16 in OpenVINO (its capabilities: {', '.join(ovr.cpu_capabilities())}); "
                             "set `activations: fp32`")
@@ -153,22 +175,3 @@ def nncf_options(params: OpenVinoWeightsParams) -> dict[str, Any]:
     return options
 
 
-def _check_params(params: OpenVinoWeightsParams) -> None:
-    int4_only = {"group_size", "ratio", "all_layers", "group_size_fallback", "backup_mode", "sensitivity_metric"} & params.model_fields_set
-    if not params.mode.startswith("int4") and int4_only:
-        raise PassError(f"{', '.join(sorted(int4_only))} apply to int4 modes only (NNCF compresses int8 per channel); "
-                        f"remove them or set `mode: int4_sym`")
-    data_only = set(DATA_OPTIONS) & {k for k in params.model_fields_set if getattr(params, k)}
-    if data_only and not params.data_aware:
-        raise PassError(f"{', '.join(sorted(data_only))} {'needs' if len(data_only) == 1 else 'need'} activations: "
-                        "set `data_aware: true` (and data.calibration)")
-    if params.sensitivity_metric not in (None, "weight_error") and not params.data_aware:
-        raise PassError(f"sensitivity_metric {params.sensitivity_metric} ranks layers by their activations: set "
-                        "`data_aware: true` (and data.calibration), or use `weight_error`")
-    if params.gptq and params.lora_correction:
-        raise PassError("NNCF does not combine gptq with lora_correction: keep one")
-    if params.lora_correction and params.all_layers:
-        # NNCF's LoRA correction fails on a 4-bit embedding (a KeyError 'node_embedding', nncf 3.4).
-        raise PassError("lora_correction cannot take the embeddings in 4 bits: set `all_layers: false`")
-    if params.group_size == 0:
-        raise PassError("group_size 0 is not a group: give a positive size (e.g. 64, 128) or -1 for one scale per channel")

@@ -119,21 +119,27 @@ def test_nncf_compress_weights_writes_an_ir_with_compressed_weights(setup, mode,
     assert _worst_cosine(y, reference) >= (0.98 if precision == "int4" else 0.999)
 
 
-def test_nncf_refusals_name_the_fix(setup):
-    with pytest.raises(PassError, match="int4 modes only"):
-        _run(setup, "openvino_weights", "ov-bad", mode="int8_sym", group_size=64)
-    with pytest.raises(PassError, match="data_aware"):
-        _run(setup, "openvino_weights", "ov-bad2", awq=True)
-    with pytest.raises(PassError, match="gptq needs activations"):
-        _run(setup, "openvino_weights", "ov-bad3", gptq=True)
-    with pytest.raises(PassError, match="sensitivity_metric hessian .* or use `weight_error`"):
-        _run(setup, "openvino_weights", "ov-bad4", ratio=0.5, sensitivity_metric="hessian")
-    with pytest.raises(PassError, match="set `all_layers: false`"):
-        _run(setup, "openvino_weights", "ov-bad7", data_aware=True, lora_correction=True, all_layers=True)
-    with pytest.raises(PassError, match="keep one"):
-        _run(setup, "openvino_weights", "ov-bad5", data_aware=True, gptq=True, lora_correction=True)
-    with pytest.raises(PassError, match="backup_mode apply to int4 modes only"):
-        _run(setup, "openvino_weights", "ov-bad6", mode="int8_asym", backup_mode="none")
+@pytest.mark.parametrize("params, said", [
+    ({"mode": "int8_sym", "group_size": 64}, "group_size apply to int4 modes only"),
+    ({"awq": True}, "awq needs activations: set `data_aware: true`"),
+    ({"gptq": True}, "gptq needs activations"),
+    ({"ratio": 0.5, "sensitivity_metric": "hessian"}, "sensitivity_metric hessian .* or use `weight_error`"),
+    ({"data_aware": True, "lora_correction": True, "all_layers": True}, "set `all_layers: false`"),
+    ({"data_aware": True, "gptq": True, "lora_correction": True}, "keep one"),
+    ({"mode": "int8_asym", "backup_mode": "none"}, "backup_mode apply to int4 modes only"),
+    ({"group_size": 0}, "group_size 0 is not a group"),
+])
+def test_nncf_refusals_name_the_fix_at_recipe_read(params, said):
+    """Options NNCF refuses or ignores together are a recipe error (exit 2, one line naming the stage), before any stage runs."""
+    from types import SimpleNamespace
+
+    from optpipe.core.errors import RecipeError
+    from optpipe.plan.validate import configure
+
+    cls = get_pass("openvino_weights")
+    with pytest.raises(RecipeError, match=said) as caught:
+        configure("ov", SimpleNamespace(pass_name="openvino_weights", params=params), {"openvino_weights": cls})
+    assert str(caught.value).startswith("stages.ov.params") and "\n" not in str(caught.value)
 
 
 def test_memory_preflight_names_the_stage_that_will_not_fit():
