@@ -270,3 +270,14 @@ def test_triton_openvino_measures_the_accuracy_of_an_ir_it_converted(run):
     converted = target(report, "triton", "simplify")
     assert converted["status"] == "ok" and converted["provider"] == "openvino-cpu"
     assert converted["accuracy"]["within_tolerance"] and converted["accuracy"]["outputs"][0]["cosine_mean"] > 0.99999
+
+
+def test_ir_stages_are_timed_interleaved_with_eager_as_the_ort_rows_are(run):
+    """The report's 'vs eager' is against eager timed beside the stage: for an IR stage too, not eager's own
+    figure from minutes before."""
+    _, report = run
+    eager = report.stage("pytorch-eager")
+    assert eager is not None and eager.status == "ok"
+    for name in ("ov-fp32", "ov-int8", "simplify"):
+        headline = report.stage(name).headline
+        assert headline.eager_p50_ms and headline.eager_p50_ms > 0, name
