@@ -20,7 +20,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -214,6 +214,12 @@ def _openvino_plain(path: Path, threads: int) -> tuple[Callable, str]:
     return ovr.runner(compiled, ovr.output_names(path)), ovr.inference_precision(compiled)
 
 
+class _EvalData(NamedTuple):  # a NamedTuple: the tests load this file by path, which a dataclass's annotations cannot
+    batches: list      # the recipe's evaluation feeds, in accuracy batches
+    arrays: dict       # the same inputs whole (what the comparison's input-sensitivity check reads)
+    expected: dict     # the reference stage's outputs on them
+
+
 class ReferenceOutputs:
     """The reference stage's outputs on the recipe's evaluation data, computed once: what the rows whose
     accuracy no optpipe report measured (the peers, plain OpenVINO) are compared against, with optpipe's
@@ -222,10 +228,10 @@ class ReferenceOutputs:
     def __init__(self, recipe, report, run_dir: Path, threads: int):
         self.recipe, self.report, self.threads = recipe, report, threads
         self.path = run_dir / "stages" / (report.reference or "") / "model.onnx"
-        self._batches = None
+        self._eval: _EvalData | None = None
 
-    def _data(self):
-        if self._batches is None:
+    def _data(self) -> _EvalData:
+        if self._eval is None:
             from optpipe.cache.store import StageCache, default_cache_dir
             from optpipe.calibration.dataset import build_sample_set
             from optpipe.evaluation.accuracy import run_onnx
@@ -234,8 +240,8 @@ class ReferenceOutputs:
             cache = StageCache(recipe.resolve(recipe.cache) if recipe.cache else default_cache_dir())
             sample_set = build_sample_set(recipe.data.eval, recipe.model_source(), cache.root)
             batches = list(sample_set.batches(recipe.evaluate.accuracy_batch))
-            self._batches = batches, sample_set.arrays, run_onnx(self.path, batches, self.threads, ["CPUExecutionProvider"])
-        return self._batches
+            self._eval = _EvalData(batches, sample_set.arrays, run_onnx(self.path, batches, self.threads, ["CPUExecutionProvider"]))
+        return self._eval
 
     def accuracy(self, run: Callable | Path) -> dict:
         """Row fields (cosine, max_abs, within_tolerance) of a runnable or an ONNX file; {} without a reference.
@@ -245,11 +251,11 @@ class ReferenceOutputs:
             return {}
         from optpipe.evaluation.accuracy import compare, run_onnx
 
-        batches, arrays, expected = self._data()
-        got = run_onnx(run, batches, self.threads, ["CPUExecutionProvider"]) if isinstance(run, Path) else _outputs(run, batches)
-        got = dict(zip(expected, got.values()))
+        data = self._data()
+        got = run_onnx(run, data.batches, self.threads, ["CPUExecutionProvider"]) if isinstance(run, Path) else _outputs(run, data.batches)
+        got = dict(zip(data.expected, got.values()))
         evaluate = self.recipe.evaluate
-        accuracy = compare(got, {k: expected[k] for k in got}, arrays, evaluate.tolerance, self.report.reference, evaluate.top1)
+        accuracy = compare(got, {k: data.expected[k] for k in got}, data.arrays, evaluate.tolerance, self.report.reference, evaluate.top1)
         return {"cosine": accuracy.worst_cosine, "max_abs": max(o.max_abs for o in accuracy.outputs),
                 "within_tolerance": accuracy.within_tolerance}
 

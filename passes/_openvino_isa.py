@@ -39,7 +39,7 @@ def int8_skip_reason(target: CpuTarget | None = None) -> str | None:
 
 
 #: Why a bf16 stage is not run without bf16 instructions (measured: docs/openvino.md, "Per CPU class").
-SLOW_BF16 = "OpenVINO BF16 pays only with bf16 instructions (AVX-512 BF16 or AMX), which this CPU lacks"
+NO_BF16 = "OpenVINO BF16 pays only with bf16 instructions (AVX-512 BF16 or AMX), which this CPU lacks"
 
 
 def bf16_skip_reason(target: CpuTarget | None = None) -> str | None:
@@ -56,4 +56,4 @@ def bf16_skip_reason(target: CpuTarget | None = None) -> str | None:
     if target.arch != "x86_64" or target.source == "unknown" or native_bf16(target):
         return None
     seen = f"{target.cpu_class}, {target.restricted_by}" if target.restricted_by else target.cpu_class
-    return f"{SLOW_BF16} (this CPU as OpenVINO runs it: {seen}); ov-fp32 stands in (skip_slow: false builds it anyway)"
+    return f"{NO_BF16} (this CPU as OpenVINO runs it: {seen}); ov-fp32 stands in (skip_slow: false builds it anyway)"

@@ -102,27 +102,17 @@ class Evaluator:
     def evaluate_onnx(self, artifact: ModelArtifact, tolerance: Tolerance) -> Measured:
         if openvino_runtime.is_ir(artifact.folder):  # an `openvino` stage: OpenVINO's runtime, same protocol
             return self.evaluate_openvino(artifact, tolerance)
-        key = self._result_key(artifact.content_hash(), tolerance)
-        # Under the key's lock: a second process on the same cache waits and reuses the measurement
-        # rather than measuring at the same time (and slowing both down).
-        with self.cache.lock(key):
-            hit = None if self.force else self.cache.get_result(key)
-            if hit is not None:
-                return _decode(hit) + (True,)
-            baseline = self._eager_baseline()
-            # Peak memory covers what the session itself costs: its creation and the timed runs.
-            with PeakMemory(device=self.providers[0] != "CPUExecutionProvider") as peak:
-                self.progress("ONNX Runtime session", 0, 0)
-                session = ort_session(artifact.path, self.settings.threads, self.providers)
-                latency = self._latency(ort_runner(session), self.providers[0], baseline)
-            # The same session computes the accuracy outputs (outside the memory figure, as before):
-            # one session per stage, and the reference stage's outputs computed once.
-            digest = artifact.content_hash()
-            accuracy = self._accuracy(lambda: run_onnx(artifact.path, self.accuracy_batches, self.settings.threads,
-                                                       session=session, progress=self._accuracy_progress), tolerance, digest)
-            del session
-            self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
-        return accuracy, latency, peak.result(), False
+
+        def start() -> tuple[Callable[[Feeds], Outputs], Callable[[], Outputs]]:
+            session = ort_session(artifact.path, self.settings.threads, self.providers)
+            # The same session computes the accuracy outputs: one session per stage, and the reference
+            # stage's outputs computed once (the outputs memo).
+            return ort_runner(session), lambda: run_onnx(artifact.path, self.accuracy_batches, self.settings.threads,
+                                                         session=session, progress=self._accuracy_progress)
+
+        return self._measure_stage(self._result_key(artifact.content_hash(), tolerance), artifact.content_hash(), tolerance,
+                                   "ONNX Runtime session", self.providers[0], start,
+                                   device=self.providers[0] != "CPUExecutionProvider")
 
     def sweep_onnx(self, artifact: ModelArtifact, headline: list[Latency]) -> Swept:
         """The sweep points of a stage (ORT, or OpenVINO for an IR stage); `headline`: its batch_sizes
@@ -160,22 +150,39 @@ class Evaluator:
         # eager_beside: results timed before eager was interleaved with IR stages are not reused.
         key = self._result_key(artifact.content_hash(), tolerance, extra={"runtime": "openvino", "hint": hint, "eager_beside": 1,
                                **library_versions(("openvino", "nncf"))})
+
+        def start() -> tuple[Callable[[Feeds], Outputs], Callable[[], Outputs]]:
+            run = openvino_runtime.runner(openvino_runtime.compile_model(path, self.settings.threads, hint), names)
+            return run, lambda: run_callable(run, self.accuracy_batches, self._accuracy_progress)
+
+        return self._measure_stage(key, artifact.content_hash(), tolerance, "OpenVINO compile_model",
+                                   openvino_runtime.PROVIDER, start)
+
+    def _measure_stage(self, key: str, digest: str, tolerance: Tolerance, what: str, provider: str,
+                       start: Callable[[], tuple[Callable[[Feeds], Outputs], Callable[[], Outputs]]],
+                       device: bool = False) -> Measured:
+        """One stage's evaluation, whatever runs it (ORT or OpenVINO: one protocol, so that the two cannot
+        drift apart, as they once did on the interleaved eager figure and on --force).
+
+        `start()` builds the runtime: its runner for the timed calls, and a function for its accuracy outputs.
+        """
+        # Under the key's lock: a second process on the same cache waits and reuses the measurement
+        # rather than measuring at the same time (and slowing both down).
         with self.cache.lock(key):
             hit = None if self.force else self.cache.get_result(key)
             if hit is not None:
                 return _decode(hit) + (True,)
-            # Eager is re-timed interleaved beside this stage, as beside the ORT rows: the report's 'vs eager'
-            # says so, and an IR stage timed alone was compared with eager's own figure from minutes before
-            # (MiniLM ov-int8: 3.0x that way where the interleaved bench gave 3.8x, one x86-avx512-vnni VM).
+            # Eager is re-timed interleaved beside every stage: the report's 'vs eager' says so (an IR stage
+            # once timed alone against eager's figure from minutes before: MiniLM ov-int8 3.0x that way where
+            # the interleaved bench gave 3.8x, one x86-avx512-vnni VM).
             baseline = self._eager_baseline()
-            # Peak memory covers what ORT's rows cover: compiling the model and the timed runs.
-            with PeakMemory() as peak:
-                self.progress("OpenVINO compile_model", 0, 0)
-                run = openvino_runtime.runner(openvino_runtime.compile_model(path, self.settings.threads, hint), names)
-                latency = self._latency(run, openvino_runtime.PROVIDER, baseline)
-            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches, self._accuracy_progress), tolerance,
-                                      artifact.content_hash())
-            del run
+            # Peak memory covers what the runtime itself costs: its creation and the timed runs.
+            with PeakMemory(device=device) as peak:
+                self.progress(what, 0, 0)
+                run, outputs = start()
+                latency = self._latency(run, provider, baseline)
+            accuracy = self._accuracy(outputs, tolerance, digest)  # outside the memory figure, as before
+            del run, outputs  # the session goes before the next stage builds its own
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 
