@@ -128,9 +128,9 @@ def library_failure(exc: BaseException) -> str:
     messages such as "list index out of range" say nothing alone."""
     import traceback
 
-    from optpipe.passes._ort_fuser import FuserWorkerFailed
+    from optpipe.passes._disk_worker import DiskWorkerFailed
 
-    if isinstance(exc, FuserWorkerFailed):  # the worker's line already names the type and where
+    if isinstance(exc, DiskWorkerFailed):  # the worker's line already names the type and where
         return str(exc)
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" in {Path(frames[-1].filename).stem}.{frames[-1].name}" if frames else ""

@@ -1,0 +1,77 @@
+"""A library call on a model whose weights stay on disk, in a short-lived worker process (issue 20).
+
+Why a worker: libraries that take a loaded ModelProto copy it, weights included, several times (ORT's
+transformer optimizer through its shape inference, onnxslim once per iteration and in its checkpoint).
+Handed the model with its large initializers left as external data (dims kept, bytes on disk), they copy
+only the graph, and read the few weights they need through onnx's `numpy_helper.to_array`, which loads
+a tensor's external data on demand. They call it without a base folder, so onnx resolves each location
+against the working directory. Changing the compile's own working directory would move it under every
+other thread, so the call runs in a worker whose working directory is the input artifact's folder (read
+only; onnx refuses absolute locations and `..`, so a location cannot leave that folder) and whose
+temporary files go to the stage's own scratch folder.
+
+Parent side: `run_on_disk(module, model_path, request, scratch, what)`. Worker side, at the end of the
+worker module: `sys.exit(worker_main(function))`, where `function(request) -> dict` is the JSON result.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+#: Below this much weight data a pass runs its library in process: its copies are small, and a worker's
+#: start (~0.9 s, imports) would be most of a tiny model's pass time.
+WORKER_MIN_BYTES = 64 << 20
+
+
+class DiskWorkerFailed(RuntimeError):
+    """The worker's library call raised or the worker died; the message is its one line (type, where, what)."""
+
+
+def run_on_disk(module: str, model_path: Path, request: dict, scratch: Path, what: str) -> dict:
+    """Run `python -m module` on `request` (with "model": the input's path, "result": where the worker
+    writes its JSON) in `model_path`'s folder; its result. `what` names the worker in a death message."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "tmp").mkdir(exist_ok=True)
+    request = {**request, "model": str(model_path.resolve()), "result": str((scratch / "result.json").resolve())}
+    (scratch / "request.json").write_text(json.dumps(request))
+    env = {**os.environ, "TMPDIR": str((scratch / "tmp").resolve())}
+    with open(scratch / "worker.log", "w", encoding="utf-8") as log:
+        worker = subprocess.Popen([sys.executable, "-m", module, str((scratch / "request.json").resolve())],
+                                  cwd=str(model_path.parent), env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        try:
+            returncode = worker.wait()
+        except BaseException:  # Ctrl-C, the stage's time limit: the worker must not outlive the stage
+            worker.kill()
+            worker.wait()
+            raise
+    result_path = Path(request["result"])
+    result = json.loads(result_path.read_text()) if result_path.exists() else {}
+    if returncode != 0 or "error" in result:
+        raise DiskWorkerFailed(result.get("error") or _death(what, returncode, scratch / "worker.log"))
+    return result
+
+
+def _death(what: str, returncode: int, log: Path) -> str:
+    last = next((line for line in reversed(log.read_text(errors="replace").splitlines()) if line.strip()), "")
+    killed = f"killed by signal {-returncode}" + (" (out of memory?)" if returncode == -9 else "") if returncode < 0 else f"exit {returncode}"
+    return f"{what} worker died ({killed}){': ' + last[:200] if last else ''}"
+
+
+def worker_main(function: Callable[[dict], dict]) -> int:
+    """The worker's body: the request from argv, `function`'s result (or its failure, one line) to the result file."""
+    request = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        result = function(request)
+    except Exception as exc:  # the parent reports it as the library's failure, one line
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" in {Path(frames[-1].filename).stem}.{frames[-1].name}" if frames else ""
+        message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        result = {"error": f"{type(exc).__name__}{where}: {message}"}
+        traceback.print_exc()
+    Path(request["result"]).write_text(json.dumps(result))
+    return 0
