@@ -1,8 +1,11 @@
 """simplify: constant folding and redundant-node removal with onnxslim or onnxsim (self-checked against its input)."""
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Literal
 
+import onnx
 from pydantic import Field
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
@@ -11,6 +14,7 @@ from optpipe.core.errors import PassError
 from optpipe.graph.stats import graph_stats, op_changes
 from optpipe.pass_infra.pass_base import Pass, PassContext
 from optpipe.pass_infra.progress import Progress, Steps, logged_progress, printed_progress
+from optpipe.passes import _onnxslim_on_disk
 
 
 class SimplifyParams(SelfCheckParams):
@@ -21,7 +25,7 @@ class SimplifyPass(Pass[SimplifyParams]):
     """Fold constants and remove redundant nodes (onnxslim or onnxsim); dynamic dims are kept."""
 
     name = "simplify"
-    version = "2"  # 2: onnxslim gets the shapes inferred on the graph alone (less memory; same simplification)
+    version = "3"  # 2: onnxslim gets the shapes inferred on the graph alone; 3: weights on disk in a worker for big models
     Params = SimplifyParams
     libraries = ("onnx", "onnxslim", "onnxsim")
     check_hint = "try the other backend"
@@ -34,21 +38,16 @@ class SimplifyPass(Pass[SimplifyParams]):
             # onnxsim serializes the whole model as one protobuf, which cannot exceed 2 GB; onnxslim
             # goes through external data for large models.
             raise PassError("onnxsim cannot simplify a model over 2 GB (one protobuf); use `backend: onnxslim`")
-        steps = Steps(ctx.progress, "simplify", 4 if params.backend == "onnxslim" else 3)
-        steps("load the model")
-        source, shapes = _with_shapes(model, params.backend, ctx, steps)
-        before = graph_stats(source)
-        steps(params.backend)
-        try:
-            simplified = _simplify(source, params.backend, steps.progress, ctx.log, shapes == "graph-only")
-        except PassError:
-            raise
-        except Exception as exc:  # both libraries raise assorted errors on graphs they cannot handle
-            ctx.log.exception("simplify failed")
-            other = "onnxsim" if params.backend == "onnxslim" else "onnxslim"
-            raise PassError(f"{params.backend} failed: {str(exc).splitlines()[0][:200]}; try `backend: {other}`") from None
-        steps("save the model")
-        artifact = save_model(simplified, ctx.workdir)
+        on_disk = params.backend == "onnxslim" and model.size_bytes() >= _onnxslim_on_disk.WORKER_MIN_BYTES
+        steps = Steps(ctx.progress, "simplify", 2 if on_disk else 4 if params.backend == "onnxslim" else 3)
+        before = graph_stats(model.load(with_weights=False))
+        artifact, how = None, {}
+        if on_disk:  # a fallback in memory adds its steps to the count
+            artifact, how = _slim_on_disk(model, ctx, steps)
+        if artifact is None:
+            artifact, shapes = _simplify_in_memory(model, params.backend, ctx, steps)
+            how.update({"weights": "in memory"} if params.backend == "onnxslim" else {})
+            how.update({"shape_inference": shapes} if shapes else {})
         after = graph_stats(artifact.load(with_weights=False))
         info = {
             "backend": params.backend,
@@ -56,14 +55,46 @@ class SimplifyPass(Pass[SimplifyParams]):
             "nodes_after": after["nodes"],
             "op_changes": op_changes(before["ops"], after["ops"]),
             "graph": after,
+            **how,
         }
-        if shapes:
-            info["shape_inference"] = shapes
         return write_info(ctx.workdir, info)
 
 
-#: Initializers up to this size are read for the graph-only shape inference: shape constants, biases, norms.
-SHAPE_TENSOR_BYTES = 1 << 20
+def _slim_on_disk(model: ModelArtifact, ctx: PassContext, steps: Steps) -> tuple[ModelArtifact | None, dict]:
+    """onnxslim in a worker reading the weights from disk (passes/_onnxslim_on_disk.py): the model's
+    artifact and how it was made, or None when the worker failed (the in-memory path then runs, and the
+    stage info says why it did)."""
+    steps("onnxslim, weights on disk (worker)")
+    with tempfile.TemporaryDirectory(dir=ctx.workdir) as scratch:
+        try:
+            result = _onnxslim_on_disk.slim_on_disk(model.path, ctx.workdir, Path(scratch))
+        except _onnxslim_on_disk.DiskWorkerFailed as exc:
+            ctx.log.warning("onnxslim on disk failed (%s); onnxslim runs on the loaded model", exc)
+            return None, {"on_disk_failed": str(exc)}
+    steps("save the model")  # the worker saved it
+    return ModelArtifact(folder=ctx.workdir, info={}), {"weights": "on disk (worker)", **result}
+
+
+def _simplify_in_memory(model: ModelArtifact, backend: str, ctx: PassContext, steps: Steps) -> tuple[ModelArtifact, str | None]:
+    steps("load the model")
+    try:
+        source, shapes = _with_shapes(model, backend, ctx, steps)
+    except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # a truncated or missing data file
+        raise PassError(f"cannot read the input model: {str(exc).splitlines()[0][:200]}") from None
+    steps(backend)
+    try:
+        simplified = _simplify(source, backend, steps.progress, ctx.log, shapes == "graph-only")
+    except PassError:
+        raise
+    except Exception as exc:  # both libraries raise assorted errors on graphs they cannot handle
+        ctx.log.exception("simplify failed")
+        other = "onnxsim" if backend == "onnxslim" else "onnxslim"
+        raise PassError(f"{backend} failed: {str(exc).splitlines()[0][:200]}; try `backend: {other}`") from None
+    del source
+    steps("save the model")
+    return save_model(simplified, ctx.workdir), shapes
+
+
 
 
 def _with_shapes(model: ModelArtifact, backend: str, ctx: PassContext, steps: Steps):
@@ -88,17 +119,13 @@ def _with_shapes(model: ModelArtifact, backend: str, ctx: PassContext, steps: St
 
 
 def _graph_only_shapes(path, ctx: PassContext):
-    import onnx
     from onnx import external_data_helper
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     from onnxslim.core import AUTO_MERGE  # the setting onnxslim's own inference runs with
 
-    graph = onnx.load(str(path), load_external_data=False)
+    graph = _onnxslim_on_disk.graph_with_small_tensors(path)
     for tensor in graph.graph.initializer:
         if external_data_helper.uses_external_data(tensor):
-            length = int(next((e.value for e in tensor.external_data if e.key == "length"), 0) or 0)
-            if length < SHAPE_TENSOR_BYTES:
-                external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
             # A held-out weight keeps its dims and no data: reading it raises, never a file of that name
             # in the working directory (onnx resolves a tensor's location there when not told the folder).
             tensor.data_location = onnx.TensorProto.DEFAULT

@@ -1,0 +1,82 @@
+"""onnxslim in a worker process that reads the large weights from disk (issue 20; the worker's plumbing
+and why it runs in the model's folder: passes/_disk_worker.py).
+
+Why: `onnxslim.slim` on a loaded model holds the input, a graphsurgeon checkpoint of every iteration's
+model and each iteration's export: on Gemma 3 270M (1.08 GB of weights) it peaked at 4.6 GB alone, 6.3 GB
+in a compile. Handed the graph with only its tensors under `SHAPE_TENSOR_BYTES` loaded (shape constants,
+biases, norms: what its patterns read), the weight matrices stay external data that its graphsurgeon
+passes through untouched (LazyValues export their TensorProto as it came) or reads from disk where a
+fold needs one: 1.7 GB peak, the graph node for node the same (measured; docs/memory.md). The shapes are
+inferred on that same graph first, as the in-memory path does (passes/simplify.py).
+
+Small tensors are loaded, not left on disk, because onnxslim's bundled graphsurgeon exports a constant
+it has read as raw data that still says "external" (it copies `data_location`); onnx then refuses it in
+the next iteration. A weight it reads that is over the bound fails the worker the same way, and the
+pass falls back to the in-memory path.
+
+    python -m optpipe.passes._onnxslim_on_disk REQUEST.json
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import onnx
+from onnx import external_data_helper
+
+from optpipe.passes._disk_worker import WORKER_MIN_BYTES, DiskWorkerFailed, run_on_disk, worker_main
+
+__all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "SHAPE_TENSOR_BYTES", "slim_on_disk"]
+
+#: Initializers up to this size are loaded for the shape inference and onnxslim: shape constants, biases, norms.
+SHAPE_TENSOR_BYTES = 1 << 20
+
+
+def slim_on_disk(model_path: Path, out: Path, scratch: Path) -> dict:
+    """onnxslim's result written as an artifact in `out` (weights loaded), from a worker; how its shapes were inferred."""
+    request = {"out": str(out.resolve()), "small_bytes": SHAPE_TENSOR_BYTES}
+    return run_on_disk("optpipe.passes._onnxslim_on_disk", model_path, request, scratch, "onnxslim's")
+
+
+def graph_with_small_tensors(path: Path, small_bytes: int = SHAPE_TENSOR_BYTES) -> onnx.ModelProto:
+    """The model with only its initializers under `small_bytes` loaded (marked internal); the rest keep
+    their external-data entries (dims kept, bytes on disk)."""
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        if external_data_helper.uses_external_data(tensor) and _length(tensor) < small_bytes:
+            external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+    return model
+
+
+def _length(tensor: onnx.TensorProto) -> int:
+    return int(next((e.value for e in tensor.external_data if e.key == "length"), 0) or 0)
+
+
+def _slim(request: dict) -> dict:
+    import onnxslim
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    from onnxslim.core import AUTO_MERGE  # the setting onnxslim's own inference runs with
+
+    from optpipe.core.artifact import save_model
+
+    source = Path(request["model"])
+    model = graph_with_small_tensors(source, request["small_bytes"])
+    try:  # reads a held-out weight from disk where it needs one (cwd = source's folder)
+        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=AUTO_MERGE)
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(inferred.graph.value_info)
+        shapes = "graph-only"
+    except Exception as exc:  # noqa: BLE001 - cannot infer this graph: onnxslim's own way, as in memory
+        print(f"graph-only shape inference failed ({exc}); onnxslim infers the shapes", file=sys.stderr)
+        shapes = "onnxslim"
+    slimmed = onnxslim.slim(model, verbose=True, no_shape_infer=shapes == "graph-only")
+    del model
+    external_data_helper.load_external_data_for_model(slimmed, str(source.parent))
+    save_model(slimmed, Path(request["out"]))  # optpipe's save: onnx's own checks `location` against the cwd
+    return {"shape_inference": shapes}
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(_slim))
