@@ -116,3 +116,18 @@ def test_nan_logits_end_in_one_line(exported, tmp_path):
     broken = save_model(proto, tmp_path / "broken")
     with pytest.raises(gen.GenerationError, match="not finite.*exclude"):
         gen.greedy(gen.OrtRunner(broken.path, layout, threads=1), layout, PROMPT, 4)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+def test_nll_in_row_blocks_equals_the_whole_window_log_softmax(rows):
+    """Perplexity's log-likelihood, taken NLL_ROWS rows at a time (memory), is the whole window's float64
+    log-softmax: for window lengths under, at and across the block size, and logits far from zero."""
+    rng = np.random.default_rng(rows)
+    logits = (rng.normal(size=(rows, 4099)) * 30 + 200).astype(np.float32)
+    targets = rng.integers(0, 4099, size=rows)
+    scores = logits.astype(np.float64)
+    scores -= scores.max(-1, keepdims=True)
+    whole = -(scores - np.log(np.exp(scores).sum(-1, keepdims=True)))[np.arange(rows), targets].sum()
+    assert gen._nll(logits, targets) == pytest.approx(whole, rel=1e-12)
+    logits[rows // 2, 3] = np.nan
+    assert not np.isfinite(gen._nll(logits, targets))
