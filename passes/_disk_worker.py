@@ -23,11 +23,6 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-#: Below this much weight data a pass runs its library in process: its copies are small, and a worker's
-#: start (~0.9 s, imports) would be most of a tiny model's pass time.
-WORKER_MIN_BYTES = 64 << 20
-
-
 class DiskWorkerFailed(RuntimeError):
     """The worker's library call raised or the worker died; the message is its one line (type, where, what)."""
 

@@ -17,9 +17,13 @@ from pathlib import Path
 
 import onnx
 
-from optpipe.passes._disk_worker import WORKER_MIN_BYTES, DiskWorkerFailed, run_on_disk, worker_main
+from optpipe.passes._disk_worker import DiskWorkerFailed, run_on_disk, worker_main
 
 __all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "fuse_on_disk"]
+
+#: Below this much weight data the optimizer runs in process: its copies are small, and a worker's
+#: start (~0.9 s, imports) would be most of a tiny model's fuse time.
+WORKER_MIN_BYTES = 64 << 20
 
 
 def fuse_on_disk(model_path: Path, options: dict, scratch: Path) -> tuple[onnx.ModelProto, dict]:
