@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from helpers_passes import context, graph_recipe, run_model
@@ -50,15 +51,32 @@ def conv_case(tmp_path):
     return source, recipe, {"x": np.random.default_rng(0).normal(size=(4, 3, 16, 16)).astype(np.float32)}
 
 
+def fold_case(tmp_path):
+    """Transpose and Mul of a 2 MB weight, which onnxslim folds into one constant: the fold reads the
+    weight's bytes from disk (through ORT, in the worker's folder) and writes a new constant."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.normal(size=(1024, 512)).astype(np.float32), "W"),
+               numpy_helper.from_array(rng.normal(size=(1024,)).astype(np.float32), "bias"),
+               numpy_helper.from_array(np.array(2.0, np.float32), "two")]
+    nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("Mul", ["Wt", "two"], ["Wt2"]),
+             helper.make_node("MatMul", ["x", "Wt2"], ["h"]), helper.make_node("Add", ["h", "bias"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 512])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1024])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    recipe = graph_recipe([{"name": "x", "shape": ["N", 512]}], dims={"N": {"min": 1, "opt": 2, "max": 4}})
+    return save_model(model, tmp_path / "in"), recipe, {"x": rng.normal(size=(4, 512)).astype(np.float32)}
+
+
 def _simplify(source, recipe, arrays, workdir) -> ModelArtifact:
     return run_checked(SimplifyPass(SimplifyParams()), ModelArtifact.open(source.folder), context(recipe, workdir, arrays))
 
 
-@pytest.mark.parametrize("case", [conv_case, tiny_bert_case])
+@pytest.mark.parametrize("case", [conv_case, fold_case, tiny_bert_case])
 def test_onnxslim_on_disk_simplifies_exactly_as_in_memory(tmp_path, monkeypatch, case):
     source, recipe, arrays = case(tmp_path)
     # the tiny BERT's matrices are 16 KB: a lower bound leaves them on disk too
-    monkeypatch.setattr(_onnxslim_on_disk, "SHAPE_TENSOR_BYTES", 1 << 20 if case is conv_case else 4096)
+    monkeypatch.setattr(_onnxslim_on_disk, "SHAPE_TENSOR_BYTES", 4096 if case is tiny_bert_case else 1 << 20)
     in_memory = _simplify(source, recipe, arrays, tmp_path / "memory")
     assert in_memory.info["weights"] == "in memory"
     monkeypatch.setattr(_onnxslim_on_disk, "WORKER_MIN_BYTES", 0)
@@ -75,6 +93,8 @@ def test_onnxslim_on_disk_simplifies_exactly_as_in_memory(tmp_path, monkeypatch,
     assert held_out, "the case must have weights the worker leaves on disk"
     assert [n.op_type for n in on_disk.load().graph.node] == [n.op_type for n in in_memory.load().graph.node]
     assert on_disk.info["nodes_after"] == in_memory.info["nodes_after"]
+    if case is fold_case:
+        assert [n.op_type for n in on_disk.load().graph.node] == ["MatMul", "Add"]  # the weight's arithmetic folded
     ours, theirs = _initializers(on_disk), _initializers(in_memory)
     assert ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k]) for k in ours)
     np.testing.assert_array_equal(run_model(on_disk.path, arrays)[0], run_model(in_memory.path, arrays)[0])
