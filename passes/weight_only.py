@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Literal
 
 import onnx
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.core.errors import PassError, first_line
@@ -46,6 +46,14 @@ class WeightOnlyParams(PassParams):
             raise ValueError(f"block_size must be a power of two (16, 32, 64, 128 or 256), not {value}")
         return value
 
+    @model_validator(mode="after")
+    def _algorithm_fits(self):
+        """HQQ's one form in ORT, refused otherwise at recipe read (exit 2), not when the stage runs."""
+        if self.algorithm == "hqq" and (self.bits != 4 or self.symmetric):
+            raise ValueError("algorithm hqq quantizes to 4 bits, asymmetric: set `bits: 4` and `symmetric: false`, "
+                             "or `algorithm: default`")
+        return self
+
 
 class WeightOnlyPass(Pass[WeightOnlyParams]):
     """Quantize MatMul weights to INT4/INT8 (ORT MatMulNBits, weight-only, blockwise); activations stay float."""
@@ -57,9 +65,6 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params
-        if params.algorithm == "hqq" and (params.bits != 4 or params.symmetric):
-            raise PassError("algorithm hqq quantizes to 4 bits, asymmetric: set `bits: 4` and `symmetric: false`, "
-                            "or `algorithm: default`")
         source = model.load()
         _check_names(source, params.exclude)
         before = op_histogram(source)

@@ -97,8 +97,8 @@ def test_coverage_counts_packed_weights_as_what_they_stand_for(setup):
 def test_weight_only_refusals_name_the_fix(setup):
     with pytest.raises(PassError, match="exclude names nodes"):
         _run(setup, "weight_only", "bad-name", exclude=["nope"])
-    with pytest.raises(PassError, match="symmetric: false"):
-        _run(setup, "weight_only", "bad-hqq", algorithm="hqq")
+    with pytest.raises(ValueError, match="symmetric: false"):
+        get_pass("weight_only").Params(algorithm="hqq")
     with pytest.raises(ValueError, match="power of two"):
         get_pass("weight_only").Params(block_size=48)
 
