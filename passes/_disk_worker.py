@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+
 class DiskWorkerFailed(RuntimeError):
     """The worker's library call raised or the worker died; the message is its one line (type, where, what)."""
 

@@ -26,7 +26,7 @@ from onnx import external_data_helper
 
 from optpipe.passes._disk_worker import DiskWorkerFailed, run_on_disk, worker_main
 
-__all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "SHAPE_TENSOR_BYTES", "slim_on_disk"]
+__all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "SHAPE_TENSOR_BYTES", "graph_with_small_tensors", "infer_shapes_into", "slim_on_disk"]
 
 #: From this much weight data onnxslim runs in the worker. Not the fuser's 64 MB: on MiniLM (90 MB) onnxslim
 #: in process took 2.4-2.7 s and the worker 4.2-5.0 s (its start and imports; the output byte for byte the
@@ -55,27 +55,36 @@ def graph_with_small_tensors(path: Path, small_bytes: int = SHAPE_TENSOR_BYTES) 
     return model
 
 
+def infer_shapes_into(target: onnx.ModelProto, graph: onnx.ModelProto) -> str | None:
+    """ORT's symbolic shape inference, with onnxslim's own settings, on `graph`; its value_info replaces
+    `target`'s. None when done, else why it could not infer `graph` (then onnxslim infers the shapes itself)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    from onnxslim.core import AUTO_MERGE  # the setting onnxslim's own inference runs with
+
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(graph, auto_merge=AUTO_MERGE)
+    except Exception as exc:  # noqa: BLE001 - it read a weight held out, or cannot infer this graph
+        return str(exc) or type(exc).__name__
+    del target.graph.value_info[:]
+    target.graph.value_info.extend(inferred.graph.value_info)
+    return None
+
+
 def _length(tensor: onnx.TensorProto) -> int:
     return int(next((e.value for e in tensor.external_data if e.key == "length"), 0) or 0)
 
 
 def _slim(request: dict) -> dict:
     import onnxslim
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-    from onnxslim.core import AUTO_MERGE  # the setting onnxslim's own inference runs with
 
     from optpipe.core.artifact import save_model
 
     source = Path(request["model"])
     model = graph_with_small_tensors(source, request["small_bytes"])
-    try:  # reads a held-out weight from disk where it needs one (cwd = source's folder)
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=AUTO_MERGE)
-        del model.graph.value_info[:]
-        model.graph.value_info.extend(inferred.graph.value_info)
-        shapes = "graph-only"
-    except Exception as exc:  # noqa: BLE001 - cannot infer this graph: onnxslim's own way, as in memory
-        print(f"graph-only shape inference failed ({exc}); onnxslim infers the shapes", file=sys.stderr)
-        shapes = "onnxslim"
+    failed = infer_shapes_into(model, model)  # reads a held-out weight from disk where it needs one (cwd: its folder)
+    if failed:
+        print(f"graph-only shape inference failed ({failed}); onnxslim infers the shapes", file=sys.stderr)
+    shapes = "onnxslim" if failed else "graph-only"
     slimmed = onnxslim.slim(model, verbose=True, no_shape_infer=shapes == "graph-only")
     del model
     external_data_helper.load_external_data_for_model(slimmed, str(source.parent))

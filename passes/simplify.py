@@ -10,7 +10,7 @@ from pydantic import Field
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import SelfCheckParams
-from optpipe.core.errors import PassError
+from optpipe.core.errors import PassError, first_line
 from optpipe.graph.stats import graph_stats, op_changes
 from optpipe.pass_infra.pass_base import Pass, PassContext
 from optpipe.pass_infra.progress import Progress, Steps, logged_progress, printed_progress
@@ -80,7 +80,7 @@ def _simplify_in_memory(model: ModelArtifact, backend: str, ctx: PassContext, st
     try:
         source, shapes = _with_shapes(model, backend, ctx, steps)
     except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # a truncated or missing data file
-        raise PassError(f"cannot read the input model: {str(exc).splitlines()[0][:200]}") from None
+        raise PassError(f"cannot read the input model: {first_line(exc, 200)}") from None
     steps(backend)
     try:
         simplified = _simplify(source, backend, steps.progress, ctx.log, shapes == "graph-only")
@@ -95,8 +95,6 @@ def _simplify_in_memory(model: ModelArtifact, backend: str, ctx: PassContext, st
     return save_model(simplified, ctx.workdir), shapes
 
 
-
-
 def _with_shapes(model: ModelArtifact, backend: str, ctx: PassContext, steps: Steps):
     """The input, loaded, and for onnxslim with its tensor shapes already inferred on the graph alone.
 
@@ -109,19 +107,17 @@ def _with_shapes(model: ModelArtifact, backend: str, ctx: PassContext, steps: St
     if backend != "onnxslim":
         return model.load(), None
     steps("shape inference on the graph")
-    inferred = _graph_only_shapes(model.path, ctx)
+    graph = _held_out_graph(model.path)
     source = model.load()
-    if inferred is None:
-        return source, "onnxslim"
-    del source.graph.value_info[:]
-    source.graph.value_info.extend(inferred.graph.value_info)
-    return source, "graph-only"
+    failed = _onnxslim_on_disk.infer_shapes_into(source, graph)
+    if failed:
+        ctx.log.info("graph-only shape inference failed (%s); onnxslim infers the shapes on the whole model", failed)
+    return source, "onnxslim" if failed else "graph-only"
 
 
-def _graph_only_shapes(path, ctx: PassContext):
+def _held_out_graph(path) -> onnx.ModelProto:
+    """The graph with its tensors under 1 MiB loaded and the rest held out: dims kept, no data."""
     from onnx import external_data_helper
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-    from onnxslim.core import AUTO_MERGE  # the setting onnxslim's own inference runs with
 
     graph = _onnxslim_on_disk.graph_with_small_tensors(path)
     for tensor in graph.graph.initializer:
@@ -130,11 +126,7 @@ def _graph_only_shapes(path, ctx: PassContext):
             # in the working directory (onnx resolves a tensor's location there when not told the folder).
             tensor.data_location = onnx.TensorProto.DEFAULT
             del tensor.external_data[:]
-    try:
-        return SymbolicShapeInference.infer_shapes(graph, auto_merge=AUTO_MERGE)
-    except Exception as exc:  # it read a weight held out (or cannot infer this graph): onnxslim's own way
-        ctx.log.info("graph-only shape inference failed (%s); onnxslim infers the shapes on the whole model", exc)
-        return None
+    return graph
 
 
 def _simplify(model, backend: str, progress: Progress, log, shapes_inferred: bool = False):
