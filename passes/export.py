@@ -24,6 +24,14 @@ from optpipe.passes._torch_export import DYNAMO_MIN_OPSET
 
 EXPORTERS = ("dynamo", "torchscript")  # `auto`'s order
 
+#: From this much FP32 weight the dynamo export runs in a worker process of its own. onnxscript 0.7's rewriter,
+#: which torch.onnx runs on every dynamo export, keeps the last graph each of its module-level rules matched
+#: (`SimplePatternMatcher._graph`), and that graph's initializers wrap the torch model's Parameters: after the
+#: export of Gemma 3 270M in the compile's process its 1.1 GB of weights stayed alive under every later stage,
+#: the torch model released or not (found with objgraph's back-reference chain; docs/memory.md, fourth round).
+#: The worker's exit gives them back. Below this (MiniLM, 90 MB) a worker's start would cost more than it frees.
+WORKER_MIN_BYTES = 256 << 20
+
 
 class ExportParams(SelfCheckParams):
     exporter: Literal["auto", "dynamo", "torchscript"] = Field(
@@ -64,6 +72,21 @@ class ExportPass(Pass[ExportParams]):
             # with evaluate.generation the graph carries the KV cache, sized by these settings
             **({"kv_cache": _kv_settings(ctx)} if ctx.evaluate.generation is not None else {}),
         }
+
+    def own_process(self, ctx: PassContext) -> str | None:
+        """The dynamo export of a model of >= WORKER_MIN_BYTES whose weights a reload reproduces (a source that
+        tells its size: hf folders, seeded hf_config, safetensors factories), so that the worker's model and the
+        one the compile loads for eager are the same."""
+        from optpipe.source.torch_weights import fp32_weight_bytes
+
+        dynamo = ctx.evaluate.generation is not None or self.params.exporter != "torchscript"
+        if isinstance(ctx.model_source.model, OnnxModel) or not dynamo:
+            return None
+        size = fp32_weight_bytes(ctx.model_source)
+        if size is None or size < WORKER_MIN_BYTES:
+            return None
+        return (f"the dynamo exporter's graph rewriter (onnxscript) keeps the model's {size / 1e9:.2f} GB of weights "
+                "alive after the export; a worker's exit gives them back")
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         if isinstance(ctx.model_source.model, OnnxModel):

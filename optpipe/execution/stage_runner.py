@@ -7,6 +7,7 @@ result, like a compiler's dependency file), so a pass author never declares it.
 """
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from pathlib import Path
@@ -112,11 +113,17 @@ class StageRunner:
             return self.cache.publish(key, ctx.workdir, meta), False
 
     def _execute(self, pass_: Pass, model: ModelArtifact | None, ctx: PassContext, log_path: Path) -> ModelArtifact:
-        """In this process, or in a worker process when the stage has a time limit."""
+        """In this process, or in a worker process when the stage has a time limit or its pass asks for one."""
         timeout_s = self.plan.stages[ctx.stage].timeout_s
-        if timeout_s is None:
+        apart = pass_.own_process(ctx)
+        if timeout_s is None and apart is None:
             return run_pass(pass_, model, ctx)
-        return run_pass_isolated(pass_, model, ctx, self.plan, log_path, timeout_s)
+        if apart is not None:
+            ctx.log.info("in a worker process of its own: %s", apart)
+        output = run_pass_isolated(pass_, model, ctx, self.plan, log_path, math.inf if timeout_s is None else timeout_s)
+        if apart is not None:
+            output.info["own_process"] = apart
+        return output
 
     def _data_read_last_time(self, base: str) -> dict[str, str]:
         record = self.cache.get_result(_data_record_key(base))

@@ -185,6 +185,13 @@ class Pass(ABC, Generic[P]):
         the report shows it with the reason, and the stages after it are skipped with it."""
         return None
 
+    def own_process(self, ctx: PassContext) -> str | None:
+        """Why this stage's pass runs in a worker process of its own (one line, recorded in the stage info), or
+        None to run it in the compile's process. For a library that keeps what it touched alive after it
+        returns: the worker's exit gives all of it back, where the compile's process would carry it under
+        every later stage. A stage with `timeout_s` runs in a worker anyway."""
+        return None
+
     @abstractmethod
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         """Read `model`, write the result into `ctx.workdir`, return it."""

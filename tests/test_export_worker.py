@@ -1,0 +1,56 @@
+"""A big model's dynamo export runs in a worker process of its own (passes/export.py `own_process`):
+onnxscript's rewriter, which torch.onnx runs on every dynamo export, keeps the last graph it matched and,
+through it, the torch model's Parameters; exported in the compile's process they outlived the export.
+Tiny Llama decoders stand in for big ones (the size thresholds lowered)."""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+
+import torch
+
+from optpipe.execution import services
+from optpipe.execution.pipeline import RunOptions, compile_recipe
+from optpipe.passes import export
+from optpipe.safety.recipe_loading import load_recipe
+from test_generation_report import LLAMA, decoder_recipe
+
+VOCAB = 263  # a vocabulary no other test's model has: its embedding is told apart from theirs
+
+
+def _compile(tmp_path, monkeypatch, worker_bytes: int):
+    tmp_path.mkdir()
+    monkeypatch.setattr(export, "WORKER_MIN_BYTES", worker_bytes)
+    monkeypatch.setattr(services, "RELEASE_BYTES", 0)  # the parent drops its own copy after the export's self-check
+    recipe = decoder_recipe(tmp_path, stages={"export": {"pass": "export"}}, cache=str(tmp_path / "cache"),
+                            model={"hf_config": {**LLAMA, "vocab_size": VOCAB}, "task": "causal-lm", "outputs": ["logits"]},
+                            inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, VOCAB]}])
+    report = compile_recipe(load_recipe(recipe), RunOptions())
+    services.RunServices.torch_model.cache_clear()  # the eager rows' reload, held by the class-level cache
+    gc.collect()
+    return report, json.loads((tmp_path / "run" / "report.json").read_text())
+
+
+def _embeddings_alive() -> int:
+    return sum(1 for obj in gc.get_objects()
+               if type(obj) is torch.nn.Parameter and tuple(obj.shape) == (VOCAB, LLAMA["hidden_size"]))
+
+
+def _model_digest(report) -> str:
+    folder = next(s for s in report.stages if s.name == "export").model.folder
+    return hashlib.sha256(b"".join((folder / name).read_bytes() for name in ("model.onnx", "model.onnx.data"))).hexdigest()
+
+
+def test_a_big_dynamo_export_runs_apart_and_leaves_no_weights_in_the_compile(tmp_path, monkeypatch):
+    apart, apart_json = _compile(tmp_path / "apart", monkeypatch, 0)
+    assert _embeddings_alive() == 0  # exported here, onnxscript's last matched graph would hold the embedding
+    stage = next(s for s in apart_json["stages"] if s["name"] == "export")
+    assert stage["status"] == "ok"
+    assert "onnxscript" in stage["info"]["own_process"]
+    here, here_json = _compile(tmp_path / "here", monkeypatch, 1 << 60)
+    assert "own_process" not in next(s for s in here_json["stages"] if s["name"] == "export")["info"]
+    # The same seeded model, exported in either process: the same graph and weights, the same verdicts.
+    assert _model_digest(apart) == _model_digest(here)
+    for a, b in zip(apart.stages, here.stages):
+        assert (a.name, a.status, a.generation.perplexity) == (b.name, b.status, b.generation.perplexity)
