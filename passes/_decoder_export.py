@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from optpipe.core.artifact import ModelArtifact, save_model, write_info
+from optpipe.core.artifact import ModelArtifact, adopt_model, write_info
 from optpipe.core.errors import PassError
 from optpipe.recipe.generation_spec import decoder_dims
 
@@ -24,8 +24,6 @@ def export_with_cache(torch_model, ctx, steps, check_atol: float | None, opset: 
                       attention: str | None = None) -> ModelArtifact:
     """The causal LM's graph with its KV cache, checked by greedy generation against eager; `steps`: the export's
     progress lines (torch.export of a 270M decoder runs for minutes with no hook inside)."""
-    import onnx
-
     from optpipe.graph.stats import graph_stats
     from optpipe.source.decoder_export import export_decoder, hf_causal_lm
 
@@ -41,7 +39,7 @@ def export_with_cache(torch_model, ctx, steps, check_atol: float | None, opset: 
     steps("greedy generation against eager")
     check = _generation_check(raw / "model.onnx", model, layout, ctx.evaluate.threads, check_atol)
     steps("save the model")
-    artifact = save_model(onnx.load(str(raw / "model.onnx")), ctx.workdir)
+    artifact = adopt_model(raw / "model.onnx", ctx.workdir)  # renamed into place: the weights are not read again
     _remove_tree(raw)
     info = {"exporter": layout.exporter, "opset": max(opset, 18), "opset_requested": opset, "attention": attention,
             "exporter_requested": "decoder with KV cache (evaluate.generation)",

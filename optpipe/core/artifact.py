@@ -120,6 +120,46 @@ def save_model(model: onnx.ModelProto, folder: Path, info: dict[str, Any] | None
     return write_info(folder, info or {})
 
 
+def adopt_model(path: Path, folder: Path, info: dict[str, Any] | None = None) -> ModelArtifact:
+    """`path`, an ONNX file whose external tensors all live in one data file beside it (torch.onnx's dynamo
+    export writes that), moved into `folder` as its artifact: the data file renamed to model.onnx.data and
+    the graph's locations rewritten, the weights never read. save_model(onnx.load(path)) would hold them in
+    memory twice over (Gemma 3 270M's KV-cache export: its save step peaked 1.1-1.8 GB above the export's).
+    Tensors stay where the writer put them (small ones inline); any other layout goes through save_model."""
+    model = onnx.load(str(path), load_external_data=False)
+    tensors = list(_tensors(model.graph))
+    external = [t for t in tensors if t.data_location == onnx.TensorProto.EXTERNAL]
+    locations = {next((e.value for e in t.external_data if e.key == "location"), "") for t in external}
+    location = next(iter(locations)) if len(locations) == 1 else None
+    source = path.parent / location if location and Path(location).name == location else None  # a plain file name only
+    inline = any(t.data_location != onnx.TensorProto.EXTERNAL and sys.getsizeof(t.raw_data) >= 1024 for t in tensors)
+    if inline or (locations and (source is None or not source.is_file())):  # save_model's layout, its checks
+        return save_model(onnx.load(str(path)), folder, info)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in (folder / MODEL_FILE, folder / DATA_FILE):
+        stale.unlink(missing_ok=True)
+    if source is not None:
+        os.replace(source, folder / DATA_FILE)
+    else:
+        (folder / DATA_FILE).write_bytes(b"")  # keep the pair even when every tensor is inline
+    for entry in (e for t in external for e in t.external_data if e.key == "location"):
+        entry.value = DATA_FILE  # offsets and lengths stand: the file is the same bytes under another name
+    onnx.save_model(model, str(folder / MODEL_FILE))  # the graph only: the tensors stay external
+    return write_info(folder, info or {})
+
+
+def _tensors(graph: onnx.GraphProto):
+    """Every tensor that can carry external data: initializers and Constant-style attributes, subgraphs included."""
+    for sub in all_graphs(graph):
+        yield from sub.initializer
+        for node in sub.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    yield attr.t
+                elif attr.type == onnx.AttributeProto.TENSORS:
+                    yield from attr.tensors
+
+
 def write_info(folder: Path, info: dict[str, Any]) -> ModelArtifact:
     (folder / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True, default=str))
     return ModelArtifact(folder=folder, info=info)
