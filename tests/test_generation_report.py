@@ -292,3 +292,24 @@ def test_the_memory_preflight_names_the_first_stage_that_will_not_fit(tmp_path, 
         check_torch_memory(recipe)
     monkeypatch.setattr(memory_estimate, "available_bytes", lambda: int(estimates["simplify"] / memory_estimate.HEADROOM) + 1)
     check_torch_memory(recipe)  # fits: nothing raised
+
+
+def test_the_memory_preflight_does_not_hold_a_dropped_torch_model_beside_the_passes(tmp_path, monkeypatch):
+    """A model of RELEASE_BYTES or more is dropped after its export (execution/services.py): the passes'
+    estimates leave it out, where a smaller one, held for the eager rows, is added to each."""
+    from optpipe.plan.source_preflight import check_torch_memory
+    from optpipe.safety import memory_estimate
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source import torch_weights
+    from optpipe.core.errors import UserInputError
+
+    stages = {"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"}}
+    recipe = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path, stages=stages).read_text()))
+    weights = torch_weights.fp32_weight_bytes(recipe.model_source())
+    stage_passes = {"export": "export", "simplify": "simplify"}
+    held, dropped = (memory_estimate.stage_estimates(weights, stage_passes, held=h)["simplify"] for h in (weights, 0))
+    monkeypatch.setattr(memory_estimate, "available_bytes", lambda: int((held + dropped) / 2 / memory_estimate.HEADROOM))
+    with pytest.raises(UserInputError, match="stage 'simplify'"):
+        check_torch_memory(recipe)  # this tiny model stays held: simplify's estimate counts it
+    monkeypatch.setattr(torch_weights, "RELEASE_BYTES", 0)  # every model counts as big: dropped after the export
+    check_torch_memory(recipe)

@@ -13,16 +13,11 @@ from optpipe.cache.store import StageCache
 from optpipe.calibration.dataset import SampleSet, build_sample_set
 from optpipe.core.errors import DataError
 from optpipe.source.model_source import load_torch_model
+from optpipe.source.torch_weights import RELEASE_BYTES
 from optpipe.pass_infra.pass_base import PassContext
 from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import DataSets, ModelSource
 
-
-#: A torch model this big is dropped once no stage left needs it, and loaded again for the eager
-#: rows. BERT-base (438 MB) held under every pass after its export was 0.44 GB on each of their peaks
-#: (docs/memory.md); its reload from the seeded config costs a few seconds. Below this (MiniLM, 90 MB)
-#: the reload is not worth its time.
-RELEASE_BYTES = 256 << 20
 
 
 class RunServices:

@@ -19,6 +19,11 @@ from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSou
 
 log = logging.getLogger("optpipe.safety")
 FP32 = 4
+#: A torch model this big is dropped once no stage left needs it, and loaded again for the eager
+#: rows (execution/services.py). BERT-base (438 MB) held under every pass after its export was 0.44 GB
+#: on each of their peaks (docs/memory.md); its reload from the seeded config costs a few seconds.
+#: Below this (MiniLM, 90 MB) the reload is not worth its time.
+RELEASE_BYTES = 256 << 20
 
 
 def fp32_weight_bytes(source: ModelSource) -> int | None:
