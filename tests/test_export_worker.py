@@ -54,3 +54,35 @@ def test_a_big_dynamo_export_runs_apart_and_leaves_no_weights_in_the_compile(tmp
     assert _model_digest(apart) == _model_digest(here)
     for a, b in zip(apart.stages, here.stages):
         assert (a.name, a.status, a.generation.perplexity) == (b.name, b.status, b.generation.perplexity)
+
+
+def test_an_encoder_s_auto_export_runs_apart_with_the_same_result(tmp_path, monkeypatch):
+    """Not only decoders: `exporter: auto` tries dynamo first, so a big encoder's export runs apart too."""
+    import yaml
+
+    def compile_bert(folder, worker_bytes):
+        folder.mkdir()
+        monkeypatch.setattr(export, "WORKER_MIN_BYTES", worker_bytes)
+        recipe = folder / "recipe.yaml"
+        recipe.write_text(yaml.safe_dump({
+            "name": "tiny-bert",
+            "model": {"hf_config": {"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+                                    "intermediate_size": 64, "vocab_size": 101}},
+            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 101]},
+                       {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "sequence"], "fill": 1}],
+            "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 4, "opt": 8, "max": 16}},
+            "data": {"eval": {"source": "synthetic", "samples": 2}},
+            "stages": {"export": {"pass": "export"}},
+            "evaluate": {"threads": 1, "warmup": 1, "iterations": 2},
+            "output": str(folder / "run"), "cache": str(folder / "cache")}))
+        report = compile_recipe(load_recipe(recipe), RunOptions())
+        info = json.loads((folder / "run" / "report.json").read_text())["stages"]
+        return report, next(s for s in info if s["name"] == "export")
+
+    apart, apart_stage = compile_bert(tmp_path / "apart", 0)
+    here, here_stage = compile_bert(tmp_path / "here", 1 << 60)
+    assert apart_stage["status"] == here_stage["status"] == "ok"
+    assert "own_process" in apart_stage["info"] and "own_process" not in here_stage["info"]
+    assert apart_stage["info"]["exporter"] == here_stage["info"]["exporter"]
+    assert apart_stage["info"]["self_check"] == here_stage["info"]["self_check"]
+    assert _model_digest(apart) == _model_digest(here)
