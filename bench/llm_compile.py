@@ -82,10 +82,11 @@ def run(folder: Path, size: str, config: dict, stages: list[str] | None, new_tok
 def preflight_estimates(recipe) -> dict[str, int]:
     """What plan/source_preflight.py's memory check estimated per stage (bytes), to print beside the peaks."""
     from optpipe.safety.memory_estimate import stage_estimates
-    from optpipe.source.torch_weights import fp32_weight_bytes
+    from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes
 
     weights = fp32_weight_bytes(recipe.model_source())
-    return stage_estimates(weights, {n: s.pass_name for n, s in recipe.stages.items()}, held=weights) if weights else {}
+    stages = {n: s.pass_name for n, s in recipe.stages.items()}
+    return stage_estimates(weights, stages, held=held_beside_passes(weights)) if weights else {}
 
 
 def print_stages(report, output: Path) -> None:

@@ -30,7 +30,7 @@ def check_torch_memory(recipe: Recipe) -> None:
     headers or the config (safety/torch_weights.py), before anything loads; the eager baseline holds
     the model as the export does. No estimate for sources that must run to know their size."""
     from optpipe.safety.memory_estimate import check_fits
-    from optpipe.source.torch_weights import RELEASE_BYTES, fp32_weight_bytes
+    from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes
 
     weights = fp32_weight_bytes(recipe.model_source())
     if weights is None:
@@ -38,10 +38,7 @@ def check_torch_memory(recipe: Recipe) -> None:
     stages = {name: stage.pass_name for name, stage in recipe.stages.items()}
     if recipe.evaluate.eager_baseline:
         stages["pytorch-eager"] = "export"  # the torch model and its runs: as much as exporting it
-    # A model under RELEASE_BYTES stays loaded for the eager rows: every stage after the export runs beside
-    # it. A bigger one is dropped after the export (execution/services.py; its dynamo export runs in a worker
-    # of its own, passes/export.py) and loaded again for the eager rows, so the passes run without it.
-    check_fits(weights, stages, held=weights if weights < RELEASE_BYTES else 0)
+    check_fits(weights, stages, held=held_beside_passes(weights))
 
 
 def check_generation(recipe: Recipe, onnx_path: Path | None) -> None:

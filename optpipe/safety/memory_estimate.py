@@ -15,8 +15,10 @@ does not.
 Through `optpipe compile` in one process (bench/llm.py --compile, 0.37 B, 1.47 GB FP32; above each
 phase's start): export 2.24x (the torch model is loaded inside the export phase, then the ONNX is
 written beside it), onnxslim's simplify 3.95x (whole-model protobufs), weight_only int4 1.30x / int8
-1.41x, openvino_weights 1.17x; and the torch model stays resident for the eager rows from the export
-to the end of the run: `held` adds it to every later stage.
+1.41x, openvino_weights 1.17x; a torch model under 256 MB stays resident for the eager rows from the
+export to the end of the run: `held` adds it to every later stage (source/torch_weights.held_beside_passes).
+A bigger one is dropped after the export since then: at 1.1 B (4.40 GB) the passes peaked at 5.55-6.29 GB
+against these estimates' 6.75-7.41 GB, the export (in its own worker) at 9.70 against 10.49 (docs/llm.md).
 """
 from __future__ import annotations
 

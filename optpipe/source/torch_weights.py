@@ -26,6 +26,13 @@ FP32 = 4
 RELEASE_BYTES = 256 << 20
 
 
+def held_beside_passes(fp32_bytes: int) -> int:
+    """What a run keeps resident beside every pass after the export: a model under RELEASE_BYTES, held for
+    the eager rows; nothing for a bigger one, dropped after the export (its dynamo export runs in a worker of
+    its own, passes/export.py) and loaded again for the eager rows. The memory preflight's `held`."""
+    return fp32_bytes if fp32_bytes < RELEASE_BYTES else 0
+
+
 def fp32_weight_bytes(source: ModelSource) -> int | None:
     """None where the source cannot tell its size without running: no estimate. A broken file or config
     is no estimate either: loading the model names the real problem in its own line, as before."""
