@@ -19,7 +19,6 @@ from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import DataSets, ModelSource
 
 
-
 class RunServices:
     """Lazy, run-scoped things passes share: the torch model and the data sets, each built once.
     It takes the recipe's model source and data sets, nothing else of it."""
