@@ -313,3 +313,24 @@ def test_the_memory_preflight_does_not_hold_a_dropped_torch_model_beside_the_pas
         check_torch_memory(recipe)  # this tiny model stays held: simplify's estimate counts it
     monkeypatch.setattr(torch_weights, "RELEASE_BYTES", 0)  # every model counts as big: dropped after the export
     check_torch_memory(recipe)
+
+
+def test_an_edited_perplexity_text_is_measured_again(tmp_path, compile_):
+    """The text is named by its path: its content is in the evaluation key, so an edit in place is re-measured,
+    and the same words again are a cache hit."""
+    text = tmp_path / "text.txt"
+    stages = {"export": {"pass": "export"}}
+
+    def perplexities(words: str) -> tuple[dict, dict]:
+        text.write_text(words)
+        result = compile_(decoder_recipe(tmp_path, generation={"text": str(text)}, stages=stages))
+        assert result.exit_code == 0, result.output
+        report = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
+        return ({name: s["generation"]["perplexity"] for name, s in report.items()},
+                {name: s["evaluation_cached"] for name, s in report.items()})
+
+    first, _ = perplexities("a compiler turns a recipe into passes, and every pass is measured " * 4)
+    edited, cached = perplexities("the quick brown fox jumps over the lazy dog, twice over, and again " * 4)
+    assert not any(cached.values()) and all(edited[name] != first[name] for name in first)
+    again, cached = perplexities("the quick brown fox jumps over the lazy dog, twice over, and again " * 4)
+    assert all(cached.values()) and again == edited

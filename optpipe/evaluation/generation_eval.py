@@ -10,12 +10,15 @@ its decode steps (ms per step of the whole batch), so the frontier's latency axi
 its accuracy error is 1 - the agreement (Accuracy.error via the task's headline), not cosine.
 
 Results are cached like the other evaluations: keyed by the model's hash, the reference, the
-generation and task settings, threads, the machine and the runtimes' versions.
+generation and task settings, the perplexity text's content, threads, the machine and the runtimes' versions.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import statistics
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -225,8 +228,21 @@ class GenerationEvaluator:
     def _key(self, model_digest: str, extra: dict, task: TaskSpec | None = None) -> str:
         reference = self._reference[0] if self._reference else None
         return StageCache.key(format=FORMAT, part="generation", model=model_digest, reference=reference,
-                              generation=self.spec.model_dump(mode="json"), task=(task or self.evaluate.task).model_dump(mode="json"),
+                              generation=self.spec.model_dump(mode="json"), text=self._text_digest,
+                              task=(task or self.evaluate.task).model_dump(mode="json"),
                               threads=self.evaluate.threads, source=_source_key(self.source), machine=machine_id(), extra=extra)
+
+    @functools.cached_property
+    def _text_digest(self) -> str | None:
+        """The perplexity text's bytes, hashed: the recipe names the file by its path, and a file edited in place
+        (recipes/gemma3-270m.yaml reads the README) must not hand back the perplexity of its old words. None where
+        it cannot be read: the measurement then names the file in its own one-line error."""
+        if self.spec.text is None:
+            return None
+        try:
+            return hashlib.sha256(Path(self.source.resolve(self.spec.text)).read_bytes()).hexdigest()
+        except OSError:
+            return None
 
 
 def _source_key(source: ModelSource) -> dict:
