@@ -15,7 +15,6 @@ generation and task settings, the perplexity text's content, threads, the machin
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import statistics
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from optpipe.cache.store import StageCache, library_versions
+from optpipe.core.artifact import sha256_file
 from optpipe.core.results import Accuracy, Generation, GenerationRow, Latency, Memory, OutputAccuracy, TaskAccuracy
 from optpipe.evaluation import generation as gen
 from optpipe.evaluation import generation_inputs as inputs
@@ -240,7 +240,7 @@ class GenerationEvaluator:
         if self.spec.text is None:
             return None
         try:
-            return hashlib.sha256(Path(self.source.resolve(self.spec.text)).read_bytes()).hexdigest()
+            return sha256_file(Path(self.source.resolve(self.spec.text)))
         except OSError:
             return None
 
