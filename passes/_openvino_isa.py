@@ -57,3 +57,25 @@ def bf16_skip_reason(target: CpuTarget | None = None) -> str | None:
         return None
     seen = f"{target.cpu_class}, {target.restricted_by}" if target.restricted_by else target.cpu_class
     return f"{NO_BF16} (this CPU as OpenVINO runs it: {seen}); ov-fp32 stands in (skip_slow: false builds it anyway)"
+
+
+#: Why a transformer's int8 takes NNCF's performance preset on AMX (measured: docs/openvino.md, "Per CPU class").
+AMX_SYMMETRIC = ("symmetric int8 activations (NNCF preset performance): AMX multiplies signed int8 by signed int8 "
+                 "natively, and NNCF's mixed preset's asymmetric activations ran slower there")
+
+
+def int8_preset(transformer: bool, target: CpuTarget | None = None) -> tuple[str, str] | None:
+    """(NNCF preset, why) where this CPU class changes NNCF's default preset; None where NNCF's default stands.
+
+    NNCF's default for its TRANSFORMER model type is `mixed` (asymmetric activations, as unsigned int8); for other
+    models `performance` (symmetric). Measured on MiniLM (bench/openvino_minilm.py, 16 rounds, one Sapphire Rapids
+    class VM, 2026-12-06): with AMX `performance` ran 8-9% faster than `mixed` at batch 1 and 5% at batch 8, at
+    token cosine 0.9959 vs 0.9961 (worst sentence 0.9915 vs 0.9924); on the same CPU held to AVX512_CORE_VNNI,
+    whose dot product is unsigned x signed (VPDPBUSD), `performance` was 5% slower at both. So only AMX changes it."""
+    if target is None:
+        from optpipe.hardware.cpu_features import engine_target
+
+        target = engine_target("openvino")
+    if transformer and target.arch == "x86_64" and target.has("amx_int8"):
+        return "performance", AMX_SYMMETRIC
+    return None

@@ -16,6 +16,7 @@ from optpipe.core.errors import DataError, PassError, RecipeError, first_line
 from optpipe.core.runtime import prefill_feeds
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.passes._openvino_guard import fake_quantize_count, repair, model_feeds, nncf_logs_to
+from optpipe.passes._openvino_isa import int8_preset
 from optpipe.hardware.cpu_features import engine_target, int8_sums_saturate
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
         ctx.log.warning("openvino int8 guard not run: %s", not_run)
     details = {
         "options": {k: str(v) for k, v in options.items()},
+        "preset": preset_record(params, options),
         "calibration_samples": options["subset_size"],
         "calibration": {"source": ctx.calibration_set().origin},  # the set is built once per content: a cache read
         "quantizers": fake_quantize_count(quantized),
@@ -66,6 +68,16 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
                   "gave_up": gave_up, "budget_s": params.guard_budget_s},
     }
     return quantized, accuracy, details
+
+
+def preset_record(params: OpenVinoParams, options: dict) -> dict[str, str]:
+    """Which NNCF preset quantized the model and who chose it: the recipe, this CPU class, or NNCF's default."""
+    transformer = options["model_type"] is not None
+    if params.preset:
+        return {"preset": params.preset, "chosen_by": "the recipe"}
+    if (choice := int8_preset(transformer)) is not None:
+        return {"preset": choice[0], "chosen_by": f"this CPU class ({engine_target('openvino').cpu_class}): {choice[1]}"}
+    return {"preset": "mixed" if transformer else "performance", "chosen_by": "NNCF's default for the model type"}
 
 
 def calibration_batches(ctx: PassContext, converted) -> list[dict[str, np.ndarray]]:
@@ -133,6 +145,8 @@ def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int, exc
     }
     if params.preset:
         options["preset"] = nncf.QuantizationPreset(params.preset)
+    elif (choice := int8_preset(transformer)) is not None:  # NNCF's default preset does not fit this CPU class
+        options["preset"] = nncf.QuantizationPreset(choice[0])
     if exclude or params.exclude_types:
         # Every name and type was matched against the IR already (exclude_names, check_exclude_types).
         options["ignored_scope"] = nncf.IgnoredScope(names=list(exclude), types=list(params.exclude_types), validate=False)

@@ -79,7 +79,9 @@ class OpenVinoPass(Pass):
     # 8: the CPU class OpenVINO runs at joins the key (isa_dependent); NNCF's overflow fix in every layer where
     #    int8 sums saturate (x86 without VNNI)
     # 9: the ONNX read by Core.read_model (memory-mapped weights) instead of convert_model
-    version = "9"
+    # 10: a transformer's int8 on AMX takes NNCF's performance preset (symmetric activations), where the recipe
+    #     names none (passes/_openvino_isa.int8_preset); the info records the preset and who chose it
+    version = "10"
     Params = OpenVinoParams
     # The int8 guard, NNCF's accuracy control and its statistics run on OpenVINO: their decisions hold for the
     # class OpenVINO ran at (ONEDNN_MAX_CPU_ISA included), and a shared cache must not hand them to another.

@@ -12,9 +12,9 @@ from optpipe.core.results import RunReport, StageResult
 from optpipe.pass_infra.instruments import ConsoleProgress, StepRecorder
 from optpipe.passes import _openvino_guard as guard_module
 from optpipe.hardware.cpu_features import parse_features, restrict
-from optpipe.passes._openvino_isa import NO_BF16, SLOW_INT8, bf16_skip_reason, int8_skip_reason
+from optpipe.passes._openvino_isa import AMX_SYMMETRIC, NO_BF16, SLOW_INT8, bf16_skip_reason, int8_preset, int8_skip_reason
 from optpipe.passes.openvino import OpenVinoParams, OpenVinoPass
-from test_openvino import mlp, run_pass
+from test_openvino import attention, mlp, run_pass
 
 
 AVX2 = "avx2,fma"
@@ -211,3 +211,59 @@ def test_all_outputs_emptied_under_a_restricted_isa_is_one_line(monkeypatch):
     check_not_emptied({"boxes": np.zeros((0, 6)), "count": np.array([0])}, feeds)  # one output not empty
     with pytest.raises(RuntimeError, match="unset ONEDNN_MAX_CPU_ISA"):
         check_not_emptied(emptied, feeds)
+
+
+# --- NNCF's preset per CPU class ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("features, transformer, preset", [(AMX, True, "performance"), (AMX, False, None), (VNNI, True, None),
+                                                           (AVX2_VNNI, True, None), (AVX2, True, None),
+                                                           ("arm64:asimd,asimddp,i8mm", True, None)])
+def test_a_transformer_takes_symmetric_activations_only_on_amx(features, transformer, preset):
+    # AMX: performance measured 8-9% faster than mixed at batch 1; VNNI (u8 x s8 dot products): 5% slower.
+    choice = int8_preset(transformer, parse_features(features))
+    assert (choice and choice[0]) == preset
+    if preset:
+        assert choice[1] == AMX_SYMMETRIC
+
+
+def test_the_preset_follows_the_onednn_cap():
+    # An AMX CPU held to AVX512_CORE_VNNI runs VNNI's kernels: NNCF's default (mixed) again.
+    assert int8_preset(True, restrict(parse_features(AMX), "AVX512_CORE_VNNI")) is None
+    assert int8_preset(True, restrict(parse_features(AMX), "AVX512_CORE_AMX"))[0] == "performance"
+
+
+@pytest.mark.parametrize("features, preset, chosen_by", [
+    (AMX, "performance", "this CPU class (x86-amx): symmetric int8 activations"),
+    (VNNI, "mixed", "NNCF's default for the model type"),
+])
+def test_the_stage_records_the_preset_it_quantized_with_and_who_chose_it(tmp_path, monkeypatch, features, preset, chosen_by):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", features)
+    source, recipe, arrays = attention(tmp_path)
+    out = run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8", guard=False)
+    record = out.info["int8"]["preset"]
+    assert record["preset"] == preset and record["chosen_by"].startswith(chosen_by)
+    assert out.info["int8"]["options"].get("preset", "mixed") == preset  # what NNCF was given (str of its enum)
+    assert out.info["int8_layers"] > 0
+
+
+def test_the_recipes_preset_wins_over_the_cpu_class(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", AMX)
+    source, recipe, arrays = attention(tmp_path)
+    out = run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8", preset="mixed", guard=False)
+    assert out.info["int8"]["preset"] == {"preset": "mixed", "chosen_by": "the recipe"}
+
+
+@pytest.mark.parametrize("chosen, other", [(None, "MIXED"), ("PERFORMANCE", "MIXED"), ("MIXED", "PERFORMANCE")])
+def test_the_guards_other_preset_is_the_one_not_tried(chosen, other):
+    from optpipe.evaluation import openvino_runtime as ovr
+
+    nncf = ovr.nncf()
+    options = {"model_type": nncf.ModelType.TRANSFORMER}
+    if chosen:
+        options["preset"] = nncf.QuantizationPreset[chosen]
+    elif other == "MIXED":  # a transformer without a preset: NNCF's mixed was tried, performance is the other
+        other = "PERFORMANCE"
+    assert guard_module._other_preset(options, OpenVinoParams(precision="int8")) == nncf.QuantizationPreset[other]
+    assert guard_module._other_preset(options, OpenVinoParams(precision="int8", preset="mixed")) is None
