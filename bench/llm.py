@@ -37,6 +37,9 @@ SIZES = {  # Llama-style configs (random weights); trained: byte-level, trained 
                  num_key_value_heads=4),
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4),  # TinyLlama-1.1B's shape
+    # 2.1 B (8.4 GB FP32): hidden 2560 with head_dim 128 and 4 KV heads, 28 layers (issue 20's "2+ B" point)
+    "2b": dict(vocab_size=32000, hidden_size=2560, intermediate_size=6912, num_hidden_layers=28, num_attention_heads=20,
+               num_key_value_heads=4),
 }
 STAGES = {
     "ort-int4": ("weight_only", {"bits": 4, "block_size": 32, "accuracy_level": 4}),

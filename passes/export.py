@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
-from optpipe.evaluation.self_check import EAGER, SelfCheckParams, load_session, numeric_check, onnx_outputs
+from optpipe.evaluation.self_check import EAGER, SelfCheckParams, hand_over_eager, load_session, numeric_check, onnx_outputs
 from optpipe.core.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
@@ -94,17 +94,17 @@ class ExportPass(Pass[ExportParams]):
         # Each step is a progress line (issue 17): the TorchScript tracer has no hook inside, the
         # dynamo exporter prints its phases (passes/_torch_export.py).
         decoder = ctx.evaluate.generation is not None  # a decoder measured by generation: the graph with its KV cache
-        steps = Steps(ctx.progress, "export", 4 if decoder else 6)
+        steps = Steps(ctx.progress, "export", 5 if decoder else 6)
         steps("load the PyTorch model")
         torch_model = ctx.torch_model()
         attention = set_attention(torch_model, self.params.attention)
-        if decoder:
-            from optpipe.passes._decoder_export import export_with_cache
-
-            return export_with_cache(torch_model, ctx, steps, self.params.check_atol, self.params.opset, attention)
         feeds = trace_inputs(ctx.inputs)
         steps("PyTorch eager on the trace inputs")
         expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
+        if decoder:
+            from optpipe.passes._decoder_export import export_with_cache
+
+            return export_with_cache(torch_model, ctx, steps, (feeds, expected), self.params.opset, attention)
         params = self.params
         exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
         failures: dict[str, str] = {}
@@ -130,6 +130,7 @@ class ExportPass(Pass[ExportParams]):
             ctx.log.warning("the %s exporter wrote opset %d (asked: %d)", exporter, opset, params.opset)
         artifact = save_model(exported, ctx.workdir)
         _remove_tree(raw)
+        hand_over_eager(ctx.workdir, feeds, expected)  # the self-check's reference: it need not load the model again
         # `opset`: the one the model has (TorchScript writes at most 20), beside the one asked for.
         info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": opset, "opset_requested": params.opset,
                 "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention, **checked}

@@ -84,3 +84,41 @@ def test_an_encoder_s_auto_export_runs_apart_with_the_same_result(tmp_path, monk
     assert apart_stage["info"]["exporter"] == here_stage["info"]["exporter"]
     assert apart_stage["info"]["self_check"] == here_stage["info"]["self_check"]
     assert _model_digest(apart) == _model_digest(here)
+
+
+def test_the_compile_never_loads_the_model_for_the_export_s_self_check(tmp_path, monkeypatch):
+    """The export hands eager's outputs and greedy tokens to its self-check: the compile's process checks the
+    worker's graph with an ONNX Runtime session alone (at 1.1 B the worker held the model and a session at once)."""
+    from optpipe.evaluation import self_check
+
+    loads, during_check = [], []
+    real_load, real_check = services.load_torch_model, self_check.NumericSelfCheck.after_stage
+    monkeypatch.setattr(services, "load_torch_model", lambda source: loads.append(1) or real_load(source))
+
+    def watched(self, info, input, output):
+        before = len(loads)
+        real_check(self, info, input, output)
+        during_check.append((info.name, len(loads) - before))
+
+    monkeypatch.setattr(self_check.NumericSelfCheck, "after_stage", watched)
+    _, report = _compile(tmp_path / "apart", monkeypatch, 0)
+    stage = next(s for s in report["stages"] if s["name"] == "export")
+    assert during_check == [("export", 0)]
+    assert stage["info"]["generation_check"]["same_tokens"] == 1.0 and stage["info"]["self_check"]["passed"]
+    assert not list((tmp_path / "apart" / "cache").rglob("*" + self_check.HANDOVER_SUFFIX))  # taken, not left behind
+
+
+def test_a_graph_that_generates_otherwise_than_eager_fails_its_self_check(tmp_path, monkeypatch):
+    """The generation check still judges: eager's greedy tokens shifted by one, the stage fails saying so."""
+    from optpipe.evaluation import generation_check
+
+    real = generation_check.eager_reference
+
+    def shifted(*args):
+        reference = real(*args)
+        return {**reference, generation_check.TOKENS: (reference[generation_check.TOKENS] + 1) % VOCAB}
+
+    monkeypatch.setattr(generation_check, "eager_reference", shifted)
+    report, _ = _compile(tmp_path / "here", monkeypatch, 1 << 60)
+    stage = next(s for s in report.stages if s.name == "export")
+    assert stage.status == "failed" and "does not generate as eager does: 0% of 4 greedy tokens" in stage.reason

@@ -94,3 +94,41 @@ def test_the_pass_s_freed_copies_are_handed_back_before_the_check_runs_its_two_s
     report = compile_recipe(recipe, RunOptions(cache_dir=cache_dir))
     assert report.stage("simplify").status == "ok" and "input session" in order
     assert all(order[i - 1] == "release" for i, step in enumerate(order) if step == "input session")
+
+
+def test_eager_handed_over_is_taken_once_and_only_for_the_same_feeds(tmp_path):
+    from optpipe.evaluation.self_check import _same_feeds, hand_over_eager, take_eager
+
+    workdir = tmp_path / "work-1"
+    workdir.mkdir()
+    feeds = {"x": RNG.normal(size=(2, 4)).astype(np.float32)}
+    outputs = {"y": RNG.normal(size=(2, 3)).astype(np.float32)}
+    hand_over_eager(workdir, feeds, outputs, {"tokens": np.arange(4)})
+    assert list(workdir.iterdir()) == []  # beside the workdir, which holds the artifact's files only
+    handed = take_eager(workdir)
+    assert np.array_equal(handed["outputs"]["y"], outputs["y"]) and np.array_equal(handed["generation"]["tokens"], np.arange(4))
+    assert _same_feeds(handed, feeds)
+    assert not _same_feeds(handed, {"x": feeds["x"] + 1}) and not _same_feeds(handed, {**feeds, "z": feeds["x"]})
+    assert take_eager(workdir) is None  # taken: a later stage in a reused folder never sees it
+
+
+def test_a_torn_hand_over_is_no_reference(tmp_path):
+    from optpipe.evaluation.self_check import HANDOVER_SUFFIX, take_eager
+
+    (tmp_path / ("work-2" + HANDOVER_SUFFIX)).write_bytes(b"PK\x03\x04 not a whole npz")
+    assert take_eager(tmp_path / "work-2") is None
+    assert not (tmp_path / ("work-2" + HANDOVER_SUFFIX)).exists()
+
+
+def test_a_released_workdir_takes_what_was_left_beside_it(tmp_path):
+    from optpipe.cache.store import StageCache
+    from optpipe.evaluation.self_check import HANDOVER_SUFFIX
+
+    cache = StageCache(tmp_path / "cache")
+    workdir = cache.new_workdir()
+    beside = workdir.with_name(workdir.name + HANDOVER_SUFFIX)
+    beside.write_bytes(b"left by a stage that failed before its self-check")
+    other = workdir.with_name(workdir.name + "x" + HANDOVER_SUFFIX)  # another workdir's: kept
+    other.write_bytes(b"")
+    cache.release_workdir(workdir)
+    assert not workdir.exists() and not beside.exists() and other.exists()

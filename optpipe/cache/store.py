@@ -109,8 +109,12 @@ class StageCache:
         return workdir
 
     def release_workdir(self, workdir: Path) -> None:
-        """Remove a workdir (gone already once published) and drop its lock."""
+        """Remove a workdir (gone already once published), the files beside it that were its stage's
+        (`<workdir>.<suffix>`: what a pass handed to the self-check, a worker's request), and drop its lock."""
         shutil.rmtree(workdir, ignore_errors=True)
+        for beside in workdir.parent.glob(workdir.name + ".*"):
+            if beside.suffix != ".lock" and beside.is_file():
+                beside.unlink(missing_ok=True)
         fd = self._workdir_locks.pop(workdir, None)
         if fd is not None:
             (self.root / "tmp" / f"{workdir.name}.lock").unlink(missing_ok=True)

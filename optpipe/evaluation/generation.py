@@ -40,11 +40,12 @@ def empty_past(layout: DecoderLayout, batch: int) -> list[np.ndarray]:
 
 
 class OrtRunner:
-    def __init__(self, path: Path, layout: DecoderLayout, threads: int, name: str = "ort"):
+    def __init__(self, path: Path, layout: DecoderLayout, threads: int, name: str = "ort", session=None):
+        """`session`: one of `path` built already (the self-check's, for its two checks)."""
         from optpipe.core.runtime import ort_session
 
         self.name, self.layout = name, layout
-        self.session = ort_session(Path(path), threads)
+        self.session = session if session is not None else ort_session(Path(path), threads)
         self.outputs = ["logits", *layout.present_names]
 
     def forward(self, ids, mask, past):

@@ -15,6 +15,16 @@ info.json and `accuracy` in report.json mean the same:
 - `cosine`: per output, the cosine similarity of each row of the last axis (per token for
   transformers; real tokens only when an `attention_mask` is an input), averaged over
   rows; the figure recorded is the worst output's.
+A KV-cache decoder's export (its info has `kv_cache`) is also checked by a short greedy generation against
+eager's (optpipe/evaluation/generation_check.py), recorded as `generation_check`.
+
+Eager's reference: a pass that had the torch model loaded may hand over eager's outputs (`hand_over_eager`:
+a file beside its workdir), so that the check does not load the model again beside the result's ONNX Runtime
+session. The export does, before it exports: in its own worker process (a big dynamo export) the worker then
+never holds the model and a session at once, and the compile's process never loads the model for the check
+(1.1 B: the export's worker peaked at 2.20x the FP32 weights with both; docs/memory.md). The reference is
+eager_outputs() on the same trace inputs, and is used only when its feeds equal the check's.
+
 The check passes when every element satisfies |output - reference| <= check_atol +
 check_rtol * |reference| (numpy.isclose's rule). The relative term keeps outputs in the
 hundreds (detector boxes in pixels, logits of random weights) from failing on float
@@ -24,6 +34,7 @@ evaluation reports by how much).
 """
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -45,6 +56,8 @@ if TYPE_CHECKING:
 
 EAGER = "pytorch-eager"
 INPUT = "input"
+#: Beside the stage's workdir (the workdir holds only the artifact's files): eager's outputs a pass handed over.
+HANDOVER_SUFFIX = ".eager.npz"
 
 
 class SelfCheckParams(PassParams):
@@ -68,6 +81,7 @@ class NumericSelfCheck(Instrument):
     def after_stage(self, info: StageInfo, input: "ModelArtifact | None", output: "ModelArtifact") -> None:
         params = info.pass_.params
         ctx = info.ctx
+        handed = take_eager(output.folder)  # taken (and removed) whatever follows: it belongs to this stage only
         if not isinstance(params, SelfCheckParams):
             return
         if input is None and isinstance(ctx.model_source.model, OnnxModel):
@@ -77,17 +91,80 @@ class NumericSelfCheck(Instrument):
         release_freed_memory()
         feeds = trace_inputs(ctx.inputs)
         threads = ctx.evaluate.threads
-        steps = Steps(ctx.progress, "self-check", 2)  # part of the stage's time: shown as its progress
+        decoder = input is None and "kv_cache" in output.info
+        steps = Steps(ctx.progress, "self-check", 3 if decoder else 2)  # part of the stage's time: shown as its progress
         if input is None:
-            steps("PyTorch eager outputs")
-            against, reference = EAGER, eager_outputs(ctx.torch_model(), feeds, threads)
+            steps("PyTorch eager outputs" + (" (handed over by the pass)" if _same_feeds(handed, feeds) else ""))
+            against, reference = EAGER, _eager_forward(handed, feeds, ctx, threads)
         else:
             steps("the input model's outputs (ONNX Runtime)")
             against, reference = INPUT, input_outputs(input.path, feeds, threads)
         steps("the result's outputs (ONNX Runtime)")
-        record = numeric_check(onnx_outputs(output.path, feeds, threads), reference, feeds, params, against, info.pass_.check_hint)
+        session = load_session(output.path, threads)
+        record = numeric_check(onnx_outputs(output.path, feeds, threads, session), reference, feeds, params, against,
+                               info.pass_.check_hint)
         output.info["self_check"] = record
         ctx.log.info("self-check against %s: %s", against, record)
+        if decoder:
+            steps("greedy generation against eager")
+            output.info["generation_check"] = _generation_check(output, handed, session, ctx, params)
+
+
+def hand_over_eager(workdir: Path, feeds: Feeds, outputs: Outputs, generation: dict[str, np.ndarray] | None = None) -> None:
+    """Leave eager's `outputs` on `feeds` (and a decoder's generation reference) for this stage's self-check."""
+    arrays = {f"feeds/{k}": np.asarray(v) for k, v in feeds.items()} | {f"outputs/{k}": np.asarray(v) for k, v in outputs.items()}
+    arrays |= {f"generation/{k}": np.asarray(v) for k, v in (generation or {}).items()}
+    np.savez(_handover_path(workdir), **arrays)
+
+
+def take_eager(folder: Path) -> dict[str, dict[str, np.ndarray]] | None:
+    """What the pass handed over for the stage in `folder` (feeds, outputs, generation), removed from disk; None if nothing."""
+    path = _handover_path(folder)
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+    except (OSError, ValueError, zipfile.BadZipFile):  # torn or foreign: the check computes its own reference
+        arrays = None
+    finally:
+        path.unlink(missing_ok=True)
+    if arrays is None:
+        return None
+    handed: dict[str, dict[str, np.ndarray]] = {"feeds": {}, "outputs": {}, "generation": {}}
+    for name, value in arrays.items():
+        group, _, key = name.partition("/")
+        if group in handed:
+            handed[group][key] = value
+    return handed
+
+
+def _handover_path(workdir: Path) -> Path:
+    workdir = Path(workdir)
+    return workdir.with_name(workdir.name + HANDOVER_SUFFIX)
+
+
+def _same_feeds(handed: dict | None, feeds: Feeds) -> bool:
+    given = (handed or {}).get("feeds", {})
+    return bool(handed) and given.keys() == feeds.keys() and all(np.array_equal(given[k], np.asarray(v)) for k, v in feeds.items())
+
+
+def _eager_forward(handed: dict | None, feeds: Feeds, ctx, threads: int) -> Outputs:
+    if _same_feeds(handed, feeds) and handed["outputs"]:
+        return handed["outputs"]
+    return eager_outputs(ctx.torch_model(), feeds, threads)
+
+
+def _generation_check(output: "ModelArtifact", handed: dict | None, session, ctx, params: "SelfCheckParams") -> dict:
+    """The decoder's greedy generation against eager's: the handed-over reference, else eager run here."""
+    from optpipe.evaluation import generation as gen
+    from optpipe.evaluation.generation_check import check_generation, eager_reference
+    from optpipe.source.decoder_export import DecoderLayout, hf_causal_lm
+
+    layout = DecoderLayout.from_dict(output.info["kv_cache"])
+    reference = (handed or {}).get("generation") or eager_reference(hf_causal_lm(ctx.torch_model()), layout, ctx.evaluate.threads)
+    runner = gen.OrtRunner(output.path, layout, ctx.evaluate.threads, session=session)
+    return check_generation(runner, layout, reference, params.check_atol)
 
 
 def self_check_fingerprint(params: PassParams, shapes: ModelInputs) -> dict[str, Any] | None:
