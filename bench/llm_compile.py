@@ -71,7 +71,8 @@ def run(folder: Path, size: str, config: dict, stages: list[str] | None, new_tok
           f"in one process, {time.perf_counter() - started:.0f} s, threads {threads}, CPU {cpu_class()}, load {' '.join(load)}")
     print(f"| phase | RSS at start GB | peak GB | peak x FP32 | preflight estimate GB |\n|---|---|---|---|---|")
     for label, start, peak in probe.rows:
-        stage = label.split()[-1] if label.startswith("pass ") else None
+        # A pass's own estimate; every evaluation row gets eager's (eager beside the stage: the evaluations' bound).
+        stage = label.split()[-1] if label.startswith("pass ") else "pytorch-eager" if label.startswith("evaluate ") else None
         estimate = f"{estimates[stage] / 1e9:.2f}" if stage in estimates else ""
         print(f"| {label} | {start:.2f} | {peak:.2f} | {peak / fp32:.2f}x | {estimate} |")
     print(f"overall peak RSS (process + children): {probe.overall / 1e6:.2f} GB = {probe.overall / 1e6 / fp32:.2f}x the FP32 weights")
@@ -81,12 +82,12 @@ def run(folder: Path, size: str, config: dict, stages: list[str] | None, new_tok
 
 def preflight_estimates(recipe) -> dict[str, int]:
     """What plan/source_preflight.py's memory check estimated per stage (bytes), to print beside the peaks."""
+    from optpipe.plan.source_preflight import estimated_steps
     from optpipe.safety.memory_estimate import stage_estimates
     from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes
 
     weights = fp32_weight_bytes(recipe.model_source())
-    stages = {n: s.pass_name for n, s in recipe.stages.items()}
-    return stage_estimates(weights, stages, held=held_beside_passes(weights)) if weights else {}
+    return stage_estimates(weights, estimated_steps(recipe, weights), held=held_beside_passes(weights)) if weights else {}
 
 
 def print_stages(report, output: Path) -> None:

@@ -334,3 +334,25 @@ def test_an_edited_perplexity_text_is_measured_again(tmp_path, compile_):
     assert not any(cached.values()) and all(edited[name] != first[name] for name in first)
     again, cached = perplexities("the quick brown fox jumps over the lazy dog, twice over, and again " * 4)
     assert all(cached.values()) and again == edited
+
+
+def test_a_big_decoder_s_export_is_estimated_as_its_worker_runs_it(tmp_path, monkeypatch):
+    """From WORKER_MIN_BYTES the decoder's export runs apart from its check's session (1.1 B: 1.22x the FP32
+    weights, was 2.20x): its own factor; eager's evaluation (eager beside an FP32 stage, 2.09x) is the bound left."""
+    from optpipe.passes import export
+    from optpipe.plan.source_preflight import estimated_steps
+    from optpipe.safety import memory_estimate
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source.torch_weights import fp32_weight_bytes
+
+    stages = {"export": {"pass": "export"}, "int4": {"pass": "weight_only", "after": "export"}}
+    recipe = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path, stages=stages).read_text()))
+    weights = fp32_weight_bytes(recipe.model_source())
+    assert estimated_steps(recipe, weights) == {"export": "export", "int4": "weight_only",
+                                                "pytorch-eager": memory_estimate.EAGER_EVALUATION}  # tiny: exported in process
+    monkeypatch.setattr(export, "WORKER_MIN_BYTES", 0)
+    steps = estimated_steps(recipe, weights)
+    assert steps["export"] == memory_estimate.DECODER_EXPORT
+    gb = 4 << 30
+    estimates = memory_estimate.stage_estimates(gb, steps, held=0)
+    assert estimates["export"] < estimates["pytorch-eager"] < memory_estimate.stage_estimates(gb, {"export": "export"})["export"]

@@ -35,10 +35,21 @@ def check_torch_memory(recipe: Recipe) -> None:
     weights = fp32_weight_bytes(recipe.model_source())
     if weights is None:
         return
-    stages = {name: stage.pass_name for name, stage in recipe.stages.items()}
+    check_fits(weights, estimated_steps(recipe, weights), held=held_beside_passes(weights))
+
+
+def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:
+    """stage (and eager's evaluation) -> the memory estimate's kind of step: its pass, or one of the estimate's
+    own kinds where the pass's peak depends on how it runs (safety/memory_estimate.py)."""
+    from optpipe.passes.export import WORKER_MIN_BYTES
+    from optpipe.safety.memory_estimate import DECODER_EXPORT, EAGER_EVALUATION
+
+    steps = {name: stage.pass_name for name, stage in recipe.stages.items()}
+    if recipe.evaluate.generation is not None and weights >= WORKER_MIN_BYTES:
+        steps = {name: DECODER_EXPORT if kind == "export" else kind for name, kind in steps.items()}
     if recipe.evaluate.eager_baseline:
-        stages["pytorch-eager"] = "export"  # the torch model and its runs: as much as exporting it
-    check_fits(weights, stages, held=held_beside_passes(weights))
+        steps["pytorch-eager"] = EAGER_EVALUATION
+    return steps
 
 
 def check_generation(recipe: Recipe, onnx_path: Path | None) -> None:

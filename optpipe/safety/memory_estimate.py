@@ -27,10 +27,18 @@ import os
 from optpipe.core.errors import UserInputError
 
 BASELINE_BYTES = 350 << 20
+#: The estimate of a KV-cache decoder's export in a worker of its own (passes/export.py WORKER_MIN_BYTES): the
+#: torch model and the graph being written; the check's ONNX Runtime session runs after the worker, from eager's
+#: handed-over outputs (optpipe/evaluation/self_check.py). Measured at 1.1 B: 5.38 GB, 1.14x above the baseline.
+DECODER_EXPORT = "export (KV-cache decoder, own worker)"
+#: PyTorch eager's evaluation: eager beside each FP32 stage's ONNX Runtime session, timed interleaved. Measured
+#: at 1.1 B (4.40 GB): 9.20 GB, 2.01x above the baseline; the compile's peak once the export's was lowered.
+EAGER_EVALUATION = "eager evaluation (eager beside an FP32 stage)"
 #: pass -> peak RSS above the baseline, as a multiple of the FP32 weight bytes (measured, above).
 PASS_FACTORS = {
     "export": 2.3, "weight_only": 1.45, "openvino_weights": 1.6, "simplify": 4.0,
     "measure": 1.2,  # a generation measurement: the weights of the runtimes it holds, plus their KV caches
+    DECODER_EXPORT: 1.3, EAGER_EVALUATION: 2.2,
 }
 #: A pass not measured here (simplify, fuse, fp16, int8, ...): not a measurement, a floor (a whole
 #: model loaded, changed and saved is at least 2 copies); their own peaks still show in the report.
@@ -58,7 +66,7 @@ def stage_estimates(fp32_bytes: int, stages: dict[str, str], held: int = 0) -> d
     """stage name -> estimated peak RSS in bytes, for `stages` (name -> pass name); `held`: bytes the run
     keeps resident beside every stage but the export (the torch model, held for the eager rows)."""
     return {name: int(BASELINE_BYTES + PASS_FACTORS.get(pass_name, DEFAULT_FACTOR) * fp32_bytes
-                      + (held if pass_name != "export" else 0))
+                      + (held if pass_name not in ("export", DECODER_EXPORT, EAGER_EVALUATION) else 0))
             for name, pass_name in stages.items()}
 
 
