@@ -38,7 +38,8 @@ class OpenVinoParams(PassParams):
         "auto", description="int8: NNCF's TRANSFORMER model type; auto: when the graph has attention (Softmax feeding MatMul)"
     )
     preset: Optional[Literal["performance", "mixed"]] = Field(
-        None, description="int8: NNCF preset (mixed: asymmetric activations); default NNCF's choice for the model type"
+        None, description="int8: NNCF preset (mixed: asymmetric activations); default NNCF's choice for the model type "
+        "(mixed for transformers), but performance for a transformer on an AMX CPU (measured faster there)"
     )
     subset_size: int = Field(300, ge=1, description="int8: calibration samples NNCF uses (at most the calibration set)")
     fast_bias_correction: bool = Field(True, description="int8: NNCF's fast bias correction (false: the full algorithm)")
