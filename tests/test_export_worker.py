@@ -31,6 +31,23 @@ def _compile(tmp_path, monkeypatch, worker_bytes: int):
     return report, json.loads((tmp_path / "run" / "report.json").read_text())
 
 
+def _count_loads_during_self_checks(monkeypatch) -> list[tuple[str, int]]:
+    """(stage, torch model loads) per self-check, in this process."""
+    from optpipe.evaluation import self_check
+
+    loads, during_check = [], []
+    real_load, real_check = services.load_torch_model, self_check.NumericSelfCheck.after_stage
+    monkeypatch.setattr(services, "load_torch_model", lambda source: loads.append(1) or real_load(source))
+
+    def watched(self, info, input, output):
+        before = len(loads)
+        real_check(self, info, input, output)
+        during_check.append((info.name, len(loads) - before))
+
+    monkeypatch.setattr(self_check.NumericSelfCheck, "after_stage", watched)
+    return during_check
+
+
 def _embeddings_alive() -> int:
     return sum(1 for obj in gc.get_objects()
                if type(obj) is torch.nn.Parameter and tuple(obj.shape) == (VOCAB, LLAMA["hidden_size"]))
@@ -41,11 +58,19 @@ def _model_digest(report) -> str:
 
 
 def test_a_big_dynamo_export_runs_apart_and_leaves_no_weights_in_the_compile(tmp_path, monkeypatch):
+    from optpipe.evaluation import self_check
+
+    loads = _count_loads_during_self_checks(monkeypatch)
     apart, apart_json = _compile(tmp_path / "apart", monkeypatch, 0)
     assert _embeddings_alive() == 0  # exported here, onnxscript's last matched graph would hold the embedding
     stage = next(s for s in apart_json["stages"] if s["name"] == "export")
     assert stage["status"] == "ok"
     assert "onnxscript" in stage["info"]["own_process"]
+    # The export handed eager's outputs and greedy tokens to its self-check: the compile's process checked the
+    # worker's graph with an ONNX Runtime session alone (1.1 B: the worker had held the model and a session at once).
+    assert loads == [("export", 0)]
+    assert stage["info"]["generation_check"]["same_tokens"] == 1.0 and stage["info"]["self_check"]["passed"]
+    assert not list((tmp_path / "apart" / "cache").rglob("*" + self_check.HANDOVER_SUFFIX))  # taken, not left behind
     here, here_json = _compile(tmp_path / "here", monkeypatch, 1 << 60)
     assert "own_process" not in next(s for s in here_json["stages"] if s["name"] == "export")["info"]
     # The same seeded model, exported in either process: the same graph and weights, the same verdicts.
@@ -84,28 +109,6 @@ def test_an_encoder_s_auto_export_runs_apart_with_the_same_result(tmp_path, monk
     assert apart_stage["info"]["exporter"] == here_stage["info"]["exporter"]
     assert apart_stage["info"]["self_check"] == here_stage["info"]["self_check"]
     assert _model_digest(apart) == _model_digest(here)
-
-
-def test_the_compile_never_loads_the_model_for_the_export_s_self_check(tmp_path, monkeypatch):
-    """The export hands eager's outputs and greedy tokens to its self-check: the compile's process checks the
-    worker's graph with an ONNX Runtime session alone (at 1.1 B the worker held the model and a session at once)."""
-    from optpipe.evaluation import self_check
-
-    loads, during_check = [], []
-    real_load, real_check = services.load_torch_model, self_check.NumericSelfCheck.after_stage
-    monkeypatch.setattr(services, "load_torch_model", lambda source: loads.append(1) or real_load(source))
-
-    def watched(self, info, input, output):
-        before = len(loads)
-        real_check(self, info, input, output)
-        during_check.append((info.name, len(loads) - before))
-
-    monkeypatch.setattr(self_check.NumericSelfCheck, "after_stage", watched)
-    _, report = _compile(tmp_path / "apart", monkeypatch, 0)
-    stage = next(s for s in report["stages"] if s["name"] == "export")
-    assert during_check == [("export", 0)]
-    assert stage["info"]["generation_check"]["same_tokens"] == 1.0 and stage["info"]["self_check"]["passed"]
-    assert not list((tmp_path / "apart" / "cache").rglob("*" + self_check.HANDOVER_SUFFIX))  # taken, not left behind
 
 
 def test_a_graph_that_generates_otherwise_than_eager_fails_its_self_check(tmp_path, monkeypatch):

@@ -209,7 +209,8 @@ def test_a_torch_source_that_will_not_fit_is_refused_naming_the_stage(tmp_path, 
                             inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 32000]}])
     result = compile_(recipe)
     assert result.exit_code == 2, result.output
-    assert "stage 'export' (export) needs about" in result.output and "GB is available" in result.output
+    assert "stage 'export' (export, a KV-cache decoder in its own worker) needs about" in result.output
+    assert "GB is available" in result.output
     assert not (tmp_path / "run" / "report.json").exists()
 
 

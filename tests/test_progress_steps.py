@@ -87,7 +87,8 @@ def test_export_reports_its_steps_and_the_dynamo_exporters_phases(tiny_recipe, t
     shapes = [s for s in steps_of(events) if s[0] == f"export: check the {exporter} export at other shapes" and s[2] > 1]
     assert shapes and shapes[-1][1] == shapes[-1][2]  # every corner counted
     assert "export: save the model" in tasks
-    assert tasks[-2:] == ["self-check: PyTorch eager outputs", "self-check: the result's outputs (ONNX Runtime)"]
+    # eager's outputs come from the pass, which computed them for its own check: the model is not run again
+    assert tasks[-2:] == ["self-check: PyTorch eager outputs (handed over by the pass)", "self-check: the result's outputs (ONNX Runtime)"]
     if exporter == "dynamo":  # its own phases, from inside torch.onnx.export
         inside = [t for t in tasks if t.startswith("torch.onnx dynamo: ")]
         assert any("Translate the graph into ONNX" in t for t in inside), inside
@@ -97,7 +98,8 @@ def test_export_reports_its_steps_and_the_dynamo_exporters_phases(tiny_recipe, t
 
 
 def test_a_decoders_export_with_its_kv_cache_reports_its_steps(tmp_path):
-    """The KV-cache export (minutes on a 270M decoder) is not one step: export, generation check, save."""
+    """The KV-cache export (minutes on a 270M decoder) is not one step: eager's references, export, save; its
+    self-check then runs the graph's half of the generation check."""
     import yaml
 
     from helpers_decoders import SHAPE
@@ -116,8 +118,12 @@ def test_a_decoders_export_with_its_kv_cache_reports_its_steps(tmp_path):
     ctx.progress = events.step
     run_checked(ExportPass(ExportParams()), None, ctx)
     own = [s for s in steps_of(events) if s[0].startswith("export: ")]
-    assert own == [("export: load the PyTorch model", 1, 4), ("export: torch.onnx dynamo export with the KV cache", 2, 4),
-                   ("export: greedy generation against eager", 3, 4), ("export: save the model", 4, 4)]
+    assert own == [("export: load the PyTorch model", 1, 5), ("export: PyTorch eager on the trace inputs", 2, 5),
+                   ("export: PyTorch eager: greedy tokens for the self-check", 3, 5),
+                   ("export: torch.onnx dynamo export with the KV cache", 4, 5), ("export: save the model", 5, 5)]
+    check = [s for s in steps_of(events) if s[0].startswith("self-check: ")]
+    assert check == [("self-check: PyTorch eager outputs (handed over by the pass)", 1, 3),
+                     ("self-check: the result's outputs (ONNX Runtime)", 2, 3), ("self-check: greedy generation against eager", 3, 3)]
 
 def test_simplify_reports_onnxslims_own_phases_and_leaves_its_logging_as_it_was(tiny_recipe, tmp_path, capsys):
     from onnxslim import utils as slim_utils

@@ -30,10 +30,10 @@ BASELINE_BYTES = 350 << 20
 #: The estimate of a KV-cache decoder's export in a worker of its own (passes/export.py WORKER_MIN_BYTES): the
 #: torch model and the graph being written; the check's ONNX Runtime session runs after the worker, from eager's
 #: handed-over outputs (optpipe/evaluation/self_check.py). Measured at 1.1 B: 5.38 GB, 1.14x above the baseline.
-DECODER_EXPORT = "export (KV-cache decoder, own worker)"
+DECODER_EXPORT = "export, a KV-cache decoder in its own worker"
 #: PyTorch eager's evaluation: eager beside each FP32 stage's ONNX Runtime session, timed interleaved. Measured
 #: at 1.1 B (4.40 GB): 9.20 GB, 2.01x above the baseline; the compile's peak once the export's was lowered.
-EAGER_EVALUATION = "eager evaluation (eager beside an FP32 stage)"
+EAGER_EVALUATION = "PyTorch eager beside each FP32 stage"
 #: pass -> peak RSS above the baseline, as a multiple of the FP32 weight bytes (measured, above).
 PASS_FACTORS = {
     "export": 2.3, "weight_only": 1.45, "openvino_weights": 1.6, "simplify": 4.0,
