@@ -144,15 +144,13 @@ def _with_ignored(options: dict, names: list[str]) -> dict:
 
 
 def _other_preset(options: dict, params: OpenVinoParams):
-    """NNCF's other preset, where the recipe left the choice to optpipe (NNCF's default: mixed for transformers,
-    performance for other models; this CPU class's choice where it differs: passes/_openvino_isa.int8_preset)."""
+    """NNCF's other preset than the one in `options`, where the recipe left the choice to optpipe."""
     nncf = ovr.nncf()
 
     if params.preset is not None:
         return None
-    transformer = options.get("model_type") == nncf.ModelType.TRANSFORMER
-    chosen = options.get("preset", nncf.QuantizationPreset.MIXED if transformer else nncf.QuantizationPreset.PERFORMANCE)
-    return nncf.QuantizationPreset.MIXED if chosen == nncf.QuantizationPreset.PERFORMANCE else nncf.QuantizationPreset.PERFORMANCE
+    performance = nncf.QuantizationPreset.PERFORMANCE
+    return nncf.QuantizationPreset.MIXED if options["preset"] == performance else performance
 
 
 def _exclusion_ladder(converted, quantized, check: InputCheck, max_excluded: int, budget: Budget):

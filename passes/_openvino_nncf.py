@@ -31,7 +31,7 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
 
     check_exclude_types(params, converted, ctx.stage)
     calibration = calibration_batches(ctx, converted)
-    options = nncf_options(params, model, len(calibration), exclude_names(params, model, converted, ctx.stage))
+    options, preset = nncf_options(params, model, len(calibration), exclude_names(params, model, converted, ctx.stage))
     ctx.log.info("nncf.quantize with %s", {k: str(v) for k, v in options.items()})
     with nncf_logs_to(ctx.log):
         try:
@@ -59,7 +59,7 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
         ctx.log.warning("openvino int8 guard not run: %s", not_run)
     details = {
         "options": {k: str(v) for k, v in options.items()},
-        "preset": preset_record(params, options),
+        "preset": preset,
         "calibration_samples": options["subset_size"],
         "calibration": {"source": ctx.calibration_set().origin},  # the set is built once per content: a cache read
         "quantizers": fake_quantize_count(quantized),
@@ -70,9 +70,11 @@ def quantize(converted, model: ModelArtifact, params: OpenVinoParams, ctx: PassC
     return quantized, accuracy, details
 
 
-def preset_record(params: OpenVinoParams, options: dict) -> dict[str, str]:
-    """Which NNCF preset quantized the model and who chose it: the recipe, this CPU class, or NNCF's default."""
-    transformer = options["model_type"] is not None
+def preset_choice(params: OpenVinoParams, transformer: bool) -> dict[str, str]:
+    """Which NNCF preset quantizes the model and who chose it: the recipe, this CPU class where NNCF's default does
+    not fit it (passes/_openvino_isa.int8_preset), or NNCF's default for the model type (what NNCF itself takes when
+    given none: mixed for its TRANSFORMER type, performance otherwise). Always given to NNCF, so the guard's other
+    preset (passes/_openvino_guard.py) is the one not in the options."""
     if params.preset:
         return {"preset": params.preset, "chosen_by": "the recipe"}
     if (choice := int8_preset(transformer)) is not None:
@@ -134,7 +136,9 @@ def check_exclude_types(params: OpenVinoParams, converted, stage: str) -> None:
                           f"OpenVINO IR (names are case-sensitive); its op types: {', '.join(sorted(present))}")
 
 
-def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int, exclude: list[str] = ()) -> dict[str, Any]:
+def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int,
+                 exclude: list[str] = ()) -> tuple[dict[str, Any], dict[str, str]]:
+    """NNCF's quantize() options, and the preset record (preset_choice) the stage info keeps."""
     nncf = ovr.nncf()
 
     transformer = params.model_type == "transformer" or (params.model_type == "auto" and has_attention(model))
@@ -143,10 +147,8 @@ def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int, exc
         "fast_bias_correction": params.fast_bias_correction,
         "model_type": nncf.ModelType.TRANSFORMER if transformer else None,
     }
-    if params.preset:
-        options["preset"] = nncf.QuantizationPreset(params.preset)
-    elif (choice := int8_preset(transformer)) is not None:  # NNCF's default preset does not fit this CPU class
-        options["preset"] = nncf.QuantizationPreset(choice[0])
+    preset = preset_choice(params, transformer)
+    options["preset"] = nncf.QuantizationPreset(preset["preset"])
     if exclude or params.exclude_types:
         # Every name and type was matched against the IR already (exclude_names, check_exclude_types).
         options["ignored_scope"] = nncf.IgnoredScope(names=list(exclude), types=list(params.exclude_types), validate=False)
@@ -160,7 +162,7 @@ def nncf_options(params: OpenVinoParams, model: ModelArtifact, samples: int, exc
         advanced["overflow_fix"] = nncf.OverflowFix.ENABLE
     if advanced:
         options["advanced_parameters"] = nncf.AdvancedQuantizationParameters(**advanced)
-    return options
+    return options, preset
 
 
 #: Fused attention ops (ONNX Runtime's contrib ops, ONNX's own since opset 23): attention without a Softmax node.

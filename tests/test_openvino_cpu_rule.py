@@ -255,15 +255,18 @@ def test_the_recipes_preset_wins_over_the_cpu_class(tmp_path, monkeypatch):
     assert out.info["int8"]["preset"] == {"preset": "mixed", "chosen_by": "the recipe"}
 
 
-@pytest.mark.parametrize("chosen, other", [(None, "MIXED"), ("PERFORMANCE", "MIXED"), ("MIXED", "PERFORMANCE")])
-def test_the_guards_other_preset_is_the_one_not_tried(chosen, other):
+@pytest.mark.parametrize("features, tried, other", [(VNNI, "MIXED", "PERFORMANCE"), (AMX, "PERFORMANCE", "MIXED")])
+def test_the_guards_other_preset_is_the_one_not_tried(monkeypatch, features, tried, other):
+    # The preset optpipe chose for a transformer (NNCF's mixed on VNNI, performance on AMX) is in the options NNCF got.
     from optpipe.evaluation import openvino_runtime as ovr
+    from optpipe.passes._openvino_nncf import preset_choice
 
     nncf = ovr.nncf()
-    options = {"model_type": nncf.ModelType.TRANSFORMER}
-    if chosen:
-        options["preset"] = nncf.QuantizationPreset[chosen]
-    elif other == "MIXED":  # a transformer without a preset: NNCF's mixed was tried, performance is the other
-        other = "PERFORMANCE"
-    assert guard_module._other_preset(options, OpenVinoParams(precision="int8")) == nncf.QuantizationPreset[other]
+    monkeypatch.setenv("OPTPIPE_CPU_FEATURES", features)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    left_to_optpipe = OpenVinoParams(precision="int8")
+    options = {"model_type": nncf.ModelType.TRANSFORMER,
+               "preset": nncf.QuantizationPreset(preset_choice(left_to_optpipe, transformer=True)["preset"])}
+    assert options["preset"] == nncf.QuantizationPreset[tried]
+    assert guard_module._other_preset(options, left_to_optpipe) == nncf.QuantizationPreset[other]
     assert guard_module._other_preset(options, OpenVinoParams(precision="int8", preset="mixed")) is None
