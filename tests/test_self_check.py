@@ -97,7 +97,7 @@ def test_the_pass_s_freed_copies_are_handed_back_before_the_check_runs_its_two_s
 
 
 def test_eager_handed_over_is_taken_once_and_only_for_the_same_feeds(tmp_path):
-    from optpipe.evaluation.self_check import _same_feeds, hand_over_eager, take_eager
+    from optpipe.evaluation.self_check import _handed_outputs, hand_over_eager, take_eager
 
     workdir = tmp_path / "work-1"
     workdir.mkdir()
@@ -107,8 +107,8 @@ def test_eager_handed_over_is_taken_once_and_only_for_the_same_feeds(tmp_path):
     assert list(workdir.iterdir()) == []  # beside the workdir, which holds the artifact's files only
     handed = take_eager(workdir)
     assert np.array_equal(handed["outputs"]["y"], outputs["y"]) and np.array_equal(handed["generation"]["tokens"], np.arange(4))
-    assert _same_feeds(handed, feeds)
-    assert not _same_feeds(handed, {"x": feeds["x"] + 1}) and not _same_feeds(handed, {**feeds, "z": feeds["x"]})
+    assert _handed_outputs(handed, feeds) is handed["outputs"]
+    assert _handed_outputs(handed, {"x": feeds["x"] + 1}) is None and _handed_outputs(handed, {**feeds, "z": feeds["x"]}) is None
     assert take_eager(workdir) is None  # taken: a later stage in a reused folder never sees it
 
 

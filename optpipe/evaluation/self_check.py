@@ -94,8 +94,9 @@ class NumericSelfCheck(Instrument):
         decoder = input is None and "kv_cache" in output.info
         steps = Steps(ctx.progress, "self-check", 3 if decoder else 2)  # part of the stage's time: shown as its progress
         if input is None:
-            steps("PyTorch eager outputs" + (" (handed over by the pass)" if _same_feeds(handed, feeds) else ""))
-            against, reference = EAGER, _eager_forward(handed, feeds, ctx, threads)
+            given = _handed_outputs(handed, feeds)
+            steps("PyTorch eager outputs" + (" (handed over by the pass)" if given else ""))
+            against, reference = EAGER, given or eager_outputs(ctx.torch_model(), feeds, threads)
         else:
             steps("the input model's outputs (ONNX Runtime)")
             against, reference = INPUT, input_outputs(input.path, feeds, threads)
@@ -122,20 +123,17 @@ def take_eager(folder: Path) -> dict[str, dict[str, np.ndarray]] | None:
     path = _handover_path(folder)
     if not path.is_file():
         return None
+    handed: dict[str, dict[str, np.ndarray]] = {"feeds": {}, "outputs": {}, "generation": {}}
     try:
         with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
+            for name in data.files:
+                group, _, key = name.partition("/")
+                if group in handed:
+                    handed[group][key] = data[name]
     except (OSError, ValueError, zipfile.BadZipFile):  # torn or foreign: the check computes its own reference
-        arrays = None
+        return None
     finally:
         path.unlink(missing_ok=True)
-    if arrays is None:
-        return None
-    handed: dict[str, dict[str, np.ndarray]] = {"feeds": {}, "outputs": {}, "generation": {}}
-    for name, value in arrays.items():
-        group, _, key = name.partition("/")
-        if group in handed:
-            handed[group][key] = value
     return handed
 
 
@@ -144,15 +142,11 @@ def _handover_path(workdir: Path) -> Path:
     return workdir.with_name(workdir.name + HANDOVER_SUFFIX)
 
 
-def _same_feeds(handed: dict | None, feeds: Feeds) -> bool:
+def _handed_outputs(handed: dict | None, feeds: Feeds) -> Outputs | None:
+    """Eager's handed-over outputs when they are for exactly these feeds; else None (eager runs here)."""
     given = (handed or {}).get("feeds", {})
-    return bool(handed) and given.keys() == feeds.keys() and all(np.array_equal(given[k], np.asarray(v)) for k, v in feeds.items())
-
-
-def _eager_forward(handed: dict | None, feeds: Feeds, ctx, threads: int) -> Outputs:
-    if _same_feeds(handed, feeds) and handed["outputs"]:
-        return handed["outputs"]
-    return eager_outputs(ctx.torch_model(), feeds, threads)
+    same = bool(given) and given.keys() == feeds.keys() and all(np.array_equal(given[k], np.asarray(v)) for k, v in feeds.items())
+    return (handed["outputs"] or None) if same else None
 
 
 def _generation_check(output: "ModelArtifact", handed: dict | None, session, ctx, params: "SelfCheckParams") -> dict:
