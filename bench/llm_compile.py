@@ -71,7 +71,8 @@ def run(folder: Path, size: str, config: dict, stages: list[str] | None, new_tok
           f"in one process, {time.perf_counter() - started:.0f} s, threads {threads}, CPU {cpu_class()}, load {' '.join(load)}")
     print(f"| phase | RSS at start GB | peak GB | peak x FP32 | preflight estimate GB |\n|---|---|---|---|---|")
     for label, start, peak in probe.rows:
-        # A pass's own estimate; every evaluation row gets eager's (eager beside the stage: the evaluations' bound).
+        # A pass's own estimate; every evaluation row gets eager's (eager beside the stage, or alone where it is
+        # timed apart: the evaluations' bound).
         stage = label.split()[-1] if label.startswith("pass ") else "pytorch-eager" if label.startswith("evaluate ") else None
         estimate = f"{estimates[stage] / 1e9:.2f}" if stage in estimates else ""
         print(f"| {label} | {start:.2f} | {peak:.2f} | {peak / fp32:.2f}x | {estimate} |")

@@ -114,8 +114,11 @@ class Latency(BaseModel):
     others_cpu: Optional[float] = Field(
         None, description="share of this process's CPUs that other processes used while timed (Linux; None elsewhere or when too short to tell)")
     unreliable: Optional[str] = Field(None, description="why the machine looked busy while this was timed (tail, spread); None if steady")
-    eager_p50_ms: Optional[float] = Field(None, description="PyTorch eager p50 timed interleaved with this figure, same inputs")
-    eager_p90_ms: Optional[float] = Field(None, description="PyTorch eager p90 timed interleaved with this figure")
+    eager_p50_ms: Optional[float] = Field(None, description="PyTorch eager p50 timed with this figure, same inputs (see eager_apart)")
+    eager_p90_ms: Optional[float] = Field(None, description="PyTorch eager p90 timed with this figure")
+    eager_apart: bool = Field(
+        False, description="eager's figure was timed right after this one, alone (evaluate.eager_timing: apart), not "
+        "interleaved with it: its model and this stage's runtime were not in memory together")
     cpu_class: Optional[str] = Field(
         None, description="the CPU class the runtime ran on (optpipe.hardware.cpu_features; OpenVINO's under ONEDNN_MAX_CPU_ISA)")
 
@@ -126,7 +129,8 @@ class Latency(BaseModel):
 
 
 class GenerationRow(BaseModel):
-    """Greedy generation at one batch size, medians over the rounds; eager's timed interleaved with it."""
+    """Greedy generation at one batch size, medians over the rounds; eager's timed with it (interleaved, or right
+    after it where its Latency row says eager_apart)."""
 
     batch_size: int
     ttft_ms: float = Field(description="time to first token: the prefill over the prompt")

@@ -25,6 +25,7 @@ from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import Warmth, measure, warm_for
 from optpipe.evaluation.memory import PeakMemory
 from optpipe.hardware.cpu_features import engine_target
+from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import Accuracy, Latency, Memory
 from optpipe.recipe.schema import EvaluateSpec, ModelInputs, Tolerance
 from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
@@ -35,8 +36,8 @@ EVAL_FORMAT = 7  # 3: adaptive iteration counts, eager timed beside each stage, 
 #: Settings that shape only the sweep curves: not part of the headline's cache key.
 SWEEP_SETTINGS = {"sweep", "sweep_iterations", "sweep_stages"}
 #: Settings that shape no figure (a search's strategy or budget, the Ray resources, the eager baseline
-#: on or off; the reference is keyed on its own).
-UNMEASURED_SETTINGS = {"search", "resources", "providers", "eager_baseline", "reference"}  # providers: resolved in the key
+#: on or off; the reference is keyed on its own; eager_timing: keyed as resolved, `_result_key`).
+UNMEASURED_SETTINGS = {"search", "resources", "providers", "eager_baseline", "reference", "eager_timing"}  # providers: resolved in the key
 
 # Measured here on a loaded 2-core machine (load 17): a fresh PyTorch eager model's calls took 50-250 ms
 # for its first 2-4 s (its new intra-op threads waiting for the scheduler), then 0.05 ms; timed in that
@@ -54,7 +55,9 @@ def no_progress(task: str, done: int, total: int) -> None:
 
 class Evaluator:
     def __init__(self, settings: EvaluateSpec, shapes: ModelInputs, cache: StageCache, eval_set: Callable[[], SampleSet],
-                 providers: str = "auto", progress: Progress = no_progress, force: bool = False):
+                 providers: str = "auto", progress: Progress = no_progress, force: bool = False, eager_timing: str = "interleaved"):
+        """`eager_timing`: evaluate.eager_timing resolved (source/torch_weights.eager_timing): interleaved or apart."""
+        self.apart = eager_timing == "apart"
         self.shapes = shapes  # the inputs and dims: batch dim, sweep values, a sample's axes
         self.force = force  # --force: measure again, replacing the cached results
         self.progress = progress
@@ -64,6 +67,8 @@ class Evaluator:
         self.providers = pick_providers(requested_providers(settings.providers, providers))
         self._reference: tuple[str, str, Callable[[], Outputs]] | None = None
         self._eager_factory: Callable[[], Callable[[Feeds], Outputs]] | None = None
+        self._eager_release: Callable[[], object] = lambda: None
+        self._eager_failed = False
         self._eager_run: Callable[[Feeds], Outputs] | None = None
         # What this run warmed on which shapes: eager, timed again beside every stage, is warmed once.
         self._warmth = Warmth()
@@ -128,7 +133,10 @@ class Evaluator:
     def sweep_eager(self, source_digest: str, headline: list[Latency]) -> Swept:
         """PyTorch eager's sweep points (after `evaluate_eager`): the curves' baseline."""
         key = self._sweep_key("eager:" + source_digest, library_versions(("torch",)))
-        return self._cached_sweep(key, lambda: self._eager_baseline() or _raise_no_eager(), "pytorch-cpu", headline)
+        try:
+            return self._cached_sweep(key, lambda: self._eager_baseline() or _raise_no_eager(), "pytorch-cpu", headline)
+        finally:
+            self._drop_eager_apart()
 
     def _cached_sweep(self, key: str, build: Callable[[], Callable[[Feeds], Outputs]], provider: str,
                       headline: list[Latency]) -> Swept:
@@ -174,8 +182,8 @@ class Evaluator:
                 return _decode(hit) + (True,)
             # Eager is re-timed interleaved beside every stage: the report's 'vs eager' says so (an IR stage
             # once timed alone against eager's figure from minutes before: MiniLM ov-int8 3.0x that way where
-            # the interleaved bench gave 3.8x, one x86-avx512-vnni VM).
-            baseline = self._eager_baseline()
+            # the interleaved bench gave 3.8x, one x86-avx512-vnni VM). Apart, right after the stage instead.
+            baseline = None if self.apart else self._eager_baseline()
             # Peak memory covers what the runtime itself costs: its creation and the timed runs.
             with PeakMemory(device=device) as peak:
                 self.progress(what, 0, 0)
@@ -183,14 +191,18 @@ class Evaluator:
                 latency = self._latency(run, provider, baseline)
             accuracy = self._accuracy(outputs, tolerance, digest)  # outside the memory figure, as before
             del run, outputs  # the session goes before the next stage builds its own
+            if self.apart:
+                latency = self._eager_after(latency)
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 
-    def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance) -> Measured:
+    def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance, release: Callable[[], object] = lambda: None) -> Measured:
         key = self._result_key("eager:" + source_digest, tolerance, extra=library_versions(("torch",)))
+        """`release`: drops the run's torch model (RunServices.release_torch_model), called apart once eager is timed."""
         with self.cache.lock(key):
-            # Stages timed after this one re-time eager beside themselves: keep a way to build it.
+            # Stages timed after this one re-time eager beside themselves (or after themselves): keep a way to build it.
             self._eager_factory = lambda: eager_runner(torch_model(), self.settings.threads)
+            self._eager_release = release
             hit = None if self.force else self.cache.get_result(key)
             if hit is not None:
                 return _decode(hit) + (True,)
@@ -199,6 +211,8 @@ class Evaluator:
             accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches, self._accuracy_progress), tolerance)
             with PeakMemory() as peak:
                 latency = self._latency(run, "pytorch-cpu")
+            del run
+            self._drop_eager_apart()
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 
@@ -218,20 +232,46 @@ class Evaluator:
                        min_input_sensitivity=self.settings.min_input_sensitivity)
 
     def _eager_baseline(self) -> Callable[[Feeds], Outputs] | None:
-        """PyTorch eager, built once and warmed up (so its allocations precede any stage's peak memory)."""
-        if self._eager_run is None and self._eager_factory is not None:
-            factory, self._eager_factory = self._eager_factory, None  # one try: a failing eager fails once
+        """PyTorch eager, built and warmed up (so its allocations precede any stage's peak memory): once for the
+        run when interleaved; apart, again after each stage (`_drop_eager_apart` lets it go)."""
+        if self._eager_run is None and self._eager_factory is not None and not self._eager_failed:
             try:
                 self.progress("PyTorch eager: load the model", 0, 0)
-                run = factory()
+                run = self._eager_factory()
                 feeds = self.eval_set.first(self._batch_sizes()[0])
                 warm_for(run, feeds, EAGER_WARM_S,
                          progress=lambda calls, _: self.progress(f"PyTorch eager: {EAGER_WARM_S:g} s of warm-up calls", calls, 0))
                 self._warmth.record(run, feeds)  # its untimed calls are done; a timed run still settles it
                 self._eager_run = run
             except Exception:  # noqa: BLE001 - the eager row reports its own failure; stages time alone then
+                self._eager_failed = True  # one try: a failing eager fails once
                 logging.getLogger("optpipe").debug("PyTorch eager unavailable as a baseline", exc_info=True)
         return self._eager_run
+
+    def _drop_eager_apart(self) -> None:
+        """Apart: eager's model goes (the run's copy too) before the next stage builds its runtime."""
+        if self.apart:
+            self._eager_run = None
+            self._eager_release()
+
+    def _eager_after(self, latency: list[Latency]) -> list[Latency]:
+        """Apart: eager loaded again once the stage's runtime is gone, and its headline batch timed alone right
+        after the stage's; the stage's headline figure takes it as its eager figure, labelled eager_apart."""
+        release_freed_memory()  # the stage's freed session pages, before eager's weights come back
+        run = self._eager_baseline()
+        if run is None or not latency:
+            return latency
+        try:
+            batch = self._batch_sizes()[0]
+            eager = self._measure(run, self.eval_set.first(batch), self.settings.iterations, "pytorch-cpu",
+                                  f"PyTorch eager after the stage: latency batch {batch}")
+        finally:
+            del run
+            self._drop_eager_apart()
+        busy = [r for r in (latency[0].unreliable, eager.unreliable and f"eager after it: {eager.unreliable}") if r]
+        head = latency[0].model_copy(update={"eager_p50_ms": eager.p50_ms, "eager_p90_ms": eager.p90_ms, "eager_apart": True,
+                                             "unreliable": "; ".join(busy) or None})
+        return [head, *latency[1:]]
 
     def _latency(self, run: Callable[[Feeds], Outputs], provider: str, baseline=None) -> list[Latency]:
         """The batch_sizes measurements (the report's headline); the sweeps are `sweep_*`'s.
@@ -309,6 +349,9 @@ class Evaluator:
             machine=machine_id(),
             libraries=library_versions(("onnxruntime", "onnxruntime-gpu")),
             extra=extra,
+            # Resolved (auto is apart or interleaved by the model's size); named only when apart, so that the
+            # interleaved results measured before the setting existed keep their keys.
+            **({"eager_timing": "apart"} if self.apart else {}),
         )
 
     def _result_key(self, model_digest: str, tolerance: Tolerance, extra: dict | None = None) -> str:
@@ -325,6 +368,9 @@ class Evaluator:
             machine=machine_id(),
             libraries=library_versions(("onnxruntime", "onnxruntime-gpu")),
             extra=extra,
+            # Resolved (auto is apart or interleaved by the model's size); named only when apart, so that the
+            # interleaved results measured before the setting existed keep their keys.
+            **({"eager_timing": "apart"} if self.apart else {}),
         )
 
 

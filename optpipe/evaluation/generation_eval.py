@@ -24,6 +24,7 @@ import numpy as np
 
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.core.artifact import sha256_file
+from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import Accuracy, Generation, GenerationRow, Latency, Memory, OutputAccuracy, TaskAccuracy
 from optpipe.evaluation import generation as gen
 from optpipe.evaluation import generation_inputs as inputs
@@ -46,8 +47,13 @@ RANDOM_WEIGHTS = ("model.hf_config builds random weights: these accuracy figures
 class GenerationEvaluator:
     """evaluate_eager as evaluation/evaluator.Evaluator's; evaluate_stage(name, ...) for its evaluate_onnx."""
 
-    def __init__(self, evaluate: EvaluateSpec, source: ModelSource, cache: StageCache, progress=None, force: bool = False):
+    def __init__(self, evaluate: EvaluateSpec, source: ModelSource, cache: StageCache, progress=None, force: bool = False,
+                 eager_timing: str = "interleaved"):
+        """`eager_timing`: evaluate.eager_timing resolved: interleaved (eager held beside every stage, rounds
+        alternating) or apart (eager's model loaded again after each stage's runtime is closed, timed right after)."""
         self.evaluate, self.spec, self.source, self.cache = evaluate, evaluate.generation, source, cache
+        self.apart = eager_timing == "apart"
+        self._release: Callable[[], object] = lambda: None
         self.progress = progress or (lambda task, done, total: None)
         self.force = force
         self.figures: dict[str, Generation] = {}
@@ -58,7 +64,8 @@ class GenerationEvaluator:
 
     # --- the two entry points stage_evaluation calls ------------------------------------------------
 
-    def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance):
+    def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance, release: Callable[[], object] = lambda: None):
+        """`release`: drops the run's torch model (RunServices.release_torch_model); apart, once eager is timed."""
         from optpipe.source.decoder_export import hf_causal_lm, layout_of
         from optpipe.recipe.generation_spec import decoder_dims
 
@@ -70,9 +77,12 @@ class GenerationEvaluator:
                 self._eager = gen.EagerRunner(model, self._eager_layout, self.evaluate.threads, name=EAGER_NAME)
             return self._eager, self._eager_layout
 
-        self._reference = (EAGER_NAME, build)
+        self._reference, self._release = (EAGER_NAME, build), release
         key = self._key("eager:" + source_digest, {"runtime": "torch", **library_versions(("torch", "transformers"))})
-        return self._cached(key, "eager", lambda: self._measure_eager(build))
+        try:
+            return self._cached(key, "eager", lambda: self._measure_eager(build))
+        finally:
+            self._drop_eager_apart()
 
     def set_reference_stage(self, name: str, artifact) -> None:
         """The yardstick where eager is not measured (an ONNX source, eager_baseline: false): the reference stage."""
@@ -81,7 +91,8 @@ class GenerationEvaluator:
     def evaluate_stage(self, name: str, artifact, tolerance: Tolerance):
         build, runtime = self._runner(name, artifact)
         task = self.evaluate.task.bounded(tolerance.task)
-        key = self._key(artifact.content_hash(), runtime, task)
+        # Apart is named in the key (eager's figures in the rows were timed after the stage); interleaved keys as before.
+        key = self._key(artifact.content_hash(), {**runtime, **({"eager_timing": "apart"} if self.apart else {})}, task)
         return self._cached(key, artifact.content_hash(),
                             lambda: self._measure_stage(build, runtime["runtime"] == "openvino", task, own_bounds(tolerance.task)))
 
@@ -129,7 +140,8 @@ class GenerationEvaluator:
     def _measure_stage(self, build, ir: bool, task: TaskSpec, bounds: dict[str, float]):
         ref = self._reference_figures()
         reference_name, reference_build = self._reference
-        beside = reference_build()[0] if reference_name == EAGER_NAME else None
+        beside = reference_build()[0] if reference_name == EAGER_NAME and not self.apart else None
+        self._drop_eager_apart()  # the reference's figures may have loaded it: gone before the stage's runtime comes
         with PeakMemory() as peak:
             runner, layout = build()
             rows, latency = self._speed(runner, layout, beside, openvino_runtime.PROVIDER if ir else "CPUExecutionProvider")
@@ -137,9 +149,35 @@ class GenerationEvaluator:
             prefill = [runner.forward(p[None], np.ones((1, len(p)), np.int64), gen.empty_past(layout, 1))[0] for p in ref["prompts"]]
             perplexity = gen.perplexity(runner, layout, ref["text"])
             runner.close()
+        if reference_name == EAGER_NAME and self.apart:
+            rows, latency = self._eager_after(rows, latency)
         accuracy = self._accuracy(agreement, perplexity, ref, prefill, task)
         accuracy.task.own_bounds = bounds
         return accuracy, latency, peak.result(), self._figures(layout, rows, agreement, perplexity, peak.result(), ref["perplexity"])
+
+    def _drop_eager_apart(self) -> None:
+        """Apart: eager's model goes (the run's copy too) before a stage's runtime is built."""
+        if self.apart and self._eager is not None:
+            self._eager = None
+            self._release()
+
+    def _eager_after(self, rows: list[GenerationRow], latency: list[Latency]) -> tuple[list[GenerationRow], list[Latency]]:
+        """Apart: eager loaded again once the stage's runtime is closed, its rounds timed alone right after the
+        stage's on the same prompts; each row takes them as its eager figures, labelled eager_apart."""
+        release_freed_memory()  # the stage's freed pages, before eager's weights come back
+        runner, layout = self._reference[1]()
+        try:
+            eager_rows, eager_latency = self._speed(runner, layout, None, "pytorch-cpu", "PyTorch eager after the stage: ")
+        finally:
+            del runner
+            self._drop_eager_apart()
+        rows = [row.model_copy(update={"eager_ttft_ms": e.ttft_ms, "eager_decode_tokens_per_s": e.decode_tokens_per_s})
+                for row, e in zip(rows, eager_rows)]
+        latency = [lat.model_copy(update={
+            "eager_p50_ms": e.p50_ms, "eager_p90_ms": e.p90_ms, "eager_apart": True,
+            "unreliable": "; ".join(r for r in (lat.unreliable, e.unreliable and f"eager after it: {e.unreliable}") if r) or None})
+            for lat, e in zip(latency, eager_latency)]
+        return rows, latency
 
     def _reference_figures(self) -> dict:
         """The reference's greedy tokens after each batch-1 prompt, its prefill logits and perplexity, once per run."""
@@ -154,7 +192,7 @@ class GenerationEvaluator:
                 runner.close()  # a reference stage's session: its figures are kept, its weights need not be
         return self._ref_figures
 
-    def _speed(self, runner, layout, beside, provider: str) -> tuple[list[GenerationRow], list[Latency]]:
+    def _speed(self, runner, layout, beside, provider: str, label: str = "") -> tuple[list[GenerationRow], list[Latency]]:
         """Each batch size: a warm-up generation each, then `rounds` generations alternating with `beside`'s."""
         prompts = self._reference_figures()["prompts"]
         rows, latency = [], []
@@ -168,7 +206,7 @@ class GenerationEvaluator:
             for index in range(self.spec.rounds):
                 for r in pair:
                     runs[r.name].append(gen.greedy(r, layout, prompt, self.spec.new_tokens))
-                self.progress(f"generation batch {batch}", index + 1, self.spec.rounds)
+                self.progress(f"{label}generation batch {batch}", index + 1, self.spec.rounds)
             own, eager = runs[runner.name], runs.get(beside.name) if beside is not None else None
             rows.append(GenerationRow(batch_size=batch, ttft_ms=_median_ms(g.ttft_s for g in own),
                                       decode_tokens_per_s=statistics.median(g.decode_tokens_per_s for g in own),

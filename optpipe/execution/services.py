@@ -32,16 +32,19 @@ class RunServices:
     def torch_model(self):
         return load_torch_model(self.source)
 
-    def release_torch_model(self) -> bool:
+    def release_torch_model(self, always: bool = False) -> bool:
         """Drop the loaded torch model when it is big (>= RELEASE_BYTES of FP32 weights), so that the
         passes after the export do not run beside it; the eager evaluation loads it again (the same
         seeded weights for hf_config, the same files for hf). Sources whose size is unknown (factories,
         torchvision: not seeded, a reload could differ) are kept. Measured through compile (bench/llm.py
         --compile, 0.37 B): it stayed resident, 1x the FP32 weights, under every weight-only pass. True
-        when dropped."""
+        when dropped. `always`: whatever its size or source (eager timed apart: what is loaded again is
+        only timed, its outputs are not compared)."""
         from optpipe.source.torch_weights import fp32_weight_bytes
 
-        if self.torch_model.cache_info().currsize == 0 or (fp32_weight_bytes(self.source) or 0) < RELEASE_BYTES:
+        if self.torch_model.cache_info().currsize == 0:
+            return False
+        if not always and (fp32_weight_bytes(self.source) or 0) < RELEASE_BYTES:
             return False
         self.torch_model.cache_clear()
         gc.collect()  # a module's parameters can sit in reference cycles: free them before the next pass peaks

@@ -21,7 +21,9 @@ from optpipe.evaluation.verdict import flag_unchanged_stages, stage_coverage
 from optpipe.execution.services import RunServices
 from optpipe.pass_infra.instruments import Instrument
 from optpipe.source.model_source import source_fingerprint
+from optpipe.source.torch_weights import fp32_weight_bytes
 from optpipe.plan.compile_plan import CompilePlan
+from optpipe.plan.source_preflight import eager_timing
 from optpipe.recipe.schema import EvaluateSpec, ModelSource, OnnxModel, Tolerance
 from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import StageResult, error_kind
@@ -60,7 +62,9 @@ def evaluate_stages(
     """Measure every finished stage named in `order` on the same inputs; the reference stage's outputs
     (found in `stages`) are the yardstick. Returns the eager baseline (when measured) then the stages
     of `order`, their results filled in."""
-    evaluator = Evaluator(parts.evaluate, parts.source, cache, services.eval_set, providers, progress=instruments.step, force=force)
+    timing = eager_timing(parts.evaluate.eager_timing, fp32_weight_bytes(parts.source))
+    evaluator = Evaluator(parts.evaluate, parts.source, cache, services.eval_set, providers, progress=instruments.step, force=force,
+                          eager_timing=timing)
     reference = parts.evaluate.reference or next(n for n in order if parts.parents.get(n) is None)
     ref_stage = stages.get(reference)
     if ref_stage is not None and ref_stage.model is not None:
@@ -72,7 +76,7 @@ def evaluate_stages(
     if parts.evaluate.generation is not None:  # a decoder: measured by generation, not by one forward
         from optpipe.evaluation.generation_eval import GenerationEvaluator
 
-        generation = GenerationEvaluator(parts.evaluate, parts.source, cache, instruments.step, force)
+        generation = GenerationEvaluator(parts.evaluate, parts.source, cache, instruments.step, force, eager_timing=timing)
         if ref_stage is not None and ref_stage.model is not None:  # the yardstick where eager is not measured
             generation.set_reference_stage(reference, ref_stage.model)
     results = []
@@ -161,7 +165,8 @@ def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunS
     instruments.before_evaluation(EAGER_STAGE)
     try:
         digest = _eager_digest(parts)
-        accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, parts.evaluate.tolerance)
+        accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, parts.evaluate.tolerance,
+                                                                     release=lambda: services.release_torch_model(always=True))
     except OptpipeError as exc:
         escalate(exc, evaluator.cache.root)  # a Ctrl-C or a full disk behind it stops the run
         result.error_kind = error_kind(exc)  # a broken model source is the user's, here as in export

@@ -42,14 +42,33 @@ def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:
     """stage (and eager's evaluation) -> the memory estimate's kind of step: its pass, or one of the estimate's
     own kinds where the pass's peak depends on how it runs (safety/memory_estimate.py)."""
     from optpipe.passes.export import WORKER_MIN_BYTES
-    from optpipe.safety.memory_estimate import DECODER_EXPORT, EAGER_EVALUATION
+    from optpipe.safety.memory_estimate import DECODER_EXPORT, EAGER_APART, EAGER_EVALUATION
 
     steps = {name: stage.pass_name for name, stage in recipe.stages.items()}
     if recipe.evaluate.generation is not None and weights >= WORKER_MIN_BYTES:
         steps = {name: DECODER_EXPORT if kind == "export" else kind for name, kind in steps.items()}
     if recipe.evaluate.eager_baseline:
-        steps["pytorch-eager"] = EAGER_EVALUATION
+        # Apart, eager is never beside a stage's runtime: its own evaluation holds one copy, as a stage's does.
+        apart = eager_timing(recipe.evaluate.eager_timing, weights) == "apart"
+        steps["pytorch-eager"] = EAGER_APART if apart else EAGER_EVALUATION
     return steps
+
+
+def eager_timing(setting: str, weights: int | None, available: int | None = None) -> str:
+    """evaluate.eager_timing resolved: "interleaved" or "apart". auto: interleaved wherever eager's model beside
+    a stage's runtime fits this machine's memory (the preflight's estimate of it against MemAvailable, or
+    `available`), since only figures from the same seconds compare well on a shared machine (Gemma 3 270M's
+    eager, loaded again after each stage: 57-82 ms a decode step, against 57-58 ms held beside them, x86-amx);
+    apart where it would not fit, so that the model still compiles (docs/memory.md). A source whose size is
+    unknown before it loads (a factory, torchvision) stays interleaved."""
+    from optpipe.safety.memory_estimate import EAGER_EVALUATION, memory_budget, stage_estimates
+
+    if setting != "auto":
+        return setting
+    if weights is None:
+        return "interleaved"
+    need = stage_estimates(weights, {"pytorch-eager": EAGER_EVALUATION})["pytorch-eager"]
+    return "interleaved" if need <= memory_budget(available) else "apart"
 
 
 def check_generation(recipe: Recipe, onnx_path: Path | None) -> None:

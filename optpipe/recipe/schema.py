@@ -175,6 +175,11 @@ class EvaluateSpec(Strict):
     threads: int = Field(2, ge=1)
     accuracy_batch: int = Field(8, ge=1)
     eager_baseline: bool = True
+    eager_timing: Literal["auto", "interleaved", "apart"] = Field(
+        "auto", description="how PyTorch eager is timed against each stage: interleaved (its model held beside the stage's "
+        "runtime, their calls alternating: both figures from the same seconds), apart (its model loaded again once the "
+        "stage's runtime is released, and timed right after it: one copy of the weights in memory at a time); auto: "
+        "interleaved where the two fit this machine's memory (the memory preflight's estimate), apart where they would not")
     top1: Optional[bool] = Field(None, description="compare argmax of outputs; default: outputs named *logits*")
     task: Optional[TaskSpec] = Field(None, description="what the model is for; the stage verdict then uses the task's metric")
     generation: Optional[GenerationSpec] = Field(None, description="language-model task: KV-cache export, every stage measured by generation")

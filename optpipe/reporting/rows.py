@@ -96,7 +96,8 @@ def generation_note(report: RunReport) -> str:
     reference = next((s.accuracy.reference for s in report.stages if s.generation and s.accuracy), report.reference)
     note = (f" Decoder measured by greedy generation ({g.new_tokens} new tokens after {g.prompts} prompts, {g.tokens}): "
             "p50/p90 ms are one decode step of the batch (ms per generated token at batch 1), 'vs eager' against PyTorch "
-            f"eager with its KV cache timed interleaved; accuracy is next-token agreement over {reference}'s generated tokens.")
+            f"eager with its KV cache{' timed interleaved' if not _eager_apart(report) else ''}; accuracy is next-token "
+            f"agreement over {reference}'s generated tokens.")
     if g.weights == "random":
         note += " ⚠ Random weights (built from a config): agreement and perplexity mean nothing here."
     return note
@@ -104,7 +105,7 @@ def generation_note(report: RunReport) -> str:
 
 def table_note(report: RunReport) -> str:
     return (f"Latency at batch {report.headline_batch}; 'vs' columns are speed-ups (>1x is faster); Δ columns are against "
-            "the stage's parent; 'vs eager' is against PyTorch eager timed interleaved with that stage; "
+            f"the stage's parent; 'vs eager' is against PyTorch eager {_eager_how(report)}; "
             "⚠busy: the machine was busy while it was timed, don't trust that ratio." + "".join(" " + n for n in timing_notes(report))
             + _reuse_note(report) + generation_note(report))
 
@@ -123,10 +124,12 @@ def timing_notes(report: RunReport) -> list[str]:
     beside = _eager_beside(report)
     if beside:
         lo, hi = min(beside), max(beside)
-        notes.append(f"PyTorch eager, re-timed beside each of {len(beside)} stages: p50 {lo:.2f} to {hi:.2f} ms (spread {(hi - lo) / lo:.0%}).")
+        where = "after" if _eager_apart(report) else "beside"
+        notes.append(f"PyTorch eager, re-timed {where} each of {len(beside)} stages: p50 {lo:.2f} to {hi:.2f} ms (spread {(hi - lo) / lo:.0%}).")
         if (hi - lo) / median(beside) > BUSY_SPREAD:
             notes.append("⚠ PyTorch eager's own speed moved that much between stages: the machine was busy, so speed-ups "
-                         "against eager are not comparable across stages; rerun with --force on a quieter machine.")
+                         "against eager are not comparable across stages; rerun with --force on a quieter machine"
+                         + (", or with more memory free (eager is then timed interleaved)." if where == "after" else "."))
     for s in report.stages:
         busy = [lat for lat in s.latency if lat.unreliable]
         if busy:
@@ -283,6 +286,19 @@ def _graph_warnings(stage: StageResult) -> list[str]:
     """The stage's warnings less its accuracy's and the speed verdict's (each flags its own column)."""
     accuracy = set(stage.accuracy.warnings) if stage.accuracy else set()
     return [w for w in stage.warnings if w not in accuracy and not w.startswith(SLOWER_THAN_PARENT)]
+
+
+def _eager_apart(report: RunReport) -> bool:
+    return any(s.headline is not None and s.headline.eager_apart for s in report.stages)
+
+
+def _eager_how(report: RunReport) -> str:
+    """How eager's figure beside each stage's was timed (evaluate.eager_timing, resolved per run)."""
+    if _eager_apart(report):
+        return ("timed right after that stage, alone (eager_timing: apart: its model is loaded again once the stage's "
+                "runtime is released, so the two are never in memory together: the recipe asks, or the two would not fit "
+                "this machine's memory; figures from other seconds, compare them with care)")
+    return "timed interleaved with that stage"
 
 
 def _eager_beside(report: RunReport) -> list[float]:
