@@ -40,6 +40,10 @@ SIZES = {  # Llama-style configs (random weights); trained: byte-level, trained 
     # 2.1 B (8.4 GB FP32): hidden 2560 with head_dim 128 and 4 KV heads, 28 layers (issue 20's "2+ B" point)
     "2b": dict(vocab_size=32000, hidden_size=2560, intermediate_size=6912, num_hidden_layers=28, num_attention_heads=20,
                num_key_value_heads=4),
+    # 3.0 B (12.1 GB FP32): Llama 3.2 3B's layers (hidden 3072, 24 heads, 8 KV heads, 28 layers) with a 32k vocabulary.
+    # Eager beside an FP32 stage would need ~27 GB: on a 24 GB machine its evaluation is timed apart (evaluate.eager_timing).
+    "3b": dict(vocab_size=32000, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8),
 }
 STAGES = {
     "ort-int4": ("weight_only", {"bits": 4, "block_size": 32, "accuracy_level": 4}),

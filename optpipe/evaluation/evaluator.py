@@ -56,7 +56,7 @@ def no_progress(task: str, done: int, total: int) -> None:
 class Evaluator:
     def __init__(self, settings: EvaluateSpec, shapes: ModelInputs, cache: StageCache, eval_set: Callable[[], SampleSet],
                  providers: str = "auto", progress: Progress = no_progress, force: bool = False, eager_timing: str = "interleaved"):
-        """`eager_timing`: evaluate.eager_timing resolved (source/torch_weights.eager_timing): interleaved or apart."""
+        """`eager_timing`: evaluate.eager_timing resolved (plan/source_preflight.eager_timing): interleaved or apart."""
         self.apart = eager_timing == "apart"
         self.shapes = shapes  # the inputs and dims: batch dim, sweep values, a sample's axes
         self.force = force  # --force: measure again, replacing the cached results
@@ -197,8 +197,8 @@ class Evaluator:
         return accuracy, latency, peak.result(), False
 
     def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance, release: Callable[[], object] = lambda: None) -> Measured:
-        key = self._result_key("eager:" + source_digest, tolerance, extra=library_versions(("torch",)))
         """`release`: drops the run's torch model (RunServices.release_torch_model), called apart once eager is timed."""
+        key = self._result_key("eager:" + source_digest, tolerance, extra=library_versions(("torch",)))
         with self.cache.lock(key):
             # Stages timed after this one re-time eager beside themselves (or after themselves): keep a way to build it.
             self._eager_factory = lambda: eager_runner(torch_model(), self.settings.threads)
@@ -257,9 +257,11 @@ class Evaluator:
     def _eager_after(self, latency: list[Latency]) -> list[Latency]:
         """Apart: eager loaded again once the stage's runtime is gone, and its headline batch timed alone right
         after the stage's; the stage's headline figure takes it as its eager figure, labelled eager_apart."""
+        if not latency:
+            return latency
         release_freed_memory()  # the stage's freed session pages, before eager's weights come back
         run = self._eager_baseline()
-        if run is None or not latency:
+        if run is None:
             return latency
         try:
             batch = self._batch_sizes()[0]
