@@ -58,7 +58,7 @@ def eager_timing(setting: str, weights: int | None, available: int | None = None
     """evaluate.eager_timing resolved: "interleaved" or "apart". auto: interleaved wherever eager's model beside
     a stage's runtime fits this machine's memory (the preflight's estimate of it against MemAvailable, or
     `available`), since only figures from the same seconds compare well on a shared machine (Gemma 3 270M's
-    eager, loaded again after each stage: 57-82 ms a decode step, against 57-58 ms held beside them, x86-amx);
+    eager, loaded again after each of 8 stages: 57-82 ms a decode step, against 48.9-54.1 ms held beside them, x86-amx);
     apart where it would not fit, so that the model still compiles (docs/memory.md). A source whose size is
     unknown before it loads (a factory, torchvision) stays interleaved."""
     from optpipe.safety.memory_estimate import EAGER_EVALUATION, memory_budget, stage_estimates

@@ -36,7 +36,7 @@ DECODER_EXPORT = "export, a KV-cache decoder in its own worker"
 EAGER_EVALUATION = "PyTorch eager beside each FP32 stage"
 #: PyTorch eager timed apart (evaluate.eager_timing): its model alone, loaded again after each stage's runtime is
 #: released. Measured on Gemma 3 270M (1.07 GB): 1.24x above the baseline (its forward's activations over a 262k
-#: vocabulary); the evaluations' peak there is then a stage's session, 2.6 GB against 3.57 GB interleaved.
+#: vocabulary); the evaluations' peak there is then a stage's session, 2.6 GB against 3.33 GB interleaved.
 EAGER_APART = "PyTorch eager alone, timed apart from the stages"
 #: pass -> peak RSS above the baseline, as a multiple of the FP32 weight bytes (measured, above).
 PASS_FACTORS = {
