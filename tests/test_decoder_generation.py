@@ -131,3 +131,23 @@ def test_nll_in_row_blocks_equals_the_whole_window_log_softmax(rows):
     assert gen._nll(logits, targets) == pytest.approx(whole, rel=1e-12)
     logits[rows // 2, 3] = np.nan
     assert not np.isfinite(gen._nll(logits, targets))
+
+
+def test_the_kv_cache_goes_by_the_keyword_the_installed_transformers_takes():
+    """transformers 5.x renamed forward's `past_key_values` to `cache` (5.25 warns, 5.40 drops the old name); optpipe
+    hands the cache by whichever name the model's forward takes, and reads the result's cache under either name."""
+    from types import SimpleNamespace
+
+    from optpipe.source.decoder_export import cache_keyword, cache_of
+
+    class Old:
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None):
+            pass
+
+    class New:
+        def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, **kwargs):
+            pass
+
+    assert cache_keyword(Old()) == "past_key_values" and cache_keyword(New()) == "cache"
+    assert cache_of(SimpleNamespace(cache="new")) == "new"
+    assert cache_of(SimpleNamespace(past_key_values="old")) == "old"

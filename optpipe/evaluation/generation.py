@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from optpipe.core.errors import OptpipeError, UserInputError
-from optpipe.source.decoder_export import ATTENTION_MASK, INPUT_IDS, DecoderLayout
+from optpipe.source.decoder_export import ATTENTION_MASK, INPUT_IDS, DecoderLayout, cache_keyword, cache_of
 
 
 class GenerationError(OptpipeError):
@@ -84,6 +84,7 @@ class EagerRunner:
 
     def __init__(self, model, layout: DecoderLayout, threads: int, name: str = "eager"):
         self.name, self.model, self.layout, self.threads = name, model, layout, threads
+        self.cache_keyword = cache_keyword(model)
 
     def forward(self, ids, mask, past):
         import torch
@@ -95,10 +96,10 @@ class EagerRunner:
             for i in range(self.layout.layers):
                 cache.update(torch.from_numpy(past[2 * i]), torch.from_numpy(past[2 * i + 1]), i)
         with torch.no_grad():
-            out = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                             past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), use_cache=True,
+                             **{self.cache_keyword: cache})
         presents = []
-        for layer in out.past_key_values.layers[: self.layout.layers]:
+        for layer in cache_of(out).layers[: self.layout.layers]:
             presents += [layer.keys.numpy(), layer.values.numpy()]
         return out.logits.float().numpy(), presents
 

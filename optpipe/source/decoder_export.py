@@ -63,6 +63,21 @@ def hf_causal_lm(torch_model):
     return model
 
 
+def cache_keyword(model) -> str:
+    """The keyword a causal LM takes its KV cache by: `cache` from the transformers releases that renamed it (5.x;
+    5.25 warns that `past_key_values` goes in 5.40), `past_key_values` before them. Asked once per model, not per
+    step: eager's timed decode steps must not pay for the signature's inspection."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(output):
+    """The forward's updated cache, under either name (`cache` from transformers 5.x, `past_key_values` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 def layout_of(model, max_batch: int, max_sequence: int, max_past: int) -> DecoderLayout:
     config = model.config
     heads = config.num_attention_heads
@@ -114,6 +129,8 @@ class _FlatCache:
         import torch
         from transformers import DynamicCache
 
+        keyword = cache_keyword(model)
+
         class FlatCache(torch.nn.Module):
             def __init__(self):
                 super().__init__()
@@ -123,9 +140,9 @@ class _FlatCache:
                 cache = DynamicCache(config=self.model.config)
                 for i in range(layers):
                     cache.update(past[2 * i], past[2 * i + 1], i)
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{keyword: cache})
                 presents = []
-                for layer in out.past_key_values.layers[:layers]:
+                for layer in cache_of(out).layers[:layers]:
                     presents += [layer.keys, layer.values]
                 return (out.logits, *presents)
 
