@@ -13,7 +13,7 @@ import pytest
 from helpers_passes import context, graph_recipe
 from optpipe.core.errors import RecipeError
 from optpipe.core.results import Latency
-from optpipe.evaluation.evaluator import machine_id
+from optpipe.hardware.cpu_features import machine_id
 from optpipe.execution.stage_runner import stage_key
 from optpipe.hardware.cpu_features import CpuTarget, cpu_class, engine_target, machine_target, parse_features, restrict
 from optpipe.passes._int8_formats import ort_format, tensorrt_format

@@ -10,7 +10,6 @@ an unchanged recipe measures nothing again. The report marks them cached.
 from __future__ import annotations
 
 import logging
-import platform
 from functools import cached_property
 from typing import Callable
 
@@ -23,8 +22,9 @@ from optpipe.core.errors import NonFiniteOutputs
 from optpipe.evaluation.self_check import require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import Warmth, measure, warm_for
+from optpipe.evaluation.held_eager import HeldEager
 from optpipe.evaluation.memory import PeakMemory
-from optpipe.hardware.cpu_features import engine_target
+from optpipe.hardware.cpu_features import engine_target, machine_id
 from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import Accuracy, Latency, Memory
 from optpipe.recipe.schema import EvaluateSpec, ModelInputs, Tolerance
@@ -57,7 +57,6 @@ class Evaluator:
     def __init__(self, settings: EvaluateSpec, shapes: ModelInputs, cache: StageCache, eval_set: Callable[[], SampleSet],
                  providers: str = "auto", progress: Progress = no_progress, force: bool = False, eager_timing: str = "interleaved"):
         """`eager_timing`: evaluate.eager_timing resolved (plan/source_preflight.eager_timing): interleaved or apart."""
-        self.apart = eager_timing == "apart"
         self.shapes = shapes  # the inputs and dims: batch dim, sweep values, a sample's axes
         self.force = force  # --force: measure again, replacing the cached results
         self.progress = progress
@@ -66,10 +65,8 @@ class Evaluator:
         self.settings = settings
         self.providers = pick_providers(requested_providers(settings.providers, providers))
         self._reference: tuple[str, str, Callable[[], Outputs]] | None = None
-        self._eager_factory: Callable[[], Callable[[Feeds], Outputs]] | None = None
-        self._eager_release: Callable[[], object] = lambda: None
+        self._eager: HeldEager[Callable[[Feeds], Outputs]] = HeldEager(eager_timing)
         self._eager_failed = False
-        self._eager_run: Callable[[Feeds], Outputs] | None = None
         # What this run warmed on which shapes: eager, timed again beside every stage, is warmed once.
         self._warmth = Warmth()
 
@@ -136,7 +133,7 @@ class Evaluator:
         try:
             return self._cached_sweep(key, lambda: self._eager_baseline() or _raise_no_eager(), "pytorch-cpu", headline)
         finally:
-            self._drop_eager_apart()
+            self._eager.drop_apart()
 
     def _cached_sweep(self, key: str, build: Callable[[], Callable[[Feeds], Outputs]], provider: str,
                       headline: list[Latency]) -> Swept:
@@ -183,7 +180,7 @@ class Evaluator:
             # Eager is re-timed interleaved beside every stage: the report's 'vs eager' says so (an IR stage
             # once timed alone against eager's figure from minutes before: MiniLM ov-int8 3.0x that way where
             # the interleaved bench gave 3.8x, one x86-avx512-vnni VM). Apart, right after the stage instead.
-            baseline = None if self.apart else self._eager_baseline()
+            baseline = None if self._eager.apart else self._eager_baseline()
             # Peak memory covers what the runtime itself costs: its creation and the timed runs.
             with PeakMemory(device=device) as peak:
                 self.progress(what, 0, 0)
@@ -191,7 +188,7 @@ class Evaluator:
                 latency = self._latency(run, provider, baseline)
             accuracy = self._accuracy(outputs, tolerance, digest)  # outside the memory figure, as before
             del run, outputs  # the session goes before the next stage builds its own
-            if self.apart:
+            if self._eager.apart:
                 latency = self._eager_after(latency)
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
@@ -201,8 +198,7 @@ class Evaluator:
         key = self._result_key("eager:" + source_digest, tolerance, extra=library_versions(("torch",)))
         with self.cache.lock(key):
             # Stages timed after this one re-time eager beside themselves (or after themselves): keep a way to build it.
-            self._eager_factory = lambda: eager_runner(torch_model(), self.settings.threads)
-            self._eager_release = release
+            self._eager.set_source(lambda: self._warmed(eager_runner(torch_model(), self.settings.threads)), release)
             hit = None if self.force else self.cache.get_result(key)
             if hit is not None:
                 return _decode(hit) + (True,)
@@ -212,7 +208,7 @@ class Evaluator:
             with PeakMemory() as peak:
                 latency = self._latency(run, "pytorch-cpu")
             del run
-            self._drop_eager_apart()
+            self._eager.drop_apart()
             self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 
@@ -232,27 +228,25 @@ class Evaluator:
                        min_input_sensitivity=self.settings.min_input_sensitivity)
 
     def _eager_baseline(self) -> Callable[[Feeds], Outputs] | None:
-        """PyTorch eager, built and warmed up (so its allocations precede any stage's peak memory): once for the
-        run when interleaved; apart, again after each stage (`_drop_eager_apart` lets it go)."""
-        if self._eager_run is None and self._eager_factory is not None and not self._eager_failed:
-            try:
-                self.progress("PyTorch eager: load the model", 0, 0)
-                run = self._eager_factory()
-                feeds = self.eval_set.first(self._batch_sizes()[0])
-                warm_for(run, feeds, EAGER_WARM_S,
-                         progress=lambda calls, _: self.progress(f"PyTorch eager: {EAGER_WARM_S:g} s of warm-up calls", calls, 0))
-                self._warmth.record(run, feeds)  # its untimed calls are done; a timed run still settles it
-                self._eager_run = run
-            except Exception:  # noqa: BLE001 - the eager row reports its own failure; stages time alone then
-                self._eager_failed = True  # one try: a failing eager fails once
-                logging.getLogger("optpipe").debug("PyTorch eager unavailable as a baseline", exc_info=True)
-        return self._eager_run
+        """PyTorch eager (HeldEager: once for the run when interleaved, again after each stage apart), or None
+        where it fails: the eager row reports its own failure, and the stages are timed alone then."""
+        if self._eager_failed or not self._eager.has_source:
+            return None
+        try:
+            return self._eager.get()
+        except Exception:  # noqa: BLE001
+            self._eager_failed = True  # one try: a failing eager fails once
+            logging.getLogger("optpipe").debug("PyTorch eager unavailable as a baseline", exc_info=True)
+            return None
 
-    def _drop_eager_apart(self) -> None:
-        """Apart: eager's model goes (the run's copy too) before the next stage builds its runtime."""
-        if self.apart:
-            self._eager_run = None
-            self._eager_release()
+    def _warmed(self, run: Callable[[Feeds], Outputs]) -> Callable[[Feeds], Outputs]:
+        """A new eager runner, warmed up (so its allocations precede any stage's peak memory)."""
+        self.progress("PyTorch eager: load the model", 0, 0)
+        feeds = self.eval_set.first(self._batch_sizes()[0])
+        warm_for(run, feeds, EAGER_WARM_S,
+                 progress=lambda calls, _: self.progress(f"PyTorch eager: {EAGER_WARM_S:g} s of warm-up calls", calls, 0))
+        self._warmth.record(run, feeds)  # its untimed calls are done; a timed run still settles it
+        return run
 
     def _eager_after(self, latency: list[Latency]) -> list[Latency]:
         """Apart: eager loaded again once the stage's runtime is gone, and its headline batch timed alone right
@@ -269,7 +263,7 @@ class Evaluator:
                                   f"PyTorch eager after the stage: latency batch {batch}")
         finally:
             del run
-            self._drop_eager_apart()
+            self._eager.drop_apart()
         busy = [r for r in (latency[0].unreliable, eager.unreliable and f"eager after it: {eager.unreliable}") if r]
         head = latency[0].model_copy(update={"eager_p50_ms": eager.p50_ms, "eager_p90_ms": eager.p90_ms, "eager_apart": True,
                                              "unreliable": "; ".join(busy) or None})
@@ -351,9 +345,6 @@ class Evaluator:
             machine=machine_id(),
             libraries=library_versions(("onnxruntime", "onnxruntime-gpu")),
             extra=extra,
-            # Resolved (auto is apart or interleaved by the model's size); named only when apart, so that the
-            # interleaved results measured before the setting existed keep their keys.
-            **({"eager_timing": "apart"} if self.apart else {}),
         )
 
     def _result_key(self, model_digest: str, tolerance: Tolerance, extra: dict | None = None) -> str:
@@ -370,19 +361,10 @@ class Evaluator:
             machine=machine_id(),
             libraries=library_versions(("onnxruntime", "onnxruntime-gpu")),
             extra=extra,
-            # Resolved (auto is apart or interleaved by the model's size); named only when apart, so that the
-            # interleaved results measured before the setting existed keep their keys.
-            **({"eager_timing": "apart"} if self.apart else {}),
+            # Resolved (plan/source_preflight.eager_timing); named only when apart, so that the interleaved results
+            # measured before the setting existed keep their keys.
+            **({"eager_timing": "apart"} if self._eager.apart else {}),
         )
-
-
-def machine_id() -> dict:
-    """Latency and int8 numerics belong to a machine and its CPU class: the key of a measurement holds
-    both, and OpenVINO's view of the CPU (ONEDNN_MAX_CPU_ISA restricts it without changing the machine)."""
-    import os
-
-    return {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "cpu_class": engine_target("onnxruntime").key(), "openvino_cpu_class": engine_target("openvino").key()}
 
 
 def resize_dim(array: np.ndarray, axes: list[int], size: int) -> np.ndarray:

@@ -30,10 +30,10 @@ from optpipe.evaluation import generation as gen
 from optpipe.evaluation import generation_inputs as inputs
 from optpipe.evaluation import cpu_contention, openvino_runtime
 from optpipe.evaluation.cosine import row_cosines
-from optpipe.evaluation.evaluator import machine_id
+from optpipe.evaluation.held_eager import HeldEager
 from optpipe.evaluation.latency import busy_reason
 from optpipe.evaluation.memory import PeakMemory
-from optpipe.hardware.cpu_features import engine_target
+from optpipe.hardware.cpu_features import engine_target, machine_id
 from optpipe.recipe.schema import EvaluateSpec, ModelSource, TaskSpec, Tolerance
 from optpipe.recipe.task_bounds import own_bounds
 
@@ -52,12 +52,10 @@ class GenerationEvaluator:
         """`eager_timing`: evaluate.eager_timing resolved: interleaved (eager held beside every stage, rounds
         alternating) or apart (eager's model loaded again after each stage's runtime is closed, timed right after)."""
         self.evaluate, self.spec, self.source, self.cache = evaluate, evaluate.generation, source, cache
-        self.apart = eager_timing == "apart"
-        self._release: Callable[[], object] = lambda: None
         self.progress = progress or (lambda task, done, total: None)
         self.force = force
         self.figures: dict[str, Generation] = {}
-        self._eager: gen.EagerRunner | None = None
+        self._eager: HeldEager[gen.EagerRunner] = HeldEager(eager_timing)
         self._eager_layout = None
         self._reference: tuple[str, Callable[[], tuple]] | None = None  # (name, () -> (runner, layout))
         self._ref_figures: dict | None = None
@@ -69,20 +67,22 @@ class GenerationEvaluator:
         from optpipe.source.decoder_export import hf_causal_lm, layout_of
         from optpipe.recipe.generation_spec import decoder_dims
 
-        def build():
-            if self._eager is None:
-                model = hf_causal_lm(torch_model())
-                dims = decoder_dims(self.spec, self.source.inputs, self.source.dims, self.evaluate.task.tokens)
-                self._eager_layout = layout_of(model, *dims)
-                self._eager = gen.EagerRunner(model, self._eager_layout, self.evaluate.threads, name=EAGER_NAME)
-            return self._eager, self._eager_layout
+        def runner():
+            model = hf_causal_lm(torch_model())
+            dims = decoder_dims(self.spec, self.source.inputs, self.source.dims, self.evaluate.task.tokens)
+            self._eager_layout = layout_of(model, *dims)
+            return gen.EagerRunner(model, self._eager_layout, self.evaluate.threads, name=EAGER_NAME)
 
-        self._reference, self._release = (EAGER_NAME, build), release
+        def build():
+            return self._eager.get(), self._eager_layout
+
+        self._eager.set_source(runner, release)
+        self._reference = (EAGER_NAME, build)
         key = self._key("eager:" + source_digest, {"runtime": "torch", **library_versions(("torch", "transformers"))})
         try:
             return self._cached(key, "eager", lambda: self._measure_eager(build))
         finally:
-            self._drop_eager_apart()
+            self._eager.drop_apart()
 
     def set_reference_stage(self, name: str, artifact) -> None:
         """The yardstick where eager is not measured (an ONNX source, eager_baseline: false): the reference stage."""
@@ -92,7 +92,7 @@ class GenerationEvaluator:
         build, runtime = self._runner(name, artifact)
         task = self.evaluate.task.bounded(tolerance.task)
         # Apart is named in the key (eager's figures in the rows were timed after the stage); interleaved keys as before.
-        key = self._key(artifact.content_hash(), {**runtime, **({"eager_timing": "apart"} if self.apart else {})}, task)
+        key = self._key(artifact.content_hash(), {**runtime, **({"eager_timing": "apart"} if self._eager.apart else {})}, task)
         return self._cached(key, artifact.content_hash(),
                             lambda: self._measure_stage(build, runtime["runtime"] == "openvino", task, own_bounds(tolerance.task)))
 
@@ -140,8 +140,8 @@ class GenerationEvaluator:
     def _measure_stage(self, build, ir: bool, task: TaskSpec, bounds: dict[str, float]):
         ref = self._reference_figures()
         reference_name, reference_build = self._reference
-        beside = reference_build()[0] if reference_name == EAGER_NAME and not self.apart else None
-        self._drop_eager_apart()  # the reference's figures may have loaded it: gone before the stage's runtime comes
+        beside = reference_build()[0] if reference_name == EAGER_NAME and not self._eager.apart else None
+        self._eager.drop_apart()  # the reference's figures may have loaded it: gone before the stage's runtime comes
         with PeakMemory() as peak:
             runner, layout = build()
             rows, latency = self._speed(runner, layout, beside, openvino_runtime.PROVIDER if ir else "CPUExecutionProvider")
@@ -149,17 +149,11 @@ class GenerationEvaluator:
             prefill = [runner.forward(p[None], np.ones((1, len(p)), np.int64), gen.empty_past(layout, 1))[0] for p in ref["prompts"]]
             perplexity = gen.perplexity(runner, layout, ref["text"])
             runner.close()
-        if reference_name == EAGER_NAME and self.apart:
+        if reference_name == EAGER_NAME and self._eager.apart:
             rows, latency = self._eager_after(rows, latency)
         accuracy = self._accuracy(agreement, perplexity, ref, prefill, task)
         accuracy.task.own_bounds = bounds
         return accuracy, latency, peak.result(), self._figures(layout, rows, agreement, perplexity, peak.result(), ref["perplexity"])
-
-    def _drop_eager_apart(self) -> None:
-        """Apart: eager's model goes (the run's copy too) before a stage's runtime is built."""
-        if self.apart and self._eager is not None:
-            self._eager = None
-            self._release()
 
     def _eager_after(self, rows: list[GenerationRow], latency: list[Latency]) -> tuple[list[GenerationRow], list[Latency]]:
         """Apart: eager loaded again once the stage's runtime is closed, its rounds timed alone right after the
@@ -170,7 +164,7 @@ class GenerationEvaluator:
             eager_rows, eager_latency = self._speed(runner, layout, None, "pytorch-cpu", "PyTorch eager after the stage: ")
         finally:
             del runner
-            self._drop_eager_apart()
+            self._eager.drop_apart()
         rows = [row.model_copy(update={"eager_ttft_ms": e.ttft_ms, "eager_decode_tokens_per_s": e.decode_tokens_per_s})
                 for row, e in zip(rows, eager_rows)]
         latency = [lat.model_copy(update={

@@ -162,6 +162,13 @@ def cpu_record() -> dict:
     return record
 
 
+def machine_id() -> dict:
+    """Latency and int8 numerics belong to a machine and its CPU class: the key of a measurement holds
+    both, and OpenVINO's view of the CPU (ONEDNN_MAX_CPU_ISA restricts it without changing the machine)."""
+    return {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "cpu_class": engine_target("onnxruntime").key(), "openvino_cpu_class": engine_target("openvino").key()}
+
+
 def parse_features(text: str) -> CpuTarget:
     """OPTPIPE_CPU_FEATURES's value: comma/space separated Linux flag names, optionally after
     `x86_64:` or `arm64:`; without one, Arm flag names make it arm64, anything else x86_64."""
