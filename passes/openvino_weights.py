@@ -100,7 +100,8 @@ class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
             raise PassError(f"this CPU cannot run bf16 in OpenVINO (its capabilities: {', '.join(ovr.cpu_capabilities())}); "
                             "set `activations: fp32`")
         try:
-            converted = ovr.read_onnx(model.path)
+            # Not mapped: NNCF replaces the weights it compresses, and the map would keep every page it read.
+            converted = ovr.read_onnx(model.path, mmap=False)
         except Exception as exc:  # the converter raises assorted errors on ops it cannot translate
             raise PassError(f"OpenVINO cannot convert this ONNX model: {ovr.conversion_failure(exc)}") from None
         compressed = compress(converted, params, ctx)

@@ -155,14 +155,20 @@ def read_model(path: Path):
     return core().read_model(str(path))
 
 
-def read_onnx(path: Path):
-    """ONNX -> ov.Model through OpenVINO's ONNX frontend with Core.read_model, which memory-maps the
-    external weights, rather than openvino.convert_model, which reads them into memory: on a 1.47 GB
-    decoder the model in memory took 0.08 GB instead of 2.8 GB, and NNCF's compression peaked at 2.09
-    instead of 3.42 GB; the openvino pass's FP32 stage on BERT-base (438 MB) at 1.86 instead of 2.19 GB
-    (measured; docs/memory.md). NNCF replaces the weights it quantizes; the rest is read from the map."""
+def read_onnx(path: Path, mmap: bool = True):
+    """ONNX -> ov.Model through OpenVINO's ONNX frontend with Core.read_model, which reads the external
+    weights when they are used, rather than openvino.convert_model, which reads them all at once: on a
+    1.47 GB decoder the model in memory took 0.08 GB instead of 2.8 GB, and NNCF's compression peaked at
+    2.09 instead of 3.42 GB; the openvino pass's FP32 stage on BERT-base (438 MB) at 1.86 instead of 2.19 GB
+    (measured; docs/memory.md).
+
+    `mmap` (OpenVINO's ENABLE_MMAP): the weights are mapped from the file, else read into memory when
+    used. Mapped, a page read once stays resident for as long as any weight of the file is alive, even
+    after the weight read from it was replaced: a caller that replaces most weights (NNCF's compression)
+    keeps less without the map (Gemma 3 270M's data-aware INT4 peaked 0.39 GB lower, its data-free INT4
+    left 0.60 instead of 1.62 GB resident; docs/memory.md, seventh round)."""
     with telemetry_off():
-        return core().read_model(str(path))
+        return core().read_model(str(path), config={"ENABLE_MMAP": mmap})
 
 
 def convert_onnx(path: Path):
