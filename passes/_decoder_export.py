@@ -10,6 +10,7 @@ the check (1.1 B: the worker peaked at 2.20x the FP32 weights holding both; docs
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from optpipe.core.artifact import ModelArtifact, adopt_model, write_info
@@ -39,15 +40,9 @@ def export_with_cache(torch_model, ctx, steps, eager: tuple, opset: int = 20, at
                             opset=max(opset, 18))  # the dynamo exporter's minimum: the cache wrapper needs dynamo
     steps("save the model")
     artifact = adopt_model(raw / "model.onnx", ctx.workdir)  # renamed into place: the weights are not read again
-    _remove_tree(raw)
+    shutil.rmtree(raw, ignore_errors=True)
     info = {"exporter": layout.exporter, "opset": max(opset, 18), "opset_requested": opset, "attention": attention,
             "exporter_requested": "decoder with KV cache (evaluate.generation)",
             "kv_cache": layout.to_dict(), "source": torch_model.description, "outputs": ["logits", *layout.present_names],
             "graph": graph_stats(artifact.load(with_weights=False))}
     return write_info(ctx.workdir, info)
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -116,7 +117,7 @@ class ExportPass(Pass[ExportParams]):
             except _ExportFailed as exc:
                 ctx.log.warning("%s export failed: %s", exporter, exc)
                 failures[exporter] = str(exc)
-                _remove_tree(raw)
+                shutil.rmtree(raw, ignore_errors=True)
                 continue
             break
         else:
@@ -129,7 +130,7 @@ class ExportPass(Pass[ExportParams]):
         if opset != params.opset:
             ctx.log.warning("the %s exporter wrote opset %d (asked: %d)", exporter, opset, params.opset)
         artifact = save_model(exported, ctx.workdir)
-        _remove_tree(raw)
+        shutil.rmtree(raw, ignore_errors=True)
         hand_over_eager(ctx.workdir, feeds, expected)  # the self-check's reference: it need not load the model again
         # `opset`: the one the model has (TorchScript writes at most 20), beside the one asked for.
         info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": opset, "opset_requested": params.opset,
@@ -360,12 +361,6 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _first_line(exc: BaseException) -> str:
