@@ -42,9 +42,10 @@ def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:
     """stage (and eager's evaluation) -> the memory estimate's kind of step: its pass, or one of the estimate's
     own kinds where the pass's peak depends on how it runs (safety/memory_estimate.py)."""
     from optpipe.passes.export import WORKER_MIN_BYTES
-    from optpipe.safety.memory_estimate import DECODER_EXPORT, EAGER_APART, EAGER_EVALUATION
+    from optpipe.safety.memory_estimate import DECODER_EXPORT, EAGER_APART, EAGER_EVALUATION, OV_DATA_AWARE
 
-    steps = {name: stage.pass_name for name, stage in recipe.stages.items()}
+    steps = {name: OV_DATA_AWARE if stage.pass_name == "openvino_weights" and stage.params.get("data_aware") else stage.pass_name
+             for name, stage in recipe.stages.items()}
     if recipe.evaluate.generation is not None and weights >= WORKER_MIN_BYTES:
         steps = {name: DECODER_EXPORT if kind == "export" else kind for name, kind in steps.items()}
     if recipe.evaluate.eager_baseline:
