@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, hand_over_eager, load_session, numeric_check, onnx_outputs
-from optpipe.core.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line
+from optpipe.core.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line, root_first_line
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
 from optpipe.source.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
@@ -201,7 +201,7 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
     except Exception as exc:  # exporters raise anything (PassError too); the stage log has the traceback
         _reraise_interrupt(exc)
         logging.getLogger("optpipe.export").debug("%s export traceback", exporter, exc_info=True)
-        raise _ExportFailed(f"torch.onnx.export ({exporter}): {_first_line(exc)}") from None
+        raise _ExportFailed(f"torch.onnx.export ({exporter}): {root_first_line(exc)}") from None
     steps(f"check the {exporter} export against eager")
     try:
         # One session for the trace shape and every check_shapes() corner: a session per shape built the
@@ -298,7 +298,7 @@ def _wrong_elsewhere(exporter: str, sizes: dict[str, int], exc: Exception, branc
     shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
     cause = (f"the trace fixed a branch taken on a tensor's values or shape ({branches[0]})" if branches else
              "forward() computes something from the trace's sizes (a cached grid, a branch on a shape) that the export froze")
-    return f"the {exporter} export is wrong at other sizes ({shown}: {_first_line(exc)[:160]}): {cause}"
+    return f"the {exporter} export is wrong at other sizes ({shown}: {root_first_line(exc)[:160]}): {cause}"
 
 
 # Known failures -> the recipe change that is true for them (a recipe line, not the model's code:
@@ -347,7 +347,7 @@ def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads
     except MemoryError:  # the machine's limit, not the inputs' fault
         raise
     except Exception as exc:  # whatever forward() raises on inputs it does not accept (at the trace batch)
-        raise ModelSourceError(forward_failure(feeds, _first_line(exc))) from None
+        raise ModelSourceError(forward_failure(feeds, root_first_line(exc))) from None
 
 
 def import_onnx(ctx: PassContext) -> ModelArtifact:
@@ -361,12 +361,3 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)
-
-
-def _first_line(exc: BaseException) -> str:
-    """The root cause's first line: exporters wrap the useful message in generic ones."""
-    from optpipe.core.errors import first_line
-
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    return first_line(exc)

@@ -65,6 +65,31 @@ def test_gpt2_exports_and_generates_as_eager(tmp_path):
     np.testing.assert_array_equal(gen.greedy(ort, layout, PROMPT, 8).tokens, expected)
 
 
+def test_sliding_window_decoder_past_its_window(tmp_path):
+    """Gemma 3's sliding-window layers (window 4 here, generation to 18 tokens): the export takes a past longer
+    than the window (torch.export refused it when the wrapper's cache capped those layers at window - 1), and
+    eager's cache, continued from step to step, gives the tokens of the model run without a cache (rebuilt from
+    the arrays at each step, it had lost the tokens seen and drifted past the window)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gemma3_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                                  sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    layout = export_decoder(model, tmp_path / "gemma3", max_batch=2, max_sequence=16, max_past=32)
+    ids = PROMPT
+    with torch.no_grad():  # greedy without any cache: the whole sequence again at each step
+        for _ in range(12):
+            logits = model(input_ids=torch.from_numpy(ids)).logits[:, -1]
+            ids = np.concatenate([ids, logits.argmax(-1, keepdim=True).numpy()], axis=1)
+    expected = ids[:, PROMPT.shape[1]:]
+    np.testing.assert_array_equal(gen.greedy(gen.EagerRunner(model, layout, threads=1), layout, PROMPT, 12).tokens, expected)
+    ort = gen.OrtRunner(tmp_path / "gemma3" / "model.onnx", layout, threads=1)
+    np.testing.assert_array_equal(gen.greedy(ort, layout, PROMPT, 12).tokens, expected)
+
+
 def test_openvino_runs_the_same_graph(exported):
     model, layout, artifact, _ = exported
     reference = gen.greedy(gen.EagerRunner(model, layout, threads=1), layout, PROMPT, 8)

@@ -20,6 +20,14 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     return reasons[0][:limit] if reasons else type(exc).__name__
 
 
+def root_first_line(exc: BaseException) -> str:
+    """The root cause's first line: exporters wrap the useful message in generic ones ("Failed to export the
+    model with torch.export. This is step 1/3 ...")."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return first_line(exc)
+
+
 def one_line(text: str) -> str:
     """`text` with line breaks and other control characters escaped: a user's key or file name
     must not split the one error line."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import onnx
 
-from optpipe.core.errors import ModelSourceError, first_line
+from optpipe.core.errors import ModelSourceError, root_first_line
 
 INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
@@ -115,7 +115,7 @@ def export_decoder(model, folder: Path, max_batch: int = 8, max_sequence: int = 
         program.save(str(folder / "model.onnx"), external_data=True)
         del program
     except Exception as exc:  # torch.export / the ONNX translation raise many kinds on unsupported models
-        raise ModelSourceError(f"torch.onnx could not export this causal LM with its KV cache: {first_line(exc)}; "
+        raise ModelSourceError(f"torch.onnx could not export this causal LM with its KV cache: {root_first_line(exc)}; "
                                "check that the model is a transformers causal LM that takes `past_key_values`") from None
     _name_dims(folder / "model.onnx")
     return layout
@@ -137,7 +137,11 @@ class _FlatCache:
                 self.model = model
 
             def forward(self, input_ids, attention_mask, past):
-                cache = DynamicCache(config=self.model.config)
+                # Every layer a full one, sliding-window layers too: the graph has one past dim for all layers, and
+                # the model's sliding mask still limits those layers to their window (eager, whose cache keeps only
+                # the window, gives the same tokens: the generation check). A cache built from the config caps a
+                # sliding layer's past at its window - 1, which torch.export refused for any longer past.
+                cache = DynamicCache()
                 for i in range(layers):
                     cache.update(past[2 * i], past[2 * i + 1], i)
                 out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{keyword: cache})
