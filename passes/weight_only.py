@@ -7,6 +7,9 @@ Activations stay in float; `accuracy_level` chooses what the kernel computes in 
 the activations to int8 per block and runs integer dot products, which is what makes decode fast on
 VNNI/AMX CPUs; 0/1 dequantize the weight to float). This is the form ONNX Runtime GenAI runs.
 
+A Gemm with a constant weight (the dynamo exporter's `torch.addmm`: GPT-2's Conv1D) is first rewritten as
+MatMul + Add (optpipe/graph/gemm_matmul.py), which the quantizer takes; the info counts them.
+
 Nothing is calibrated (round-to-nearest per block, or HQQ's optimized scales): the stage's accuracy
 is what the evaluation measures against the reference, and the stage info lists what was quantized
 and what was left in float and why.
@@ -21,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.core.errors import PassError, first_line
 from optpipe.graph.coverage import precision_coverage, quantization_warning
+from optpipe.graph.gemm_matmul import gemms_as_matmuls
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 from optpipe.passes._library_logs import root_logs_to, warnings_only
@@ -68,10 +72,11 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
         source = model.load()
         _check_names(source, params.exclude)
         before = op_histogram(source)
+        gemms = gemms_as_matmuls(source)  # ORT's quantizer takes MatMul only (optpipe/graph/gemm_matmul.py)
         candidates, skipped = weight_matmuls(source, params.exclude)
         if not candidates:
-            raise PassError("no MatMul with a constant 2-D weight to quantize (weight_only needs MatMul weights as initializers); "
-                            "hang the stage after export or simplify")
+            raise PassError("no MatMul or Gemm with a constant 2-D weight to quantize (weight_only needs their weights as "
+                            "initializers); hang the stage after export or simplify")
         quantized = quantize(source, params, ctx)
         del source  # the float weights: only the quantized model stays in memory from here
         artifact = save_model(quantized, ctx.workdir)
@@ -93,6 +98,7 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
             "algorithm": params.algorithm,
             "quantized": sum(n.op_type in ("MatMulNBits", "GatherBlockQuantized") for n in graph.graph.node),
             "candidates": len(candidates),
+            "gemms_as_matmuls": gemms,
             "left_in_float": skipped,
             "excluded": params.exclude,
             "op_changes": op_changes(before, stats["ops"]),

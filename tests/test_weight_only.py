@@ -82,6 +82,56 @@ def test_matmulnbits_quantizes_weights_not_activations(setup, params, cosine_min
     assert out.info["coverage"]["weights"] == {precision: 1.0} and out.info["coverage"]["bytes"] == {precision: 1.0}
 
 
+def _run_proto(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def gemm_mlp(seed: int) -> onnx.ModelProto:
+    """As the dynamo exporter writes torch.addmm (GPT-2's Conv1D): Gemm with constant weights, one plain with a bias,
+    one with transB, alpha and beta; plus a Gemm of two activations that stays."""
+    rng = np.random.default_rng(seed)
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "c1"], ["h"], name="g1"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("Gemm", ["r", "w2t", "c2"], ["y"], name="g2", transB=1, alpha=0.5, beta=2.0),
+        helper.make_node("Gemm", ["y", "y"], ["scores"], name="scores", transB=1),
+    ]
+    inits = [numpy_helper.from_array(rng.normal(0, K ** -0.5, (K, H)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.normal(0, 0.1, H).astype(np.float32), "c1"),
+             numpy_helper.from_array(rng.normal(0, H ** -0.5, (N, H)).astype(np.float32), "w2t"),
+             numpy_helper.from_array(rng.normal(0, 0.1, N).astype(np.float32), "c2")]
+    graph = helper.make_graph(nodes, "gemm_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", N]),
+                               helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", "batch"])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_gemm_weights_are_rewritten_as_matmuls_and_quantized(setup):
+    """Gemm -> MatMul (+ Add): the same outputs in float, then MatMulNBits takes them (the GPT-2 export had
+    only Gemms, and weight_only found nothing to quantize)."""
+    from optpipe.graph.gemm_matmul import gemms_as_matmuls
+
+    tmp, _, recipe, feeds, _ = setup
+    model = gemm_mlp(5)
+    expected = _run_proto(model, feeds)
+    rewritten = gemm_mlp(5)
+    assert gemms_as_matmuls(rewritten) == 2
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert ops.count("MatMul") == 2 and ops.count("Gemm") == 1  # the activation x activation Gemm stays
+    assert "w2t" not in {i.name for i in rewritten.graph.initializer}  # its transposed copy replaced it
+    for a, b in zip(_run_proto(rewritten, feeds), expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+    cls = get_pass("weight_only")
+    out = run_checked(cls(cls.Params(bits=8, block_size=32)), artifact_of(model, tmp / "gemm-source"),
+                      context(recipe, tmp / "gemm-int8", feeds))
+    assert out.info["gemms_as_matmuls"] == 2 and out.info["quantized"] == 2
+    y = run_model(out.path, feeds)[0]
+    assert _worst_cosine(y, expected[0]) > 0.999  # int8 blocks of 32 (measured 0.99994)
+
+
 def test_coverage_counts_packed_weights_as_what_they_stand_for(setup):
     """An excluded MatMul stays fp32: weights (elements) are int4 K*H vs fp32 H*N, and bytes weigh
     the 4-bit ones at about half a byte each (the old count read the packed uint8 as one int8 each)."""
