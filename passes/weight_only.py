@@ -8,7 +8,9 @@ the activations to int8 per block and runs integer dot products, which is what m
 VNNI/AMX CPUs; 0/1 dequantize the weight to float). This is the form ONNX Runtime GenAI runs.
 
 A Gemm with a constant weight (the dynamo exporter's `torch.addmm`: GPT-2's Conv1D) is first rewritten as
-MatMul + Add (optpipe/graph/gemm_matmul.py), which the quantizer takes; the info counts them.
+MatMul + Add, and a MatMul reading a Transpose of an initializer (a tied LM head: the embedding table) gets the
+transposed table as its own initializer (optpipe/graph/matmul_weights.py): the forms the quantizer takes. The
+info lists them; `exclude` keeps a head in float, untouched.
 
 Nothing is calibrated (round-to-nearest per block, or HQQ's optimized scales): the stage's accuracy
 is what the evaluation measures against the reference, and the stage info lists what was quantized
@@ -24,7 +26,7 @@ from pydantic import Field, field_validator, model_validator
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.core.errors import PassError, first_line
 from optpipe.graph.coverage import precision_coverage, quantization_warning
-from optpipe.graph.gemm_matmul import gemms_as_matmuls
+from optpipe.graph.matmul_weights import gemms_as_matmuls, transposed_weights_folded
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 from optpipe.passes._library_logs import root_logs_to, warnings_only
@@ -72,7 +74,9 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
         source = model.load()
         _check_names(source, params.exclude)
         before = op_histogram(source)
-        gemms = gemms_as_matmuls(source)  # ORT's quantizer takes MatMul only (optpipe/graph/gemm_matmul.py)
+        # ORT's quantizer takes a MatMul of an initializer only (optpipe/graph/matmul_weights.py).
+        gemms = gemms_as_matmuls(source)
+        tied = transposed_weights_folded(source, skip=frozenset(params.exclude))
         candidates, skipped = weight_matmuls(source, params.exclude)
         if not candidates:
             raise PassError("no MatMul or Gemm with a constant 2-D weight to quantize (weight_only needs their weights as "
@@ -99,6 +103,7 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
             "quantized": sum(n.op_type in ("MatMulNBits", "GatherBlockQuantized") for n in graph.graph.node),
             "candidates": len(candidates),
             "gemms_as_matmuls": gemms,
+            "transposed_weights": tied,  # a tied LM head, read through a Transpose of the embedding table
             "left_in_float": skipped,
             "excluded": params.exclude,
             "op_changes": op_changes(before, stats["ops"]),

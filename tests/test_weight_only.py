@@ -111,7 +111,7 @@ def gemm_mlp(seed: int) -> onnx.ModelProto:
 def test_gemm_weights_are_rewritten_as_matmuls_and_quantized(setup):
     """Gemm -> MatMul (+ Add): the same outputs in float, then MatMulNBits takes them (the GPT-2 export had
     only Gemms, and weight_only found nothing to quantize)."""
-    from optpipe.graph.gemm_matmul import gemms_as_matmuls
+    from optpipe.graph.matmul_weights import gemms_as_matmuls
 
     tmp, _, recipe, feeds, _ = setup
     model = gemm_mlp(5)
@@ -130,6 +130,42 @@ def test_gemm_weights_are_rewritten_as_matmuls_and_quantized(setup):
     assert out.info["gemms_as_matmuls"] == 2 and out.info["quantized"] == 2
     y = run_model(out.path, feeds)[0]
     assert _worst_cosine(y, expected[0]) > 0.999  # int8 blocks of 32 (measured 0.99994)
+
+
+def test_a_tied_head_read_through_a_transpose_is_quantized(setup):
+    """A tied LM head multiplies by the embedding table through a Transpose (Gemma's 63% of MACs stayed FP32):
+    the transposed table becomes the head's own weight and is quantized; the Gather keeps the table. Excluded,
+    the head is left as it was (no FP32 copy of the table added)."""
+    tmp, _, recipe, feeds, _ = setup
+    rng = np.random.default_rng(6)
+    table = rng.normal(0, K ** -0.5, (N, K)).astype(np.float32)  # [vocab, hidden]
+    nodes = [helper.make_node("MatMul", ["x", "proj_w"], ["h"], name="proj"),
+             helper.make_node("Transpose", ["table"], ["table_t"], name="tie", perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "table_t"], ["logits"], name="lm_head"),
+             helper.make_node("ArgMax", ["logits"], ["ids"], name="argmax", axis=1, keepdims=0),
+             helper.make_node("Gather", ["table", "ids"], ["embedded"], name="embed")]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", K])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", N]),
+                               helper.make_tensor_value_info("embedded", TensorProto.FLOAT, ["batch", K])],
+                              [numpy_helper.from_array(table, "table"),
+                               numpy_helper.from_array(rng.normal(0, K ** -0.5, (K, K)).astype(np.float32), "proj_w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    source = artifact_of(model, tmp / "tied-source")
+    expected = run_model(source.path, feeds)
+    cls = get_pass("weight_only")
+
+    out = run_checked(cls(cls.Params(bits=8, block_size=32)), source, context(recipe, tmp / "tied-int8", feeds))
+    assert out.info["transposed_weights"] == ["lm_head"] and out.info["quantized"] == 2
+    ops = [n.op_type for n in out.load(with_weights=False).graph.node]
+    assert "Transpose" not in ops and ops.count("MatMulNBits") == 2 and "Gather" in ops
+    logits = run_model(out.path, feeds)[0]
+    assert _worst_cosine(logits, expected[0]) > 0.999  # int8 blocks of 32, both MatMuls (measured 0.99990)
+
+    kept = run_checked(cls(cls.Params(bits=8, block_size=32, exclude=["lm_head"])), source, context(recipe, tmp / "tied-kept", feeds))
+    graph = kept.load(with_weights=False).graph
+    assert kept.info["transposed_weights"] == [] and kept.info["quantized"] == 1
+    assert "table" in {i.name for i in graph.initializer} and not any("transposed" in i.name for i in graph.initializer)
+    assert [n.op_type for n in graph.node].count("Transpose") == 1
 
 
 def test_coverage_counts_packed_weights_as_what_they_stand_for(setup):
