@@ -267,6 +267,27 @@ def test_memory_preflight_takes_nncf_data_aware_compression_as_its_own_step(tmp_
     assert estimates["ov_data"] > estimates["ov"] and estimates["ov_data"] >= 350 * 2 ** 20 + 2.23 * 2 ** 30
 
 
+def test_memory_preflight_adds_the_tied_table_weight_only_transposes(tmp_path):
+    """A model whose LM head shares the embedding table: weight_only writes the table transposed for the head,
+    and the preflight adds that transient to its stages (none where the head has its own weights)."""
+    import yaml
+
+    from optpipe.safety.memory_estimate import TIED_TABLE_FACTOR, stage_estimates
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source.torch_weights import tied_table_bytes
+    from test_generation_report import LLAMA, decoder_recipe
+
+    untied = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path).read_text()))
+    assert tied_table_bytes(untied.model_source()) == 0
+    tied = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path, model={"hf_config": {**LLAMA, "tie_word_embeddings": True},
+                                                                          "task": "causal-lm", "outputs": ["logits"]}).read_text()))
+    table = tied_table_bytes(tied.model_source())
+    assert table == 4 * LLAMA["vocab_size"] * LLAMA["hidden_size"]
+    steps = {"export": "export", "int4": "weight_only"}
+    plain, with_table = stage_estimates(1 << 30, steps), stage_estimates(1 << 30, steps, tied_table=table)
+    assert with_table["int4"] == plain["int4"] + int(TIED_TABLE_FACTOR * table) and with_table["export"] == plain["export"]
+
+
 def test_nncf_data_aware_reads_the_calibration_set_and_the_column_shows_the_mix(setup):
     """scale_estimation reads activations (data.calibration); with a ratio NNCF keeps layers in int8
     (on this 2-layer MLP it kept both, measured): the column reports NNCF's choice, not the request."""

@@ -30,12 +30,14 @@ def check_torch_memory(recipe: Recipe) -> None:
     headers or the config (safety/torch_weights.py), before anything loads; the eager baseline holds
     the model as the export does. No estimate for sources that must run to know their size."""
     from optpipe.safety.memory_estimate import check_fits
-    from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes
+    from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes, tied_table_bytes
 
     weights = fp32_weight_bytes(recipe.model_source())
     if weights is None:
         return
-    check_fits(weights, estimated_steps(recipe, weights), held=held_beside_passes(weights))
+    steps = estimated_steps(recipe, weights)
+    tied = tied_table_bytes(recipe.model_source()) if "weight_only" in steps.values() else 0
+    check_fits(weights, steps, held=held_beside_passes(weights), tied_table=tied)
 
 
 def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:

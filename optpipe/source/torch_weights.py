@@ -91,3 +91,35 @@ def _meta_bytes(model_type: str | None, options: dict, task: str) -> int | None:
         log.debug("no weight estimate for this config", exc_info=True)
         return None
     return FP32 * sum(p.numel() for p in model.parameters())
+
+
+def tied_table_bytes(source: ModelSource) -> int:
+    """The FP32 bytes of an embedding table the LM head shares (tie_word_embeddings), else 0: weight_only
+    writes that table transposed for the head (optpipe/graph/matmul_weights.py), a transient the memory
+    preflight adds. From the config alone: a folder's config.json or the recipe's hf_config, with the model
+    type's defaults (transformers' AutoConfig)."""
+    try:
+        return _tied_bytes(source)
+    except Exception:  # noqa: BLE001 - an estimate only
+        log.debug("no tied-embedding estimate for this source", exc_info=True)
+        return 0
+
+
+def _tied_bytes(source: ModelSource) -> int:
+    import transformers
+
+    spec = source.model
+    if isinstance(spec, HFModel):
+        from optpipe.source.model_source import hf_folder
+
+        options = json.loads((hf_folder(source) / "config.json").read_text())
+    elif isinstance(spec, HFConfigModel):
+        options = dict(spec.hf_config)
+    else:
+        return 0
+    config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
+    text = config.get_text_config()
+    if not getattr(config, "tie_word_embeddings", False) and not getattr(text, "tie_word_embeddings", False):
+        return 0
+    return FP32 * int(text.vocab_size) * int(text.hidden_size)
+
