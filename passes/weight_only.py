@@ -65,7 +65,7 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
     """Quantize MatMul weights to INT4/INT8 (ORT MatMulNBits, weight-only, blockwise); activations stay float."""
 
     name = "weight_only"
-    version = "1"
+    version = "2"  # 2: Gemm weights and a tied LM head (through a Transpose) quantized too (graph/matmul_weights.py)
     Params = WeightOnlyParams
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
 
