@@ -69,15 +69,19 @@ PLUGINS_ENV = "OPTPIPE_PLUGINS"
 @lru_cache(maxsize=1)
 def registry() -> dict[str, type[Pass]]:
     found: dict[str, type[Pass]] = {}
-    modules = [f"{__name__}.{info.name}" for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_")]
-    modules += [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
-    for module_name in modules:
+    builtin = [f"{__name__}.{info.name}" for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_")]
+    plugins = [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
+    for module_name in builtin + plugins:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             from optpipe.core.errors import OptpipeError
 
-            raise OptpipeError(f"{PLUGINS_ENV}: cannot import pass module '{module_name}' ({exc}); fix the variable") from None
+            if module_name in plugins:
+                raise OptpipeError(f"{PLUGINS_ENV}: cannot import pass module '{module_name}' ({exc}); fix the variable") from None
+            # A built-in pass: the install is broken (a library it imports is missing or mismatched), not the user's variable.
+            raise OptpipeError(f"optpipe's pass module '{module_name}' cannot be imported ({exc}): a library it needs is "
+                               "missing or broken; reinstall optpipe (pip install -e '.[dev]', or the package named)") from None
         for obj in vars(module).values():
             if isinstance(obj, type) and issubclass(obj, Pass) and obj is not Pass and obj.__module__ == module.__name__:
                 found[obj.name] = obj
