@@ -110,6 +110,20 @@ def test_a_task_the_architecture_lacks_is_one_sentence():
         load_torch_model(_recipe({"hf_config": TINY_GPT2, "task": "object-detection"}, TOKENS, SEQ_DIMS).model_source())
 
 
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("config, said", [
+    ({**TINY_LLAMA, "pad_token_id": 500}, "'llama' model .*Padding_idx must be within num_embeddings"),  # nn.Embedding asserts
+    ({**TINY_GPT2, "n_head": 3}, "'gpt2' model .*divisible"),  # a ValueError that is not about the task's head
+])
+def test_a_config_the_architecture_refuses_names_hf_config(config, said):
+    """Not an internal error, and not "pick another task": the config's values are what to fix."""
+    with pytest.raises(ModelSourceError, match=f"model.hf_config: transformers cannot build a {said}"):
+        load_torch_model(_recipe({"hf_config": config, "task": "causal-lm"}, TOKENS, SEQ_DIMS).model_source())
+
+
 def test_auto_falls_back_to_torchscript_and_says_why(tmp_path, monkeypatch):
     """When dynamo fails, auto exports with TorchScript and records the first failure."""
     from optpipe.passes import export as export_module

@@ -179,9 +179,18 @@ def _load_hf_config(source: ModelSource, spec: HFConfigModel) -> TorchModel:
     torch.manual_seed(spec.seed)
     try:
         model = cls.from_config(config)
-    except ValueError as exc:  # the architecture has no such head
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):  # a config the architecture refuses (heads vs hidden size...)
+            raise _config_refused(model_type, exc) from None
         raise ModelSourceError(f"model.task: '{model_type}' has no {spec.task} head ({first_line(exc)}); pick another task") from None
+    except Exception as exc:  # noqa: BLE001 - modules assert on their sizes (nn.Embedding: "Padding_idx must be within num_embeddings")
+        raise _config_refused(model_type, exc) from None
     return _wrap_hf(model, source, f"{type(model).__name__} from {type(config).__name__} (random weights, seed {spec.seed})")
+
+
+def _config_refused(model_type: str, exc: BaseException) -> ModelSourceError:
+    return ModelSourceError(f"model.hf_config: transformers cannot build a '{model_type}' model from this config "
+                            f"({first_line(exc)}); fix the values it names in hf_config")
 
 
 def _wrap_hf(model, source: ModelSource, description: str) -> TorchModel:
