@@ -90,4 +90,3 @@ def test_data_set_read_by_a_pass_joins_its_cache_key(tiny_recipe, cache_dir, tmp
     assert _cache_hit(tmp_path / "run", "export"), "export does not read the evaluation set"
     assert not _cache_hit(tmp_path / "run", "scaled"), "the pass read the evaluation set: new data, new key"
     assert changed.stage("scaled").info["factor"] != first.stage("scaled").info["factor"]
-

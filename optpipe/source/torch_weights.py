@@ -52,11 +52,9 @@ def _weight_bytes(source: ModelSource) -> int | None:
         files = sorted(folder.glob("*.safetensors"))
         if files:
             return FP32 * sum(safetensors_parameters(f) for f in files)
-        config = json.loads((folder / "config.json").read_text())
-        return _meta_bytes(config.pop("model_type", None), config, spec.task)
-    if isinstance(spec, HFConfigModel):
-        options = dict(spec.hf_config)
-        return _meta_bytes(options.pop("model_type"), options, spec.task)
+    if isinstance(spec, (HFModel, HFConfigModel)):
+        options = _config_options(source)
+        return _meta_bytes(options.pop("model_type", None), options, spec.task)
     if isinstance(spec, FactoryModel) and spec.checkpoint and spec.checkpoint.endswith(".safetensors"):
         return FP32 * safetensors_parameters(source.resolve(spec.checkpoint))
     return None
@@ -108,18 +106,21 @@ def tied_table_bytes(source: ModelSource) -> int:
 def _tied_bytes(source: ModelSource) -> int:
     import transformers
 
-    spec = source.model
-    if isinstance(spec, HFModel):
-        from optpipe.source.model_source import hf_folder
-
-        options = json.loads((hf_folder(source) / "config.json").read_text())
-    elif isinstance(spec, HFConfigModel):
-        options = dict(spec.hf_config)
-    else:
+    if not isinstance(source.model, (HFModel, HFConfigModel)):
         return 0
+    options = _config_options(source)
     config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
     text = config.get_text_config()
     if not getattr(config, "tie_word_embeddings", False) and not getattr(text, "tie_word_embeddings", False):
         return 0
     return FP32 * int(text.vocab_size) * int(text.hidden_size)
 
+
+def _config_options(source: ModelSource) -> dict:
+    """The config's keys, model_type included: an `hf` folder's config.json, or the recipe's hf_config (a copy)."""
+    spec = source.model
+    if isinstance(spec, HFModel):
+        from optpipe.source.model_source import hf_folder
+
+        return json.loads((hf_folder(source) / "config.json").read_text())
+    return dict(spec.hf_config)
