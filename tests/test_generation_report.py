@@ -71,7 +71,9 @@ def test_every_stage_and_eager_report_generation_figures(tmp_path, compile_):
     task = int4["accuracy"]["task"]["metrics"]
     assert int4["generation"]["next_token_agreement"] == task["next_token_agreement"]
     assert any("random weights" in w and "mean nothing" in w for w in export["warnings"])
-    assert "generation" in (tmp_path / "run" / "report.md").read_text()
+    markdown = (tmp_path / "run" / "report.md").read_text()
+    assert "generation" in markdown
+    assert "## Decode speed by weight precision" in markdown and "- batch 1: INT4 `int4` (int4 " in markdown  # random weights
     assert "tok/s b2" in (tmp_path / "run" / "report.html").read_text()
     assert "tok/s @ batch 1" in first.output and "next-token agreement" in first.output
     again = compile_(recipe)
@@ -357,3 +359,34 @@ def test_a_big_decoder_s_export_is_estimated_as_its_worker_runs_it(tmp_path, mon
     gb = 4 << 30
     estimates = memory_estimate.stage_estimates(gb, steps, held=0)
     assert estimates["export"] < estimates["pytorch-eager"] < memory_estimate.stage_estimates(gb, {"export": "export"})["export"]
+
+
+def test_the_report_says_where_int4_does_not_decode_faster_than_int8_or_eager():
+    """#20: INT4 decodes faster than eager and INT8, or the report says on which CPU it does not. Compared by each
+    stage's interleaved vs-eager figure; only stages within their bounds (or of random weights) count."""
+    from optpipe.core.results import Accuracy, Generation, GenerationRow, StageResult
+    from optpipe.evaluation.speed_verdict import decode_speed_by_bits
+    from optpipe.graph.coverage import Coverage
+
+    def stage(name, bits: dict, rates: dict, within=True, weights="checkpoint"):
+        rows = [GenerationRow(batch_size=b, ttft_ms=10, decode_tokens_per_s=mine, eager_decode_tokens_per_s=eager)
+                for b, (mine, eager) in rates.items()]
+        accuracy = Accuracy(reference="pytorch-eager", samples=1, outputs=[], within_tolerance=within)
+        return StageResult(name=name, pass_name="weight_only", status="ok", accuracy=accuracy,
+                           coverage=Coverage(weights=bits, macs=bits, bytes=bits, total_macs=1, weight_elements=1),
+                           generation=Generation(weights=weights, tokens="t", prompts=1, new_tokens=4, prompt_tokens=2, rows=rows))
+
+    int8w = stage("int8w", {"int8": 0.4, "fp32": 0.6}, {1: (56, 20.5), 4: (136, 42)})
+    lora = stage("ov_int4_lora", {"int4": 0.49, "int8": 0.51}, {1: (42, 19.8), 4: (117, 41)})
+    rtn = stage("int4", {"int4": 0.4, "fp32": 0.6}, {1: (69, 20), 4: (170, 42)}, within=False)  # out of bounds: not counted
+    lines = decode_speed_by_bits([int8w, lora, rtn], "x86-amx")
+    assert len(lines) == 2 and lines[0].startswith("batch 1: INT4 `ov_int4_lora` (int4 49% of weight bytes) decodes 42 tok/s, 2.12x eager")
+    assert "0.78x INT8 `int8w` (56 tok/s, 2.73x eager) ⚠ INT4 is not faster than INT8 on this CPU (x86-amx)" in lines[0]
+    assert "not faster than eager" not in lines[0] and lines[1].startswith("batch 4: INT4 `ov_int4_lora`")
+    slow = stage("int4_slow", {"int4": 0.9}, {1: (20, 20.4)}, weights="random", within=False)  # random: speed still counts
+    assert decode_speed_by_bits([slow], "x86-avx2") == [
+        "batch 1: INT4 `int4_slow` (int4 90% of weight bytes) decodes 20 tok/s, 0.98x eager ⚠ INT4 is not faster than eager "
+        "on this CPU (x86-avx2)"]
+    fast = stage("int4_fast", {"int4": 0.9}, {1: (80, 20)})
+    assert "⚠" not in decode_speed_by_bits([int8w, fast], "x86-amx")[0]
+    assert decode_speed_by_bits([int8w], "x86-amx") == [], "no INT4 stage: nothing to say"

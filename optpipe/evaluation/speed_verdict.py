@@ -6,7 +6,7 @@ would hide it. Differences within the report's latency noise are not flagged.
 """
 from __future__ import annotations
 
-from optpipe.core.results import StageResult
+from optpipe.core.results import EAGER, StageResult
 
 LATENCY_NOISE = 0.05  # the Pareto frontier's noise band (reporting.run_report)
 
@@ -33,3 +33,55 @@ SLOWER_THAN_PARENT = "slower than its parent"  # how the warning starts: the rep
 
 def _is_structured_prune(stage: StageResult) -> bool:
     return stage.pass_name == "prune" and stage.info.get("method") == "structured"
+
+
+#: the report's section of decode_speed_by_bits, in report.md and report.html
+DECODE_BY_BITS = "Decode speed by weight precision (the fastest stage of each within its bounds; vs eager timed beside each)"
+
+
+def decode_speed_by_bits(stages: list[StageResult], cpu_class: str | None) -> list[str]:
+    """Whether INT4 weights decode faster than INT8 weights and than eager on this CPU, per batch size of the
+    generation, among decoder stages that held their bounds (or have random weights, whose bounds mean nothing):
+    the fastest stage with any INT4 weights against the fastest with INT8 weights and none in INT4. INT4 halves the bytes a decode step reads, but its unpacking
+    can cost more than that saves: Gemma 3 270M's in-bounds INT4 stage decoded at 0.75x its INT8 weight-only
+    stage on x86-amx (docs/llm.md). Stages are compared by their vs-eager figures, each timed interleaved with
+    its own eager, so that the host's drift between the two stages' timings cancels."""
+    held = [s for s in stages if s.status == "ok" and s.name != EAGER and s.generation and s.coverage and _held(s)]
+    int4 = [s for s in held if s.coverage.share("int4", "bytes") > 0]
+    int8 = [s for s in held if s.coverage.share("int4", "bytes") == 0 and s.coverage.share("int8", "bytes") > 0]
+    if not int4:
+        return []
+    where = f"on this CPU ({cpu_class or 'class unknown'})"
+    lines = []
+    for batch in sorted({r.batch_size for s in int4 for r in s.generation.rows}):
+        best4 = _fastest(int4, batch)
+        if best4 is None:
+            continue
+        stage4, eager4, rate4 = best4
+        share = stage4.coverage.share("int4", "bytes")
+        line = f"batch {batch}: INT4 `{stage4.name}` (int4 {share:.0%} of weight bytes) decodes {rate4:.0f} tok/s, {eager4:.2f}x eager"
+        if eager4 <= 1 + LATENCY_NOISE:
+            line += f" ⚠ INT4 is not faster than eager {where}"
+        best8 = _fastest(int8, batch)
+        if best8 is not None:
+            stage8, eager8, rate8 = best8
+            ratio = eager4 / eager8
+            line += f", {ratio:.2f}x INT8 `{stage8.name}` ({rate8:.0f} tok/s, {eager8:.2f}x eager)"
+            if ratio <= 1 + LATENCY_NOISE:
+                line += f" ⚠ INT4 is not faster than INT8 {where}"
+        lines.append(line)
+    return lines
+
+
+def _held(stage: StageResult) -> bool:
+    """Within its bounds, or of random weights, where the bounds judge nothing and speed is all a stage shows
+    (bench/llm.py's billion-parameter shapes)."""
+    return stage.accuracy is None or stage.accuracy.within_tolerance or stage.generation.weights == "random"
+
+
+def _fastest(stages: list[StageResult], batch: int) -> tuple[StageResult, float, float] | None:
+    """The stage with the highest decode speed-up over its interleaved eager at this batch size, that figure
+    and its tokens/s."""
+    timed = [(s, row.decode_tokens_per_s / row.eager_decode_tokens_per_s, row.decode_tokens_per_s) for s in stages
+             for row in [s.generation.row(batch)] if row is not None and row.eager_decode_tokens_per_s]
+    return max(timed, key=lambda pair: pair[1], default=None)

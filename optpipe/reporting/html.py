@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+from optpipe.evaluation.speed_verdict import DECODE_BY_BITS, decode_speed_by_bits
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, out_of_tolerance, stage_rows, table_note
 from optpipe.core.results import EAGER, Latency, RunReport, StageResult, TargetResult
@@ -37,6 +38,9 @@ def render_html(report: RunReport, plots_file: Path | None = None) -> str:
     note = sweep_note(report)
     for title, svg in plots["curves"]:
         sections.append(_section(title, svg + (f"<p class='note'>{html.escape(note)}</p>" if note else "")))
+    by_bits = decode_speed_by_bits(report.stages, (report.machine.get("cpu") or {}).get("class"))
+    if by_bits:
+        sections.append(_section(DECODE_BY_BITS, "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in by_bits) + "</ul>"))
     sections.append(_problems(report))
     sections.append(_targets(report.targets))
     floats = left_in_float(report.stages)

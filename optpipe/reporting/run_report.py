@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from optpipe.core.artifact import write_text_atomic
-from optpipe.evaluation.speed_verdict import slower_than_parent
+from optpipe.evaluation.speed_verdict import DECODE_BY_BITS, decode_speed_by_bits, slower_than_parent
 from optpipe.recipe.schema import EvaluateSpec
 from optpipe.evaluation.verdict import left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
@@ -109,6 +109,9 @@ def render_markdown(report: RunReport) -> str:
 
     if sweep_note(report):
         lines += [sweep_note(report), ""]
+    by_bits = decode_speed_by_bits(report.stages, cpu_class)
+    if by_bits:
+        lines += [f"## {DECODE_BY_BITS}", ""] + [f"- {line}" for line in by_bits] + [""]
     warned = grouped_warnings(report.stages)
     if warned:
         lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
