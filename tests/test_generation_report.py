@@ -380,12 +380,12 @@ def test_the_report_says_where_int4_does_not_decode_faster_than_int8_or_eager():
     lora = stage("ov_int4_lora", {"int4": 0.49, "int8": 0.51}, {1: (42, 19.8), 4: (117, 41)})
     rtn = stage("int4", {"int4": 0.4, "fp32": 0.6}, {1: (69, 20), 4: (170, 42)}, within=False)  # out of bounds: not counted
     lines = decode_speed_by_bits([int8w, lora, rtn], "x86-amx")
-    assert len(lines) == 2 and lines[0].startswith("batch 1: INT4 `ov_int4_lora` (int4 49% of weight bytes) decodes 42 tok/s, 2.12x eager")
+    assert len(lines) == 2 and lines[0].startswith("batch 1: INT4 `ov_int4_lora` (int4 49% of MACs) decodes 42 tok/s, 2.12x eager")
     assert "0.78x INT8 `int8w` (56 tok/s, 2.73x eager) ⚠ INT4 is not faster than INT8 on this CPU (x86-amx)" in lines[0]
     assert "not faster than eager" not in lines[0] and lines[1].startswith("batch 4: INT4 `ov_int4_lora`")
     slow = stage("int4_slow", {"int4": 0.9}, {1: (20, 20.4)}, weights="random", within=False)  # random: speed still counts
     assert decode_speed_by_bits([slow], "x86-avx2") == [
-        "batch 1: INT4 `int4_slow` (int4 90% of weight bytes) decodes 20 tok/s, 0.98x eager ⚠ INT4 is not faster than eager "
+        "batch 1: INT4 `int4_slow` (int4 90% of MACs) decodes 20 tok/s, 0.98x eager ⚠ INT4 is not faster than eager "
         "on this CPU (x86-avx2)"]
     fast = stage("int4_fast", {"int4": 0.9}, {1: (80, 20)})
     assert "⚠" not in decode_speed_by_bits([int8w, fast], "x86-amx")[0]

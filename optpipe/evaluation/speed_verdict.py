@@ -42,13 +42,14 @@ DECODE_BY_BITS = "Decode speed by weight precision (the fastest stage of each wi
 def decode_speed_by_bits(stages: list[StageResult], cpu_class: str | None) -> list[str]:
     """Whether INT4 weights decode faster than INT8 weights and than eager on this CPU, per batch size of the
     generation, among decoder stages that held their bounds (or have random weights, whose bounds mean nothing):
-    the fastest stage with any INT4 weights against the fastest with INT8 weights and none in INT4. INT4 halves the bytes a decode step reads, but its unpacking
-    can cost more than that saves: Gemma 3 270M's in-bounds INT4 stage decoded at 0.75x its INT8 weight-only
-    stage on x86-amx (docs/llm.md). Stages are compared by their vs-eager figures, each timed interleaved with
+    the fastest stage with any INT4 MatMuls against the fastest with INT8 ones and none in INT4. INT4 halves the
+    bytes a decode step reads, but its unpacking (and a mixed stage's INT8 half, or its LoRA MatMuls) can cost
+    more than that saves: Gemma 3 270M's in-bounds INT4 stage decoded at 0.75-0.78x its INT8 weight-only stage
+    on x86-amx (docs/llm.md). Stages are compared by their vs-eager figures, each timed interleaved with
     its own eager, so that the host's drift between the two stages' timings cancels."""
     held = [s for s in stages if s.status == "ok" and s.name != EAGER and s.generation and s.coverage and _held(s)]
-    int4 = [s for s in held if s.coverage.share("int4", "bytes") > 0]
-    int8 = [s for s in held if s.coverage.share("int4", "bytes") == 0 and s.coverage.share("int8", "bytes") > 0]
+    int4 = [s for s in held if _share(s, "int4") > 0]
+    int8 = [s for s in held if _share(s, "int4") == 0 and _share(s, "int8") > 0]
     if not int4:
         return []
     where = f"on this CPU ({cpu_class or 'class unknown'})"
@@ -58,8 +59,7 @@ def decode_speed_by_bits(stages: list[StageResult], cpu_class: str | None) -> li
         if best4 is None:
             continue
         stage4, eager4, rate4 = best4
-        share = stage4.coverage.share("int4", "bytes")
-        line = f"batch {batch}: INT4 `{stage4.name}` (int4 {share:.0%} of weight bytes) decodes {rate4:.0f} tok/s, {eager4:.2f}x eager"
+        line = f"batch {batch}: INT4 `{stage4.name}` (int4 {_share(stage4, 'int4'):.0%} of MACs) decodes {rate4:.0f} tok/s, {eager4:.2f}x eager"
         if eager4 <= 1 + LATENCY_NOISE:
             line += f" ⚠ INT4 is not faster than eager {where}"
         best8 = _fastest(int8, batch)
@@ -71,6 +71,11 @@ def decode_speed_by_bits(stages: list[StageResult], cpu_class: str | None) -> li
                 line += f" ⚠ INT4 is not faster than INT8 {where}"
         lines.append(line)
     return lines
+
+
+def _share(stage: StageResult, precision: str) -> float:
+    """The precision's share of the stage's MACs (its weight bytes' where no MACs were counted)."""
+    return stage.coverage.share(precision, "macs" if stage.coverage.total_macs else "bytes")
 
 
 def _held(stage: StageResult) -> bool:
