@@ -91,6 +91,10 @@ def _meta_bytes(model_type: str | None, options: dict, task: str) -> int | None:
     return FP32 * sum(p.numel() for p in model.parameters())
 
 
+#: the tasks whose Auto class has an LM head, the only head that shares the embedding table
+LM_HEAD_TASKS = frozenset({"causal-lm", "text-generation", "fill-mask", "masked-lm"})
+
+
 def tied_table_bytes(source: ModelSource) -> int:
     """The FP32 bytes of an embedding table the LM head shares (tie_word_embeddings), else 0: weight_only
     writes that table transposed for the head (optpipe/graph/matmul_weights.py), a transient the memory
@@ -106,8 +110,8 @@ def tied_table_bytes(source: ModelSource) -> int:
 def _tied_bytes(source: ModelSource) -> int:
     import transformers
 
-    if not isinstance(source.model, (HFModel, HFConfigModel)):
-        return 0
+    if not isinstance(source.model, (HFModel, HFConfigModel)) or source.model.task not in LM_HEAD_TASKS:
+        return 0  # no LM head to share the table: a BERT's config says tied (transformers' default) all the same
     options = _config_options(source)
     config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
     text = config.get_text_config()
