@@ -91,3 +91,35 @@ def test_an_input_init_cannot_infer_is_named_in_one_line(tmp_path, cli_run, monk
     [line] = refused.output.strip().splitlines()
     assert "forward() does not take the inferred input(s) x ['batch', 8]" in line
     assert not Path("pair.yaml").exists() and not Path("picky.yaml").exists()
+
+
+TINY_WAV2VEC2 = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+                     conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+                     num_labels=3)
+TINY_WHISPER = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                    encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=50, vocab_size=100,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, num_labels=3)
+
+
+def test_audio_classifiers_get_their_task_and_inputs(tmp_path, cli_run, monkeypatch):
+    """An audio classifier's class is named `...ForSequenceClassification` (wav2vec2, HuBERT), which
+    AutoModelForSequenceClassification refuses: its task comes from transformers' own tables. wav2vec2 makes one
+    weight with a legacy constructor that ignores the meta device: the model is still measured on meta/CPU
+    rather than refused. Whisper's classifier takes a fixed-length log-mel spectrogram sized from its config."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.AutoModelForAudioClassification.from_config(
+        transformers.Wav2Vec2Config(**TINY_WAV2VEC2)).save_pretrained(tmp_path / "wav2vec2")
+    transformers.AutoModelForAudioClassification.from_config(
+        transformers.WhisperConfig(**TINY_WHISPER)).save_pretrained(tmp_path / "whisper")
+    monkeypatch.chdir(tmp_path)
+    result, recipe = _init(cli_run, "wav2vec2", "-o", "wav2vec2.yaml")
+    assert result.exit_code == 0, result.output
+    assert recipe["model"]["task"] == "audio-classification" and recipe["evaluate"]["task"] == {"kind": "classification"}
+    assert recipe["inputs"] == [{"name": "input_values", "dtype": "float32", "shape": ["batch", "samples"]}]
+    result, recipe = _init(cli_run, "whisper", "-o", "whisper.yaml")
+    assert result.exit_code == 0, result.output
+    assert recipe["model"]["task"] == "audio-classification"
+    assert recipe["inputs"] == [{"name": "input_features", "dtype": "float32", "shape": ["batch", 16, 100]}]

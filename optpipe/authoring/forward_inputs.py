@@ -16,7 +16,8 @@ from optpipe.core.errors import ModelSourceError
 TEXT = ("input_ids", "attention_mask", "token_type_ids")
 IMAGE = "pixel_values"
 AUDIO = "input_values"
-KNOWN = (*TEXT, IMAGE, AUDIO)
+MEL = "input_features"  # Whisper's log-mel spectrogram: num_mel_bins x 2 * max_source_positions frames, fixed
+KNOWN = (*TEXT, IMAGE, AUDIO, MEL)
 
 
 def forward_parameters(forward: Callable) -> list[tuple[str, bool]]:
@@ -61,6 +62,10 @@ def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Opt
         inputs.append(input_entry(AUDIO, "float32", ["batch", "samples"]))
         dims["samples"] = {"min": 1600, "opt": 16000, "max": 160000}
         known.add(AUDIO)
+    if MEL in names and not known and "num_mel_bins" in config and "max_source_positions" in config:
+        # The encoder refuses any other length (its positions are 2 frames each, after a stride-2 conv)
+        inputs.append(input_entry(MEL, "float32", ["batch", int(config["num_mel_bins"]), 2 * int(config["max_source_positions"])]))
+        known.add(MEL)
     unknown_required(params, known, owner)
     inputs.sort(key=lambda spec: names.index(spec["name"]))  # a factory's module takes them by position
     if not inputs:

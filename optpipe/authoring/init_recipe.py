@@ -155,10 +155,33 @@ ARCHITECTURE_TASKS = (
 )
 
 
+# Tasks -> transformers' own tables of the class each model type's Auto class builds for it.
+TASK_MAPPINGS = {task: f"MODEL_FOR_{name}_MAPPING_NAMES" for task, name in (
+    ("sequence-classification", "SEQUENCE_CLASSIFICATION"), ("audio-classification", "AUDIO_CLASSIFICATION"),
+    ("token-classification", "TOKEN_CLASSIFICATION"), ("question-answering", "QUESTION_ANSWERING"),
+    ("fill-mask", "MASKED_LM"), ("causal-lm", "CAUSAL_LM"), ("image-classification", "IMAGE_CLASSIFICATION"),
+    ("object-detection", "OBJECT_DETECTION"), ("semantic-segmentation", "SEMANTIC_SEGMENTATION"))}
+
+
+def architecture_task(config: dict) -> str:
+    """The task whose Auto class builds the folder's architecture. Its name's ending is not enough: an audio
+    classifier is `Wav2Vec2ForSequenceClassification`, which AutoModelForSequenceClassification refuses
+    ("Unrecognized configuration class"); transformers' tables say which Auto class builds it. The ending
+    decides where the tables do not know the model type (remote code)."""
+    from transformers.models.auto import modeling_auto
+
+    architecture = (config.get("architectures") or [""])[0]
+    by_name = next((t for suffix, t in ARCHITECTURE_TASKS if architecture.endswith(suffix)), "feature-extraction")
+    for task in sorted(TASK_MAPPINGS, key=lambda t: t != by_name):  # the name's own task first
+        built = getattr(modeling_auto, TASK_MAPPINGS[task], {}).get(config.get("model_type"))
+        if architecture and architecture in ((built,) if isinstance(built, str) else built or ()):
+            return task
+    return by_name
+
+
 def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    architecture = (config.get("architectures") or [""])[0]
-    task = next((t for suffix, t in ARCHITECTURE_TASKS if architecture.endswith(suffix)), "feature-extraction")
+    task = architecture_task(config)
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
     if task == "causal-lm":
         model["outputs"] = ["logits"]

@@ -128,7 +128,9 @@ def model_kind(net, inputs: list[dict], dims: dict, owner: str) -> tuple[str, li
 
 
 def _on_meta(net) -> bool:
-    return next((p.is_meta for p in net.parameters()), False)
+    """Any weight on the meta device: not only the first, which a legacy constructor may have put on the CPU
+    (wav2vec2's `masked_spec_embed`, made by `torch.Tensor(...)`, which ignores the meta device)."""
+    return any(p.is_meta for p in net.parameters())
 
 
 def factory_kind(net, inputs: list[dict], dims: dict, owner: str) -> tuple[str, list[str]]:
