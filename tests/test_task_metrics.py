@@ -336,6 +336,29 @@ def test_one_input_insensitive_output_beside_sensitive_ones_is_named(tmp_path):
     assert "(some outputs barely depend on the inputs)" in text and "meaningless" not in text
 
 
+def test_a_reference_of_subnormal_outputs_is_flagged_meaningless():
+    """A random-init MobileViT's logits peaked at 2.9e-41: eager 'disagreed' with its export (cosine 0.976) and every
+    quantized stage, whose outputs were exactly 0, scored cosine 0. The figures are noise, and the report says so."""
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(0, 1, (8, 10)) * 1e-41).astype(np.float32)  # subnormal float32
+    flushed = {"logits": np.zeros_like(logits)}
+    acc = compare(flushed, {"logits": logits}, {}, TOL, "export")
+    [warning] = acc.warnings
+    assert "'logits' (at most " in warning and "zero or subnormal everywhere" in warning and "mean nothing" in warning
+    stage = StageResult(name="int8", pass_name="int8", status="ok", accuracy=acc, warnings=acc.warnings)
+    recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}], "stages": {"export": {"pass": "export"}}})
+    text = render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
+    assert "(meaningless: outputs ~0)" in text
+    # One output ~0 beside a real one: that output is named, the figures "mean little", not the whole model's.
+    both = {"logits": logits, "boxes": rng.normal(0, 1, (8, 4)).astype(np.float32)}
+    [warning] = compare(both, both, {}, TOL, "export").warnings
+    assert warning.startswith("the reference's output 'logits'") and "mean little" in warning
+    assert compare({"z": np.zeros((2, 3), np.float32)}, {"z": np.zeros((2, 3), np.float32)}, {}, TOL, "e").warnings[0].startswith(
+        "the reference's output 'z' (all zeros)")
+    normal = {"logits": logits * 1e10}
+    assert compare(normal, normal, {}, TOL, "export").warnings == []
+
+
 def test_the_pass_guard_judges_by_the_task_metric(tmp_path):
     """The guard of an fp16/int8 pass holds the stage to the recipe's task, not to cosine alone."""
     from helpers_passes import context

@@ -110,8 +110,34 @@ def compare(
         violations=violations,
         polygraphy_match=polygraphy_match,
         task=task_result,
-        warnings=_sensitivity_warnings(outputs, task_result, min_input_sensitivity),
+        warnings=_magnitude_warnings(pairs) + _sensitivity_warnings(outputs, task_result, min_input_sensitivity),
     )
+
+
+def _magnitude_warnings(pairs: list[tuple[str, np.ndarray, np.ndarray]]) -> list[str]:
+    """The warning when a float output of the reference is all zeros or all subnormal (below its dtype's smallest
+    normal): runtimes flush such values to zero or not as they please, so every figure on it is noise. A random-init
+    MobileViT's logits peaked at 2.9e-41: eager 'disagreed' with its own export (cosine 0.976) and every int8,
+    fp16 and bf16 stage scored cosine 0 on outputs that were exactly zero."""
+    floats, tiny = 0, []
+    for name, _, ref in pairs:
+        ref = np.asarray(ref)
+        if ref.dtype.kind != "f" or ref.size == 0:
+            continue
+        floats += 1
+        peak = max(float(ref.max()), -float(ref.min()))  # no |ref| copy of a big output
+        if np.isfinite(peak) and peak < np.finfo(ref.dtype).tiny:
+            tiny.append(f"'{name}' ({'all zeros' if peak == 0 else f'at most {peak:.1e}'})")
+    if not tiny:
+        return []
+    many = len(tiny) > 1
+    verdict = MEANINGLESS if len(tiny) == floats else f"the figures on {'them' if many else 'it'} mean little"
+    return [f"the reference's output{'s' if many else ''} {', '.join(tiny)} {'are' if many else 'is'} {NEAR_ZERO}: the "
+            f"model computes ~0 (random weights?), and runtimes flush such values to zero or not as they please, so {verdict}"]
+
+
+MEANINGLESS = "these accuracy figures mean nothing"  # the report's rows mark a figure under these warnings
+NEAR_ZERO = "zero or subnormal everywhere"
 
 
 def input_sensitivity(reference: np.ndarray) -> float | None:
@@ -153,7 +179,7 @@ def _sensitivity_warnings(outputs: list[OutputAccuracy], task, threshold: float)
         worst = max(o.input_sensitivity for o in low)
         return [f"the reference's outputs barely change across the evaluation samples (spread {worst:.1e} of their magnitude, "
                 f"below {threshold:g}): the model ignores its inputs (random weights?) or the samples are alike, "
-                "so these accuracy figures mean nothing"]
+                f"so {MEANINGLESS}"]
     shown = ", ".join(f"'{o.name}' (spread {o.input_sensitivity:.1e})" for o in low)
     return [f"output{'s' if len(low) > 1 else ''} {shown} barely change{'' if len(low) > 1 else 's'} across the evaluation "
             f"samples (below {threshold:g} of {'their' if len(low) > 1 else 'its'} magnitude) while the others do: the "

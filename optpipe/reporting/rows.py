@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Literal, Optional
 
+from optpipe.evaluation.accuracy import MEANINGLESS, NEAR_ZERO
 from optpipe.evaluation.latency import BUSY_SPREAD
 from optpipe.evaluation.openvino_runtime import PRECISION_NAMES
 from optpipe.evaluation.speed_verdict import SLOWER_THAN_PARENT
@@ -182,11 +183,11 @@ def _cosine(c: RowContext) -> Cell:
     return Cell(text, None if accuracy.within_tolerance and not accuracy.warnings else "out")
 
 
-MEANINGLESS = "these accuracy figures mean nothing"  # evaluation.accuracy's whole-model warning
-
-
 def meaningless_mark(accuracy: Accuracy) -> str:
-    """Marks a figure measured on outputs that barely depend on the inputs (see the Warnings section)."""
+    """Marks a figure measured on outputs that are ~0, or barely depend on the inputs (see the Warnings section)."""
+    near_zero = [w for w in accuracy.warnings if NEAR_ZERO in w]
+    if near_zero:
+        return " (meaningless: outputs ~0)" if any(MEANINGLESS in w for w in near_zero) else " (some outputs ~0)"
     if any(MEANINGLESS in w and "random weights" in w for w in accuracy.warnings):
         return " (meaningless: random weights)"
     if any(MEANINGLESS in w for w in accuracy.warnings):
