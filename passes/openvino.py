@@ -29,6 +29,7 @@ from optpipe.core.errors import DataError, PassError
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.core.results import Accuracy
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
+from optpipe.passes._openvino_input import openvino_model
 from optpipe.passes._openvino_isa import bf16_skip_reason, int8_skip_reason
 from optpipe.passes._openvino_nncf import quantize
 
@@ -117,12 +118,12 @@ class OpenVinoPass(Pass):
         if not ovr.supports(params.precision):
             raise PassError(f"this CPU cannot run bf16 in OpenVINO (its capabilities: {', '.join(ovr.cpu_capabilities())}); "
                             "use precision fp32 or int8")
-        try:
-            converted = ovr.read_onnx(model.path)  # memory-mapped weights (openvino_runtime.read_onnx)
-        except Exception as exc:  # the converter raises assorted errors on ops it cannot translate
-            raise PassError(f"OpenVINO cannot convert this ONNX model: {ovr.conversion_failure(exc)}") from None
+        with openvino_model(model, ctx) as (converted, rewritten):  # memory-mapped weights (openvino_runtime.read_onnx)
+            return self._convert(converted, model, ctx, {"runtime": ovr.RUNTIME, "precision": params.precision, **rewritten})
+
+    def _convert(self, converted, model: ModelArtifact, ctx: PassContext, info: dict[str, Any]) -> ModelArtifact:
+        params: OpenVinoParams = self.params  # type: ignore[assignment]
         check = InputCheck(model, ctx)
-        info: dict[str, Any] = {"runtime": ovr.RUNTIME, "precision": params.precision}
         ignored = sorted(params.model_fields_set & INT8_ONLY) if params.precision != "int8" else []
         if ignored:
             # Not refused: a search over precision may keep them set for its int8 points. Said in the report.

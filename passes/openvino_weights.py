@@ -22,6 +22,7 @@ from optpipe.core.errors import PassError, first_line
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.graph.ir_weights import ir_coverage
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
+from optpipe.passes._openvino_input import openvino_model
 
 MODES = {"int4_sym": "INT4_SYM", "int4_asym": "INT4_ASYM", "int8_sym": "INT8_SYM", "int8_asym": "INT8_ASYM"}
 SENSITIVITY = {"weight_error": "WEIGHT_QUANTIZATION_ERROR", "hessian": "HESSIAN_INPUT_ACTIVATION", "mean_variance": "MEAN_ACTIVATION_VARIANCE",
@@ -99,17 +100,15 @@ class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
         if params.activations == "bf16" and not ovr.supports("bf16"):
             raise PassError(f"this CPU cannot run bf16 in OpenVINO (its capabilities: {', '.join(ovr.cpu_capabilities())}); "
                             "set `activations: fp32`")
-        try:
-            # Not mapped: NNCF replaces the weights it compresses, and the map would keep every page it read.
-            converted = ovr.read_onnx(model.path, mmap=False)
-        except Exception as exc:  # the converter raises assorted errors on ops it cannot translate
-            raise PassError(f"OpenVINO cannot convert this ONNX model: {ovr.conversion_failure(exc)}") from None
-        compressed = compress(converted, params, ctx)
-        del converted
-        ovr.save_ir(compressed, ctx.workdir)
+        # Not mapped: NNCF replaces the weights it compresses, and the map would keep every page it read.
+        # A rewritten input (passes/_openvino_input.py) lives until the IR is written: weights are read when used.
+        with openvino_model(model, ctx, mmap=False) as (converted, rewritten):
+            compressed = compress(converted, params, ctx)
+            del converted
+            ovr.save_ir(compressed, ctx.workdir)
+            coverage = ir_coverage(compressed)
+            del compressed
         hint = ovr.write_settings(ctx.workdir, params.activations)["hint"]
-        coverage = ir_coverage(compressed)
-        del compressed
         compiled = ovr.compile_model(ctx.workdir / ovr.IR_FILE, ctx.evaluate.threads, hint)
         info: dict[str, Any] = {
             "runtime": ovr.RUNTIME,
@@ -119,6 +118,7 @@ class OpenVinoWeightsPass(Pass[OpenVinoWeightsParams]):
             "coverage": coverage.model_dump(mode="json"),
             "output_names": ovr.output_names(model.path),
             **ovr.precision_facts(compiled),
+            **rewritten,
         }
         del compiled
         return write_info(ctx.workdir, info)

@@ -242,7 +242,7 @@ def test_an_int8_stage_on_a_broken_conversion_is_refused_before_any_node_is_excl
     wrong = ov_pass.ovr.convert_onnx(gemms(tmp_path / "other")[0].path)  # other weights: computes something else
     converted = []
     real = ov_pass.ovr.read_onnx  # the pass reads the ONNX with Core.read_model (memory-mapped weights)
-    monkeypatch.setattr(ov_pass.ovr, "read_onnx", lambda path: converted.append(path) or wrong)
+    monkeypatch.setattr(ov_pass.ovr, "read_onnx", lambda path, **_: converted.append(path) or wrong)
     with pytest.raises(PassError, match=r"^OpenVINO's FP32 conversion does not compute what the input ONNX does"):
         run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8")
     monkeypatch.setattr(ov_pass.ovr, "read_onnx", real)
@@ -260,6 +260,6 @@ def test_a_bf16_stage_on_a_broken_conversion_is_refused_naming_the_conversion(tm
         pytest.skip("this CPU runs no bf16 in OpenVINO")
     source, recipe, arrays = gemms(tmp_path)
     wrong = ov_pass.ovr.convert_onnx(gemms(tmp_path / "other")[0].path)  # other weights: computes something else
-    monkeypatch.setattr(ov_pass.ovr, "read_onnx", lambda path: wrong)
+    monkeypatch.setattr(ov_pass.ovr, "read_onnx", lambda path, **_: wrong)
     with pytest.raises(PassError, match=r"^OpenVINO's FP32 conversion does not compute what the input ONNX does"):
         run_pass(source, recipe, arrays, tmp_path / "ov", precision="bf16")

@@ -196,11 +196,22 @@ def _root_logger_kept():
 
 def conversion_failure(exc: BaseException) -> str:
     """Why convert_model failed, in one line. Its message ends with a summary ("-- No conversion rule
-    found for operations: Det-18"): that names the ops to replace, the lines above it do not."""
+    found for operations: Det-18"): that names the ops to replace, the lines above it do not. An op that has
+    a rule but failed it ("-- AveragePool-20 with a message:") gets the message's last line, the cause
+    ("Kernel after dilation has size (dim: 2560) larger than the data shape after padding (dim: 2)"): the
+    summary alone said "AveragePool-20 with a message:; Conversion is failed for: AveragePool-20"."""
     from optpipe.core.errors import first_line
 
-    summary = [line.strip()[2:].strip() for line in str(exc).splitlines() if line.strip().startswith("--")]
-    return "; ".join(summary)[:300] if summary else first_line(exc)
+    lines = [line.strip() for line in str(exc).splitlines()]
+    summary = [line[2:].strip() for line in lines if line.startswith("--")]
+    if not summary:
+        return first_line(exc)
+    failed = next((i for i, line in enumerate(lines) if line.startswith("--") and line.endswith("with a message:")), None)
+    if failed is not None:
+        block = lines[failed + 1:lines.index("Summary:") if "Summary:" in lines[failed:] else None]
+        cause = next((line for line in reversed(block) if line), "")
+        return f"{summary[0].removesuffix(' with a message:')}: {cause}"[:300]
+    return "; ".join(summary)[:300]
 
 
 def save_ir(model, folder: Path) -> Path:
