@@ -23,9 +23,13 @@ from optpipe.pass_infra.pass_base import PassContext
 def openvino_model(model: ModelArtifact, ctx: PassContext, mmap: bool = True) -> Iterator[tuple[object, dict]]:
     """(the ov.Model read from the pass's input, info on what was rewritten for OpenVINO); the rewritten copy,
     if any, lives until the block ends (unmapped, OpenVINO reads weights from the file when used)."""
-    graph = onnx.load(str(model.path), load_external_data=False)
-    pools = whole_input_pools_as_global(graph)
+    try:
+        graph = onnx.load(str(model.path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - a file onnx cannot parse: OpenVINO's own read says why, below
+        graph = None
+    pools = whole_input_pools_as_global(graph) if graph is not None else []
     if not pools:
+        del graph  # the block may run long (NNCF): the graph's protobuf is not kept beside it
         yield _read(model.path, mmap), {}
         return
     folder = ctx.workdir.parent / f".{ctx.workdir.name}.openvino-input"  # beside the workdir: never published
@@ -34,6 +38,7 @@ def openvino_model(model: ModelArtifact, ctx: PassContext, mmap: bool = True) ->
         onnx.save(graph, str(folder / MODEL_FILE))
         for location in _data_files(graph):
             _link(model.folder / location, folder / location)
+        del graph
         ctx.log.info("for OpenVINO: %s rewritten as global pooling (the window covers the input)", ", ".join(pools))
         yield _read(folder / MODEL_FILE, mmap), {"rewritten_for_openvino": {"global_pooling": pools}}
     finally:
