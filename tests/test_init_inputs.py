@@ -105,7 +105,8 @@ def test_audio_classifiers_get_their_task_and_inputs(tmp_path, cli_run, monkeypa
     """An audio classifier's class is named `...ForSequenceClassification` (wav2vec2, HuBERT), which
     AutoModelForSequenceClassification refuses: its task comes from transformers' own tables. wav2vec2 makes one
     weight with a legacy constructor that ignores the meta device: the model is still measured on meta/CPU
-    rather than refused. Whisper's classifier takes a fixed-length log-mel spectrogram sized from its config."""
+    rather than refused. Whisper's classifier takes a fixed-length log-mel spectrogram sized from its config, AST
+    a fixed grid of filterbank frames."""
     import torch
     import transformers
 
@@ -123,3 +124,10 @@ def test_audio_classifiers_get_their_task_and_inputs(tmp_path, cli_run, monkeypa
     assert result.exit_code == 0, result.output
     assert recipe["model"]["task"] == "audio-classification"
     assert recipe["inputs"] == [{"name": "input_features", "dtype": "float32", "shape": ["batch", 16, 100]}]
+    # The Audio Spectrogram Transformer's input_values are filterbank frames, sized from its config, not samples.
+    transformers.AutoModelForAudioClassification.from_config(transformers.ASTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, max_length=64, num_mel_bins=32,
+        num_labels=3)).save_pretrained(tmp_path / "ast")
+    result, recipe = _init(cli_run, "ast", "-o", "ast.yaml")
+    assert result.exit_code == 0, result.output
+    assert recipe["inputs"] == [{"name": "input_values", "dtype": "float32", "shape": ["batch", 64, 32]}]

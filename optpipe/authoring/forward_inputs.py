@@ -58,7 +58,12 @@ def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Opt
             inputs.append(input_entry(name, "int64", ["batch", "sequence"], **({"range": [0, vocab]} if name == "input_ids" else {})))
             known.add(name)
         dims["sequence"] = {"min": 1, "opt": min(128, longest), "max": min(512, longest)}
-    if AUDIO in names and not known:
+    if AUDIO in names and not known and "num_mel_bins" in config and "max_length" in config:
+        # The Audio Spectrogram Transformer's input_values are filterbank frames, not samples: its patch grid is
+        # built for max_length frames of num_mel_bins (its position embeddings take no other size)
+        inputs.append(input_entry(AUDIO, "float32", ["batch", int(config["max_length"]), int(config["num_mel_bins"])]))
+        known.add(AUDIO)
+    elif AUDIO in names and not known:
         inputs.append(input_entry(AUDIO, "float32", ["batch", "samples"]))
         dims["samples"] = {"min": 1600, "opt": 16000, "max": 160000}
         known.add(AUDIO)
