@@ -355,7 +355,13 @@ def test_a_reference_of_subnormal_outputs_is_flagged_meaningless():
     assert warning.startswith("the reference's output 'logits'") and "mean little" in warning
     assert compare({"z": np.zeros((2, 3), np.float32)}, {"z": np.zeros((2, 3), np.float32)}, {}, TOL, "e").warnings[0].startswith(
         "the reference's output 'z' (all zeros)")
-    normal = {"logits": logits * 1e10}
+    # Normal in float32 but below float16's range (a random-init MobileNetV2: 3.2e-25): said, not judged meaningless.
+    small = {"logits": logits * 1e16}
+    [warning] = compare(small, small, {}, TOL, "export").warnings
+    assert "below float16's smallest normal" in warning and "mean nothing" not in warning
+    stage = StageResult(name="fp16", pass_name="fp16", status="ok", accuracy=compare(small, small, {}, TOL, "export"))
+    assert "(output below fp16's range)" in render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
+    normal = {"logits": logits * 1e41}
     assert compare(normal, normal, {}, TOL, "export").warnings == []
 
 

@@ -32,7 +32,7 @@ from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_s
 
 EVAL_FORMAT = 8  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
 # 5: sweeps measured and cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU time;
-# 7: a time budget per figure, each figure's interval and why its timing stopped; 8: a reference ~0 everywhere is warned
+# 7: a time budget per figure, each figure's interval and why its timing stopped; 8: a reference ~0 (or < fp16's range) is warned
 #: Settings that shape only the sweep curves: not part of the headline's cache key.
 SWEEP_SETTINGS = {"sweep", "sweep_iterations", "sweep_stages"}
 #: Settings that shape no figure (a search's strategy or budget, the Ray resources, the eager baseline
