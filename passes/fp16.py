@@ -10,7 +10,7 @@ from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.core.errors import PassError, first_line
 from optpipe.evaluation.fp16_numerics import emulate_fp16
 from optpipe.evaluation.guard import MAX_EXCLUDED_ALIASES, AccuracyGuard, GuardParams
-from optpipe.graph.edit import name_unnamed_nodes, topologically_sorted
+from optpipe.graph.edit import name_unnamed_nodes, read_names, topologically_sorted
 from optpipe.graph.stats import graph_stats
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 
@@ -115,7 +115,7 @@ def join_kept_regions(model: onnx.ModelProto) -> None:
         producer = producers.get(node.input[0])
         if producer is not None and producer.op_type == "Cast" and producer.input[0] == node.input[0] + _KEPT_OUTPUT_SUFFIX:
             node.input[0] = producer.input[0]
-    used = {name for node in model.graph.node for name in node.input} | {out.name for out in model.graph.output}
+    used = read_names(model.graph)
     dead = [n for n in model.graph.node if n.op_type == "Cast" and not any(o in used for o in n.output)]
     for node in dead:
         model.graph.node.remove(node)

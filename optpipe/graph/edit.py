@@ -13,6 +13,11 @@ def node_attribute(node: onnx.NodeProto, name: str, default):
     return default
 
 
+def read_names(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name the graph reads: its nodes' inputs and its outputs (what an edit must not drop)."""
+    return {name for node in graph.node for name in node.input} | {out.name for out in graph.output}
+
+
 def name_unnamed_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Give every unnamed node a unique name: passes address nodes by name (block lists, reports),
     and an empty name would match every unnamed node at once."""

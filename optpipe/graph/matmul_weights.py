@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from optpipe.graph.edit import node_attribute
+from optpipe.graph.edit import node_attribute, read_names
 
 
 def gemms_as_matmuls(model: onnx.ModelProto) -> int:
@@ -62,7 +62,7 @@ def transposed_weights_folded(model: onnx.ModelProto, skip: frozenset[str] = fro
         node.input[1] = copies[transpose.output[0]]
         folded.append(node.name)
     if folded:
-        read = {name for node in graph.node for name in node.input} | {out.name for out in graph.output}
+        read = read_names(graph)
         kept = [node for node in graph.node if not (node.op_type == "Transpose" and node.output[0] in copies
                                                     and node.output[0] not in read)]
         del graph.node[:]
@@ -84,7 +84,7 @@ def _transposed(graph: onnx.GraphProto, initializers: dict, table: onnx.TensorPr
 
 def _drop_unused(graph: onnx.GraphProto) -> None:
     """A weight whose only reader took a transposed copy is dropped (the model would carry it twice)."""
-    used = {name for node in graph.node for name in node.input} | {out.name for out in graph.output}
+    used = read_names(graph)
     kept = [init for init in graph.initializer if init.name in used]
     if len(kept) != len(graph.initializer):
         del graph.initializer[:]
