@@ -12,11 +12,12 @@ from pathlib import Path
 
 import onnx
 
-from optpipe.core.artifact import MODEL_FILE, ModelArtifact, all_graphs
+from optpipe.core.artifact import MODEL_FILE, ModelArtifact
 from optpipe.core.errors import PassError
 from optpipe.evaluation import openvino_runtime as ovr
 from optpipe.graph.global_pools import whole_input_pools_as_global
 from optpipe.pass_infra.pass_base import PassContext
+from optpipe.safety.onnx_guard import external_files
 
 
 @contextlib.contextmanager
@@ -36,8 +37,8 @@ def openvino_model(model: ModelArtifact, ctx: PassContext, mmap: bool = True) ->
     try:
         folder.mkdir(parents=True, exist_ok=True)
         onnx.save(graph, str(folder / MODEL_FILE))
-        for location in _data_files(graph):
-            _link(model.folder / location, folder / location)
+        for location, weights in external_files(graph, model.folder).items():
+            _link(weights, folder / location)
         del graph
         ctx.log.info("for OpenVINO: %s rewritten as global pooling (the window covers the input)", ", ".join(pools))
         yield _read(folder / MODEL_FILE, mmap), {"rewritten_for_openvino": {"global_pooling": pools}}
@@ -50,13 +51,6 @@ def _read(path: Path, mmap: bool):
         return ovr.read_onnx(path, mmap=mmap)
     except Exception as exc:  # the converter raises assorted errors on ops it cannot translate
         raise PassError(f"OpenVINO cannot convert this ONNX model: {ovr.conversion_failure(exc)}") from None
-
-
-def _data_files(graph: onnx.ModelProto) -> set[str]:
-    """The external data files the graph's initializers name (one, model.onnx.data, for optpipe's artifacts)."""
-    named = {entry.value for sub in all_graphs(graph.graph) for init in sub.initializer
-             if init.data_location == onnx.TensorProto.EXTERNAL for entry in init.external_data if entry.key == "location"}
-    return {name for name in named if not Path(name).is_absolute() and ".." not in Path(name).parts}  # inside its folder
 
 
 def _link(source: Path, target: Path) -> None:

@@ -75,6 +75,12 @@ def external_locations(model: onnx.ModelProto) -> list[str]:
     return sorted({_location(t) for t in external_data_helper._get_all_tensors(model) if _uses_external(t)})
 
 
+def external_files(model: onnx.ModelProto, folder: Path) -> dict[str, Path]:
+    """Each external-data location of `model` -> its file, for those that stay inside `folder` (see _inside)."""
+    root = folder.resolve()
+    return {location: target for location in external_locations(model) if (target := _inside(root, location)) is not None}
+
+
 def check_external_data(model: onnx.ModelProto, folder: Path, where: str) -> None:
     """Every external-data reference names a file inside `folder` that holds the bytes it claims."""
     root = folder.resolve()
