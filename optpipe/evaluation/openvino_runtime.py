@@ -208,7 +208,7 @@ def conversion_failure(exc: BaseException) -> str:
         return first_line(exc)
     failed = next((i for i, line in enumerate(lines) if line.startswith("--") and line.endswith("with a message:")), None)
     if failed is not None:
-        block = lines[failed + 1:lines.index("Summary:") if "Summary:" in lines[failed:] else None]
+        block = lines[failed + 1:lines.index("Summary:", failed) if "Summary:" in lines[failed:] else None]
         cause = next((line for line in reversed(block) if line), "")
         return f"{summary[0].removesuffix(' with a message:')}: {cause}"[:300]
     return "; ".join(summary)[:300]
