@@ -32,11 +32,12 @@ def check_torch_memory(recipe: Recipe) -> None:
     from optpipe.safety.memory_estimate import check_fits
     from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes, tied_table_bytes
 
-    weights = fp32_weight_bytes(recipe.model_source())
+    source = recipe.model_source()
+    weights = fp32_weight_bytes(source)
     if weights is None:
         return
     steps = estimated_steps(recipe, weights)
-    tied = tied_table_bytes(recipe.model_source()) if "weight_only" in steps.values() else 0
+    tied = tied_table_bytes(source) if "weight_only" in steps.values() else 0
     check_fits(weights, steps, held=held_beside_passes(weights), tied_table=tied)
 
 
