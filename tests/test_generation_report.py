@@ -389,4 +389,10 @@ def test_the_report_says_where_int4_does_not_decode_faster_than_int8_or_eager():
         "on this CPU (x86-avx2)"]
     fast = stage("int4_fast", {"int4": 0.9}, {1: (80, 20)})
     assert "⚠" not in decode_speed_by_bits([int8w, fast], "x86-amx")[0]
+    # Faster by speed-up over eager, slower by tok/s: eager's speed moved between the two timings; no verdict.
+    drifted = stage("int4_drifted", {"int4": 0.96}, {1: (713, 82.2)})
+    int8_quick = stage("int8_quick", {"int8": 0.96}, {1: (825, 128.7)})
+    [line] = decode_speed_by_bits([int8_quick, drifted], "x86-amx")
+    assert "1.35x INT8 `int8_quick`" in line and "but 0.86x by tok/s ⚠ inconclusive in this run" in line
+    assert "moved 1.57x" in line and "not faster than INT8" not in line
     assert decode_speed_by_bits([int8w], "x86-amx") == [], "no INT4 stage: nothing to say"
