@@ -43,32 +43,43 @@ def gemms_as_matmuls(model: onnx.ModelProto) -> int:
     return rewritten
 
 
+def tied_heads(model: onnx.ModelProto, skip: frozenset[str] = frozenset()) -> list[tuple[onnx.NodeProto, onnx.NodeProto, onnx.TensorProto]]:
+    """(MatMul, Transpose, table) for each MatMul whose weight is Transpose(initializer, 2-D), but those named in
+    `skip`. The table may still be external data: only its dims are read."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    transposes = {node.output[0]: node for node in graph.node if node.op_type == "Transpose" and node.domain in ("", "ai.onnx")
+                  and node.input[0] in initializers and len(initializers[node.input[0]].dims) == 2
+                  and list(node_attribute(node, "perm", [1, 0])) == [1, 0]}
+    return [(node, transposes[node.input[1]], initializers[transposes[node.input[1]].input[0]]) for node in graph.node
+            if node.op_type == "MatMul" and node.name not in skip and node.input[1] in transposes]
+
+
 def transposed_weights_folded(model: onnx.ModelProto, skip: frozenset[str] = frozenset()) -> list[str]:
     """Rewrite `model` in place: each MatMul whose weight is Transpose(initializer, 2-D) takes the transposed
     initializer instead, but those named in `skip` (kept in float: a copy would only add their size). Returns the
     MatMuls' names."""
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
-    transposes = {node.output[0]: node for node in graph.node if node.op_type == "Transpose" and node.domain in ("", "ai.onnx")
-                  and node.input[0] in initializers and len(initializers[node.input[0]].dims) == 2
-                  and list(node_attribute(node, "perm", [1, 0])) == [1, 0]}
-    folded, copies = [], {}
-    for node in graph.node:
-        transpose = transposes.get(node.input[1]) if node.op_type == "MatMul" and node.name not in skip else None
-        if transpose is None:
-            continue
+    copies: dict[str, str] = {}
+    heads = tied_heads(model, skip)
+    for node, transpose, table in heads:
         if transpose.output[0] not in copies:  # one copy per table, however many MatMuls read it
-            copies[transpose.output[0]] = _transposed(graph, initializers, initializers[transpose.input[0]])
+            copies[transpose.output[0]] = _transposed(graph, initializers, table)
         node.input[1] = copies[transpose.output[0]]
-        folded.append(node.name)
-    if folded:
-        read = read_names(graph)
-        kept = [node for node in graph.node if not (node.op_type == "Transpose" and node.output[0] in copies
-                                                    and node.output[0] not in read)]
-        del graph.node[:]
-        graph.node.extend(kept)
-        _drop_unused(graph)
-    return folded
+    if heads:
+        drop_unread_transposes(graph, set(copies))
+    return [node.name for node, _, _ in heads]
+
+
+def drop_unread_transposes(graph: onnx.GraphProto, outputs: set[str]) -> None:
+    """The Transposes writing `outputs` that nothing reads any more go, and the weights only they read."""
+    read = read_names(graph)
+    kept = [node for node in graph.node if not (node.op_type == "Transpose" and node.output[0] in outputs
+                                                and node.output[0] not in read)]
+    del graph.node[:]
+    graph.node.extend(kept)
+    _drop_unused(graph)
 
 
 def _transposed(graph: onnx.GraphProto, initializers: dict, table: onnx.TensorProto) -> str:

@@ -77,8 +77,12 @@ def external_locations(model: onnx.ModelProto) -> list[str]:
 
 def external_files(model: onnx.ModelProto, folder: Path) -> dict[str, Path]:
     """Each external-data location of `model` -> its file, for those that stay inside `folder` (see _inside)."""
-    root = folder.resolve()
-    return {location: target for location in external_locations(model) if (target := _inside(root, location)) is not None}
+    return {location: target for location in external_locations(model) if (target := external_file(folder, location)) is not None}
+
+
+def external_file(folder: Path, location: str) -> Path | None:
+    """The file an external-data `location` names in `folder`, or None where it would leave the folder."""
+    return _inside(folder.resolve(), location)
 
 
 def check_external_data(model: onnx.ModelProto, folder: Path, where: str) -> None:
