@@ -1,7 +1,7 @@
 """MatMulNBits settings side by side, at the decode shapes of a Llama-style decoder (issue 20, item 2).
 
 One graph per weight shape: x[M, K] @ W[K, N] with W random, quantized by the weight_only pass's own
-quantizer call (passes/weight_only.quantize) for every setting, then every setting is timed in one
+quantizer call (passes/_nbits_quantize.quantize) for every setting, then every setting is timed in one
 process, interleaved in rounds (median of rounds), at M = 1, 4 and 16 rows (a decode step at batch M).
 
     python bench/matmulnbits.py [--shapes 2048x2048,2048x5632,5632x2048] [--threads 1] [--rounds 7]
@@ -49,14 +49,11 @@ def matmul_model(k: int, n: int, seed: int) -> onnx.ModelProto:
     return model
 
 
-class _Ctx:  # what passes/weight_only.quantize reads of a PassContext
-    log = logging.getLogger("bench")
-
-
 def sessions(shapes, threads: int, folder: Path):
     import onnxruntime as ort
 
-    from optpipe.passes.weight_only import WeightOnlyParams, quantize
+    from optpipe.passes._nbits_quantize import quantize
+    from optpipe.passes.weight_only import WeightOnlyParams
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -67,7 +64,7 @@ def sessions(shapes, threads: int, folder: Path):
         for i, (k, n) in enumerate(shapes):
             model = matmul_model(k, n, i)
             if params is not None:
-                model = quantize(model, WeightOnlyParams(**params), _Ctx())
+                model = quantize(model, WeightOnlyParams(**params), logging.getLogger("bench"))[0]
             path = folder / f"{label.replace(' ', '_')}-{k}x{n}.onnx"
             onnx.save(model, str(path))
             made[label].append((ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]), k))

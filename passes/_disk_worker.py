@@ -23,6 +23,12 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+import onnx
+from onnx import external_data_helper
+
+#: Initializers up to this size are loaded with the graph: shape constants, biases, norms (what graph passes read).
+SHAPE_TENSOR_BYTES = 1 << 20
+
 
 class DiskWorkerFailed(RuntimeError):
     """The worker's library call raised or the worker died; the message is its one line (type, where, what)."""
@@ -71,3 +77,19 @@ def worker_main(function: Callable[[dict], dict]) -> int:
         traceback.print_exc()
     Path(request["result"]).write_text(json.dumps(result))
     return 0
+
+
+def graph_with_small_tensors(path: Path, small_bytes: int = SHAPE_TENSOR_BYTES) -> onnx.ModelProto:
+    """The model with only its initializers under `small_bytes` loaded (marked internal); the rest keep
+    their external-data entries (dims kept, bytes on disk)."""
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        if external_data_helper.uses_external_data(tensor) and _length(tensor) < small_bytes:
+            external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+    return model
+
+
+def _length(tensor: onnx.TensorProto) -> int:
+    return int(next((e.value for e in tensor.external_data if e.key == "length"), 0) or 0)

@@ -24,7 +24,7 @@ from pathlib import Path
 import onnx
 from onnx import external_data_helper
 
-from optpipe.passes._disk_worker import DiskWorkerFailed, run_on_disk, worker_main
+from optpipe.passes._disk_worker import SHAPE_TENSOR_BYTES, DiskWorkerFailed, graph_with_small_tensors, run_on_disk, worker_main
 
 __all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "SHAPE_TENSOR_BYTES", "graph_with_small_tensors", "infer_shapes_into", "slim_on_disk"]
 
@@ -33,26 +33,10 @@ __all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "SHAPE_TENSOR_BYTES", "graph_
 #: same), two seconds of the default compile for 0.2 GB; BERT-base (438 MB) and larger are worth it.
 WORKER_MIN_BYTES = 256 << 20
 
-#: Initializers up to this size are loaded for the shape inference and onnxslim: shape constants, biases, norms.
-SHAPE_TENSOR_BYTES = 1 << 20
-
-
 def slim_on_disk(model_path: Path, out: Path, scratch: Path) -> dict:
     """onnxslim's result written as an artifact in `out` (weights loaded), from a worker; how its shapes were inferred."""
     request = {"out": str(out.resolve()), "small_bytes": SHAPE_TENSOR_BYTES}
     return run_on_disk("optpipe.passes._onnxslim_on_disk", model_path, request, scratch, "onnxslim's")
-
-
-def graph_with_small_tensors(path: Path, small_bytes: int = SHAPE_TENSOR_BYTES) -> onnx.ModelProto:
-    """The model with only its initializers under `small_bytes` loaded (marked internal); the rest keep
-    their external-data entries (dims kept, bytes on disk)."""
-    model = onnx.load(str(path), load_external_data=False)
-    for tensor in model.graph.initializer:
-        if external_data_helper.uses_external_data(tensor) and _length(tensor) < small_bytes:
-            external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
-            tensor.data_location = onnx.TensorProto.DEFAULT
-            del tensor.external_data[:]
-    return model
 
 
 def infer_shapes_into(target: onnx.ModelProto, graph: onnx.ModelProto) -> str | None:
@@ -68,10 +52,6 @@ def infer_shapes_into(target: onnx.ModelProto, graph: onnx.ModelProto) -> str | 
     del target.graph.value_info[:]
     target.graph.value_info.extend(inferred.graph.value_info)
     return None
-
-
-def _length(tensor: onnx.TensorProto) -> int:
-    return int(next((e.value for e in tensor.external_data if e.key == "length"), 0) or 0)
 
 
 def _slim(request: dict) -> dict:

@@ -1,0 +1,136 @@
+"""weight_only without the float weights in memory (issue 20): the tied head quantized from the table's rows a slice
+at a time, and the quantizer in a worker that reads the weights from disk, each against ORT's own quantizer on the
+loaded model, byte for byte (passes/_tied_head_nbits.py, passes/_weight_only_on_disk.py)."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from helpers_passes import artifact_of, context, graph_recipe, run_model
+from optpipe.execution.stage_runner import run_checked
+from optpipe.graph.matmul_weights import gemms_as_matmuls, tied_heads, transposed_weights_folded
+from optpipe.passes import _tied_head_nbits, _weight_only_on_disk, get_pass
+from optpipe.passes._disk_worker import graph_with_small_tensors
+from optpipe.passes._nbits_quantize import quantize, quantize_weights
+from optpipe.passes.weight_only import WeightOnlyParams
+
+K, VOCAB = 64, 300  # a vocabulary that no slice size divides: the last slice is short
+
+LOG = logging.getLogger("test")
+
+
+def tied_model(seed: int = 0) -> onnx.ModelProto:
+    """x -> Gemm(transB) -> MatMul -> tied head (MatMul of Transpose(table)) -> logits; Gather reads the table too."""
+    rng = np.random.default_rng(seed)
+    table = rng.normal(0, K ** -0.5, (VOCAB, K)).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["x", "gemm_w", "gemm_b"], ["g"], name="gemm", transB=1),
+             helper.make_node("MatMul", ["g", "proj_w"], ["h"], name="proj"),
+             helper.make_node("Transpose", ["table"], ["table_t"], name="tie", perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "table_t"], ["logits"], name="lm_head"),
+             helper.make_node("ArgMax", ["logits"], ["ids"], name="argmax", axis=1, keepdims=0),
+             helper.make_node("Gather", ["table", "ids"], ["embedded"], name="embed")]
+    inits = [numpy_helper.from_array(table, "table"),
+             numpy_helper.from_array(rng.normal(0, K ** -0.5, (K, K)).astype(np.float32), "gemm_w"),
+             numpy_helper.from_array(rng.normal(0, 0.1, K).astype(np.float32), "gemm_b"),
+             numpy_helper.from_array(rng.normal(0, K ** -0.5, (K, K)).astype(np.float32), "proj_w")]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", K])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", VOCAB]),
+                               helper.make_tensor_value_info("embedded", TensorProto.FLOAT, ["batch", K])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def _by_ort_on_a_float_copy(model: onnx.ModelProto, params: WeightOnlyParams) -> onnx.ModelProto:
+    """What the pass wrote before: the transposed table as a float initializer, then ORT's quantizer on all of it."""
+    gemms_as_matmuls(model)
+    transposed_weights_folded(model, skip=frozenset(params.exclude))
+    return quantize(model, params, LOG)[0]
+
+
+def _same(a: onnx.ModelProto, b: onnx.ModelProto) -> None:
+    assert [n.SerializeToString() for n in a.graph.node] == [n.SerializeToString() for n in b.graph.node]
+    assert [_tensor(i) for i in a.graph.initializer] == [_tensor(i) for i in b.graph.initializer]
+    assert sorted((o.domain, o.version) for o in a.opset_import) == sorted((o.domain, o.version) for o in b.opset_import)
+
+
+def _tensor(tensor: onnx.TensorProto) -> tuple:
+    """Name, type, dims and bytes (a weight loaded from a file says data_location DEFAULT where a new one is silent)."""
+    return tensor.name, tensor.data_type, list(tensor.dims), numpy_helper.to_array(tensor).tobytes()
+
+
+PARAMS = [{"bits": 4, "block_size": 32}, {"bits": 4, "block_size": 16, "symmetric": False, "accuracy_level": 1},
+          {"bits": 8, "block_size": 32, "symmetric": False}]
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_the_tied_head_quantized_in_slices_is_ort_quantizers_own_result(params, tmp_path, monkeypatch):
+    """Slices of 7 rows (43 slices, the last of 6), from the loaded table and from its external-data file: the
+    same packed weights, scales, zero points, node and names as ORT's quantizer on the whole transposed copy."""
+    monkeypatch.setattr(_tied_head_nbits, "SLICE_BYTES", 7 * K * 4)
+    params = WeightOnlyParams(**params)
+    expected = _by_ort_on_a_float_copy(tied_model(), params)
+    assert any(n.op_type == "MatMulNBits" and n.name == "lm_head_Q%d" % params.bits for n in expected.graph.node)
+
+    in_memory, facts = quantize_weights(tied_model(), params, LOG, tmp_path)
+    _same(in_memory, expected)
+    assert facts["transposed_weights"] == ["lm_head"] and facts["candidates"] == 3 and facts["gemms_as_matmuls"] == 1
+
+    path = artifact_of(tied_model(), tmp_path / "source").path
+    on_disk = graph_with_small_tensors(path, small_bytes=0)  # every weight left in the file
+    table = next(t for t in on_disk.graph.initializer if t.name == "table")
+    assert onnx.external_data_helper.uses_external_data(table)
+    on_disk = onnx.load(str(path))
+    for tensor in on_disk.graph.initializer:  # the rest loaded, only the table read from the file in slices
+        if tensor.name == "table":
+            tensor.CopyFrom(table)
+    quantized, _ = quantize_weights(on_disk, params, LOG, path.parent)
+    onnx.external_data_helper.load_external_data_for_model(quantized, str(path.parent))
+    _same(quantized, expected)
+
+
+def test_a_table_whose_file_lies_outside_the_folder_is_refused(tmp_path):
+    path = artifact_of(tied_model(), tmp_path / "source").path
+    model = graph_with_small_tensors(path, small_bytes=0)
+    (_, _, table), = tied_heads(model)
+    next(e for e in table.external_data if e.key == "location").value = "../elsewhere.data"
+    with pytest.raises(ValueError, match="outside its model's folder"):
+        list(_tied_head_nbits._row_slices(table, path.parent))
+
+
+@pytest.mark.parametrize("params", [PARAMS[0], PARAMS[1], {"bits": 4, "block_size": 32, "exclude": ["lm_head"]},
+                                    {"bits": 4, "block_size": 32, "algorithm": "hqq", "symmetric": False}])
+def test_the_worker_writes_the_model_the_pass_writes_in_process(params, tmp_path, monkeypatch):
+    """The pass at WORKER_MIN_BYTES = 0 (every weight read from disk in a worker) and in process: the same files,
+    the same facts; the outputs run. HQQ (the float copy of the head) and an excluded head go through it too."""
+    recipe = graph_recipe([{"name": "x", "shape": ["batch", K]}], {"batch": {"min": 1, "opt": 1, "max": 4}})
+    feeds = {"x": np.random.default_rng(1).normal(size=(4, K)).astype(np.float32)}
+    source = artifact_of(tied_model(), tmp_path / "source")
+    cls = get_pass("weight_only")
+    in_process = run_checked(cls(cls.Params(**params)), source, context(recipe, tmp_path / "in-process", feeds))
+    monkeypatch.setattr(_weight_only_on_disk, "WORKER_MIN_BYTES", 0)
+    worker = run_checked(cls(cls.Params(**params)), source, context(recipe, tmp_path / "worker", feeds))
+    assert worker.info["weights"] == "on disk (worker)" and "weights" not in in_process.info
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (worker.folder / name).read_bytes() == (in_process.folder / name).read_bytes()
+    for key in ("candidates", "gemms_as_matmuls", "transposed_weights", "left_in_float", "quantized"):
+        assert worker.info[key] == in_process.info[key]
+    assert worker.info["transposed_weights"] == ([] if params.get("exclude") else ["lm_head"])
+    logits = run_model(worker.path, feeds)[0]
+    expected = run_model(source.path, feeds)[0]
+    assert np.isfinite(logits).all() and np.corrcoef(logits.ravel(), expected.ravel())[0, 1] > 0.98
+
+
+def test_a_failure_in_the_worker_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    """A truncated weights file: the worker's error comes back as the pass's one line, not a traceback."""
+    recipe = graph_recipe([{"name": "x", "shape": ["batch", K]}], {"batch": {"min": 1, "opt": 1, "max": 4}})
+    source = artifact_of(tied_model(), tmp_path / "source")
+    data = source.folder / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:1000])
+    monkeypatch.setattr(_weight_only_on_disk, "WORKER_MIN_BYTES", 0)
+    cls = get_pass("weight_only")
+    with pytest.raises(Exception, match="MatMulNBits quantizer failed: .*block_size") as failure:
+        cls(cls.Params(bits=4)).run(source, context(recipe, tmp_path / "worker", {}))
+    assert "\n" not in str(failure.value)
