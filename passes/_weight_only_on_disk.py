@@ -5,8 +5,8 @@ Why: ORT's MatMulNBitsQuantizer on a loaded model holds every float weight besid
 saving the result copies what is left once more: on Gemma 3 270M (1.07 GB of weights) the pass peaked at
 3.4 GB. Handed the graph with its large initializers left as external data, the quantizer reads each weight
 from disk when it quantizes it (onnx_ir maps it, onnx loads it on demand), the tied head is quantized from
-the table's rows a slice at a time (passes/_tied_head_nbits.py), and only the weights left in float (the
-embedding table, norms) are loaded, to be saved. The same functions run in process on small models: the
+the table's rows a slice at a time (passes/_tied_head_nbits.py), and the weights left in float (the embedding
+table) are copied from file to file. The same functions run in process on small models: the
 worker differs only in where the weights are while they are quantized (tests compare the two models).
 
     python -m optpipe.passes._weight_only_on_disk REQUEST.json
@@ -18,10 +18,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from onnx import external_data_helper
-
-from optpipe.core.artifact import save_model
-from optpipe.passes._disk_worker import DiskWorkerFailed, graph_with_small_tensors, run_on_disk, worker_main
+from optpipe.passes._disk_worker import DiskWorkerFailed, graph_with_small_tensors, run_on_disk, save_reading_from, worker_main
 from optpipe.passes._nbits_quantize import quantize_weights
 
 __all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "quantize_on_disk"]
@@ -44,8 +41,7 @@ def _quantize(request: dict) -> dict:
     params = SimpleNamespace(**request["params"])  # the pass's WeightOnlyParams, validated there
     quantized, facts = quantize_weights(model, params, logging.getLogger("optpipe.passes.weight_only"), source.parent)
     del model
-    external_data_helper.load_external_data_for_model(quantized, str(source.parent))  # those left in float
-    save_model(quantized, Path(request["out"]))
+    save_reading_from(quantized, Path(request["out"]), source.parent)  # those left in float: file to file
     return facts
 
 
