@@ -268,11 +268,13 @@ def test_memory_preflight_takes_nncf_data_aware_compression_as_its_own_step(tmp_
 
 
 def test_memory_preflight_adds_the_tied_table_weight_only_transposes(tmp_path):
-    """A model whose LM head shares the embedding table: weight_only writes the table transposed for the head,
-    and the preflight adds that transient to its stages (none where the head has its own weights)."""
+    """A model whose LM head shares the embedding table: weight_only with HQQ writes the table transposed for the
+    head, and the preflight adds that transient to its stages (none where the head has its own weights, nor for
+    the default algorithm, which quantizes the head from the table's rows)."""
     import yaml
 
-    from optpipe.safety.memory_estimate import TIED_TABLE_FACTOR, stage_estimates
+    from optpipe.plan.source_preflight import estimated_steps
+    from optpipe.safety.memory_estimate import TIED_TABLE_FACTOR, WEIGHT_ONLY_COPY, WEIGHT_ONLY_WORKER, stage_estimates
     from optpipe.safety.recipe_loading import parse_recipe
     from optpipe.source.torch_weights import tied_table_bytes
     from test_generation_report import LLAMA, decoder_recipe
@@ -288,9 +290,18 @@ def test_memory_preflight_adds_the_tied_table_weight_only_transposes(tmp_path):
                                                              "task": "feature-extraction"}).read_text())
     encoder["evaluate"].pop("generation")
     assert tied_table_bytes(parse_recipe(encoder).model_source()) == 0
-    steps = {"export": "export", "int4": "weight_only"}
+    steps = {"export": "export", "int4": WEIGHT_ONLY_COPY, "int8": WEIGHT_ONLY_WORKER}
     plain, with_table = stage_estimates(1 << 30, steps), stage_estimates(1 << 30, steps, tied_table=table)
     assert with_table["int4"] == plain["int4"] + int(TIED_TABLE_FACTOR * table) and with_table["export"] == plain["export"]
+    assert with_table["int8"] == plain["int8"]
+
+    stages = {"export": {"pass": "export"},
+              "int4": {"pass": "weight_only", "after": "export", "params": {"bits": 4}},
+              "hqq": {"pass": "weight_only", "after": "export", "params": {"algorithm": "hqq", "symmetric": False}}}
+    recipe = parse_recipe(yaml.safe_load(decoder_recipe(tmp_path, stages=stages).read_text()))
+    big, small = estimated_steps(recipe, 1 << 30), estimated_steps(recipe, 100 << 20)
+    assert (big["int4"], big["hqq"]) == (WEIGHT_ONLY_WORKER, WEIGHT_ONLY_COPY)  # from 256 MB the pass runs its worker
+    assert (small["int4"], small["hqq"]) == ("weight_only", WEIGHT_ONLY_COPY)
 
 
 def test_nncf_data_aware_reads_the_calibration_set_and_the_column_shows_the_mix(setup):

@@ -29,7 +29,7 @@ def check_torch_memory(recipe: Recipe) -> None:
     """As check_memory, for a PyTorch / Hugging Face source: its FP32 weight bytes from the safetensors
     headers or the config (safety/torch_weights.py), before anything loads; the eager baseline holds
     the model as the export does. No estimate for sources that must run to know their size."""
-    from optpipe.safety.memory_estimate import check_fits
+    from optpipe.safety.memory_estimate import WEIGHT_ONLY_COPY, check_fits
     from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes, tied_table_bytes
 
     source = recipe.model_source()
@@ -37,7 +37,7 @@ def check_torch_memory(recipe: Recipe) -> None:
     if weights is None:
         return
     steps = estimated_steps(recipe, weights)
-    tied = tied_table_bytes(source) if "weight_only" in steps.values() else 0
+    tied = tied_table_bytes(source) if WEIGHT_ONLY_COPY in steps.values() else 0
     check_fits(weights, steps, held=held_beside_passes(weights), tied_table=tied)
 
 
@@ -45,10 +45,9 @@ def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:
     """stage (and eager's evaluation) -> the memory estimate's kind of step: its pass, or one of the estimate's
     own kinds where the pass's peak depends on how it runs (safety/memory_estimate.py)."""
     from optpipe.passes.export import WORKER_MIN_BYTES
-    from optpipe.safety.memory_estimate import DECODER_EXPORT, EAGER_APART, EAGER_EVALUATION, OV_DATA_AWARE
+    from optpipe.safety.memory_estimate import DECODER_EXPORT, EAGER_APART, EAGER_EVALUATION
 
-    steps = {name: OV_DATA_AWARE if stage.pass_name == "openvino_weights" and stage.params.get("data_aware") else stage.pass_name
-             for name, stage in recipe.stages.items()}
+    steps = {name: _step_kind(stage.pass_name, stage.params, weights) for name, stage in recipe.stages.items()}
     if recipe.evaluate.generation is not None and weights >= WORKER_MIN_BYTES:
         steps = {name: DECODER_EXPORT if kind == "export" else kind for name, kind in steps.items()}
     if recipe.evaluate.eager_baseline:
@@ -56,6 +55,20 @@ def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:
         apart = eager_timing(recipe.evaluate.eager_timing, weights) == "apart"
         steps["pytorch-eager"] = EAGER_APART if apart else EAGER_EVALUATION
     return steps
+
+
+def _step_kind(pass_name: str, params: dict, weights: int) -> str:
+    """A stage's kind of step for the memory estimate: its pass, or how that pass runs on these weights."""
+    from optpipe.passes._weight_only_on_disk import WORKER_MIN_BYTES
+    from optpipe.safety.memory_estimate import OV_DATA_AWARE, WEIGHT_ONLY_COPY, WEIGHT_ONLY_WORKER
+
+    if pass_name == "openvino_weights" and params.get("data_aware"):
+        return OV_DATA_AWARE
+    if pass_name == "weight_only" and params.get("algorithm") == "hqq":
+        return WEIGHT_ONLY_COPY  # the tied head's float copy (HQQ takes the whole weight), in a worker or not
+    if pass_name == "weight_only" and weights >= WORKER_MIN_BYTES:
+        return WEIGHT_ONLY_WORKER
+    return pass_name
 
 
 def eager_timing(setting: str, weights: int | None, available: int | None = None) -> str:

@@ -43,14 +43,23 @@ EAGER_APART = "PyTorch eager alone, timed apart from the stages"
 #: Measured on Gemma 3 270M (1.07 GB, its 262k-row embedding both a table and the LM head): 2.23x above the start
 #: (2.6x when the weights were memory-mapped; docs/memory.md, seventh round). Data-free: 1.43x, in "openvino_weights".
 OV_DATA_AWARE = "openvino_weights, data-aware (NNCF's statistics model)"
+#: weight_only from 256 MB of weights (passes/_weight_only_on_disk.py): a worker reads each weight from disk as it
+#: quantizes it and copies those left in float file to file; it holds the quantized weights and one float weight.
+#: Measured on Gemma 3 270M (1.07 GB): the worker's tree 0.53 GB (int4) / 0.83 GB (int8) beside a 0.12 GB parent,
+#: 0.4x / 0.67x the weights; the factor leaves room for a model whose largest weight is a larger share of it.
+WEIGHT_ONLY_WORKER = "weight_only, weights read from disk (worker)"
+#: weight_only with a float copy of a tied LM head (`algorithm: hqq`; the default quantizes the head from the
+#: table's rows, passes/_tied_head_nbits.py): the transposed table beside the model (Gemma 3 270M, table
+#: 0.67 GB: the pass's peak 2.23 -> 3.19 GB, 1.43x the table).
+WEIGHT_ONLY_COPY = "weight_only, a float copy of a tied LM head (algorithm: hqq)"
 #: pass -> peak RSS above the baseline, as a multiple of the FP32 weight bytes (measured, above).
 PASS_FACTORS = {
     "export": 2.3, "weight_only": 1.45, "openvino_weights": 1.6, "simplify": 4.0,
     "measure": 1.2,  # a generation measurement: the weights of the runtimes it holds, plus their KV caches
     DECODER_EXPORT: 1.3, EAGER_EVALUATION: 2.2, EAGER_APART: 1.3, OV_DATA_AWARE: 2.4,
+    WEIGHT_ONLY_WORKER: 0.9, WEIGHT_ONLY_COPY: 1.45,
 }
-#: weight_only on a model whose LM head shares the embedding table: the transposed copy it quantizes, built and
-#: read by the quantizer beside the model (Gemma 3 270M, table 0.67 GB: the pass's peak 2.23 -> 3.19 GB, 1.43x).
+#: WEIGHT_ONLY_COPY adds this much of the tied table (measured 1.43x, above).
 TIED_TABLE_FACTOR = 1.5
 #: A pass not measured here (simplify, fuse, fp16, int8, ...): not a measurement, a floor (a whole
 #: model loaded, changed and saved is at least 2 copies); their own peaks still show in the report.
@@ -77,10 +86,10 @@ def available_bytes() -> int:
 def stage_estimates(fp32_bytes: int, stages: dict[str, str], held: int = 0, tied_table: int = 0) -> dict[str, int]:
     """stage name -> estimated peak RSS in bytes, for `stages` (name -> pass name); `held`: bytes the run
     keeps resident beside every stage but the export (the torch model, held for the eager rows); `tied_table`:
-    an embedding table the LM head shares, which weight_only writes transposed for the head (TIED_TABLE_FACTOR)."""
+    an embedding table the LM head shares, which WEIGHT_ONLY_COPY writes transposed for the head (TIED_TABLE_FACTOR)."""
     return {name: int(BASELINE_BYTES + PASS_FACTORS.get(pass_name, DEFAULT_FACTOR) * fp32_bytes
                       + (held if pass_name not in ("export", DECODER_EXPORT, EAGER_EVALUATION, EAGER_APART) else 0)
-                      + (TIED_TABLE_FACTOR * tied_table if pass_name == "weight_only" else 0))
+                      + (TIED_TABLE_FACTOR * tied_table if pass_name == WEIGHT_ONLY_COPY else 0))
             for name, pass_name in stages.items()}
 
 

@@ -96,8 +96,8 @@ LM_HEAD_TASKS = frozenset({"causal-lm", "text-generation", "fill-mask", "masked-
 
 
 def tied_table_bytes(source: ModelSource) -> int:
-    """The FP32 bytes of an embedding table the LM head shares (tie_word_embeddings), else 0: weight_only
-    writes that table transposed for the head (optpipe/graph/matmul_weights.py), a transient the memory
+    """The FP32 bytes of an embedding table the LM head shares (tie_word_embeddings), else 0: weight_only with
+    HQQ writes that table transposed for the head (optpipe/graph/matmul_weights.py), a transient the memory
     preflight adds. From the config alone: a folder's config.json or the recipe's hf_config, with the model
     type's defaults (transformers' AutoConfig)."""
     try:
