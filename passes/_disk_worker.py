@@ -105,7 +105,10 @@ def save_reading_from(model: onnx.ModelProto, out: Path, folder: Path) -> None:
 
     pending = []
     for tensor in external_data_helper._get_all_tensors(model):
-        if external_data_helper.uses_external_data(tensor) and not tensor.HasField("raw_data"):
+        if external_data_helper.uses_external_data(tensor) and tensor.HasField("raw_data"):
+            tensor.data_location = onnx.TensorProto.DEFAULT  # read by a library that kept the mark: in memory
+            del tensor.external_data[:]
+        elif external_data_helper.uses_external_data(tensor):
             info = external_data_helper.ExternalDataInfo(tensor)
             path = external_file(folder, info.location)
             if path is None or not path.is_file():

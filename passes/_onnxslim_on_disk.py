@@ -6,7 +6,9 @@ model and each iteration's export: on Gemma 3 270M (1.08 GB of weights) it peake
 in a compile. Handed the graph with only its tensors under `SHAPE_TENSOR_BYTES` loaded (shape constants,
 biases, norms: what its patterns read), the weight matrices stay external data that its graphsurgeon
 passes through untouched (LazyValues export their TensorProto as it came) or reads from disk where a
-fold needs one: 1.7 GB peak, the graph node for node the same (measured; docs/memory.md). The shapes are
+fold needs one: 1.7 GB peak, the graph node for node the same (measured; docs/memory.md). The weights it
+passed through are then copied from file to file, not loaded to be saved (passes/_disk_worker.save_reading_from):
+on Gemma's simplify the worker's tree went from ~2.1 GB to 0.5 GB. The shapes are
 inferred on that same graph first, as the in-memory path does (passes/simplify.py).
 
 Small tensors are loaded, not left on disk, because onnxslim's bundled graphsurgeon exports a constant
@@ -22,9 +24,9 @@ import sys
 from pathlib import Path
 
 import onnx
-from onnx import external_data_helper
 
-from optpipe.passes._disk_worker import SHAPE_TENSOR_BYTES, DiskWorkerFailed, graph_with_small_tensors, run_on_disk, worker_main
+from optpipe.passes._disk_worker import (SHAPE_TENSOR_BYTES, DiskWorkerFailed, graph_with_small_tensors, run_on_disk,
+                                        save_reading_from, worker_main)
 
 __all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "SHAPE_TENSOR_BYTES", "graph_with_small_tensors", "infer_shapes_into", "slim_on_disk"]
 
@@ -57,8 +59,6 @@ def infer_shapes_into(target: onnx.ModelProto, graph: onnx.ModelProto) -> str | 
 def _slim(request: dict) -> dict:
     import onnxslim
 
-    from optpipe.core.artifact import save_model
-
     source = Path(request["model"])
     model = graph_with_small_tensors(source, request["small_bytes"])
     failed = infer_shapes_into(model, model)  # reads a held-out weight from disk where it needs one (cwd: its folder)
@@ -67,8 +67,7 @@ def _slim(request: dict) -> dict:
     shapes = "onnxslim" if failed else "graph-only"
     slimmed = onnxslim.slim(model, verbose=True, no_shape_infer=shapes == "graph-only")
     del model
-    external_data_helper.load_external_data_for_model(slimmed, str(source.parent))
-    save_model(slimmed, Path(request["out"]))  # optpipe's save: onnx's own checks `location` against the cwd
+    save_reading_from(slimmed, Path(request["out"]), source.parent)  # the weights it passed through: file to file
     return {"shape_inference": shapes}
 
 
