@@ -36,7 +36,11 @@ def quantize_weights(source: onnx.ModelProto, params: WeightOnlyParams, log: log
                         "initializers); hang the stage after export or simplify")
     quantized, config = quantize(source, params, log)
     if streamed and heads:
-        quantize_tied_heads(quantized, tied_heads(quantized, skip=frozenset(params.exclude)), config, folder)
+        try:
+            quantize_tied_heads(quantized, tied_heads(quantized, skip=frozenset(params.exclude)), config, folder)
+        except (ValueError, RuntimeError, OSError) as exc:  # an unreadable table, or ORT's kernel refusing its shape
+            raise PassError(f"quantizing the tied LM head failed: {first_line(exc)}; keep it in float with "
+                            f"`exclude: {[node.name for node, _, _ in heads]}`") from None
     return quantized, {"candidates": len(candidates), "gemms_as_matmuls": gemms,
                        "transposed_weights": [node.name for node, _, _ in heads], "left_in_float": skipped}
 

@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from helpers_passes import artifact_of, context, graph_recipe, run_model
+from optpipe.core.errors import PassError
 from optpipe.execution.stage_runner import run_checked
 from optpipe.graph.matmul_weights import gemms_as_matmuls, tied_heads, transposed_weights_folded
 from optpipe.passes import _tied_head_nbits, _weight_only_on_disk, get_pass
@@ -134,3 +135,16 @@ def test_a_failure_in_the_worker_is_one_line_naming_the_fix(tmp_path, monkeypatc
     with pytest.raises(Exception, match="MatMulNBits quantizer failed: .*block_size") as failure:
         cls(cls.Params(bits=4)).run(source, context(recipe, tmp_path / "worker", {}))
     assert "\n" not in str(failure.value)
+
+
+def test_a_tied_head_that_cannot_be_read_is_one_line_naming_exclude(tmp_path):
+    """The table's external data points outside the model's folder: the head's quantization refuses it, and the
+    pass's line says how to keep the head in float."""
+    path = artifact_of(tied_model(), tmp_path / "source").path
+    model = onnx.load(str(path))
+    table = graph_with_small_tensors(path, small_bytes=0).graph.initializer[0]
+    assert table.name == "table"
+    next(e for e in table.external_data if e.key == "location").value = "../elsewhere.data"
+    model.graph.initializer[0].CopyFrom(table)
+    with pytest.raises(PassError, match=r"tied LM head failed: .*outside.*`exclude: \['lm_head'\]`"):
+        quantize_weights(model, WeightOnlyParams(bits=4), LOG, path.parent)
