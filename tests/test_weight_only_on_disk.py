@@ -92,6 +92,25 @@ def test_the_tied_head_quantized_in_slices_is_ort_quantizers_own_result(params, 
     _same(quantized, expected)
 
 
+def _half(model: onnx.ModelProto) -> onnx.ModelProto:
+    for tensor in model.graph.initializer:
+        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    return model
+
+
+@pytest.mark.parametrize("params", [PARAMS[0], PARAMS[2]])
+def test_a_float16_table_is_quantized_in_slices_as_ort_does_it(params, tmp_path, monkeypatch):
+    """A float16 model: the slices keep the table's dtype, and the scales come out float16, as ORT writes them."""
+    monkeypatch.setattr(_tied_head_nbits, "SLICE_BYTES", 7 * K * 2)
+    params = WeightOnlyParams(**params)
+    expected = _by_ort_on_a_float_copy(_half(tied_model()), params)
+    quantized, _ = quantize_weights(_half(tied_model()), params, LOG, tmp_path)
+    _same(quantized, expected)
+    assert next(t for t in quantized.graph.initializer if t.name == "table/transposed_scales").data_type == TensorProto.FLOAT16
+
+
 def test_a_table_whose_file_lies_outside_the_folder_is_refused(tmp_path):
     path = artifact_of(tied_model(), tmp_path / "source").path
     model = graph_with_small_tensors(path, small_bytes=0)
