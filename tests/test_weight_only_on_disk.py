@@ -131,8 +131,11 @@ def test_the_worker_writes_the_model_the_pass_writes_in_process(params, tmp_path
     cls = get_pass("weight_only")
     in_process = run_checked(cls(cls.Params(**params)), source, context(recipe, tmp_path / "in-process", feeds))
     monkeypatch.setattr(_weight_only_on_disk, "WORKER_MIN_BYTES", 0)
+    before = {p.name: p.read_bytes() for p in source.folder.iterdir()}
     worker = run_checked(cls(cls.Params(**params)), source, context(recipe, tmp_path / "worker", feeds))
     assert worker.info["weights"] == "on disk (worker)" and "weights" not in in_process.info
+    assert {p.name: p.read_bytes() for p in source.folder.iterdir()} == before  # read only, nothing left beside it
+    assert sorted(p.name for p in worker.folder.iterdir()) == ["info.json", "model.onnx", "model.onnx.data"]
     _same(onnx.load(str(worker.path)), onnx.load(str(in_process.path)))  # the worker appends the float ones last
     assert worker.size_bytes() == in_process.size_bytes()
     for key in ("candidates", "gemms_as_matmuls", "transposed_weights", "left_in_float", "quantized"):
