@@ -12,7 +12,7 @@ handed in slices, so this part is written here, around ORT's own block quantizer
 - The rows are read a slice at a time: from the file where the table is still external data (the pass's worker
   reads the weights from disk, passes/_weight_only_on_disk.py), else from the loaded tensor.
 - The node and its initializers are named and laid out as ORT's quantizer writes them for the transposed copy
-  (`quantize_matmul`, QOperator form); tests/test_weight_only.py compares the two byte for byte.
+  (`quantize_matmul`, QOperator form); tests/test_weight_only_on_disk.py compares the two tensor for tensor.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _quantized(quantizer, table: onnx.TensorProto, folder: Path, name: str, conf
     """Packed weights, scales (and, asymmetric, zero points) of Transpose(table), as ORT's quantize_matmul names them."""
     import onnx_ir as ir
 
-    vocab, hidden = table.dims
+    vocab = table.dims[0]
     packed = scales = zero_points = None
     for start, rows in _row_slices(table, folder):
         p, s, z = quantizer.qbits_block_quant(np.ascontiguousarray(rows.T))
