@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from optpipe.passes._disk_worker import DiskWorkerFailed, graph_with_small_tensors, run_on_disk, save_reading_from, worker_main
+from optpipe.passes._disk_worker import (SHAPE_TENSOR_BYTES, DiskWorkerFailed, graph_with_small_tensors, run_on_disk,
+                                        save_reading_from, worker_main)
 from optpipe.passes._nbits_quantize import quantize_weights
 
-__all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "quantize_on_disk"]
+__all__ = ["SHAPE_TENSOR_BYTES", "WORKER_MIN_BYTES", "DiskWorkerFailed", "quantize_on_disk"]
 
 #: From this much weight data the quantizer runs in the worker (onnxslim's bound, passes/_onnxslim_on_disk.py):
 #: below it the copies are small and a worker's start and imports would be much of the pass's time.
@@ -30,14 +31,14 @@ WORKER_MIN_BYTES = 256 << 20
 
 def quantize_on_disk(model_path: Path, params: dict, out: Path, scratch: Path) -> dict:
     """The quantized model written as an artifact in `out`, from a worker; what was done (quantize_weights' facts)."""
-    request = {"params": params, "out": str(out.resolve())}
+    request = {"params": params, "out": str(out.resolve()), "small_bytes": SHAPE_TENSOR_BYTES}
     return run_on_disk("optpipe.passes._weight_only_on_disk", model_path, request, scratch, "the weight-only quantizer's")
 
 
 def _quantize(request: dict) -> dict:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     source = Path(request["model"])
-    model = graph_with_small_tensors(source)  # the weights stay on disk (cwd: their folder) until read
+    model = graph_with_small_tensors(source, request["small_bytes"])  # the weights stay on disk (cwd: their folder) until read
     params = SimpleNamespace(**request["params"])  # the pass's WeightOnlyParams, validated there
     quantized, facts = quantize_weights(model, params, logging.getLogger("optpipe.passes.weight_only"), source.parent)
     del model

@@ -8,13 +8,14 @@ the activations to int8 per block and runs integer dot products, which is what m
 VNNI/AMX CPUs; 0/1 dequantize the weight to float). This is the form ONNX Runtime GenAI runs.
 
 A Gemm with a constant weight (the dynamo exporter's `torch.addmm`: GPT-2's Conv1D) is first rewritten as
-MatMul + Add, and a MatMul reading a Transpose of an initializer (a tied LM head: the embedding table) gets the
-transposed table as its own initializer (optpipe/graph/matmul_weights.py): the forms the quantizer takes. The
-info lists them; `exclude` keeps a head in float, untouched. A tied head is quantized from the table's rows, a slice
-at a time, never as a float copy (passes/_tied_head_nbits.py).
+MatMul + Add (optpipe/graph/matmul_weights.py), the form the quantizer takes. A MatMul reading a Transpose of an
+initializer (a tied LM head: the embedding table) is quantized from the table's rows, a slice at a time, into the
+MatMulNBits ORT's quantizer would write for the transposed table (passes/_tied_head_nbits.py; HQQ, which takes a
+whole weight, gets the transposed table as a float initializer first). The info lists them; `exclude` keeps a
+head in float, untouched.
 
 From 256 MB of weights the quantizer runs in a worker that reads each weight from disk when it quantizes it
-(passes/_weight_only_on_disk.py; Gemma 3 270M's pass 3.4 -> 1.7 GB, the same files byte for byte).
+(passes/_weight_only_on_disk.py; Gemma 3 270M's passes 3.2-3.4 -> 0.85-1.18 GB in a compile, docs/memory.md).
 
 Nothing is calibrated (round-to-nearest per block, or HQQ's optimized scales): the stage's accuracy
 is what the evaluation measures against the reference, and the stage info lists what was quantized
@@ -117,6 +118,9 @@ def _on_disk(model: ModelArtifact, params: WeightOnlyParams, ctx: PassContext) -
         try:
             facts = _weight_only_on_disk.quantize_on_disk(model.path, params.model_dump(mode="json"), ctx.workdir, Path(scratch))
         except _weight_only_on_disk.DiskWorkerFailed as exc:
+            own = str(exc).split(": ", 1)
+            if own[0].startswith("PassError") and len(own) == 2:  # the pass's own line, said in the worker
+                raise PassError(own[1]) from None
             raise PassError(f"ONNX Runtime's MatMulNBits quantizer failed: {exc}; try another `block_size`, "
                             "or `exclude` the node it names") from None
     return ModelArtifact(folder=ctx.workdir, info={}), {**facts, "weights": "on disk (worker)"}

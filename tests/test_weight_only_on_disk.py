@@ -131,13 +131,14 @@ def test_the_worker_writes_the_model_the_pass_writes_in_process(params, tmp_path
     cls = get_pass("weight_only")
     in_process = run_checked(cls(cls.Params(**params)), source, context(recipe, tmp_path / "in-process", feeds))
     monkeypatch.setattr(_weight_only_on_disk, "WORKER_MIN_BYTES", 0)
+    monkeypatch.setattr(_weight_only_on_disk, "SHAPE_TENSOR_BYTES", 0)  # the worker leaves every weight on disk
     before = {p.name: p.read_bytes() for p in source.folder.iterdir()}
     worker = run_checked(cls(cls.Params(**params)), source, context(recipe, tmp_path / "worker", feeds))
     assert worker.info["weights"] == "on disk (worker)" and "weights" not in in_process.info
     assert {p.name: p.read_bytes() for p in source.folder.iterdir()} == before  # read only, nothing left beside it
     assert sorted(p.name for p in worker.folder.iterdir()) == ["info.json", "model.onnx", "model.onnx.data"]
     _same(onnx.load(str(worker.path)), onnx.load(str(in_process.path)))  # the worker appends the float ones last
-    assert worker.size_bytes() == in_process.size_bytes()
+    assert (worker.folder / "model.onnx.data").stat().st_size == (in_process.folder / "model.onnx.data").stat().st_size
     for key in ("candidates", "gemms_as_matmuls", "transposed_weights", "left_in_float", "quantized"):
         assert worker.info[key] == in_process.info[key]
     assert worker.info["transposed_weights"] == ([] if params.get("exclude") else ["lm_head"])
@@ -170,3 +171,18 @@ def test_a_tied_head_that_cannot_be_read_is_one_line_naming_exclude(tmp_path):
     model.graph.initializer[0].CopyFrom(table)
     with pytest.raises(PassError, match=r"tied LM head failed: .*outside.*`exclude: \['lm_head'\]`"):
         quantize_weights(model, WeightOnlyParams(bits=4), LOG, path.parent)
+
+
+def test_the_passs_own_refusal_from_the_worker_is_its_line_alone(tmp_path, monkeypatch):
+    """A refusal the pass itself words (here: no MatMul weight to quantize) reaches the user as that line, not
+    wrapped in the worker's exception name."""
+    recipe = graph_recipe([{"name": "x", "shape": ["batch", K]}], {"batch": {"min": 1, "opt": 1, "max": 4}})
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", K])])
+    source = artifact_of(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "s")
+    monkeypatch.setattr(_weight_only_on_disk, "WORKER_MIN_BYTES", 0)
+    cls = get_pass("weight_only")
+    with pytest.raises(PassError) as refused:
+        cls(cls.Params(bits=4)).run(source, context(recipe, tmp_path / "worker", {}))
+    assert str(refused.value).startswith("no MatMul or Gemm with a constant 2-D weight to quantize"), str(refused.value)
