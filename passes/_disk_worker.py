@@ -26,12 +26,19 @@ from typing import Callable
 import onnx
 from onnx import external_data_helper
 
+from optpipe.core.errors import PassError
+
 #: Initializers up to this size are loaded with the graph: shape constants, biases, norms (what graph passes read).
 SHAPE_TENSOR_BYTES = 1 << 20
 
 
 class DiskWorkerFailed(RuntimeError):
-    """The worker's library call raised or the worker died; the message is its one line (type, where, what)."""
+    """The worker's library call raised or the worker died; the message is its one line (type, where, what).
+    `said`: where the worker raised a PassError, that line as the pass worded it, to be shown as it is."""
+
+    def __init__(self, message: str, said: str | None = None):
+        super().__init__(message)
+        self.said = said
 
 
 def run_on_disk(module: str, model_path: Path, request: dict, scratch: Path, what: str) -> dict:
@@ -54,7 +61,7 @@ def run_on_disk(module: str, model_path: Path, request: dict, scratch: Path, wha
     result_path = Path(request["result"])
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
     if returncode != 0 or "error" in result:
-        raise DiskWorkerFailed(result.get("error") or _death(what, returncode, scratch / "worker.log"))
+        raise DiskWorkerFailed(result.get("error") or _death(what, returncode, scratch / "worker.log"), result.get("said"))
     return result
 
 
@@ -74,6 +81,8 @@ def worker_main(function: Callable[[dict], dict]) -> int:
         where = f" in {Path(frames[-1].filename).stem}.{frames[-1].name}" if frames else ""
         message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         result = {"error": f"{type(exc).__name__}{where}: {message}"}
+        if isinstance(exc, PassError):  # the pass's own line for the user, whole
+            result["said"] = str(exc)
         traceback.print_exc()
     Path(request["result"]).write_text(json.dumps(result))
     return 0

@@ -118,9 +118,8 @@ def _on_disk(model: ModelArtifact, params: WeightOnlyParams, ctx: PassContext) -
         try:
             facts = _weight_only_on_disk.quantize_on_disk(model.path, params.model_dump(mode="json"), ctx.workdir, Path(scratch))
         except _weight_only_on_disk.DiskWorkerFailed as exc:
-            own = str(exc).split(": ", 1)
-            if own[0].startswith("PassError") and len(own) == 2:  # the pass's own line, said in the worker
-                raise PassError(own[1]) from None
+            if exc.said:  # a refusal the pass worded itself, in the worker
+                raise PassError(exc.said) from None
             raise PassError(f"ONNX Runtime's MatMulNBits quantizer failed: {exc}; try another `block_size`, "
                             "or `exclude` the node it names") from None
     return ModelArtifact(folder=ctx.workdir, info={}), {**facts, "weights": "on disk (worker)"}
