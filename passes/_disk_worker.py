@@ -110,7 +110,7 @@ def save_reading_from(model: onnx.ModelProto, out: Path, folder: Path) -> None:
     them held each in memory twice (its proto's bytes and the copy onnx's writer reads): on Gemma 3 270M the
     weight_only worker's peak was the 0.67 GB embedding table, twice."""
     from optpipe.core.artifact import DATA_FILE, MODEL_FILE, save_model
-    from optpipe.safety.onnx_guard import external_file
+    from optpipe.safety.onnx_guard import external_bytes
 
     pending = []
     for tensor in external_data_helper._get_all_tensors(model):
@@ -118,18 +118,14 @@ def save_reading_from(model: onnx.ModelProto, out: Path, folder: Path) -> None:
             tensor.data_location = onnx.TensorProto.DEFAULT  # read by a library that kept the mark: in memory
             del tensor.external_data[:]
         elif external_data_helper.uses_external_data(tensor):
-            info = external_data_helper.ExternalDataInfo(tensor)
-            path = external_file(folder, info.location)
-            if path is None or not path.is_file():
-                raise ValueError(f"tensor '{tensor.name}' reads external data outside its model's folder, or a missing file")
-            pending.append((tensor, path, info.offset or 0, info.length))
+            pending.append((tensor, *external_bytes(tensor, folder)))
     save_model(model, out)  # onnx writes the loaded tensors and passes over the ones without bytes
     with open(out / DATA_FILE, "ab") as target:
         for tensor, path, offset, length in pending:
             start = target.tell()
             with open(path, "rb") as source:
                 source.seek(offset)
-                _copy_bytes(source, target, length if length is not None else path.stat().st_size - offset)
+                _copy_bytes(source, target, length)
             del tensor.external_data[:]
             for key, value in (("location", DATA_FILE), ("offset", str(start)), ("length", str(target.tell() - start))):
                 tensor.external_data.add(key=key, value=value)

@@ -24,7 +24,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
 from optpipe.graph.matmul_weights import drop_unread_transposes
-from optpipe.safety.onnx_guard import external_file
+from optpipe.safety.onnx_guard import external_bytes
 
 #: Table bytes per slice: small beside the table (Gemma's is 0.67 GB), large enough for the C++ kernel's threads.
 SLICE_BYTES = 32 << 20
@@ -89,11 +89,8 @@ def _row_slices(table: onnx.TensorProto, folder: Path) -> Iterator[tuple[int, np
         for start in range(0, vocab, step):
             yield start, whole[start:start + step]
         return
-    info = external_data_helper.ExternalDataInfo(table)
-    path = external_file(folder, info.location)
-    if path is None:
-        raise ValueError(f"tensor '{table.name}' reads external data outside its model's folder")
+    path, offset, _ = external_bytes(table, folder)
     for start in range(0, vocab, step):
         count = min(step, vocab - start)
-        rows = np.fromfile(path, dtype, count=count * hidden, offset=info.offset + start * hidden * dtype.itemsize)
+        rows = np.fromfile(path, dtype, count=count * hidden, offset=offset + start * hidden * dtype.itemsize)
         yield start, rows.reshape(count, hidden)

@@ -85,6 +85,17 @@ def external_file(folder: Path, location: str) -> Path | None:
     return _inside(folder.resolve(), location)
 
 
+def external_bytes(tensor: onnx.TensorProto, folder: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor's bytes in `folder`; ValueError where its location leaves the
+    folder or names no file (a reader of the bytes by hand: the weight_only worker's sliced table and its save)."""
+    info = external_data_helper.ExternalDataInfo(tensor)
+    path = external_file(folder, info.location)
+    if path is None or not path.is_file():
+        raise ValueError(f"tensor '{tensor.name}' reads external data outside its model's folder, or from a missing file")
+    offset = info.offset or 0
+    return path, offset, info.length if info.length is not None else path.stat().st_size - offset
+
+
 def check_external_data(model: onnx.ModelProto, folder: Path, where: str) -> None:
     """Every external-data reference names a file inside `folder` that holds the bytes it claims."""
     root = folder.resolve()
