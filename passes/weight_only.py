@@ -77,11 +77,12 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params
-        before = op_histogram(model.load(with_weights=False))
         if model.size_bytes() >= _weight_only_on_disk.WORKER_MIN_BYTES:
+            before = op_histogram(model.load(with_weights=False))
             artifact, facts = _on_disk(model, params, ctx)
         else:
             source = model.load()
+            before = op_histogram(source)
             quantized, facts = quantize_weights(source, params, ctx.log, model.folder)
             del source  # the float weights: only the quantized model stays in memory from here
             artifact = save_model(quantized, ctx.workdir)
