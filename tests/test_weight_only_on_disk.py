@@ -44,6 +44,10 @@ def tied_model(seed: int = 0) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
+def _recipe():
+    return graph_recipe([{"name": "x", "shape": ["batch", K]}], {"batch": {"min": 1, "opt": 1, "max": 4}})
+
+
 def _by_ort_on_a_float_copy(model: onnx.ModelProto, params: WeightOnlyParams) -> onnx.ModelProto:
     """What the pass wrote before: the transposed table as a float initializer, then ORT's quantizer on all of it."""
     gemms_as_matmuls(model)
@@ -125,7 +129,7 @@ def test_a_table_whose_file_lies_outside_the_folder_is_refused(tmp_path):
 def test_the_worker_writes_the_model_the_pass_writes_in_process(params, tmp_path, monkeypatch):
     """The pass at WORKER_MIN_BYTES = 0 (every weight read from disk in a worker, those left in float copied from file
     to file) and in process: the same graph and weights, the same facts; the outputs run. HQQ (the float copy of the head) and an excluded head go through it too."""
-    recipe = graph_recipe([{"name": "x", "shape": ["batch", K]}], {"batch": {"min": 1, "opt": 1, "max": 4}})
+    recipe = _recipe()
     feeds = {"x": np.random.default_rng(1).normal(size=(4, K)).astype(np.float32)}
     source = artifact_of(tied_model(), tmp_path / "source")
     cls = get_pass("weight_only")
@@ -149,7 +153,7 @@ def test_the_worker_writes_the_model_the_pass_writes_in_process(params, tmp_path
 
 def test_a_failure_in_the_worker_is_one_line_naming_the_fix(tmp_path, monkeypatch):
     """A truncated weights file: the worker's error comes back as the pass's one line, not a traceback."""
-    recipe = graph_recipe([{"name": "x", "shape": ["batch", K]}], {"batch": {"min": 1, "opt": 1, "max": 4}})
+    recipe = _recipe()
     source = artifact_of(tied_model(), tmp_path / "source")
     data = source.folder / "model.onnx.data"
     data.write_bytes(data.read_bytes()[:1000])
@@ -176,7 +180,7 @@ def test_a_tied_head_that_cannot_be_read_is_one_line_naming_exclude(tmp_path):
 def test_the_passs_own_refusal_from_the_worker_is_its_line_alone(tmp_path, monkeypatch):
     """A refusal the pass itself words (here: no MatMul weight to quantize) reaches the user as that line, not
     wrapped in the worker's exception name."""
-    recipe = graph_recipe([{"name": "x", "shape": ["batch", K]}], {"batch": {"min": 1, "opt": 1, "max": 4}})
+    recipe = _recipe()
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", K])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", K])])
