@@ -37,6 +37,7 @@ def quantize_weights(source: onnx.ModelProto, params: WeightOnlyParams, log: log
     quantized, config = quantize(source, params, log)
     if streamed and heads:
         try:
+            # found again: ORT's quantizer rebuilt the node lists, so the protos found before it are not the graph's
             quantize_tied_heads(quantized, tied_heads(quantized, skip=frozenset(params.exclude)), config, folder)
         except (ValueError, RuntimeError, OSError) as exc:  # an unreadable table, or ORT's kernel refusing its shape
             raise PassError(f"quantizing the tied LM head failed: {first_line(exc)}; keep it in float with "
