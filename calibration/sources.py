@@ -28,11 +28,19 @@ def load_samples(source: DataSource, model: ModelSource) -> dict[str, np.ndarray
                             "or the dims' `opt`") from None
         raise DataError(
             f"data: '{source.path}' is not a readable {source.source} file ({first_line(exc)[:160]}); "
-            f"give a {source.source} file of plain numeric arrays"
+            f"give {WANTED[source.source]}"
         ) from None
     check_samples(samples, model, what=f"data source '{source.source}'")
     return samples
 
+
+#: What each file source reads, for the line that refuses a file it cannot read.
+WANTED = {
+    "text": "a UTF-8 text file, one sentence per line (a causal LM's: running text)",
+    "npy": "an .npy file of one plain numeric array",
+    "npz": "an .npz file of plain numeric arrays named after the inputs",
+    "images": "a folder of images (or of one folder of images per class)",
+}
 
 PACKAGE_PREFIX = "package:"
 

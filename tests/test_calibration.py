@@ -196,3 +196,31 @@ def test_a_causal_lms_text_samples_are_windows_of_running_text_opening_with_bos(
     text.write_text("a compiler\n")
     with pytest.raises(DataError, match="fewer than one window of 8"):
         load_samples(data, source("causal-lm"))
+
+
+@pytest.mark.parametrize("broken, cause", [
+    (lambda path: path.write_bytes(b"\xff\xfe\x00bad\n\x80\x81\n"), "can't decode byte 0xff"),
+    (lambda path: path.mkdir(), "Is a directory"),
+])
+def test_a_text_source_it_cannot_read_is_one_line_asking_for_utf8_sentences(tmp_path, broken, cause):
+    """The refusal names what a text source reads (was: "give a text file of plain numeric arrays", the
+    remedy for npz files, on a Latin-1 or UTF-16 sentence file)."""
+    from helpers_decoders import hf_folder_with_tokenizer
+
+    from optpipe.calibration.sources import load_samples
+    from optpipe.recipe.model_specs import HFModel
+    from optpipe.recipe.schema import DataSource, DimRange, InputSpec, ModelSource
+
+    from transformers import BertConfig
+
+    hf = hf_folder_with_tokenizer(tmp_path / "hf")
+    BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2).save_pretrained(hf)
+    broken(tmp_path / "sentences.txt")
+    inputs = (InputSpec(name="input_ids", dtype="int64", shape=["batch", "sequence"], range=(0, 100)),)
+    model = ModelSource(inputs, {"batch": DimRange(min=1, opt=1, max=2), "sequence": DimRange(min=2, opt=8, max=16)},
+                        HFModel(hf=str(hf), task="feature-extraction"), tmp_path)
+    with pytest.raises(DataError) as refused:
+        load_samples(DataSource(source="text", path="sentences.txt", samples=4), model)
+    message = str(refused.value)
+    assert cause in message and "a UTF-8 text file, one sentence per line" in message
+    assert "numeric arrays" not in message and "\n" not in message
