@@ -190,3 +190,31 @@ def test_the_passs_own_refusal_from_the_worker_is_its_line_alone(tmp_path, monke
     with pytest.raises(PassError) as refused:
         cls(cls.Params(bits=4)).run(source, context(recipe, tmp_path / "worker", {}))
     assert str(refused.value).startswith("no MatMul or Gemm with a constant 2-D weight to quantize"), str(refused.value)
+
+
+def test_an_onnx_sources_memory_estimate_knows_how_each_pass_runs_on_it(tmp_path, monkeypatch):
+    """The memory preflight of an ONNX source takes each stage's step as a PyTorch source's does (was: the pass's
+    plain factor): weight_only from 256 MB is its worker, HQQ adds the tied table's copy (its dims read from the
+    graph), NNCF's data-aware compression its statistics model; and a machine too small for that is refused
+    before anything runs, naming the data-aware stage."""
+    from optpipe.core.errors import UserInputError
+    from optpipe.plan import source_preflight
+    from optpipe.safety import memory_estimate
+    from optpipe.safety.recipe_loading import parse_recipe
+
+    path = artifact_of(tied_model(), tmp_path / "source").path
+    weights = path.stat().st_size + (path.parent / "model.onnx.data").stat().st_size  # the model file and its weights'
+    recipe = parse_recipe({
+        "model": {"onnx": str(path)}, "inputs": [{"name": "x", "shape": ["batch", K]}],
+        "dims": {"batch": {"min": 1, "opt": 1, "max": 4}}, "data": {"calibration": {"source": "synthetic", "samples": 2}},
+        "stages": {"data": {"pass": "openvino_weights", "params": {"mode": "int4_asym", "data_aware": True}},
+                   "int4": {"pass": "weight_only"}, "hqq": {"pass": "weight_only", "params": {"algorithm": "hqq", "symmetric": False}}}})
+    steps = {"int4": "weight_only", "hqq": memory_estimate.WEIGHT_ONLY_COPY, "data": memory_estimate.OV_DATA_AWARE}
+    expected = memory_estimate.stage_estimates(weights, steps, tied_table=4 * VOCAB * K)
+    assert source_preflight.check_onnx_memory(recipe, path) == expected  # no eager row: an ONNX source has none
+    monkeypatch.setattr(_weight_only_on_disk, "WORKER_MIN_BYTES", 0)
+    worker = memory_estimate.stage_estimates(weights, {**steps, "int4": memory_estimate.WEIGHT_ONLY_WORKER}, tied_table=4 * VOCAB * K)
+    assert source_preflight.check_onnx_memory(recipe, path) == worker and worker["int4"] < expected["int4"]
+    monkeypatch.setattr(memory_estimate, "available_bytes", lambda: int((worker["data"] - 1) / memory_estimate.HEADROOM))
+    with pytest.raises(UserInputError, match="^stage 'data' \\(openvino_weights, data-aware"):
+        source_preflight.source_preflight(recipe, path)

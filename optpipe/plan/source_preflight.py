@@ -1,8 +1,9 @@
 """Preflight checks that read the model source itself, after safety/preflight.py's (called beside it by
 the compile and the search; here, not in safety/, because they read optpipe/source/):
 
-- memory: a PyTorch / Hugging Face source's estimated peak per stage from its FP32 weight bytes
-  (source/torch_weights.py: safetensors headers or the config), before anything loads;
+- memory: the estimated peak per stage, before anything loads, from a PyTorch / Hugging Face source's FP32
+  weight bytes (source/torch_weights.py: safetensors headers or the config) or an ONNX source's files; a
+  pass's peak may depend on how it runs on weights that large (its worker), which only this layer sees;
 - a decoder measured by generation (evaluate.generation): the prompts fit the export's sequence dim
   (tokenized as the evaluation will), and an ONNX source has the past_key_values inputs of a
   KV-cache export.
@@ -10,6 +11,7 @@ Each ends in one line naming what to change (exit 2)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from optpipe.core.errors import RecipeError
@@ -22,11 +24,33 @@ PAST_PREFIX = "past_key_values."
 def source_preflight(recipe: Recipe, onnx_path: Path | None) -> None:
     if onnx_path is None:
         check_torch_memory(recipe)
+    else:
+        check_onnx_memory(recipe, onnx_path)
     check_generation(recipe, onnx_path)
 
 
+def check_onnx_memory(recipe: Recipe, path: Path) -> dict[str, int]:
+    """Each stage's estimated peak against this machine's memory (safety/memory_estimate.py), for an ONNX source:
+    its weight bytes are the model file and its external data; no eager baseline runs beside its stages. A model
+    that cannot fit is refused before any stage runs, naming the stage. Returns the estimates (stage -> bytes)."""
+    import onnx
+
+    from optpipe.graph.matmul_weights import tied_heads
+    from optpipe.safety.memory_estimate import WEIGHT_ONLY_COPY, check_fits
+
+    model = onnx.load(str(path), load_external_data=False)
+    files = {entry.value for init in model.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
+             for entry in init.external_data if entry.key == "location"}
+    weights = path.stat().st_size + sum((path.parent / name).stat().st_size for name in files if (path.parent / name).is_file())
+    steps = stage_steps(recipe, weights)
+    tied = 0
+    if WEIGHT_ONLY_COPY in steps.values():  # HQQ writes a tied head's table transposed: its dims say its size
+        tied = max((4 * math.prod(table.dims) for _, _, table in tied_heads(model)), default=0)
+    return check_fits(weights, steps, tied_table=tied)
+
+
 def check_torch_memory(recipe: Recipe) -> None:
-    """As check_memory, for a PyTorch / Hugging Face source: its FP32 weight bytes from the safetensors
+    """The memory preflight of a PyTorch / Hugging Face source: its FP32 weight bytes from the safetensors
     headers or the config (safety/torch_weights.py), before anything loads; the eager baseline holds
     the model as the export does. No estimate for sources that must run to know their size."""
     from optpipe.safety.memory_estimate import WEIGHT_ONLY_COPY, check_fits
@@ -47,7 +71,7 @@ def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:
     from optpipe.passes.export import WORKER_MIN_BYTES
     from optpipe.safety.memory_estimate import DECODER_EXPORT, EAGER_APART, EAGER_EVALUATION
 
-    steps = {name: _step_kind(stage.pass_name, stage.params, weights) for name, stage in recipe.stages.items()}
+    steps = stage_steps(recipe, weights)
     if recipe.evaluate.generation is not None and weights >= WORKER_MIN_BYTES:
         steps = {name: DECODER_EXPORT if kind == "export" else kind for name, kind in steps.items()}
     if recipe.evaluate.eager_baseline:
@@ -55,6 +79,11 @@ def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:
         apart = eager_timing(recipe.evaluate.eager_timing, weights) == "apart"
         steps["pytorch-eager"] = EAGER_APART if apart else EAGER_EVALUATION
     return steps
+
+
+def stage_steps(recipe: Recipe, weights: int) -> dict[str, str]:
+    """stage -> the memory estimate's kind of step for its pass on weights of this size (any source)."""
+    return {name: _step_kind(stage.pass_name, stage.params, weights) for name, stage in recipe.stages.items()}
 
 
 def _step_kind(pass_name: str, params: dict, weights: int) -> str:

@@ -28,27 +28,11 @@ def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], obj
     The data sets are built (or loaded) through the run's builders, so the stages reuse them.
     `cache`: where a model file that passed is remembered (see `check_onnx_source`)."""
     if onnx_path is not None:
-        check_onnx_source(recipe, onnx_path, cache)
-        check_memory(recipe, onnx_path)
+        check_onnx_source(recipe, onnx_path, cache)  # its memory: plan/source_preflight.py, which knows the passes
     _check_data(eval_set, "eval")
     _warn_unread_labels(recipe, eval_set)
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
-
-
-def check_memory(recipe: Recipe, path: Path) -> None:
-    """Each stage's estimated peak memory against what this machine has available (memory_estimate.py),
-    from the source's weight bytes (model file and external data): a model that cannot fit is refused
-    before any stage runs, naming the stage."""
-    from optpipe.safety.memory_estimate import check_fits
-
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    files = {entry.value for init in graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
-             for entry in init.external_data if entry.key == "location"}
-    weights = path.stat().st_size + sum((path.parent / name).stat().st_size for name in files if (path.parent / name).is_file())
-    check_fits(weights, {name: stage.pass_name for name, stage in recipe.stages.items()})
 
 
 def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = None) -> None:
