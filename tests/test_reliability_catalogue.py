@@ -461,7 +461,7 @@ ROUND_TWO = {
     "onnx external data at an absolute path": (lambda d: _with_model(d, _absolute_external_data), USER, "outside the model's folder"),
     "npz header declares 64 TiB": (_npz_lying_header, USER, "Unable to allocate"),
     "text data with an onnx model": (lambda d: (d.mkdir(exist_ok=True), (d / "t.txt").write_text("hello\n"),
-                                                _mutated(d, lambda r: r["data"].update(eval={"source": "text", "path": "t.txt"})))[2], USER, "text needs the model's tokenizer"),
+                                                _mutated(d, lambda r: r["data"].update(eval={"source": "text", "path": "t.txt"})))[2], USER, "an ONNX file has none; add `tokenizer: {hf: FOLDER}`"),
     "synthetic integer range holding no integer": (lambda d: _int_input_recipe(d, range=[0.2, 0.7]), USER, "fix inputs.0.range"),
     "synthetic fill out of dtype": (lambda d: _int_input_recipe(d, dtype="uint8", fill=300), USER, "inputs.0"),
     # command line

@@ -95,6 +95,9 @@ class HFConfigModel(TorchSource):
 
 class OnnxModel(Strict):
     onnx: str = Field(description="an existing .onnx file; the export stage then imports it as is")
+    tokenizer: Optional[HFModel] = Field(
+        None, description="where a tokenizer for text data lives (an hf folder, such as the one an Optimum export writes "
+        "beside its model.onnx, or a package): an ONNX file carries none")
 
 
 MODEL_KINDS: dict[str, type[BaseModel]] = {

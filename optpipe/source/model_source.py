@@ -35,15 +35,17 @@ class TorchModel:
 def hf_folder(source: ModelSource) -> Path:
     """The Hugging Face folder of the model (for a model built from a config: of its tokenizer)."""
     spec = source.model
-    if isinstance(spec, HFConfigModel):
+    if isinstance(spec, (HFConfigModel, OnnxModel)):
         if spec.tokenizer is None:
-            raise ModelSourceError("model.tokenizer: text data needs a tokenizer; add `tokenizer: {package: ..., subdir: ...}`")
+            raise ModelSourceError("model.tokenizer: text data needs a tokenizer, and "
+                                   f"{'an ONNX file' if isinstance(spec, OnnxModel) else 'a model built from its config'} has "
+                                   "none; add `tokenizer: {hf: FOLDER}` (or `{package: ..., subdir: ...}`) to `model`, or give "
+                                   "the data as npz/npy arrays of token ids")
         spec = spec.tokenizer
     if not isinstance(spec, HFModel):
-        kind = "an ONNX file" if isinstance(spec, OnnxModel) else f"a {type(spec).__name__}"
         raise DataError(
-            f"data: text needs the model's tokenizer, and the model is {kind}, which has none; use an `hf` model, "
-            "or give the data as npz/npy arrays of token ids"
+            f"data: text needs the model's tokenizer, and the model is a {type(spec).__name__}, which has none; use an `hf` "
+            "model, or give the data as npz/npy arrays of token ids"
         )
     if spec.hf is not None:
         folder = source.resolve(spec.hf)
@@ -84,7 +86,9 @@ def source_fingerprint(source: ModelSource) -> dict[str, Any]:
 
         path = onnx_source_path(source)
         locations = external_locations(load_graph(path, "model.onnx"))
-        return {"onnx": sha256_file(path), "data": {loc: sha256_file(path.parent / loc) for loc in locations}}
+        found = {"onnx": sha256_file(path), "data": {loc: sha256_file(path.parent / loc) for loc in locations}}
+        # A tokenizer only where one is named: the keys of the ONNX sources without one stay as they were.
+        return found | ({"tokenizer": _folder_hash(hf_folder(source))} if spec.tokenizer else {})
     if isinstance(spec, FactoryModel):
         module_name = spec.factory.partition(":")[0]
         origin = _module_origin(module_name, source)
