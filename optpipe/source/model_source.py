@@ -41,7 +41,9 @@ def hf_folder(source: ModelSource) -> Path:
                                    f"{'an ONNX file' if isinstance(spec, OnnxModel) else 'a model built from its config'} has "
                                    "none; add `tokenizer: {hf: FOLDER}` (or `{package: ..., subdir: ...}`) to `model`, or give "
                                    "the data as npz/npy arrays of token ids")
-        spec = spec.tokenizer
+        spec, tokenizer_only = spec.tokenizer, True
+    else:
+        tokenizer_only = False
     if not isinstance(spec, HFModel):
         raise DataError(
             f"data: text needs the model's tokenizer, and the model is a {type(spec).__name__}, which has none; use an `hf` "
@@ -60,9 +62,13 @@ def hf_folder(source: ModelSource) -> Path:
     if not folder.exists():
         raise ModelSourceError(f"model: '{folder}' does not exist; point the recipe at a Hugging Face model folder (from a "
                                "GGUF checkpoint, write one with scripts/gguf_to_hf.py, as the recipe's comments say)")
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").is_file() and not (tokenizer_only and any((folder / name).is_file() for name in TOKENIZER_FILES)):
         raise ModelSourceError(f"model: '{folder}' has no config.json; point the recipe at a Hugging Face model folder")
     return folder
+
+
+#: A folder that holds a tokenizer (a model's own tokenizer needs no config.json beside it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def forward_failure(feeds: dict[str, np.ndarray], reason: str) -> str:
