@@ -37,6 +37,30 @@ def test_pixel_scale_outputs_pass_on_rounding_and_fail_on_a_real_error():
         numeric_check(rounding, reference, feeds, atol_only, "input")
 
 
+def test_a_float16_output_is_held_to_float16_rounding_where_the_tolerances_are_left_at_their_defaults():
+    """An exact rewrite of a float16 graph moves its outputs by a few float16 ULPs, beyond the float32 defaults
+    (1e-3 + 1e-3 x |out|): the MiniLM export converted to FP16, as an ONNX source, failed simplify's and fuse's
+    self-checks at cosine 0.9999997. Float16 outputs left at the defaults are held to 1e-2; a float32 output beside
+    them keeps 1e-3, a tolerance the recipe set is kept, and a real error still fails."""
+    hidden = RNG.uniform(-6, 6, size=(2, 8, 32)).astype(np.float16)
+    ulp = np.spacing(np.abs(hidden))
+    rounding = (hidden + np.float16(4) * ulp * RNG.choice([-1, 1], size=hidden.shape)).astype(np.float16)  # 4 ULPs
+    assert not np.all(np.abs(rounding.astype(np.float32) - hidden) <= 1e-3 + 1e-3 * np.abs(hidden.astype(np.float32)))
+    feeds = {"input_ids": np.zeros((2, 8), np.int64)}
+    record = numeric_check({"h": rounding}, {"h": hidden}, feeds, SelfCheckParams(), "input")
+    assert record["passed"] and record["float16_outputs"] == {"h": {"max_abs": 1e-2, "rtol": 1e-2}}
+
+    broken = {"h": (hidden + np.float16(0.25)).astype(np.float16)}
+    with pytest.raises(PassError, match="output 'h'.*float16 outputs 0.01 where left at the defaults"):
+        numeric_check(broken, {"h": hidden}, feeds, SelfCheckParams(), "input")
+    with pytest.raises(PassError, match="output 'h'"):  # the recipe's own tolerance stands
+        numeric_check({"h": rounding}, {"h": hidden}, feeds, SelfCheckParams(check_atol=1e-3, check_rtol=1e-3), "input")
+    wide = hidden.astype(np.float32)  # a float32 output with the same error keeps float32's defaults
+    with pytest.raises(PassError, match="output 'wide'"):
+        numeric_check({"h": rounding, "wide": rounding.astype(np.float32)}, {"h": hidden, "wide": wide}, feeds,
+                      SelfCheckParams(), "input")
+
+
 def test_cosine_is_the_reports_cosine_per_token_over_real_tokens():
     """A transformer output with padding: the self-check's cosine is compare()'s, masked, per token."""
     hidden = RNG.normal(size=(2, 6, 16)).astype(np.float32)
