@@ -255,6 +255,23 @@ def test_fp32_attention_counts_all_float(tmp_path):
                        "attention scores and context: both operands are activations": round(scores_context / coverage.total_macs, 4)}
 
 
+def test_a_matmul_reading_a_weight_cast_from_float16_is_said_to_need_an_fp32_start(tmp_path):
+    """A float16 graph fused on ORT's CPU provider keeps its weights in float16 behind Casts; ORT's int8 quantizer
+    sees no constant weight there. The reason says so (was: "both operands are activations"), and a MatMul of two
+    activations beside it keeps that reason."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("Cast", ["w16"], ["w"], name="cast", to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["x", "w"], ["y"], name="proj"),
+             helper.make_node("MatMul", ["y", "xt"], ["scores"], name="scores")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["sequence", HIDDEN]),
+                           helper.make_tensor_value_info("xt", TensorProto.FLOAT, [HIDDEN, "sequence"])],
+                   [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["sequence", "sequence"])],
+                   [_tensor(rng, (HIDDEN, HIDDEN), np.float16, "w16")], tmp_path, domains=())
+    reasons = {f.reason for f in precision_coverage(model, {"sequence": SEQ}).float_compute}
+    assert reasons == {"its weight is cast from a constant (a float16 graph?): ORT's quantizer reads float32 weights, "
+                       "start from FP32", "both operands are activations (MatMulConstBOnly)"}
+
+
 def test_quantized_contrib_matmuls_chain_their_shapes(tmp_path):
     """Each com.microsoft op feeds the next: a twin that lost a shape would leave every later node unknown.
     DynamicQuantizeMatMul, QGemm and MatMulIntegerToFloat compute in int8, FusedMatMul (transB) and

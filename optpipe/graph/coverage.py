@@ -326,6 +326,11 @@ def float_reason(node, initializers, constants, producers, excluded) -> str:
         return "an op ORT's quantizer does not handle"
     weight = node.input[1] if len(node.input) > 1 else ""
     if node.op_type == "MatMul" and weight not in initializers and weight not in constants and not _dequantized(weight, producers):
+        cast = producers.get(weight)
+        if cast is not None and cast.op_type == "Cast" and (cast.input[0] in initializers or cast.input[0] in constants):
+            # A float16 graph fused on ONNX Runtime's CPU provider (its float16 weights cast to float32 for kernels
+            # the CPU lacks): the quantizer sees no constant weight.
+            return "its weight is cast from a constant (a float16 graph?): ORT's quantizer reads float32 weights, start from FP32"
         return "both operands are activations (MatMulConstBOnly)"
     return "not quantized"
 
