@@ -408,6 +408,25 @@ def test_an_integer_output_is_held_by_equality_not_cosine():
     assert floats.outputs[0].equal_share is None and floats.within_tolerance  # float outputs: cosine, as before
 
 
+def test_a_class_id_output_beside_logits_is_judged_by_equality_alone_and_the_cosine_figure_is_the_logits():
+    """A classifier that outputs logits and their argmax: its int8 stage flipped 6% of the labels. The verdict
+    names the equality it missed, not also the labels' cosine (0.967: a cosine of class ids, meaningless); the
+    stage's cosine is the logits', and its error (the frontier's axis) the labels' unequal share."""
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(50, 10)).astype(np.float32)
+    ids = logits.argmax(-1)
+    moved = ids.copy()
+    moved[:3] = (moved[:3] + 5) % 10
+    result = compare({"logits": logits * 1.001, "label": moved}, {"logits": logits, "label": ids}, {"x": np.zeros((50, 1))}, TOL, "ref")
+    label = next(o for o in result.outputs if o.name == "label")
+    assert label.cosine_mean < 0.99 and label.equal_share == 0.94
+    assert result.violations == ["output 'label' (integers) equals the reference in 94.0% of its elements < 0.99 "
+                                 "(an integer output is held by equality, not cosine)"]
+    assert result.worst_cosine == pytest.approx(1.0) and result.error == pytest.approx(0.06)
+    alone = compare({"label": moved}, {"label": ids}, {"x": np.zeros((50, 1))}, TOL, "ref")
+    assert alone.worst_cosine == label.cosine_mean  # no float output: the figure there is
+
+
 def test_segmentation_judges_per_pixel_classes_that_cosine_lets_flip():
     """Near-tied logits (a random-weight head's): a 0.02 nudge flips a fifth of the pixels at cosine 0.9999."""
     rng = np.random.default_rng(3)

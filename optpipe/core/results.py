@@ -82,14 +82,20 @@ class Accuracy(BaseModel):
 
     @property
     def worst_cosine(self) -> float:
-        return min(o.cosine_mean for o in self.outputs)
+        """The worst mean cosine of the float outputs (of every output where all are integer or boolean: the
+        cosine of class ids says little, and such an output is held by its equal share, `error`)."""
+        floats = [o.cosine_mean for o in self.outputs if o.equal_share is None]
+        return min(floats or [o.cosine_mean for o in self.outputs])
 
     @property
     def error(self) -> float:
         """One number for 'how far from the reference' (the Pareto axis): 1 - the task's headline
-        metric where the recipe names a task, else 1 - the worst mean cosine."""
+        metric where the recipe names a task, else 1 - the worst of the float outputs' mean cosine and
+        the integer outputs' equal share."""
         headline = self.task.headline if self.task else None
-        return max(0.0, 1.0 - (headline if headline is not None else self.worst_cosine))
+        if headline is None:
+            headline = min([self.worst_cosine] + [o.equal_share for o in self.outputs if o.equal_share is not None])
+        return max(0.0, 1.0 - headline)
 
 
 class Latency(BaseModel):

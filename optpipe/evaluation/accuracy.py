@@ -309,9 +309,10 @@ def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explic
             if not only_explicit:
                 found.append(f"output '{out.name}' has NaN or Inf values")
             continue
-        if tol.cosine_min is not None and out.cosine_mean < tol.cosine_min:
+        equality = _held_by_equality(out, tol)
+        if tol.cosine_min is not None and out.cosine_mean < tol.cosine_min and not equality:
             found.append(f"output '{out.name}' cosine {out.cosine_mean:.4f} < {tol.cosine_min}")
-        found += _unequal_integers(out, tol)
+        found += _unequal_integers(out, tol) if equality else []
         if tol.rtol is not None:
             if out.beyond_tolerance:
                 found.append(f"output '{out.name}': {out.beyond_tolerance:.1%} of elements beyond max_abs {tol.max_abs or 0} "
@@ -323,15 +324,18 @@ def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explic
     return found
 
 
+def _held_by_equality(out: OutputAccuracy, tol: Tolerance) -> bool:
+    """An integer or boolean output, unless the recipe asks for numeric closeness on it (max_abs, rtol)."""
+    return out.equal_share is not None and tol.max_abs is None and tol.rtol is None
+
+
 def _unequal_integers(out: OutputAccuracy, tol: Tolerance) -> list[str]:
     """An integer output is held by equality: the cosine of class ids [3, 7, 2] and [3, 7, 5] is
     0.97, so ids that flip on one sample in a hundred read as cosine 0.9997. Its share of equal
     elements must reach the cosine bound (or top1_min, where set), unless the recipe asks for
     numeric closeness on it (max_abs, rtol: e.g. integer pixel values)."""
     bound = tol.top1_min if tol.top1_min is not None else tol.cosine_min
-    if out.equal_share is None or bound is None or tol.max_abs is not None or tol.rtol is not None:
-        return []
-    if out.equal_share >= bound:
+    if bound is None or out.equal_share >= bound:
         return []
     return [f"output '{out.name}' (integers) equals the reference in {out.equal_share:.1%} of its elements < {bound:g}"
             " (an integer output is held by equality, not cosine)"]
