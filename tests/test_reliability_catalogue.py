@@ -448,6 +448,11 @@ ROUND_TWO = {
     "output is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "run").write_text("x"), _recipe_file(d))[2], USER, "output folder"),
     "output name too long": (lambda d: _recipe_file(d) + ["--output", str(d / ("r" * 300))], USER, "too long"),
     "cache is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "cache").write_text("x"), _recipe_file(d))[2], USER, "cache folder"),
+    # /proc makes no new folders (mkdir says ENOENT, as root too): was "internal error: FileNotFoundError"
+    "--cache-dir under /proc": (lambda d: _recipe_file(d) + ["--cache-dir", "/proc/optpipe-test-cache"], USER, "cache folder '/proc/optpipe-test-cache'"),
+    "--output under /proc": (lambda d: _recipe_file(d) + ["--output", "/proc/optpipe-test-run"], USER, "output folder '/proc/optpipe-test-run'"),
+    "init --output under /proc": (lambda d: (write_linear_onnx(d / "model"), ["init", str(d / "model" / "model.onnx"), "-o", "/proc/optpipe-test.yaml"])[1],
+                                  USER, "/proc"),
     "cache is a symlink loop": (lambda d: _recipe_with_cache(d, _symlink_loop(d, "loop")), USER, "cache: 'loop' is a symlink loop"),
     "--cache-dir is a symlink loop": (lambda d: _recipe_file(d) + ["--cache-dir", str(d / _symlink_loop(d, "loop"))], USER, "cache folder"),
     "cache sub-folder is a file": (_cache_subfolder_is_a_file, USER, "'stages' is a file"),

@@ -45,7 +45,11 @@ def init_command(model: str, output: Path | None, force: bool, allow_paths: tupl
     graph, _ = validate_recipe(recipe_from_text(text, path, allow_paths, allow_factories))
     if not path.parent.is_dir():
         raise RecipeError(f"--output: folder '{path.parent}' does not exist; create it or choose another file")
-    write_text_atomic(path, text)  # only a valid recipe is written, whole or not at all
+    try:
+        write_text_atomic(path, text)  # only a valid recipe is written, whole or not at all
+    except FileNotFoundError:  # its folder exists, yet takes no new file: /proc, /sys (other OSErrors: the CLI says them)
+        raise RecipeError(f"--output: folder '{path.parent}' takes no new files (a virtual file system such as /proc?); "
+                          "choose another file") from None
     click.echo(f"wrote {path}: a {facts.kind} recipe, valid; stages: {', '.join(execution_order(graph))}")
     for note in facts.notes:
         click.echo(f"note: {note}")
