@@ -166,3 +166,21 @@ def test_init_writes_a_prune_stage_that_prunes_narrow_cnns_or_none(tmp_path, cli
     assert compiled.exit_code == 0, compiled.output
     assert "| prune | prune | simplify | ok" in compiled.output or "| prune | prune | simplify | out-of-tolerance" in compiled.output
     assert "removes nothing" not in compiled.output
+
+
+def test_init_refuses_a_folder_with_its_own_code_without_running_it(tmp_path, cli_run, monkeypatch):
+    """A Hugging Face folder whose config.json maps to its own modeling code (trust_remote_code models): init
+    runs none of it and says how to go on (was: transformers' message cut mid-sentence, no remedy)."""
+    import json
+
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "my_arch", "architectures": ["MyModel"],
+                                                    "auto_map": {"AutoModel": "modeling_my.MyModel"}}))
+    marker = tmp_path / "ran"
+    (folder / "modeling_my.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "custom", "-o", "recipe.yaml")
+    assert result.exit_code == 2
+    assert "its own code (config.json's auto_map), which init does not run" in result.output
+    assert "trust_remote_code: true" in result.output and not marker.exists() and not Path("recipe.yaml").exists()
