@@ -45,3 +45,61 @@ def test_a_compile_writes_nothing_into_home_or_tmp(tmp_path):
     left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
     assert left == [], left
     assert (tmp_path / "cache" / "tmp" / "libraries" / "matplotlib").is_dir()  # the font list went here
+
+
+MODELING = '''
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+
+class TinyConfig(PretrainedConfig):
+    model_type = "optpipe_tiny_custom"
+
+    def __init__(self, vocab=50, hidden=8, **kwargs):
+        self.vocab, self.hidden = vocab, hidden
+        super().__init__(**kwargs)
+
+
+class TinyModel(PreTrainedModel):
+    config_class = TinyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = torch.nn.Embedding(config.vocab, config.hidden)
+        self.post_init()
+
+    def forward(self, input_ids):
+        return self.embed(input_ids)
+'''
+
+
+def test_a_model_with_its_own_code_is_imported_from_the_cache_not_home(tmp_path, monkeypatch):
+    """`trust_remote_code: true`: transformers copies the folder's modeling code into ~/.cache/huggingface/modules
+    before importing it; with HF_MODULES_CACHE under the cache folder, home stays empty."""
+    import importlib.util
+
+    source = tmp_path / "src" / "modeling_tiny.py"
+    source.parent.mkdir()
+    source.write_text(MODELING)
+    spec = importlib.util.spec_from_file_location("modeling_tiny", source)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "modeling_tiny", module)  # save_pretrained copies the code of the class's module
+    spec.loader.exec_module(module)
+    module.TinyConfig.register_for_auto_class()
+    module.TinyModel.register_for_auto_class("AutoModel")
+    module.TinyModel(module.TinyConfig()).save_pretrained(tmp_path / "custom")
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir(), tmp.mkdir()
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
+        "name": "custom", "model": {"hf": "custom", "trust_remote_code": True},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 50]}],
+        "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 2, "opt": 4, "max": 8}},
+        "data": {"eval": {"source": "synthetic", "samples": 2}}, "stages": {"export": {"pass": "export"}},
+        "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 2}, "output": "out", "cache": "cache"}))
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp), "OPTPIPE_CACHE": ""}
+    proc = subprocess.run([sys.executable, "-m", "optpipe.cli", "compile", "recipe.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
+    assert left == [], left
+    assert list((tmp_path / "cache" / "tmp" / "libraries" / "hf_modules").rglob("modeling_tiny.py"))

@@ -8,6 +8,8 @@ int8, openvino and the report):
   and uploads events. ORT_DISABLE_TELEMETRY=1 (read once, before ORT starts) creates none of them.
 - matplotlib (the report's plots) writes its font list to ~/.cache/matplotlib: MPLCONFIGDIR.
 - torch.export leaves TMPDIR/torchinductor_<user>: TORCHINDUCTOR_CACHE_DIR.
+- transformers copies a Hugging Face folder's own modeling code (`trust_remote_code: true`) into
+  ~/.cache/huggingface/modules before importing it: HF_MODULES_CACHE (read when transformers is imported).
 A value the user set is kept. These are the libraries' documented environment switches; OpenVINO's
 and NNCF's telemetry is handled where they are called (evaluation/openvino_runtime.py)."""
 from __future__ import annotations
@@ -29,3 +31,4 @@ def keep_library_files_in(cache_root: Path) -> None:
     folder = cache_root / "tmp" / "libraries"
     os.environ.setdefault("MPLCONFIGDIR", str(folder / "matplotlib"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "torchinductor"))
+    os.environ.setdefault("HF_MODULES_CACHE", str(folder / "hf_modules"))
