@@ -103,3 +103,22 @@ def test_a_model_with_its_own_code_is_imported_from_the_cache_not_home(tmp_path,
     left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
     assert left == [], left
     assert list((tmp_path / "cache" / "tmp" / "libraries" / "hf_modules").rglob("modeling_tiny.py"))
+
+
+def test_several_recipes_compiled_together_write_nothing_into_home_or_tmp(tmp_path):
+    """Several recipes (as a search or a Ray run) go through the executor's tasks, not the one-recipe compile:
+    the tasks point the libraries' files into the cache folder too (matplotlib's font list was written to home)."""
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir(), tmp.mkdir()
+    shutil.copytree(MODELS, tmp_path / "models")
+    for name in ("a", "b"):
+        recipe = {**RECIPE, "name": name, "output": f"out-{name}", "targets": [],
+                  "stages": {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export"}}}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp), "OPTPIPE_CACHE": ""}
+    proc = subprocess.run([sys.executable, "-m", "optpipe.cli", "compile", "a.yaml", "b.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out-a" / "report.html").is_file() and (tmp_path / "out-b" / "report.html").is_file()
+    left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
+    assert left == [], left

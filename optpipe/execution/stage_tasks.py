@@ -16,6 +16,7 @@ from typing import Any
 
 from optpipe.cache.backends import open_cache
 from optpipe.core.artifact import MANIFEST_FILE
+from optpipe.core.library_files import keep_library_files_in
 from optpipe.core.results import StageResult
 from optpipe.core.runtime import cuda_device_names  # the one reader of GPU names, as targets/gpu_type.py uses
 from optpipe.plan.compile_plan import CompilePlan
@@ -33,7 +34,9 @@ class TaskSettings:
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def open_cache(self):
-        return open_cache(self.cache_dir, self.remote_cache, **self.storage_options)
+        cache = open_cache(self.cache_dir, self.remote_cache, **self.storage_options)
+        keep_library_files_in(cache.root)  # in every process a task runs in (a Ray worker too), as compile does
+        return cache
 
 
 def run_stage(plan: CompilePlan, name: str, parent: StageResult | None, settings: TaskSettings) -> StageResult:
