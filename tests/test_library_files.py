@@ -45,6 +45,13 @@ def test_a_compile_writes_nothing_into_home_or_tmp(tmp_path):
     left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
     assert left == [], left
     assert (tmp_path / "cache" / "tmp" / "libraries" / "matplotlib").is_dir()  # the font list went here
+    # `optpipe report` draws the plots again (their digest file removed): matplotlib's font list is not left in home.
+    (tmp_path / "out" / ".report-plots.json").unlink()
+    proc = subprocess.run([sys.executable, "-m", "optpipe.cli", "report", "out"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
+    assert left == [], left
 
 
 MODELING = '''

@@ -82,11 +82,18 @@ def diff_command(first: str, second: str, third: str | None, layers: bool, sampl
 @click.argument("run", type=click.Path(path_type=Path))
 def report_command(run: Path) -> None:
     """Rebuild report.md and report.html of RUN from its report.json (nothing is recomputed)."""
+    import tempfile
+
+    from optpipe.core.library_files import keep_library_files_in
     from optpipe.reporting.inspection import open_run
     from optpipe.reporting.run_report import write_report
 
     report = open_run(run)
-    write_report(report, run)
+    # matplotlib (the plots) keeps a font list; not in home. The run does not say which cache folder it used, and
+    # a folder made for it would not be a cache: a temporary one, gone when the report is written.
+    with tempfile.TemporaryDirectory(prefix="optpipe-report-") as libraries:
+        keep_library_files_in(Path(libraries))
+        write_report(report, run)
     click.echo(f"report: {run / 'report.html'} (and report.md)")
 
 
