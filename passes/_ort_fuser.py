@@ -5,8 +5,8 @@ Why: `optimize_model` on a loaded model runs symbolic shape inference over the w
 included, several times (each copies it): on BERT-base (438 MB) it peaked at 2.76 GB. Handed the
 model with its initializers left as external data, the inference copies only the graph, and the
 attention fusion reads the Q/K/V weights it merges from disk: 0.45 GB, 16 s -> 2 s, the same graph
-and the same weights byte for byte (measured, docs/memory.md). It writes the fused model, weights
-loaded, as an artifact in the stage's scratch folder.
+and the same weights byte for byte (measured, docs/memory.md). It writes the fused model as an artifact
+in the stage's scratch folder, which the pass moves into place without reading its weights.
 
     python -m optpipe.passes._ort_fuser REQUEST.json
 """
@@ -26,14 +26,15 @@ __all__ = ["WORKER_MIN_BYTES", "DiskWorkerFailed", "fuse_on_disk"]
 WORKER_MIN_BYTES = 64 << 20
 
 
-def fuse_on_disk(model_path: Path, options: dict, scratch: Path) -> tuple[onnx.ModelProto, dict]:
-    """The fused model (weights in memory) and ORT's fused-operator statistics, from a worker.
+def fuse_on_disk(model_path: Path, options: dict, scratch: Path) -> tuple[Path, dict]:
+    """The fused model's file (an artifact folder's, in `scratch`: its weights are not read here) and ORT's
+    fused-operator statistics, from a worker.
 
     `options`: optimize_model's model_type, num_heads and hidden_size."""
     out = (scratch / "fused").resolve()
     result = run_on_disk("optpipe.passes._ort_fuser", model_path, {"options": options, "out": str(out)}, scratch,
                          "ORT's fuser")
-    return onnx.load(str(out / "model.onnx")), result["fusions"]
+    return out / "model.onnx", result["fusions"]
 
 
 def _fuse(request: dict) -> dict:

@@ -11,6 +11,7 @@ Fused ops live in the `com.microsoft` domain: ORT CPU/CUDA run them, TensorRT do
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -18,7 +19,7 @@ from typing import Literal
 import onnx
 from pydantic import Field, field_validator
 
-from optpipe.core.artifact import ModelArtifact, save_model, write_info
+from optpipe.core.artifact import DATA_FILE, MODEL_FILE, ModelArtifact, adopt_model, save_model, write_info
 from optpipe.evaluation.self_check import SelfCheckParams
 from optpipe.core.errors import PassError, RecipeError, UserInputError, first_line
 from optpipe.graph.stats import fused_ops as graph_stats_fused_ops
@@ -26,6 +27,9 @@ from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.pass_infra.pass_base import Pass, PassContext
 
 ATTENTION_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")
+#: Tensors under this many bytes stay inside the graph when a fuser's result is written: below save_model's
+#: 1024 bytes with the bytes object's own overhead, so adopt_model takes the files as written, weights unread.
+INLINE_BYTES = 512
 
 
 class FuseParams(SelfCheckParams):
@@ -65,8 +69,7 @@ class FusePass(Pass[FuseParams]):
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params
         before = op_histogram(model.load(with_weights=False))
-        fused, transformer_info = transformer_fusion(model, params, ctx)
-        artifact = save_model(fused, ctx.workdir)
+        artifact, transformer_info = transformer_fusion(model, params, ctx)
         generic_info = None
         if params.generic:
             generic_info = apply_generic_fusions(artifact, ctx.workdir)
@@ -93,34 +96,47 @@ def fused_ops(changes: dict[str, int]) -> dict[str, int]:
 # --- transformer fusion ----------------------------------------------------------------------
 
 
-def transformer_fusion(model: ModelArtifact, params: FuseParams, ctx: PassContext) -> tuple[onnx.ModelProto, dict]:
-    """The input with transformer fusions applied by the chosen (or the better) fuser."""
+def transformer_fusion(model: ModelArtifact, params: FuseParams, ctx: PassContext) -> tuple[ModelArtifact, dict]:
+    """The stage's artifact in ctx.workdir: the input with transformer fusions applied by the chosen (or the
+    better) fuser. Each fuser writes its result to disk and only the graphs are compared; the better one's files
+    are moved into the workdir, its weights never read (BERT-large's `auto` held both fusers' models, 1.3 GB each)."""
     if params.transformer == "off":
-        return model.load(), {"fuser": None}
+        return _copied(model, ctx.workdir), {"fuser": None}
     fusers = ["onnxscript", "ort"] if params.transformer == "auto" else [params.transformer]
-    candidates: dict[str, tuple[onnx.ModelProto, dict]] = {}
+    candidates: dict[str, tuple[Path, dict]] = {}
     errors: dict[str, str] = {}
     before = op_histogram(model.load(with_weights=False))
-    for fuser in fusers:
-        try:
-            fused, detail = FUSERS[fuser](model, params, ctx)
-        except UserInputError:  # the recipe's values (attention_shape): no other fuser makes them right
-            raise
-        except Exception as exc:  # a fuser that cannot handle a graph is a finding, not a crash, under auto
-            ctx.log.warning("%s fusion failed", fuser, exc_info=True)
-            errors[fuser] = library_failure(exc)
-            continue
-        candidates[fuser] = (fused, {**detail, "fused_ops": fused_ops(op_changes(before, op_histogram(fused)))})
-    if not candidates:
-        untried = [f for f in FUSERS if f not in errors]
-        hint = f"try `transformer: {untried[0]}`, or set `transformer: off`" if untried else "set `transformer: off`"
-        raise PassError(f"transformer fusion failed ({'; '.join(f'{k}: {v}' for k, v in errors.items())}); {hint}")
-    best = max(candidates, key=lambda name: fusion_score(candidates[name][1]["fused_ops"]))
-    fused, _ = candidates[best]
-    if fusion_score(candidates[best][1]["fused_ops"]) == (0, 0):
-        best, fused = None, model.load()  # nothing fused: keep the input graph untouched
-    summary = {name: detail for name, (_, detail) in candidates.items()}
-    return fused, {"fuser": best, "candidates": summary, "errors": errors}
+    with tempfile.TemporaryDirectory(dir=ctx.workdir) as scratch:
+        for fuser in fusers:
+            try:
+                fused, detail = FUSERS[fuser](model, params, ctx, Path(scratch) / fuser)
+            except UserInputError:  # the recipe's values (attention_shape): no other fuser makes them right
+                raise
+            except Exception as exc:  # a fuser that cannot handle a graph is a finding, not a crash, under auto
+                ctx.log.warning("%s fusion failed", fuser, exc_info=True)
+                errors[fuser] = library_failure(exc)
+                continue
+            ops = op_histogram(onnx.load(str(fused), load_external_data=False))
+            candidates[fuser] = (fused, {**detail, "fused_ops": fused_ops(op_changes(before, ops))})
+        if not candidates:
+            untried = [f for f in FUSERS if f not in errors]
+            hint = f"try `transformer: {untried[0]}`, or set `transformer: off`" if untried else "set `transformer: off`"
+            raise PassError(f"transformer fusion failed ({'; '.join(f'{k}: {v}' for k, v in errors.items())}); {hint}")
+        best = max(candidates, key=lambda name: fusion_score(candidates[name][1]["fused_ops"]))
+        summary = {name: detail for name, (_, detail) in candidates.items()}
+        if fusion_score(candidates[best][1]["fused_ops"]) == (0, 0):
+            best, artifact = None, _copied(model, ctx.workdir)  # nothing fused: keep the input graph untouched
+        else:
+            artifact = adopt_model(candidates[best][0], ctx.workdir)
+    return artifact, {"fuser": best, "candidates": summary, "errors": errors}
+
+
+def _copied(model: ModelArtifact, folder: Path) -> ModelArtifact:
+    """The input artifact's model and weights, copied file to file."""
+    for name in (MODEL_FILE, DATA_FILE):
+        if (model.folder / name).is_file():
+            shutil.copyfile(model.folder / name, folder / name)
+    return write_info(folder, {})
 
 
 def library_failure(exc: BaseException) -> str:
@@ -143,7 +159,7 @@ def fusion_score(ops: dict[str, int]) -> tuple[int, int]:
     return attention, sum(ops.values())
 
 
-def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams, ctx: PassContext) -> tuple[onnx.ModelProto, dict]:
+def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams, ctx: PassContext, out: Path) -> tuple[Path, dict]:
     import onnx_ir as ir
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
@@ -156,9 +172,10 @@ def fuse_with_onnxscript(model: ModelArtifact, params: FuseParams, ctx: PassCont
         fused, counts = optimize_for_ort(ir_model)
     counts = dict(counts)
     counts["attention_output_reshape_restored"] = restore_flattened_attention(fused)
-    # Read the weights into memory: the result is saved elsewhere, away from the input's data file.
-    proto = ir.to_proto(ir.external_data.load_to_model(fused))
-    return proto, {"fusions": {name: n for name, n in counts.items() if n}}
+    # Streamed to a data file of its own, a tensor at a time (the input's weights are read from its mapped file).
+    out.mkdir(parents=True)
+    ir.save(fused, out / MODEL_FILE, external_data=DATA_FILE, size_threshold_bytes=INLINE_BYTES)
+    return out / MODEL_FILE, {"fusions": {name: n for name, n in counts.items() if n}}
 
 
 def fuse_up_to_multihead_attention(model):
@@ -216,7 +233,7 @@ def fuse_up_to_multihead_attention(model):
     return model, counts
 
 
-def fuse_with_ort(model: ModelArtifact, params: FuseParams, ctx: PassContext) -> tuple[onnx.ModelProto, dict]:
+def fuse_with_ort(model: ModelArtifact, params: FuseParams, ctx: PassContext, out: Path) -> tuple[Path, dict]:
     from onnxruntime.transformers.optimizer import optimize_model
 
     from optpipe.passes import _ort_fuser
@@ -224,13 +241,13 @@ def fuse_with_ort(model: ModelArtifact, params: FuseParams, ctx: PassContext) ->
     shape = attention_shape(params, ctx)
     options = {"model_type": params.model_type, "num_heads": shape["num_heads"], "hidden_size": shape["hidden_size"]}
     if model.size_bytes() >= _ort_fuser.WORKER_MIN_BYTES:  # weights on disk, in a worker (passes/_ort_fuser.py)
-        with tempfile.TemporaryDirectory(dir=ctx.workdir) as scratch:
-            fused, fusions = _ort_fuser.fuse_on_disk(model.path, options, Path(scratch))
+        fused, fusions = _ort_fuser.fuse_on_disk(model.path, options, out)
         return fused, {"fusions": fusions, **shape, "weights": "on disk (worker)"}
     # the Python fusions only (opt_level 0); ORT's own graph optimizations are `generic`
     optimized = optimize_model(str(model.path), opt_level=0, use_gpu=False, **options)
     stats = optimized.get_fused_operator_statistics() or {}
-    return optimized.model, {"fusions": {name: n for name, n in stats.items() if n}, **shape, "weights": "in memory"}
+    return save_model(optimized.model, out).path, {"fusions": {name: n for name, n in stats.items() if n}, **shape,
+                                                   "weights": "in memory"}
 
 
 def attention_shape(params: FuseParams, ctx: PassContext) -> dict:
@@ -293,13 +310,12 @@ def apply_generic_fusions(artifact: ModelArtifact, workdir: Path) -> dict:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         options.optimized_model_filepath = str(optimized)
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.onnx.data")
-        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", str(INLINE_BYTES))
         options.log_severity_level = 3
         try:
             ort.InferenceSession(str(artifact.path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ORT refusing the graph: say so rather than crash
             raise PassError(f"ONNX Runtime cannot optimize the model: {first_line(exc)}; set `generic: false`") from None
-        result = onnx.load(str(optimized))
-    save_model(result, workdir)
-    changes = op_changes(before, op_histogram(result))
+        result = adopt_model(optimized, workdir)  # its files moved in, the weights never read
+    changes = op_changes(before, op_histogram(result.load(with_weights=False)))
     return {"level": "extended", "op_changes": changes}
