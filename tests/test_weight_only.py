@@ -267,6 +267,23 @@ def test_memory_preflight_takes_nncf_data_aware_compression_as_its_own_step(tmp_
     assert estimates["ov_data"] > estimates["ov"] and estimates["ov_data"] >= 350 * 2 ** 20 + 2.23 * 2 ** 30
 
 
+def test_memory_preflight_estimates_the_torchscript_exporter_at_its_own_peak(tmp_path):
+    """The TorchScript exporter holds the torch model, its constant-folded weights and the serialized graph at once
+    (BERT-large: 3.5x the weights above the baseline, against the dynamo export's 2.3x that `auto` tries first)."""
+    from optpipe.plan.source_preflight import stage_steps
+    from optpipe.safety.memory_estimate import TORCHSCRIPT_EXPORT, stage_estimates
+    from optpipe.safety.recipe_loading import parse_recipe
+
+    recipe = parse_recipe({
+        "model": {"hf_config": {"model_type": "bert"}}, "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", 8]}],
+        "dims": {"batch": {"min": 1, "opt": 1, "max": 2}},
+        "stages": {"ts": {"pass": "export", "params": {"exporter": "torchscript"}}, "auto": {"pass": "export"}}})
+    steps = stage_steps(recipe, 1 << 30)
+    assert steps == {"ts": TORCHSCRIPT_EXPORT, "auto": "export"}
+    estimates = stage_estimates(1 << 30, steps)
+    assert estimates["ts"] >= 350 * 2 ** 20 + 3.5 * 2 ** 30 > estimates["auto"]
+
+
 def test_memory_preflight_adds_the_tied_table_weight_only_transposes(tmp_path):
     """A model whose LM head shares the embedding table: weight_only with HQQ writes the table transposed for the
     head, and the preflight adds that transient to its stages (none where the head has its own weights, nor for

@@ -31,6 +31,10 @@ BASELINE_BYTES = 350 << 20
 #: torch model and the graph being written; the check's ONNX Runtime session runs after the worker, from eager's
 #: handed-over outputs (optpipe/evaluation/self_check.py). Measured at 1.1 B: 5.38 GB, 1.14x above the baseline.
 DECODER_EXPORT = "export, a KV-cache decoder in its own worker"
+#: The TorchScript exporter (`exporter: torchscript`), in the compile's process: the torch model, the weights its
+#: constant folding transposes for MatMul, and the serialized graph at once, inside torch.onnx. Measured on
+#: BERT-large (1.34 GB FP32, x86-amx): 5.01-5.03 GB, 3.5x above the baseline (docs/memory.md, ninth round).
+TORCHSCRIPT_EXPORT = "export with the TorchScript exporter"
 #: PyTorch eager's evaluation: eager beside each FP32 stage's ONNX Runtime session, timed interleaved. Measured
 #: at 1.1 B (4.40 GB): 9.20 GB, 2.01x above the baseline; the compile's peak once the export's was lowered.
 EAGER_EVALUATION = "PyTorch eager beside each FP32 stage"
@@ -56,7 +60,7 @@ WEIGHT_ONLY_COPY = "weight_only, a float copy of a tied LM head (algorithm: hqq)
 PASS_FACTORS = {
     "export": 2.3, "weight_only": 1.45, "openvino_weights": 1.6, "simplify": 4.0,
     "measure": 1.2,  # a generation measurement: the weights of the runtimes it holds, plus their KV caches
-    DECODER_EXPORT: 1.3, EAGER_EVALUATION: 2.2, EAGER_APART: 1.3, OV_DATA_AWARE: 2.4,
+    DECODER_EXPORT: 1.3, TORCHSCRIPT_EXPORT: 3.6, EAGER_EVALUATION: 2.2, EAGER_APART: 1.3, OV_DATA_AWARE: 2.4,
     WEIGHT_ONLY_WORKER: 0.9, WEIGHT_ONLY_COPY: 1.45,
 }
 #: WEIGHT_ONLY_COPY adds this much of the tied table (measured 1.43x, above).
@@ -88,7 +92,7 @@ def stage_estimates(fp32_bytes: int, stages: dict[str, str], held: int = 0, tied
     keeps resident beside every stage but the export (the torch model, held for the eager rows); `tied_table`:
     an embedding table the LM head shares, which WEIGHT_ONLY_COPY writes transposed for the head (TIED_TABLE_FACTOR)."""
     return {name: int(BASELINE_BYTES + PASS_FACTORS.get(pass_name, DEFAULT_FACTOR) * fp32_bytes
-                      + (held if pass_name not in ("export", DECODER_EXPORT, EAGER_EVALUATION, EAGER_APART) else 0)
+                      + (held if pass_name not in ("export", DECODER_EXPORT, TORCHSCRIPT_EXPORT, EAGER_EVALUATION, EAGER_APART) else 0)
                       + (TIED_TABLE_FACTOR * tied_table if pass_name == WEIGHT_ONLY_COPY else 0))
             for name, pass_name in stages.items()}
 
