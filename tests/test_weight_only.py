@@ -267,21 +267,25 @@ def test_memory_preflight_takes_nncf_data_aware_compression_as_its_own_step(tmp_
     assert estimates["ov_data"] > estimates["ov"] and estimates["ov_data"] >= 350 * 2 ** 20 + 2.23 * 2 ** 30
 
 
-def test_memory_preflight_estimates_the_torchscript_exporter_at_its_own_peak(tmp_path):
+def test_memory_preflight_estimates_the_torchscript_exporter_and_openvino_int8_at_their_own_peaks(tmp_path):
     """The TorchScript exporter holds the torch model, its constant-folded weights and the serialized graph at once
-    (BERT-large: 3.5x the weights above the baseline, against the dynamo export's 2.3x that `auto` tries first)."""
+    (BERT-large: 3.5x the weights above the baseline, against the dynamo export's 2.3x that `auto` tries first);
+    OpenVINO int8, NNCF's statistics model and SmoothQuant's copies (4.2x, against the passes' 2.0x floor)."""
     from optpipe.plan.source_preflight import stage_steps
-    from optpipe.safety.memory_estimate import TORCHSCRIPT_EXPORT, stage_estimates
+    from optpipe.safety.memory_estimate import OV_INT8, TORCHSCRIPT_EXPORT, stage_estimates
     from optpipe.safety.recipe_loading import parse_recipe
 
     recipe = parse_recipe({
         "model": {"hf_config": {"model_type": "bert"}}, "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", 8]}],
         "dims": {"batch": {"min": 1, "opt": 1, "max": 2}},
-        "stages": {"ts": {"pass": "export", "params": {"exporter": "torchscript"}}, "auto": {"pass": "export"}}})
+        "stages": {"ts": {"pass": "export", "params": {"exporter": "torchscript"}}, "auto": {"pass": "export"},
+                   "ov8": {"pass": "openvino", "after": "auto", "params": {"precision": "int8"}},
+                   "ov32": {"pass": "openvino", "after": "auto"}}})
     steps = stage_steps(recipe, 1 << 30)
-    assert steps == {"ts": TORCHSCRIPT_EXPORT, "auto": "export"}
+    assert steps == {"ts": TORCHSCRIPT_EXPORT, "auto": "export", "ov8": OV_INT8, "ov32": "openvino"}
     estimates = stage_estimates(1 << 30, steps)
     assert estimates["ts"] >= 350 * 2 ** 20 + 3.5 * 2 ** 30 > estimates["auto"]
+    assert estimates["ov8"] >= 350 * 2 ** 20 + 4.2 * 2 ** 30 and estimates["ov32"] >= 350 * 2 ** 20 + 2.1 * 2 ** 30
 
 
 def test_memory_preflight_adds_the_tied_table_weight_only_transposes(tmp_path):

@@ -89,8 +89,10 @@ def stage_steps(recipe: Recipe, weights: int) -> dict[str, str]:
 def _step_kind(pass_name: str, params: dict, weights: int) -> str:
     """A stage's kind of step for the memory estimate: its pass, or how that pass runs on these weights."""
     from optpipe.passes._weight_only_on_disk import WORKER_MIN_BYTES
-    from optpipe.safety.memory_estimate import OV_DATA_AWARE, TORCHSCRIPT_EXPORT, WEIGHT_ONLY_COPY, WEIGHT_ONLY_WORKER
+    from optpipe.safety.memory_estimate import OV_DATA_AWARE, OV_INT8, TORCHSCRIPT_EXPORT, WEIGHT_ONLY_COPY, WEIGHT_ONLY_WORKER
 
+    if pass_name == "openvino" and params.get("precision") == "int8":
+        return OV_INT8
     if pass_name == "export" and params.get("exporter") == "torchscript":
         return TORCHSCRIPT_EXPORT  # `auto` tries dynamo first, in a worker from 256 MB: the plain export's factor
     if pass_name == "openvino_weights" and params.get("data_aware"):
