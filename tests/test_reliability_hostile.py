@@ -400,6 +400,31 @@ def test_a_full_or_read_only_disk_mid_run_is_one_line_and_the_cache_stays_consis
             and not p.is_relative_to(cache)} == set()
 
 
+def test_a_library_that_says_a_full_disk_in_its_own_words_stops_the_run_on_the_disk(tmp_path, monkeypatch, capsys):
+    """ONNX Runtime ("Failed to write external initializers to file") and torch's writer ("36864 requested and 1344
+    written") raise no errno: on a full disk a stage failed with advice that could not help (`set generic: false`)
+    and every later stage failed the same way. A failure while the cache's disk is nearly full is that disk's."""
+    from optpipe.safety import os_errors
+
+    write_linear_onnx(tmp_path / "model")
+    path = write_recipe(tmp_path, onnx_recipe(tmp_path))
+    monkeypatch.chdir(tmp_path)
+
+    def save(*args, **kwargs):
+        raise RuntimeError("36864 requested and 1344 written")
+
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(onnx, "save_model", save)
+    monkeypatch.setattr(os_errors.shutil, "disk_usage", lambda folder: real_usage(folder)._replace(free=3 << 20))
+    code, _, err = run_main(["compile", str(path)], capsys)
+    assert code == 2, err
+    line = _one_error_line(err)
+    assert "the disk is full" in line and "cache folder" in line, line
+    monkeypatch.setattr(os_errors.shutil, "disk_usage", real_usage)  # with room, the same failure is the stage's own
+    code, out, err = run_main(["compile", str(path)], capsys)
+    assert code == 1 and "36864 requested and 1344 written" in out + err and "disk is full" not in out + err
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a tmpfs needs root")
 def test_a_real_full_tmpfs(tmp_path, monkeypatch, capsys):
     disk = tmp_path / "disk"

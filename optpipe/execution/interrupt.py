@@ -86,8 +86,9 @@ class InterruptWatch:
 def escalate(exc: BaseException, cache_root: Path | None = None, watch: InterruptWatch | None = None) -> None:
     """Raise what must stop the whole run instead of failing one stage: a Ctrl-C hidden in the
     chain or counted by `watch` (exit 130), or a full or read-only disk (exit 2, one line naming
-    `cache_root`, where stages and evaluations write)."""
-    from optpipe.safety.os_errors import FolderError, describe, disk_error_in
+    `cache_root`, where stages and evaluations write): in the chain's errno, or the disk full now, whatever
+    words the failing library used."""
+    from optpipe.safety.os_errors import FolderError, describe, disk_error_in, full_disk_at
 
     if watch is not None:
         watch.check()
@@ -96,7 +97,7 @@ def escalate(exc: BaseException, cache_root: Path | None = None, watch: Interrup
         raise interrupt
     if interrupt is not None:
         raise KeyboardInterrupt() from None
-    disk = disk_error_in(exc)
+    disk = disk_error_in(exc) or full_disk_at(cache_root)
     if disk is not None:
         raise FolderError(describe(disk, "cache folder" if cache_root else "", cache_root)) from None
 

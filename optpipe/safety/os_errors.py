@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -79,6 +80,25 @@ def disk_error_in(exc: BaseException) -> OSError | None:
         if isinstance(link, OSError) and link.errno in DISK_ERRNOS:
             return link
     return None
+
+
+#: Below this much free space, a failure is taken for the full disk it most likely is.
+NEARLY_FULL_BYTES = 64 << 20
+
+
+def full_disk_at(folder: Path | None) -> OSError | None:
+    """An ENOSPC for `folder` when its disk is (nearly) full now. Libraries that write in C++ say a full disk in
+    words of their own, with no errno: ONNX Runtime "Failed to write external initializers to file", torch's
+    writer "36864 requested and 1344 written"; the stage then failed with advice that could not help."""
+    if folder is None:
+        return None
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if free >= NEARLY_FULL_BYTES:
+        return None
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free >> 20} MB free)", str(folder))
 
 
 def chain(exc: BaseException) -> Iterator[BaseException]:
