@@ -30,10 +30,9 @@ from optpipe.core.results import Accuracy, Latency, Memory
 from optpipe.recipe.schema import EvaluateSpec, ModelInputs, Tolerance
 from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
 
-EVAL_FORMAT = 9  # 3: adaptive iteration counts, eager timed beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
-# 5: sweeps measured and cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU time;
-# 7: a time budget per figure, each figure's interval and why its timing stopped; 8: a reference ~0 (or < fp16's range) is warned;
-# 9: an integer output held by equality is not also held by its cosine
+EVAL_FORMAT = 9  # 3: adaptive iteration counts, eager beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
+# 5: sweeps cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU; 7: a time budget
+# per figure, its interval and why timing stopped; 8: a reference ~0 (< fp16's range) warned; 9: no cosine verdict on integers
 #: Settings that shape only the sweep curves: not part of the headline's cache key.
 SWEEP_SETTINGS = {"sweep", "sweep_iterations", "sweep_stages"}
 #: Settings that shape no figure (a search's strategy or budget, the Ray resources, the eager baseline
