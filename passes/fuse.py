@@ -11,7 +11,6 @@ Fused ops live in the `com.microsoft` domain: ORT CPU/CUDA run them, TensorRT do
 """
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -19,7 +18,7 @@ from typing import Literal
 import onnx
 from pydantic import Field, field_validator
 
-from optpipe.core.artifact import DATA_FILE, MODEL_FILE, ModelArtifact, adopt_model, save_model, write_info
+from optpipe.core.artifact import DATA_FILE, MODEL_FILE, ModelArtifact, adopt_model, copy_file, save_model, write_info
 from optpipe.evaluation.self_check import SelfCheckParams
 from optpipe.core.errors import PassError, RecipeError, UserInputError, first_line
 from optpipe.graph.stats import fused_ops as graph_stats_fused_ops
@@ -135,7 +134,7 @@ def _copied(model: ModelArtifact, folder: Path) -> ModelArtifact:
     """The input artifact's model and weights, copied file to file."""
     for name in (MODEL_FILE, DATA_FILE):
         if (model.folder / name).is_file():
-            shutil.copyfile(model.folder / name, folder / name)
+            copy_file(model.folder / name, folder / name)
     return write_info(folder, {})
 
 

@@ -37,11 +37,11 @@ def check_onnx_memory(recipe: Recipe, path: Path) -> dict[str, int]:
 
     from optpipe.graph.matmul_weights import tied_heads
     from optpipe.safety.memory_estimate import WEIGHT_ONLY_COPY, check_fits
+    from optpipe.safety.onnx_guard import external_files
 
     model = onnx.load(str(path), load_external_data=False)
-    files = {entry.value for init in model.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
-             for entry in init.external_data if entry.key == "location"}
-    weights = path.stat().st_size + sum((path.parent / name).stat().st_size for name in files if (path.parent / name).is_file())
+    data = external_files(model, path.parent).values()
+    weights = path.stat().st_size + sum(file.stat().st_size for file in data if file.is_file())
     steps = stage_steps(recipe, weights)
     tied = 0
     if WEIGHT_ONLY_COPY in steps.values():  # HQQ writes a tied head's table transposed: its dims say its size
