@@ -189,7 +189,16 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
     if task == "causal-lm":
         model["outputs"] = ["logits"]
-    net = meta_model(folder, task)
+    try:
+        net = meta_model(folder, task)
+    except ModelSourceError:
+        if "auto_map" not in config:
+            raise
+        # Its own modeling code, which transformers would import only with trust_remote_code: init runs none of it.
+        raise ModelSourceError(
+            f"init: '{folder}' is a model with its own code (config.json's auto_map), which init does not run; if you "
+            "trust that code, write `model: {hf: FOLDER, trust_remote_code: true}` in a recipe yourself, or init a "
+            "module:factory that builds the model") from None
     owner = type(net).__name__
     inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
     kind, notes = model_kind(net, inputs, dims, owner)

@@ -98,22 +98,8 @@ def meta_model(folder: Path, task: str):
         with torch.device("meta"):
             return getattr(transformers, HF_AUTO_CLASSES[task]).from_config(config).eval()
     except Exception as exc:  # an architecture transformers does not know, a config it cannot read
-        if _custom_code(folder):
-            raise ModelSourceError(
-                f"init: '{folder}' is a model with its own code (config.json's auto_map), which init does not run; if you "
-                "trust that code, write `model: {hf: FOLDER, trust_remote_code: true}` in a recipe yourself, or init a "
-                "module:factory that builds the model") from None
         raise ModelSourceError(f"init: cannot build the model of '{folder}' from its config.json as {task} "
                                f"({type(exc).__name__}: {first_line(exc)[:160]})") from None
-
-
-def _custom_code(folder: Path) -> bool:
-    import json
-
-    try:
-        return "auto_map" in json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 # A model up to this many parameters is built for real (random weights, ~4 bytes each) when its
