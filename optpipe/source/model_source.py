@@ -35,15 +35,14 @@ class TorchModel:
 def hf_folder(source: ModelSource) -> Path:
     """The Hugging Face folder of the model (for a model built from a config: of its tokenizer)."""
     spec = source.model
-    if isinstance(spec, (HFConfigModel, OnnxModel)):
+    tokenizer_only = isinstance(spec, (HFConfigModel, OnnxModel))  # the folder of a tokenizer alone: no config.json needed
+    if tokenizer_only:
         if spec.tokenizer is None:
             raise ModelSourceError("model.tokenizer: text data needs a tokenizer, and "
                                    f"{'an ONNX file' if isinstance(spec, OnnxModel) else 'a model built from its config'} has "
                                    "none; add `tokenizer: {hf: FOLDER}` (or `{package: ..., subdir: ...}`) to `model`, or give "
                                    "the data as npz/npy arrays of token ids")
-        spec, tokenizer_only = spec.tokenizer, True
-    else:
-        tokenizer_only = False
+        spec = spec.tokenizer
     if not isinstance(spec, HFModel):
         raise DataError(
             f"data: text needs the model's tokenizer, and the model is a {type(spec).__name__}, which has none; use an `hf` "
