@@ -115,7 +115,6 @@ class Int8Pass(Pass[Int8Params]):
                                   candidates={n.name for n in candidates}, node_facts=float_weights)
             result = guard.run(params.exclude)
             ctx.progress("int8: save the model and count its int8 coverage", 0, 0)
-            release_freed_memory()  # the guard's sessions and the quantizer's copies, before the files move
             artifact = adopt_model(Path(result.model), ctx.workdir)  # ORT wrote one data file: moved, not read
         finally:
             shutil.rmtree(quantizer.scratch, ignore_errors=True)  # the cache entry holds only the model
