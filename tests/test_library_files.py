@@ -32,25 +32,28 @@ RECIPE = {
 }
 
 
-def test_a_compile_writes_nothing_into_home_or_tmp(tmp_path):
-    home, tmp = tmp_path / "home", tmp_path / "tmp"
-    home.mkdir(), tmp.mkdir()
-    shutil.copytree(MODELS, tmp_path / "models")
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(RECIPE))
+def _optpipe_in_empty_home(folder: Path, *args: str) -> list[str]:
+    """Run `optpipe ARGS` in `folder` in a subprocess whose HOME and TMPDIR are empty folders of their own (made
+    once); what it left in them. Fails on a non-zero exit."""
+    home, tmp = folder / "home", folder / "tmp"
+    home.mkdir(exist_ok=True), tmp.mkdir(exist_ok=True)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp), "OPTPIPE_CACHE": ""}
-    proc = subprocess.run([sys.executable, "-m", "optpipe.cli", "compile", "recipe.yaml"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-m", "optpipe.cli", *args], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return sorted(str(p.relative_to(folder)) for p in [*home.rglob("*"), *tmp.rglob("*")])
+
+
+def test_a_compile_writes_nothing_into_home_or_tmp(tmp_path):
+    shutil.copytree(MODELS, tmp_path / "models")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(RECIPE))
+    left = _optpipe_in_empty_home(tmp_path, "compile", "recipe.yaml")
     assert (tmp_path / "out" / "report.html").is_file()
-    left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
     assert left == [], left
     assert (tmp_path / "cache" / "tmp" / "libraries" / "matplotlib").is_dir()  # the font list went here
     # `optpipe report` draws the plots again (their digest file removed): matplotlib's font list is not left in home.
     (tmp_path / "out" / ".report-plots.json").unlink()
-    proc = subprocess.run([sys.executable, "-m", "optpipe.cli", "report", "out"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
+    left = _optpipe_in_empty_home(tmp_path, "report", "out")
     assert left == [], left
 
 
@@ -95,19 +98,13 @@ def test_a_model_with_its_own_code_is_imported_from_the_cache_not_home(tmp_path,
     module.TinyConfig.register_for_auto_class()
     module.TinyModel.register_for_auto_class("AutoModel")
     module.TinyModel(module.TinyConfig()).save_pretrained(tmp_path / "custom")
-    home, tmp = tmp_path / "home", tmp_path / "tmp"
-    home.mkdir(), tmp.mkdir()
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
         "name": "custom", "model": {"hf": "custom", "trust_remote_code": True},
         "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 50]}],
         "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 2, "opt": 4, "max": 8}},
         "data": {"eval": {"source": "synthetic", "samples": 2}}, "stages": {"export": {"pass": "export"}},
         "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 2}, "output": "out", "cache": "cache"}))
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp), "OPTPIPE_CACHE": ""}
-    proc = subprocess.run([sys.executable, "-m", "optpipe.cli", "compile", "recipe.yaml"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
+    left = _optpipe_in_empty_home(tmp_path, "compile", "recipe.yaml")
     assert left == [], left
     assert list((tmp_path / "cache" / "tmp" / "libraries" / "hf_modules").rglob("modeling_tiny.py"))
 
@@ -115,17 +112,11 @@ def test_a_model_with_its_own_code_is_imported_from_the_cache_not_home(tmp_path,
 def test_several_recipes_compiled_together_write_nothing_into_home_or_tmp(tmp_path):
     """Several recipes (as a search or a Ray run) go through the executor's tasks, not the one-recipe compile:
     the tasks point the libraries' files into the cache folder too (matplotlib's font list was written to home)."""
-    home, tmp = tmp_path / "home", tmp_path / "tmp"
-    home.mkdir(), tmp.mkdir()
     shutil.copytree(MODELS, tmp_path / "models")
     for name in ("a", "b"):
         recipe = {**RECIPE, "name": name, "output": f"out-{name}", "targets": [],
                   "stages": {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export"}}}
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp), "OPTPIPE_CACHE": ""}
-    proc = subprocess.run([sys.executable, "-m", "optpipe.cli", "compile", "a.yaml", "b.yaml"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    left = _optpipe_in_empty_home(tmp_path, "compile", "a.yaml", "b.yaml")
     assert (tmp_path / "out-a" / "report.html").is_file() and (tmp_path / "out-b" / "report.html").is_file()
-    left = sorted(str(p.relative_to(tmp_path)) for p in [*home.rglob("*"), *tmp.rglob("*")])
     assert left == [], left
