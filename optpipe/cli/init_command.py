@@ -30,6 +30,7 @@ def init_command(model: str, output: Path | None, force: bool, allow_paths: tupl
     from optpipe.core.artifact import write_text_atomic
     from optpipe.plan.dag import execution_order
     from optpipe.plan.validate import validate_recipe
+    from optpipe.safety.os_errors import folder_errors
     from optpipe.safety.recipe_loading import recipe_from_text
 
     recipe_dir = (output.parent if output else Path.cwd())
@@ -45,11 +46,8 @@ def init_command(model: str, output: Path | None, force: bool, allow_paths: tupl
     graph, _ = validate_recipe(recipe_from_text(text, path, allow_paths, allow_factories))
     if not path.parent.is_dir():
         raise RecipeError(f"--output: folder '{path.parent}' does not exist; create it or choose another file")
-    try:
+    with folder_errors("output folder", path.parent):  # read-only, full, or a /proc that creates nothing: one line
         write_text_atomic(path, text)  # only a valid recipe is written, whole or not at all
-    except FileNotFoundError:  # its folder exists, yet takes no new file: /proc, /sys (other OSErrors: the CLI says them)
-        raise RecipeError(f"--output: folder '{path.parent}' takes no new files (a virtual file system such as /proc?); "
-                          "choose another file") from None
     click.echo(f"wrote {path}: a {facts.kind} recipe, valid; stages: {', '.join(execution_order(graph))}")
     for note in facts.notes:
         click.echo(f"note: {note}")

@@ -127,10 +127,11 @@ def folder_errors(role: str, folder: Path) -> Iterator[None]:
 
 
 def _not_creatable(exc: OSError, role: str, folder: Path) -> str | None:
-    """A folder the file system will not create although its parent exists (mkdir under /proc says ENOENT):
-    only for the folder itself or a path inside it, since ENOENT elsewhere may be a bug of ours."""
+    """A folder the file system will not create, or a file it will not create in it, although the parent exists
+    (mkdir or a new file under /proc says ENOENT): only for the folder itself or a path inside it, since ENOENT
+    elsewhere may be a bug of ours."""
     failed = failed_file(exc)
     if exc.errno != errno.ENOENT or failed is None or not _inside(failed, folder):
         return None
-    return (f"cannot create {role} '{folder}': the file system there makes no new folders (a virtual one such as "
-            f"/proc or /sys?); choose a folder on a disk ({_FLAGS.get(role, '--output, --cache-dir')})")
+    return (f"cannot use {role} '{folder}': the file system there creates nothing (a virtual one such as /proc or "
+            f"/sys?); choose a folder on a disk ({_FLAGS.get(role, '--output, --cache-dir')})")
