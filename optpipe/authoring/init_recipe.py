@@ -20,7 +20,7 @@ from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, inpu
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
-from optpipe.source.model_source import TOKENIZER_FILES
+from optpipe.source.model_source import TOKENIZER_FILES, stored_dtype, widened_to_float32
 
 FILL_IN = "FILL-IN"
 
@@ -202,6 +202,7 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     owner = type(net).__name__
     inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
     kind, notes = model_kind(net, inputs, dims, owner)
+    notes += _widening_notes(stored_dtype(folder / "config.json"))
     return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task),
                       conv_widths=_torch_conv_widths(net))
 
@@ -233,6 +234,11 @@ def _tokenizer_inputs(folder: Path) -> list[str]:
     return [n for n in names if n in ("input_ids", "attention_mask", "token_type_ids")] or ["input_ids"]
 
 
+def _widening_notes(stored: str | None) -> list[str]:
+    return [f"its weights are {stored}: the compile widens them to float32 (exact), and each stage takes its own "
+            "precision from there"] if stored else []
+
+
 # --- module:factory --------------------------------------------------------------------------
 
 
@@ -256,6 +262,7 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     net = net[0] if isinstance(net, tuple) else net
     if not isinstance(net, torch.nn.Module):
         raise ModelSourceError(f"init: '{spec}' returned {type(net).__name__}, not a torch.nn.Module")
+    widened = widened_to_float32(net)  # measured in float32, as the compile loads it
     owner = type(net).__name__
     params = forward_parameters(net.forward)
     hf_config = getattr(net, "config", None)
@@ -266,6 +273,7 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
         inputs, dims, notes = _first_layer_input(net)
         required = [name for name, needed in params if needed]
         unknown_required(params, set(required[:1]), owner)  # the first layer tells one input, no more
+    notes += _widening_notes(widened)
     output_shapes = _probe(net, inputs, dims, owner)
     kind, kind_notes = (model_kind if hasattr(hf_config, "to_dict") else factory_kind)(net, inputs, dims, owner)
     notes += kind_notes

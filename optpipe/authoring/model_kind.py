@@ -96,7 +96,8 @@ def meta_model(folder: Path, task: str):
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
         with torch.device("meta"):
-            return getattr(transformers, HF_AUTO_CLASSES[task]).from_config(config).eval()
+            # float32 as the compile loads it (source/model_source.py): a config's bfloat16 would be built in bf16
+            return getattr(transformers, HF_AUTO_CLASSES[task]).from_config(config, dtype=torch.float32).eval()
     except Exception as exc:  # an architecture transformers does not know, a config it cannot read
         raise ModelSourceError(f"init: cannot build the model of '{folder}' from its config.json as {task} "
                                f"({type(exc).__name__}: {first_line(exc)[:160]})") from None

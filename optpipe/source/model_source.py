@@ -165,11 +165,14 @@ def _load_hf(source: ModelSource, spec: HFModel) -> TorchModel:
     folder = hf_folder(source)
     cls = _auto_class(spec.task)
     extra = {"use_cache": False} if spec.task in NO_CACHE_TASKS else {}
+    stored = stored_dtype(folder / "config.json")
     try:
-        model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code, **extra)
+        # Read straight into float32 (widened_to_float32 says why): no half-precision copy beside it.
+        model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code,
+                                    dtype=_torch_float32(), **extra)
     except Exception as exc:  # transformers raises many types; all mean "cannot load this folder"
         raise ModelSourceError(f"model: cannot load '{folder}' as {spec.task} ({cls.__name__}): {first_line(exc)}") from None
-    return _wrap_hf(model, source, f"{cls.__name__} from {folder}")
+    return _wrap_hf(model, source, f"{cls.__name__} from {folder}{_widening_note(stored)}")
 
 
 def _load_hf_config(source: ModelSource, spec: HFConfigModel) -> TorchModel:
@@ -187,14 +190,15 @@ def _load_hf_config(source: ModelSource, spec: HFConfigModel) -> TorchModel:
     cls = _auto_class(spec.task)
     torch.manual_seed(spec.seed)
     try:
-        model = cls.from_config(config)
+        model = cls.from_config(config, dtype=_torch_float32())  # a config's `dtype: bfloat16` would build it in bf16
     except ValueError as exc:
         if "Unrecognized configuration class" not in str(exc):  # a config the architecture refuses (heads vs hidden size...)
             raise _config_refused(model_type, exc) from None
         raise ModelSourceError(f"model.task: '{model_type}' has no {spec.task} head ({first_line(exc)}); pick another task") from None
     except Exception as exc:  # noqa: BLE001 - modules assert on their sizes (nn.Embedding: "Padding_idx must be within num_embeddings")
         raise _config_refused(model_type, exc) from None
-    return _wrap_hf(model, source, f"{type(model).__name__} from {type(config).__name__} (random weights, seed {spec.seed})")
+    note = _widening_note(HALF_DTYPES.get(str(options.get("dtype") or options.get("torch_dtype"))))
+    return _wrap_hf(model, source, f"{type(model).__name__} from {type(config).__name__} (random weights, seed {spec.seed}){note}")
 
 
 def _config_refused(model_type: str, exc: BaseException) -> ModelSourceError:
@@ -218,6 +222,8 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
 
     from optpipe.source.model_outputs import flat_module, named_leaves, pick_outputs
 
+    widened = widened_to_float32(net)
+    description += _widening_note(widened) if widened and "widened" not in description else ""
     sample = example_inputs(source, batch=1)
     args = [torch.from_numpy(sample[s.name]) for s in source.inputs]
     try:
@@ -231,6 +237,46 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
     indices, output_names = pick_outputs([name for name, _ in leaves], source.model.outputs, declared)
     module = flat_module(net, call, indices)
     return TorchModel(module.eval(), [s.name for s in source.inputs], output_names, description)
+
+
+#: Half-precision weights as checkpoints ship them (most hub decoders: bfloat16), by their names in configs and torch.
+HALF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def widened_to_float32(net) -> str | None:
+    """A module with half-precision weights (bfloat16, float16) widened to float32 in place; the stored dtype, or None.
+
+    Every pass and the eager reference start from float32: numpy (the evaluation, the checks) has no bfloat16, ONNX
+    Runtime's CPU kernels run few bfloat16 ops, and the precision a stage asks for (fp16, bf16, int8) is the pass's
+    to take, from the exact values. Widening is exact (Optimum's export loads in float32 the same way)."""
+    halves = {str(t.dtype).removeprefix("torch.") for t in [*net.parameters(), *net.buffers()] if t.is_floating_point()}
+    halves &= set(HALF_DTYPES.values())
+    if not halves:
+        return None
+    net.float()
+    return "/".join(sorted(halves))
+
+
+def stored_dtype(config_json: Path) -> str | None:
+    """The half-precision dtype a Hugging Face folder's config.json says its weights are stored in, else None."""
+    import json
+
+    try:
+        config = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return HALF_DTYPES.get(str(value)) if value else None
+
+
+def _widening_note(stored: str | None) -> str:
+    return f" (weights stored in {stored}, widened to float32: exact)" if stored else ""
+
+
+def _torch_float32():
+    import torch
+
+    return torch.float32
 
 
 def _load_torchvision(source: ModelSource, spec: TorchvisionModel) -> TorchModel:
