@@ -313,6 +313,8 @@ _HINTS = (
     ("Inference tensors cannot be saved", "the model keeps tensors made under torch.inference_mode(); "
      "build them under torch.no_grad() (or lazily in forward) instead"),
     ("wrong at other sizes", FIX_DIMS),
+    ("computes in bfloat16", "take the autocast or the cast out of forward: the passes start from float32, and a stage "
+     "takes the lower precision (fp16, openvino `precision: bf16`)"),
     ("does not match PyTorch eager", "raise check_atol/check_rtol if the error is rounding on large outputs, else make the dims fixed in `inputs`"),
     ("not supported", "the model uses an operator that ONNX export cannot convert"),
     ("Unsupported", "the model uses an operator that ONNX export cannot convert"),

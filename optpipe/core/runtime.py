@@ -179,9 +179,17 @@ def eager_runner(torch_model, threads: int) -> Callable[[Feeds], Outputs]:
         with torch.no_grad():
             outs = module(*[torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in torch_model.input_names])
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        return {name: out.detach().numpy() for name, out in zip(torch_model.output_names, outs)}
+        return {name: tensor_to_numpy(out) for name, out in zip(torch_model.output_names, outs)}
 
     return run
+
+
+def tensor_to_numpy(tensor) -> np.ndarray:
+    """A torch output as numpy; bfloat16, which numpy has no type for, widened to float32 (exactly)."""
+    import torch
+
+    tensor = tensor.detach()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 @contextmanager
