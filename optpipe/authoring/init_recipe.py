@@ -20,7 +20,7 @@ from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, inpu
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
-from optpipe.source.model_source import TOKENIZER_FILES, stored_dtype, widened_to_float32
+from optpipe.source.model_source import TOKENIZER_FILES, refuse_prequantized, stored_dtype, widened_to_float32
 
 FILL_IN = "FILL-IN"
 
@@ -185,6 +185,7 @@ def architecture_task(config: dict) -> str:
 
 def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    refuse_prequantized(folder / "config.json", "init")
     task = architecture_task(config)
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
     if task == "causal-lm":

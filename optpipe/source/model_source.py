@@ -165,6 +165,7 @@ def _load_hf(source: ModelSource, spec: HFModel) -> TorchModel:
     folder = hf_folder(source)
     cls = _auto_class(spec.task)
     extra = {"use_cache": False} if spec.task in NO_CACHE_TASKS else {}
+    refuse_prequantized(folder / "config.json", "model")
     stored = stored_dtype(folder / "config.json")
     try:
         # Read straight into float32 (widened_to_float32 says why): no half-precision copy beside it.
@@ -255,6 +256,26 @@ def widened_to_float32(net) -> str | None:
         return None
     net.float()
     return "/".join(sorted(halves))
+
+
+def refuse_prequantized(config_json: Path, owner: str) -> None:
+    """A checkpoint quantized already (config.json's quantization_config: GPTQ, AWQ, bitsandbytes, FP8...) has no float
+    weights to start from: transformers would ask for that method's own kernels package, and an export of them would
+    not be the float model every stage is measured against. Refused, naming the method."""
+    import json
+
+    try:
+        config = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method", "unnamed")
+        bits = f", {quantization['bits']} bits" if "bits" in quantization else ""
+        raise ModelSourceError(
+            f"{owner}: '{config_json.parent}' is a checkpoint quantized already ({method}{bits}: config.json's "
+            "quantization_config); optpipe compiles from float weights: give the float checkpoint it was made from "
+            "(the weight_only and openvino_weights passes quantize it, measured against the float model)")
 
 
 def stored_dtype(config_json: Path) -> str | None:

@@ -1,8 +1,9 @@
-"""Checkpoints stored in half precision (bfloat16, float16: how most hub decoders and many encoders ship) load,
+"""The precision a checkpoint comes in. Stored in half precision (bfloat16, float16: how most hub decoders and many encoders ship) load,
 export and compile from float32, the precision every pass starts from, and the stage record says so.
 
 They used to fail in the export and the eager row alike with "Got unsupported ScalarType BFloat16; make `inputs`
-match what its forward() takes": numpy has no bfloat16, and the advice named the wrong thing."""
+match what its forward() takes": numpy has no bfloat16, and the advice named the wrong thing. A checkpoint
+quantized already (GPTQ, AWQ...) has no float weights to start from: refused in one line, by compile and init."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -123,3 +124,18 @@ def test_a_model_computing_in_bfloat16_is_measured_and_its_export_refusal_names_
     assert "take the autocast or the cast out of forward" in result.output and "check_atol" not in result.output
     report = yaml.safe_load((tmp_path / "run" / "report.json").read_text())
     assert {s["name"]: s["status"] for s in report["stages"]}["pytorch-eager"] == "ok"
+
+
+def test_a_checkpoint_quantized_already_is_refused_by_compile_and_init(tmp_path, cli_run, monkeypatch):
+    import json
+
+    folder, _ = _folder(tmp_path, torch.float16)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=r"quantized already \(awq, 4 bits.*give the float checkpoint"):
+        load_torch_model(_source(tmp_path, HFModel(hf=str(folder), task="sequence-classification")))
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", folder.name, "-o", "recipe.yaml")
+    assert result.exit_code == 2 and "quantized already (awq, 4 bits" in result.output, result.output
+    assert not Path("recipe.yaml").exists()
