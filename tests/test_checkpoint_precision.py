@@ -3,7 +3,9 @@ export and compile from float32, the precision every pass starts from, and the s
 
 They used to fail in the export and the eager row alike with "Got unsupported ScalarType BFloat16; make `inputs`
 match what its forward() takes": numpy has no bfloat16, and the advice named the wrong thing. A checkpoint
-quantized already (GPTQ, AWQ...) has no float weights to start from: refused in one line, by compile and init."""
+quantized already (GPTQ, AWQ..., or a torch.ao quantized module) has no float weights to start from: refused in one
+line, by compile and init. An ONNX source in bfloat16, which ORT's CPU kernels cannot load, says that, not "export
+the model again"."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +17,7 @@ import yaml
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from optpipe.recipe.schema import DimRange, HFConfigModel, HFModel, InputSpec, ModelSource  # noqa: E402
+from optpipe.recipe.schema import DimRange, FactoryModel, HFConfigModel, HFModel, InputSpec, ModelSource  # noqa: E402
 from optpipe.source.model_source import load_torch_model, widened_to_float32  # noqa: E402
 
 SMALL_BERT = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100)
@@ -139,3 +141,42 @@ def test_a_checkpoint_quantized_already_is_refused_by_compile_and_init(tmp_path,
     result = cli_run("init", folder.name, "-o", "recipe.yaml")
     assert result.exit_code == 2 and "quantized already (awq, 4 bits" in result.output, result.output
     assert not Path("recipe.yaml").exists()
+
+
+QUANTIZED_MODULE = '''import torch
+
+
+def build():
+    net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    return torch.ao.quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
+'''
+
+
+def test_a_module_quantized_by_torch_ao_is_refused_naming_its_quantized_layers(tmp_path):
+    (tmp_path / "ao_quantized.py").write_text(QUANTIZED_MODULE)
+    inputs = (InputSpec(name="x", dtype="float32", shape=["batch", 16]),)
+    source = ModelSource(inputs, {"batch": DimRange(min=1, opt=1, max=2)},
+                         FactoryModel(factory="ao_quantized:build", path="."), tmp_path)
+    with pytest.raises(Exception, match=r"quantized in PyTorch already \(torch\.ao\.nn\.quantized.*Linear"):
+        load_torch_model(source)
+
+
+def test_an_onnx_source_in_bfloat16_is_refused_with_its_cause(tmp_path, cli_run):
+    import onnx
+    from onnx import TensorProto, helper
+
+    weight = helper.make_tensor("w", TensorProto.BFLOAT16, [16, 8], vals=np.ones(128, np.float32).tolist())
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16), helper.make_node("MatMul", ["xb", "w"], ["yb"]),
+         helper.make_node("Cast", ["yb"], ["y"], to=TensorProto.FLOAT)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "bf16.onnx")
+    recipe = {"name": "bf16-onnx", "model": {"onnx": "bf16.onnx"}, "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}],
+              "dims": {"batch": {"min": 1, "opt": 1, "max": 2}}, "data": {"eval": {"source": "synthetic", "samples": 2}},
+              "stages": {"export": {"pass": "export"}}, "output": "run"}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    assert result.exit_code == 2, result.output
+    assert "it computes in bfloat16" in result.output and "export it in float32" in result.output
+    assert "export the model again" not in result.output

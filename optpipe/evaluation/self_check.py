@@ -44,6 +44,7 @@ from pydantic import Field
 from optpipe.core.errors import DataError, PassError, first_line
 from optpipe.core.process_memory import release_freed_memory
 from optpipe.evaluation.accuracy import compare
+from optpipe.graph.weight_mix import file_uses_bfloat16
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.pass_infra.instruments import Instrument, StageInfo
 from optpipe.pass_infra.pass_base import PassParams
@@ -232,24 +233,13 @@ def load_session(path: Path, threads: int = 2):
     try:
         return ort_session(path, threads)
     except Exception as exc:  # ORT raises its own exception types for invalid graphs
-        cause = f"; {BFLOAT16_GRAPH}" if "Could not find an implementation" in str(exc) and _casts_to_bfloat16(path) else ""
+        cause = f"; {BFLOAT16_GRAPH}" if "Could not find an implementation" in str(exc) and file_uses_bfloat16(path) else ""
         raise PassError(f"ONNX Runtime cannot load the result: {first_line(exc)}{cause}") from None
 
 
 #: Why ORT lacks the kernel when the graph casts to bfloat16 (passes/export.py's hints match on it)
 BFLOAT16_GRAPH = "the model computes in bfloat16 (autocast or a cast in forward), which ONNX Runtime's CPU kernels mostly do not run"
 
-
-def _casts_to_bfloat16(path: Path) -> bool:
-    """The graph casts to bfloat16 (a model that computes in it: an autocast region, a `.to(torch.bfloat16)`)."""
-    import onnx
-
-    try:
-        graph = onnx.load(str(path), load_external_data=False).graph
-    except Exception:  # noqa: BLE001 - only the cause's wording depends on it
-        return False
-    return any(node.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16 for a in node.attribute)
-               for node in graph.node)
 
 
 def onnx_outputs(path: Path, feeds: Feeds, threads: int = 2, session=None) -> Outputs:

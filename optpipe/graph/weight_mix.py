@@ -68,3 +68,20 @@ def _itemsize(data_type: int) -> int:
         return int(onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize)
     except (KeyError, TypeError, ValueError):  # int4 and other sub-byte types numpy has no dtype for
         return 1
+
+
+def file_uses_bfloat16(path) -> bool:
+    """uses_bfloat16 of the graph in the ONNX file at `path` (its weights not read); False where it cannot be read."""
+    try:
+        return uses_bfloat16(onnx.load(str(path), load_external_data=False).graph)
+    except Exception:  # noqa: BLE001 - callers only word a failure's cause with it
+        return False
+
+
+def uses_bfloat16(graph: onnx.GraphProto) -> bool:
+    """The graph computes in bfloat16: bfloat16 weights, inputs or outputs, or a Cast to it (an autocast region).
+    ONNX Runtime's CPU provider has kernels for few bfloat16 ops: where it cannot load such a graph, that is why."""
+    values = [*graph.input, *graph.output]
+    return (any(t.data_type == TensorProto.BFLOAT16 for t in graph.initializer)
+            or any(v.type.tensor_type.elem_type == TensorProto.BFLOAT16 for v in values)
+            or any(node.op_type == "Cast" and node_attribute(node, "to", None) == TensorProto.BFLOAT16 for node in graph.node))

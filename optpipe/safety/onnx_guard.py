@@ -25,6 +25,7 @@ from onnx import external_data_helper
 from optpipe.core.artifact import all_graphs
 from optpipe.core.errors import ModelSourceError, RecipeError, first_line
 from optpipe.core.runtime import MASK_NAME, PAST_PREFIX, prefill_feeds
+from optpipe.graph.weight_mix import file_uses_bfloat16
 from optpipe.recipe.schema import ModelInputs
 
 # Above this size a model cannot be serialized as one protobuf (onnx.checker.MAXIMUM_PROTOBUF, 2 GiB).
@@ -208,7 +209,12 @@ def check_runnable(path: Path, where: str) -> None:
                 "replace the op or export with ops ONNX Runtime implements"
             ) from None
         detail = message.split("failed:", 1)[-1].strip()[:300]
+        if "Could not find an implementation" in message and file_uses_bfloat16(path):
+            raise ModelSourceError(f"{where}: ONNX Runtime cannot load '{path.name}' ({detail}): it computes in bfloat16, "
+                                   "which ONNX Runtime's CPU kernels mostly do not run; export it in float32 (the stages "
+                                   "take the lower precisions themselves: fp16, openvino bf16)") from None
         raise ModelSourceError(f"{where}: ONNX Runtime cannot load '{path.name}' ({detail}); export the model again") from None
+
 
 
 def check_runs_on(path: Path, feeds: dict, where: str = "model.onnx") -> None:

@@ -223,6 +223,7 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
 
     from optpipe.source.model_outputs import flat_module, named_leaves, pick_outputs
 
+    refuse_quantized_modules(net)
     widened = widened_to_float32(net)
     description += _widening_note(widened) if widened and "widened" not in description else ""
     sample = example_inputs(source, batch=1)
@@ -276,6 +277,17 @@ def refuse_prequantized(config_json: Path, owner: str) -> None:
             f"{owner}: '{config_json.parent}' is a checkpoint quantized already ({method}{bits}: config.json's "
             "quantization_config); optpipe compiles from float weights: give the float checkpoint it was made from "
             "(the weight_only and openvino_weights passes quantize it, measured against the float model)")
+
+
+def refuse_quantized_modules(net) -> None:
+    """A module quantized in PyTorch already (torch.ao's quantized Linear, Conv...: packed int8 weights) neither exports
+    to ONNX ('quantized::linear_dynamic is not supported') nor has float weights for the stages to start from."""
+    quantized = sorted({type(m).__module__ + "." + type(m).__name__ for m in net.modules()
+                        if ".quantized" in type(m).__module__ and type(m).__module__.startswith("torch.")})
+    if quantized:
+        raise ModelSourceError(f"model: the module is quantized in PyTorch already ({', '.join(quantized[:3])}); give it "
+                               "before torch.ao's quantization: the int8 and openvino passes quantize it, measured against "
+                               "the float model")
 
 
 def stored_dtype(config_json: Path) -> str | None:
