@@ -148,7 +148,7 @@ def _text_windows(text: str, tokenizer, seq_len: int, source: DataSource, model:
     padding mask from the recipe's inputs (the prefill runs with a mask of ones), and Gemma's tokenizer pads
     on the left, so the pad tokens would sit in every window's context and in its activation statistics."""
     bos = tokenizer.bos_token_id
-    stream = tokenizer(text, add_special_tokens=False)["input_ids"]
+    stream = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # cut into windows: no length warning
     step = seq_len - (bos is not None)
     count = len(stream) // step
     if count == 0:

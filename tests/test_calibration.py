@@ -198,6 +198,41 @@ def test_a_causal_lms_text_samples_are_windows_of_running_text_opening_with_bos(
         load_samples(data, source("causal-lm"))
 
 
+def test_a_decoder_text_longer_than_the_tokenizer_maximum_loads_without_its_length_warning(tmp_path):
+    """The stream is cut into windows: transformers' "longer than the specified maximum sequence length ... will
+    result in indexing errors" was printed on the console of every decoder compile with a long text, and is false."""
+    import json
+    import logging
+
+    from helpers_decoders import hf_folder_with_tokenizer
+
+    from optpipe.calibration.sources import load_samples
+    from optpipe.recipe.model_specs import HFModel
+    from optpipe.recipe.schema import DataSource, DimRange, InputSpec, ModelSource
+
+    from transformers import LlamaConfig
+
+    hf = hf_folder_with_tokenizer(tmp_path / "hf")
+    LlamaConfig(vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2).save_pretrained(hf)
+    settings = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": 16}))
+    text = tmp_path / "text.txt"
+    text.write_text("a compiler turns a recipe into passes\n" * 20)
+    inputs = (InputSpec(name="input_ids", dtype="int64", shape=["batch", "sequence"], range=(0, 300)),)
+    source = ModelSource(inputs, {"batch": DimRange(min=1, opt=1, max=2), "sequence": DimRange(min=2, opt=8, max=16)},
+                         HFModel(hf=str(hf), task="causal-lm"), tmp_path)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        ids = load_samples(DataSource(source="text", path=str(text), samples=4), source)["input_ids"]
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert ids.shape == (4, 8)
+    assert not [r for r in records if "longer than the specified maximum" in r.getMessage()]
+
+
 @pytest.mark.parametrize("broken, cause", [
     (lambda path: path.write_bytes(b"\xff\xfe\x00bad\n\x80\x81\n"), "can't decode byte 0xff"),
     (lambda path: path.mkdir(), "Is a directory"),

@@ -63,7 +63,9 @@ def _encoder(source: ModelSource, vocab: int):
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-            return (lambda text: tokenizer(text)["input_ids"]), f"tokenizer {folder.name}"
+            # verbose=False: the text is one stream cut into windows later; "longer than the maximum sequence
+            # length ... will result in indexing errors" is not true of it
+            return (lambda text: tokenizer(text, verbose=False)["input_ids"]), f"tokenizer {folder.name}"
         except (OSError, ValueError):
             pass  # a folder with weights but no tokenizer files: bytes, and the report says so
     return (lambda text: [b % vocab for b in text.encode("utf-8")]), f"UTF-8 bytes mod {vocab}"
