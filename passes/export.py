@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.core.process_memory import release_freed_memory
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, hand_over_eager, load_session, numeric_check, onnx_outputs
+from optpipe.source.position_limit import check_sequence_dims
 from optpipe.core.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line, root_first_line
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
@@ -99,6 +100,7 @@ class ExportPass(Pass[ExportParams]):
         steps = Steps(ctx.progress, "export", 5 if decoder else 6)
         steps("load the PyTorch model")
         torch_model = ctx.torch_model()
+        check_sequence_dims(torch_model.module, ctx.inputs)  # the checks below never reach a dim's max
         attention = set_attention(torch_model, self.params.attention)
         feeds = trace_inputs(ctx.inputs)
         steps("PyTorch eager on the trace inputs")

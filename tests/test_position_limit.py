@@ -1,0 +1,66 @@
+"""A learned position table bounds the sequence dims a recipe may declare (optpipe/source/position_limit.py).
+
+The export's checks stop at twice the trace size: `sequence: {max: 4096}` on a 512-position BERT exported and
+evaluated 'ok', and its artifacts promised 4096 to a server."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+transformers = pytest.importorskip("transformers")
+
+from optpipe.core.errors import RecipeError  # noqa: E402
+from optpipe.recipe.schema import DimRange, InputSpec, ModelInputs  # noqa: E402
+from optpipe.source.position_limit import check_sequence_dims, position_limit  # noqa: E402
+
+SMALL = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100)
+
+
+def _inputs(longest: int, masked: bool = True) -> ModelInputs:
+    ids = InputSpec(name="input_ids", dtype="int64", shape=["batch", "sequence"], range=(0, 100))
+    mask = InputSpec(name="attention_mask", dtype="int64", shape=["batch", "sequence"], fill=1)
+    return ModelInputs((ids, mask) if masked else (ids,),
+                       {"batch": DimRange(min=1, opt=1, max=4), "sequence": DimRange(min=1, opt=8, max=longest)})
+
+
+@pytest.mark.parametrize("config, positions", [
+    (transformers.BertConfig(num_hidden_layers=1, max_position_embeddings=64, **SMALL), 64),
+    # RoBERTa's table starts after its padding row: 66 rows serve 64 positions
+    (transformers.RobertaConfig(num_hidden_layers=1, max_position_embeddings=66, pad_token_id=1, **SMALL), 64),
+    (transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=48, vocab_size=100), 48),
+    # OPT keeps 2 offset rows ahead of its positions
+    (transformers.OPTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32,
+                            max_position_embeddings=40, vocab_size=100), 40),
+])
+def test_a_learned_position_table_bounds_the_sequence_it_serves(config, positions):
+    model = transformers.AutoModel.from_config(config)
+    assert position_limit(model)[1] == positions
+    check_sequence_dims(model, _inputs(positions))  # at the limit: fine
+    with pytest.raises(RecipeError, match=rf"dims\.sequence\.max: {positions + 1} is longer .* at most {positions}"):
+        check_sequence_dims(model, _inputs(positions + 1))
+    model.eval()
+    import torch
+
+    with torch.no_grad():  # the limit is the real one: the model runs at it
+        model(input_ids=torch.ones((1, positions), dtype=torch.int64))
+
+
+def test_rotary_positions_take_any_length():
+    model = transformers.AutoModel.from_config(transformers.LlamaConfig(
+        num_hidden_layers=1, num_key_value_heads=2, max_position_embeddings=32, **SMALL))
+    assert position_limit(model) is None
+    check_sequence_dims(model, _inputs(100_000, masked=False))
+
+
+def test_compile_refuses_a_sequence_dim_past_the_table_in_one_line(tmp_path, cli_run):
+    recipe = {"name": "long", "model": {"hf_config": {"model_type": "bert", "num_hidden_layers": 1, "max_position_embeddings": 64,
+                                                      **SMALL}, "task": "feature-extraction"},
+              "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 100]}],
+              "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 1, "opt": 16, "max": 4096}},
+              "data": {"eval": {"source": "synthetic", "samples": 2}}, "stages": {"export": {"pass": "export"}},
+              "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 2}, "output": "run"}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    assert result.exit_code == 2, result.output
+    assert ("dims.sequence.max: 4096 is longer than the model takes: its learned position table "
+            "(embeddings.position_embeddings) has 64 positions") in result.output
