@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.core.process_memory import release_freed_memory
 from optpipe.evaluation.self_check import EAGER, SelfCheckParams, hand_over_eager, load_session, numeric_check, onnx_outputs
-from optpipe.source.position_limit import check_sequence_dims
+from optpipe.source.position_limit import check_sequence_dims, hold_sequence_dims, onnx_position_limit
 from optpipe.core.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line, root_first_line
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
@@ -366,7 +366,8 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
     from optpipe.safety import onnx_guard
 
     path = onnx_source_path(ctx.model_source)
-    onnx_guard.check_named_parts(path, ctx.inputs, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
+    graph = onnx_guard.check_named_parts(path, ctx.inputs, "model.onnx")  # the cheap ones again: a pass run on its own gets them too
+    hold_sequence_dims(onnx_position_limit(graph.graph), ctx.inputs)
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
     return save_model(model, ctx.workdir, info)

@@ -64,3 +64,35 @@ def test_compile_refuses_a_sequence_dim_past_the_table_in_one_line(tmp_path, cli
     assert result.exit_code == 2, result.output
     assert ("dims.sequence.max: 4096 is longer than the model takes: its learned position table "
             "(embeddings.position_embeddings) has 64 positions") in result.output
+
+
+def test_an_onnx_source_with_a_position_table_is_held_to_its_rows(tmp_path, cli_run):
+    """An exported model keeps its module names: the table's rows bound the recipe's sequence dims."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from optpipe.source.position_limit import onnx_position_limit
+
+    table = numpy_helper.from_array(np.zeros((64, 8), np.float32), "bert.embeddings.position_embeddings.weight")
+    nodes = [helper.make_node("Shape", ["input_ids"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["length"], axis=0),
+             helper.make_node("Range", ["zero", "length", "step"], ["positions"]),
+             helper.make_node("Gather", [table.name, "positions"], ["embedded"])]
+    scalars = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("one", 1), ("zero", 0), ("step", 1))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", "S"])],
+                              [helper.make_tensor_value_info("embedded", TensorProto.FLOAT, ["S", 8])], [table, *scalars])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "m.onnx")
+    assert onnx_position_limit(graph) == (table.name, 64)
+    recipe = {"name": "onnx-long", "model": {"onnx": "m.onnx"},
+              "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 100]}],
+              "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 1, "opt": 16, "max": 100}},
+              "data": {"eval": {"source": "synthetic", "samples": 2}}, "stages": {"export": {"pass": "export"}},
+              "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 2}, "output": "run"}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    assert result.exit_code == 2, result.output
+    assert "dims.sequence.max: 100 is longer than the model takes" in result.output and "at most 64" in result.output
+    recipe["dims"]["sequence"]["max"] = 64
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert cli_run("compile", str(tmp_path / "recipe.yaml")).exit_code == 0

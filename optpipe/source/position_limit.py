@@ -34,10 +34,28 @@ def position_limit(module) -> tuple[str, int] | None:
     return name.removeprefix("model."), positions  # the loader's FlatOutputs holds the net as `model`
 
 
+def onnx_position_limit(graph) -> tuple[str, int] | None:
+    """position_limit of an ONNX graph: the smallest 2-D initializer named after a position table (an exported
+    model keeps its module names: `embeddings.position_embeddings.weight`, `transformer.wpe.weight`). Its padding
+    rows or offset are not known here: the rows are the bound (RoBERTa's 514 where 512 serve), lenient, never wrong."""
+    import re
+
+    found = [(tensor.dims[0], tensor.name) for tensor in graph.initializer if len(tensor.dims) == 2
+             and set(re.split(r"[./:]", tensor.name)) & set(POSITION_TABLES)]
+    if not found:
+        return None
+    rows, name = min(found)
+    return name, rows
+
+
 def check_sequence_dims(module, inputs: ModelInputs) -> None:
-    """Each dynamic dim of an integer input (token ids, masks) after the batch within the position table; else one
+    """Each dynamic dim of an integer input (token ids, masks) after the batch within the module's position table."""
+    hold_sequence_dims(position_limit(module), inputs)
+
+
+def hold_sequence_dims(limit: tuple[str, int] | None, inputs: ModelInputs) -> None:
+    """Each dynamic dim of an integer input after the batch within `limit` (a table's name, its positions); else one
     line naming the dim, the table and the longest length it serves."""
-    limit = position_limit(module)
     if limit is None:
         return
     name, positions = limit
