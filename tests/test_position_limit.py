@@ -96,3 +96,20 @@ def test_an_onnx_source_with_a_position_table_is_held_to_its_rows(tmp_path, cli_
     recipe["dims"]["sequence"]["max"] = 64
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     assert cli_run("compile", str(tmp_path / "recipe.yaml")).exit_code == 0
+
+
+def test_init_on_an_onnx_file_keeps_the_sequence_within_its_position_table(tmp_path, cli_run, monkeypatch):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.zeros((64, 8), np.float32), "transformer.wpe.weight")
+    graph = helper.make_graph([helper.make_node("Gather", [table.name, "input_ids"], ["embedded"])], "g",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", "S"])],
+                              [helper.make_tensor_value_info("embedded", TensorProto.FLOAT, ["N", "S", 8])], [table])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "m.onnx")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "m.onnx", "-o", "recipe.yaml")
+    assert result.exit_code == 0, result.output
+    sequence = [dim for name, dim in yaml.safe_load((tmp_path / "recipe.yaml").read_text())["dims"].items() if name != "batch"]
+    assert sequence == [{"min": 1, "opt": 64, "max": 64}]

@@ -20,6 +20,7 @@ from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, inpu
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
+from optpipe.source.position_limit import onnx_position_limit
 from optpipe.source.model_source import TOKENIZER_FILES, refuse_prequantized, stored_dtype, widened_to_float32
 
 FILL_IN = "FILL-IN"
@@ -66,6 +67,7 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
     graph = load_graph(path, "model.onnx")
     initializers = {t.name for t in graph.graph.initializer}
     vocab = _index_ranges(graph.graph)
+    positions = (onnx_position_limit(graph.graph) or ("", None))[1]  # a position table bounds the token sequence
     inputs, dims = [], {}
     for value in graph.graph.input:
         if value.name in initializers:
@@ -78,7 +80,7 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
                 shape.append(dim.dim_value)
                 continue
             name = _dim_name(dim.dim_param, value.name, axis)
-            dims.setdefault(name, _dim_range(name, axis, dtype))
+            dims.setdefault(name, _dim_range(name, axis, dtype, positions))
             shape.append(name)
         extra = {"range": [0, vocab[value.name]]} if value.name in vocab and dtype.startswith("int") else {}
         inputs.append(input_entry(value.name, dtype, shape, **extra))
@@ -123,11 +125,12 @@ def _dim_name(param: str, input_name: str, axis: int) -> str:
     return cleaned or f"{input_name}_{axis}"
 
 
-def _dim_range(name: str, axis: int, dtype: str) -> dict[str, int]:
+def _dim_range(name: str, axis: int, dtype: str, positions: int | None = None) -> dict[str, int]:
     if axis == 0:
         return {"min": 1, "opt": 1, "max": 16}
-    if dtype.startswith("int"):
-        return {"min": 1, "opt": 128, "max": 512}  # a token sequence
+    if dtype.startswith("int"):  # a token sequence, within the model's position table where it has one
+        longest = min(512, positions or 512)
+        return {"min": 1, "opt": min(128, longest), "max": longest}
     return {"min": 32, "opt": 224, "max": 1024}
 
 
