@@ -46,3 +46,26 @@ def test_a_random_forward_is_refused_naming_the_output_and_the_cause(tmp_path, c
     assert result.exit_code == 2, result.output
     assert "forward() gives different outputs on the same inputs (output 'output' differs by" in result.output
     assert "make forward deterministic" in result.output and "check_atol" not in result.output
+
+
+def test_an_onnx_source_that_samples_is_refused_by_compile_and_init(tmp_path, cli_run, monkeypatch):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((16, 8), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("RandomNormalLike", ["h"], ["noise"], scale=0.5),
+             helper.make_node("Add", ["h", "noise"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "noisy.onnx")
+    recipe = {"name": "noisy-onnx", "model": {"onnx": "noisy.onnx"}, "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}],
+              "dims": {"batch": {"min": 1, "opt": 1, "max": 2}}, "data": {"eval": {"source": "synthetic", "samples": 2}},
+              "stages": {"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"}}, "output": "run"}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    assert result.exit_code == 2 and "'noisy.onnx' draws random numbers (RandomNormalLike)" in result.output, result.output
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "noisy.onnx", "-o", "init.yaml")
+    assert result.exit_code == 2 and "draws random numbers" in result.output, result.output
+    assert not (tmp_path / "init.yaml").exists()

@@ -62,9 +62,10 @@ def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
 def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
     import onnx
 
-    from optpipe.safety.onnx_guard import load_graph
+    from optpipe.safety.onnx_guard import check_deterministic, load_graph
 
     graph = load_graph(path, "model.onnx")
+    check_deterministic(graph, path.name, "init")  # compile would refuse it: no recipe written
     initializers = {t.name for t in graph.graph.initializer}
     vocab = _index_ranges(graph.graph)
     positions = (onnx_position_limit(graph.graph) or ("", None))[1]  # a position table bounds the token sequence

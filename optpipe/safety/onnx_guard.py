@@ -142,7 +142,23 @@ def check_named_parts(path: Path, shapes: ModelInputs, where: str) -> onnx.Model
             f"{where}: '{path.name}' uses ops that no ONNX schema defines at its opset ({', '.join(unknown)}); "
             "replace them or export with an opset that has them"
         )
+    check_deterministic(graph, path.name, where)
     return graph
+
+
+#: Ops that draw random numbers at every run (Dropout is not one: ONNX Runtime and OpenVINO run it as inference)
+RANDOM_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial")
+
+
+def check_deterministic(model: onnx.ModelProto, name: str, where: str) -> None:
+    """Every stage is measured against the source's own outputs: a graph that samples gives other outputs at
+    every run, and its stages came out 'out of tolerance' (OpenVINO's: 'the conversion does not compute what the
+    input does') while the export, compared with itself, read cosine 1.0."""
+    found = sorted({node.op_type for node in _all_nodes(model.graph) if node.op_type in RANDOM_OPS and node.domain in ("", "ai.onnx")})
+    if found:
+        raise ModelSourceError(f"{where}: '{name}' draws random numbers ({', '.join(found)}): every stage is measured "
+                               "against its outputs, which change at every run; export it without the sampling (eval "
+                               "mode, no noise)")
 
 
 def check_loadable(path: Path, where: str) -> None:
