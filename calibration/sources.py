@@ -122,8 +122,45 @@ def _text(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     if running_text(model):
         return _text_windows(" ".join(lines), tokenizer, seq_len, source, model, path)
     lines = (lines * (source.samples // len(lines) + 1))[: source.samples]
-    encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np")
+    encoded = dict(tokenizer(lines, padding="max_length", truncation=True, max_length=seq_len, return_tensors="np"))
+    if any(spec.name == DECODER_IDS for spec in model.inputs) and DECODER_IDS not in encoded:
+        encoded[DECODER_IDS] = _decoder_ids(encoded["input_ids"], model)
     return _tokenizer_inputs(encoded, model)
+
+
+DECODER_IDS = "decoder_input_ids"
+
+
+def _decoder_ids(input_ids: np.ndarray, model: ModelSource) -> np.ndarray:
+    """An encoder-decoder's decoder_input_ids from text alone: each line as its own target, shifted right behind the
+    decoder's start token (as transformers' shift_tokens_right builds them from labels for T5's and BART's
+    denoising), cut to the target dim's `opt`. A text file holds no other target; a translation's real targets
+    can be given as npz arrays."""
+    spec = next(s for s in model.inputs if s.name == DECODER_IDS)
+    dim = spec.shape[1] if len(spec.shape) > 1 else None
+    length = dim if isinstance(dim, int) else model.dims[dim].opt if dim else input_ids.shape[1]
+    start = _decoder_start(model)
+    shifted = np.concatenate([np.full((len(input_ids), 1), start, input_ids.dtype), input_ids], axis=1)[:, :length]
+    if shifted.shape[1] < length:  # a target longer than the source: padded with the start token's row end
+        shifted = np.pad(shifted, ((0, 0), (0, length - shifted.shape[1])), constant_values=start)
+    return shifted
+
+
+def _decoder_start(model: ModelSource) -> int:
+    """config.json's decoder_start_token_id (else its pad token, T5's start; else 0)."""
+    import json
+
+    from optpipe.recipe.schema import HFConfigModel
+    from optpipe.source.model_source import hf_folder
+
+    try:
+        config = model.model.hf_config if isinstance(model.model, HFConfigModel) else             json.loads((hf_folder(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    for key in ("decoder_start_token_id", "pad_token_id"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return 0
 
 
 def _tokenizer_inputs(encoded, model: ModelSource) -> dict[str, np.ndarray]:

@@ -17,7 +17,8 @@ TEXT = ("input_ids", "attention_mask", "token_type_ids")
 IMAGE = "pixel_values"
 AUDIO = "input_values"
 MEL = "input_features"  # Whisper's log-mel spectrogram: num_mel_bins x 2 * max_source_positions frames, fixed
-KNOWN = (*TEXT, IMAGE, AUDIO, MEL)
+DECODER_IDS = "decoder_input_ids"  # an encoder-decoder's target tokens (T5, BART, Marian): [batch, target]
+KNOWN = (*TEXT, IMAGE, AUDIO, MEL, DECODER_IDS)
 
 
 def forward_parameters(forward: Callable) -> list[tuple[str, bool]]:
@@ -71,6 +72,12 @@ def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Opt
         # The encoder refuses any other length (its positions are 2 frames each, after a stride-2 conv)
         inputs.append(input_entry(MEL, "float32", ["batch", int(config["num_mel_bins"]), 2 * int(config["max_source_positions"])]))
         known.add(MEL)
+    if DECODER_IDS in names and config.get("is_encoder_decoder") and "vocab_size" in text_config:
+        # Optional in forward(), yet an encoder-decoder runs its decoder on them: without, T5 and BART refuse
+        inputs.append(input_entry(DECODER_IDS, "int64", ["batch", "target"], range=[0, int(text_config["vocab_size"])]))
+        longest = int(text_config.get("max_target_positions", text_config.get("max_position_embeddings", 512)))
+        dims["target"] = {"min": 1, "opt": min(32, longest), "max": min(128, longest)}
+        known.add(DECODER_IDS)
     unknown_required(params, known, owner)
     inputs.sort(key=lambda spec: names.index(spec["name"]))  # a factory's module takes them by position
     if not inputs:

@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 import yaml
 
-from optpipe.authoring.forward_inputs import forward_parameters, hf_inputs, input_entry, real_tensors, unknown_required
+from optpipe.authoring.hf_tasks import HF_VERDICT_TASKS, architecture_task
+from optpipe.authoring.forward_inputs import DECODER_IDS, forward_parameters, hf_inputs, input_entry, real_tensors, unknown_required
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
@@ -148,51 +149,12 @@ def _rename_batch(inputs: list[dict], dims: dict) -> dict:
 
 # --- Hugging Face folder ---------------------------------------------------------------------
 
-# Architecture name endings -> Optimum task names (as optimum.exporters.tasks infers them).
-ARCHITECTURE_TASKS = (
-    ("ForSequenceClassification", "sequence-classification"),
-    ("ForTokenClassification", "token-classification"),
-    ("ForQuestionAnswering", "question-answering"),
-    ("ForMaskedLM", "fill-mask"),
-    ("ForCausalLM", "causal-lm"),
-    ("LMHeadModel", "causal-lm"),
-    ("ForImageClassification", "image-classification"),
-    ("ForObjectDetection", "object-detection"),
-    ("ForSemanticSegmentation", "semantic-segmentation"),
-    ("ForAudioClassification", "audio-classification"),
-)
-
-
-# Tasks -> transformers' own tables of the class each model type's Auto class builds for it.
-TASK_MAPPINGS = {task: f"MODEL_FOR_{name}_MAPPING_NAMES" for task, name in (
-    ("sequence-classification", "SEQUENCE_CLASSIFICATION"), ("audio-classification", "AUDIO_CLASSIFICATION"),
-    ("token-classification", "TOKEN_CLASSIFICATION"), ("question-answering", "QUESTION_ANSWERING"),
-    ("fill-mask", "MASKED_LM"), ("causal-lm", "CAUSAL_LM"), ("image-classification", "IMAGE_CLASSIFICATION"),
-    ("object-detection", "OBJECT_DETECTION"), ("semantic-segmentation", "SEMANTIC_SEGMENTATION"))}
-
-
-def architecture_task(config: dict) -> str:
-    """The task whose Auto class builds the folder's architecture. Its name's ending is not enough: an audio
-    classifier is `Wav2Vec2ForSequenceClassification`, which AutoModelForSequenceClassification refuses
-    ("Unrecognized configuration class"); transformers' tables say which Auto class builds it. The ending
-    decides where the tables do not know the model type (remote code)."""
-    from transformers.models.auto import modeling_auto
-
-    architecture = (config.get("architectures") or [""])[0]
-    by_name = next((t for suffix, t in ARCHITECTURE_TASKS if architecture.endswith(suffix)), "feature-extraction")
-    for task in sorted(TASK_MAPPINGS, key=lambda t: t != by_name):  # the name's own task first
-        built = getattr(modeling_auto, TASK_MAPPINGS[task], {}).get(config.get("model_type"))
-        if architecture and architecture in ((built,) if isinstance(built, str) else built or ()):
-            return task
-    return by_name
-
-
 def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     refuse_prequantized(folder / "config.json", "init")
     task = architecture_task(config)
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
-    if task == "causal-lm":
+    if task in ("causal-lm", "seq2seq-lm"):
         model["outputs"] = ["logits"]
     try:
         net = meta_model(folder, task)
@@ -210,13 +172,6 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     notes += _widening_notes(stored_dtype(folder / "config.json"))
     return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task),
                       conv_widths=_torch_conv_widths(net))
-
-
-# Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
-# checks the predictions (top-1, next token), which cosine alone lets flip.
-HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classification": "classification",
-                    "audio-classification": "classification", "causal-lm": "language-model",
-                    "semantic-segmentation": "segmentation"}
 
 
 def _classifier_task(kind: str, output_shapes: list[list]) -> Optional[str]:
@@ -335,6 +290,12 @@ TASK_WHY = {"classification": "the verdict also holds top-1 agreement (cosine al
             "segmentation": "the verdict also holds per-pixel class agreement (cosine alone let 13% of a SegFormer's pixels flip)"}
 
 
+def _task_tokens(facts: ModelFacts) -> str:
+    """An encoder-decoder's logits are over its decoder_input_ids: the language-model task reads those tokens."""
+    names = [spec["name"] for spec in facts.inputs]
+    return f", tokens: {DECODER_IDS}" if facts.task == "language-model" and DECODER_IDS in names else ""
+
+
 def render_recipe(facts: ModelFacts, source: str) -> str:
     """The recipe as commented YAML."""
     flow = _flow
@@ -353,7 +314,7 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
         lines.append(f"  {name}: {flow(entry)}  # {why}")
     lines += ["evaluate:",
               "  tolerance: {cosine_min: 0.99}  # per-output agreement with the export",
-              *([f"  task: {{kind: {facts.task}}}  # {TASK_WHY[facts.task]}"] if facts.task else []),
+              *([f"  task: {{kind: {facts.task}{_task_tokens(facts)}}}  # {TASK_WHY[facts.task]}"] if facts.task else []),
               "  batch_sizes: [1]",
               "  threads: 2",
               f"output: runs/{facts.name}", ""]

@@ -17,7 +17,7 @@ class Strict(BaseModel):
 # a transformers Auto class in optpipe.source.model_source.
 HF_TASKS = (
     "feature-extraction", "sequence-classification", "text-classification", "token-classification",
-    "question-answering", "fill-mask", "masked-lm", "causal-lm", "text-generation",
+    "question-answering", "fill-mask", "masked-lm", "causal-lm", "text-generation", "seq2seq-lm", "text2text-generation",
     "image-classification", "object-detection", "semantic-segmentation", "audio-classification",
 )
 

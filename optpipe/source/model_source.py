@@ -144,6 +144,8 @@ HF_AUTO_CLASSES = {
     "fill-mask": "AutoModelForMaskedLM",
     "masked-lm": "AutoModelForMaskedLM",
     "causal-lm": "AutoModelForCausalLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",  # an encoder-decoder's one teacher-forced forward: logits over decoder_input_ids
+    "text2text-generation": "AutoModelForSeq2SeqLM",
     "text-generation": "AutoModelForCausalLM",
     "image-classification": "AutoModelForImageClassification",
     "object-detection": "AutoModelForObjectDetection",
@@ -152,7 +154,7 @@ HF_AUTO_CLASSES = {
 }
 # Decoders without past key/values: the exported graph takes the whole sequence and returns logits
 # (Optimum's "text-generation" without "-with-past").
-NO_CACHE_TASKS = ("causal-lm", "text-generation")
+NO_CACHE_TASKS = ("causal-lm", "text-generation", "seq2seq-lm", "text2text-generation")
 
 
 def _auto_class(task: str):

@@ -1,0 +1,54 @@
+"""The task of a Hugging Face folder, for `optpipe init`: which transformers Auto class builds its architecture,
+and which verdict task (evaluate.task.kind) reads that head's output."""
+from __future__ import annotations
+
+
+# Architecture name endings -> Optimum task names (as optimum.exporters.tasks infers them).
+ARCHITECTURE_TASKS = (
+    ("ForSequenceClassification", "sequence-classification"),
+    ("ForTokenClassification", "token-classification"),
+    ("ForQuestionAnswering", "question-answering"),
+    ("ForMaskedLM", "fill-mask"),
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForImageClassification", "image-classification"),
+    ("ForObjectDetection", "object-detection"),
+    ("ForSemanticSegmentation", "semantic-segmentation"),
+    ("ForAudioClassification", "audio-classification"),
+    ("ForConditionalGeneration", "seq2seq-lm"),  # only for an encoder-decoder (architecture_task): not Llava's
+)
+
+
+# Tasks -> transformers' own tables of the class each model type's Auto class builds for it.
+TASK_MAPPINGS = {task: f"MODEL_FOR_{name}_MAPPING_NAMES" for task, name in (
+    ("sequence-classification", "SEQUENCE_CLASSIFICATION"), ("audio-classification", "AUDIO_CLASSIFICATION"),
+    ("token-classification", "TOKEN_CLASSIFICATION"), ("question-answering", "QUESTION_ANSWERING"),
+    ("fill-mask", "MASKED_LM"), ("causal-lm", "CAUSAL_LM"), ("image-classification", "IMAGE_CLASSIFICATION"),
+    ("object-detection", "OBJECT_DETECTION"), ("semantic-segmentation", "SEMANTIC_SEGMENTATION"),
+    ("seq2seq-lm", "SEQ_TO_SEQ_CAUSAL_LM"))}
+
+
+def architecture_task(config: dict) -> str:
+    """The task whose Auto class builds the folder's architecture. Its name's ending is not enough: an audio
+    classifier is `Wav2Vec2ForSequenceClassification`, which AutoModelForSequenceClassification refuses
+    ("Unrecognized configuration class"); transformers' tables say which Auto class builds it. The ending
+    decides where the tables do not know the model type (remote code)."""
+    from transformers.models.auto import modeling_auto
+
+    architecture = (config.get("architectures") or [""])[0]
+    by_name = next((t for suffix, t in ARCHITECTURE_TASKS if architecture.endswith(suffix)), "feature-extraction")
+    if by_name == "seq2seq-lm" and not config.get("is_encoder_decoder"):
+        by_name = "feature-extraction"  # a vision-language ...ForConditionalGeneration is no encoder-decoder
+    for task in sorted(TASK_MAPPINGS, key=lambda t: t != by_name):  # the name's own task first
+        built = getattr(modeling_auto, TASK_MAPPINGS[task], {}).get(config.get("model_type"))
+        if architecture and architecture in ((built,) if isinstance(built, str) else built or ()):
+            return task
+    return by_name
+
+
+
+# Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
+# checks the predictions (top-1, next token), which cosine alone lets flip.
+HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classification": "classification",
+                    "audio-classification": "classification", "causal-lm": "language-model", "seq2seq-lm": "language-model",
+                    "semantic-segmentation": "segmentation"}
