@@ -79,3 +79,15 @@ def test_text_gives_each_line_as_its_own_target_behind_the_start_token(tmp_path)
     ids, targets = samples["input_ids"], samples["decoder_input_ids"]
     assert ids.shape == (2, 12) and targets.shape == (2, 6)
     assert (targets[:, 0] == 0).all() and (targets[:, 1:] == ids[:, :5]).all()  # T5 starts its decoder at pad (0)
+
+
+def test_generation_on_an_encoder_decoder_is_refused_saying_it_is_built_for_decoders_only():
+    from optpipe.recipe.generation_spec import GenerationSpec, generation_problem
+    from optpipe.recipe.model_specs import HFConfigModel
+    from optpipe.recipe.schema import DimRange, InputSpec, TaskSpec
+
+    inputs = (InputSpec(name="input_ids", dtype="int64", shape=["batch", "sequence"], range=(0, 100)),)
+    problem = generation_problem(GenerationSpec(prompts=["a"]), TaskSpec(kind="language-model"),
+                                 HFConfigModel(hf_config={"model_type": "t5"}, task="seq2seq-lm"), inputs,
+                                 {"batch": DimRange(min=1, opt=1, max=2), "sequence": DimRange(min=1, opt=8, max=16)})
+    assert problem and "not encoder-decoders" in problem and "causal-lm" not in problem

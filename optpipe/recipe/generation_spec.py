@@ -38,6 +38,7 @@ class GenerationSpec(Strict):
 
 #: Model tasks whose Hugging Face head is a causal LM: the only ones export_decoder exports with a KV cache.
 CAUSAL_TASKS = ("causal-lm", "text-generation")
+SEQ2SEQ_TASKS = ("seq2seq-lm", "text2text-generation")
 
 
 def decoder_dims(spec: GenerationSpec, inputs, dims, tokens: str) -> tuple[int, int, int]:
@@ -57,6 +58,9 @@ def generation_problem(spec: GenerationSpec, task, model, inputs, dims) -> Optio
     if isinstance(model, (FactoryModel, TorchvisionModel)):
         return ("evaluate.generation: a decoder needs an export with its KV cache, which optpipe writes only for Hugging Face "
                 "causal LMs; use `model: {hf: FOLDER, task: causal-lm}` (or hf_config), or an ONNX decoder with past_key_values inputs")
+    if isinstance(model, (HFModel, HFConfigModel)) and model.task in SEQ2SEQ_TASKS:
+        return (f"evaluate.generation: model.task is {model.task}: generation with a KV cache is built for decoder-only "
+                "models, not encoder-decoders; remove evaluate.generation (the teacher-forced forward is measured)")
     if isinstance(model, (HFModel, HFConfigModel)) and model.task not in CAUSAL_TASKS:
         return (f"evaluate.generation: model.task is {model.task}, which has no KV cache to export; "
                 "set `model.task: causal-lm`, or remove evaluate.generation")
