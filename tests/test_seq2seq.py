@@ -37,8 +37,7 @@ def _folder(tmp_path: Path, kind: str) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("kind", ["t5", "bart"])
-def test_init_writes_an_encoder_decoder_recipe_that_compiles_from_text(tmp_path, cli_run, monkeypatch, kind):
+def _init(tmp_path: Path, cli_run, monkeypatch, kind: str) -> dict:
     folder = _folder(tmp_path, kind)
     monkeypatch.chdir(tmp_path)
     result = cli_run("init", folder.name, "-o", "recipe.yaml")
@@ -47,12 +46,16 @@ def test_init_writes_an_encoder_decoder_recipe_that_compiles_from_text(tmp_path,
     assert recipe["model"] == {"hf": kind, "task": "seq2seq-lm", "outputs": ["logits"]}
     assert {"name": "decoder_input_ids", "dtype": "int64", "shape": ["batch", "target"], "range": [0, 30522]} in recipe["inputs"]
     assert recipe["evaluate"]["task"] == {"kind": "language-model", "tokens": "decoder_input_ids"}
-    target = recipe["dims"]["target"]
-    assert target["max"] <= (64 if kind == "bart" else 512)  # BART's learned positions bound it
+    return recipe
+
+
+def test_init_writes_an_encoder_decoder_recipe_that_compiles_from_text(tmp_path, cli_run, monkeypatch):
+    recipe = _init(tmp_path, cli_run, monkeypatch, "t5")
     Path("sentences.txt").write_text("A compiler turns a recipe into passes.\nEvery pass is measured on the same inputs.\n")
     recipe["data"] = {"eval": {"source": "text", "path": "sentences.txt", "samples": 4}}
-    recipe["stages"] = {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "dynamic"}}}
-    recipe["evaluate"].update(batch_sizes=[1], warmup=1, iterations=2)
+    # TorchScript: 8 s where dynamo takes 17 on this T5 (the exporter is not what this test is about)
+    recipe["stages"] = {"export": {"pass": "export", "params": {"exporter": "torchscript"}}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "dynamic"}}}
+    recipe["evaluate"].update(batch_sizes=[1], warmup=1, iterations=2, eager_baseline=False)
     Path("recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     compiled = cli_run("compile", "recipe.yaml")
     assert compiled.exit_code == 0, compiled.output
@@ -61,6 +64,11 @@ def test_init_writes_an_encoder_decoder_recipe_that_compiles_from_text(tmp_path,
     assert stages["export"]["status"] == "ok" and stages["int8"]["status"] in ("ok", "out-of-tolerance")
     metrics = stages["int8"]["accuracy"]["task"]["metrics"]
     assert 0 <= metrics["next_token_agreement"] <= 1 and np.isfinite(metrics["perplexity"])
+
+
+def test_init_keeps_a_bart_target_within_its_learned_positions(tmp_path, cli_run, monkeypatch):
+    recipe = _init(tmp_path, cli_run, monkeypatch, "bart")
+    assert recipe["dims"]["target"]["max"] <= 64 and recipe["dims"]["sequence"]["max"] <= 64
 
 
 def test_text_gives_each_line_as_its_own_target_behind_the_start_token(tmp_path):
