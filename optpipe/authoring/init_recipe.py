@@ -21,6 +21,7 @@ from optpipe.authoring.forward_inputs import DECODER_IDS, forward_parameters, hf
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
+from optpipe.safety.file_kinds import other_model_format
 from optpipe.source.position_limit import onnx_position_limit
 from optpipe.source.model_source import TOKENIZER_FILES, refuse_prequantized, stored_dtype, widened_to_float32
 
@@ -54,6 +55,9 @@ def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
         return _hf_facts(local, recipe_dir)
     if ":" in path and not local.exists():
         return _factory_facts(path, recipe_dir)
+    other = other_model_format(local) if local.is_file() else None
+    if other:
+        raise ModelSourceError(f"init: '{path}' is {other}")
     raise ModelSourceError(f"init: '{path}' is not an .onnx file, a Hugging Face folder or module:factory")
 
 

@@ -26,6 +26,7 @@ from optpipe.core.artifact import all_graphs
 from optpipe.core.errors import ModelSourceError, RecipeError, first_line
 from optpipe.core.runtime import MASK_NAME, PAST_PREFIX, prefill_feeds
 from optpipe.graph.weight_mix import file_uses_bfloat16
+from optpipe.safety.file_kinds import other_model_format
 from optpipe.recipe.schema import ModelInputs
 
 # Above this size a model cannot be serialized as one protobuf (onnx.checker.MAXIMUM_PROTOBUF, 2 GiB).
@@ -63,6 +64,9 @@ def load_graph(path: Path, where: str) -> onnx.ModelProto:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends
+        other = other_model_format(path)
+        if other:
+            raise ModelSourceError(f"{where}: '{path.name}' is not ONNX: it is {other}") from None
         raise ModelSourceError(
             f"{where}: '{path.name}' is not an ONNX model or is truncated ({first_line(exc)}); export it again or fix the path"
         ) from None

@@ -1,0 +1,45 @@
+"""What a model file that is not ONNX is, from its first bytes, and the recipe that takes it.
+
+A user handed a PyTorch checkpoint, a safetensors file or a TFLite model as `model: {onnx: ...}` (or to `optpipe
+init`) got "not an ONNX model or is truncated; export it again": true, and no help. The formats' own signatures
+say which it is (read here from a few bytes: no library loads the file)."""
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+FACTORY = "`model: {factory: module:function, checkpoint: FILE}` (the function builds the module, the file fills it)"
+
+
+def other_model_format(path: Path) -> str | None:
+    """'<what the file is>; <what to give instead>', or None when the bytes say nothing known."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(64)
+    except OSError:
+        return None
+    if path.name == "config.json":
+        return "a Hugging Face model's config.json; give its folder"
+    if head.startswith(b"PK\x03\x04") and zipfile.is_zipfile(path):
+        return f"a PyTorch checkpoint (a torch.save or TorchScript archive); use {FACTORY}"
+    if _is_safetensors(head):
+        return (f"safetensors weights; give the Hugging Face folder that holds them with its config.json, or use {FACTORY}")
+    if head.startswith(b"GGUF"):
+        return "a GGUF checkpoint; scripts/gguf_to_hf.py turns it into a Hugging Face folder, the recipe's `hf` source"
+    if head[4:8] == b"TFL3":
+        return "a TensorFlow Lite model; convert it to ONNX first (tf2onnx --tflite)"
+    if head.startswith(b"\x89HDF\r\n\x1a\n"):
+        return "a Keras HDF5 model; convert it to ONNX first (tf2onnx)"
+    if head.lstrip().startswith(b"<?xml") and b"<net" in head:
+        return "an OpenVINO IR; give the ONNX file or PyTorch model it was converted from"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return f"a pickled file (an old torch.save); use {FACTORY} with `allow_pickle: true` if you trust it"
+    return None
+
+
+def _is_safetensors(head: bytes) -> bool:
+    """An 8-byte little-endian header length, then the JSON header itself."""
+    if len(head) < 10:
+        return False
+    length = int.from_bytes(head[:8], "little")
+    return 2 <= length < 100_000_000 and head[8:10] == b'{"'

@@ -1,0 +1,60 @@
+"""A model file of another format given as ONNX (or to init) is named, with the recipe that takes it
+(optpipe/safety/file_kinds.py); it was "not an ONNX model or is truncated; export it again"."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from optpipe.core.errors import ModelSourceError
+from optpipe.safety.onnx_guard import load_graph
+
+
+def _torch_save(path):
+    torch = pytest.importorskip("torch")
+    torch.save(torch.nn.Linear(4, 2).state_dict(), path)
+
+
+def _safetensors(path):
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+
+
+FILES = {
+    "ckpt.pt": (_torch_save, "a PyTorch checkpoint"),
+    "weights.safetensors": (_safetensors, "safetensors weights"),
+    "model.gguf": (lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\0" * 32), "a GGUF checkpoint; scripts/gguf_to_hf.py"),
+    "model.tflite": (lambda p: p.write_bytes(b"\x1c\x00\x00\x00TFL3" + b"\0" * 32), "a TensorFlow Lite model"),
+    "model.h5": (lambda p: p.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 32), "a Keras HDF5 model"),
+    "model.xml": (lambda p: p.write_text('<?xml version="1.0"?>\n<net name="m" version="11">\n'), "an OpenVINO IR"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_a_model_of_another_format_is_named_with_what_to_give(tmp_path, name):
+    write, said = FILES[name]
+    path = tmp_path / name
+    write(path)
+    with pytest.raises(ModelSourceError, match=f"'{name}' is not ONNX: it is {said}"):
+        load_graph(path, "model.onnx")
+
+
+def test_a_checkpoint_named_onnx_is_named_too_and_a_broken_onnx_is_still_broken(tmp_path):
+    _torch_save(tmp_path / "model.onnx")
+    with pytest.raises(ModelSourceError, match="is not ONNX: it is a PyTorch checkpoint.*factory"):
+        load_graph(tmp_path / "model.onnx", "model.onnx")
+    (tmp_path / "broken.onnx").write_bytes(b"\x08\x07\x12\xff\xff")
+    with pytest.raises(ModelSourceError, match="is not an ONNX model or is truncated"):
+        load_graph(tmp_path / "broken.onnx", "model.onnx")
+
+
+def test_init_names_the_format_and_a_config_json_for_its_folder(tmp_path, cli_run, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _safetensors(tmp_path / "weights.safetensors")
+    result = cli_run("init", "weights.safetensors", "-o", "recipe.yaml")
+    assert result.exit_code == 2 and "is safetensors weights; give the Hugging Face folder" in result.output, result.output
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text("{}")
+    result = cli_run("init", "bert/config.json", "-o", "recipe.yaml")
+    assert result.exit_code == 2 and "config.json; give its folder" in result.output, result.output
