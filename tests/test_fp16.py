@@ -120,3 +120,28 @@ def test_unknown_node_in_block_list_is_a_clear_error(tmp_path):
     source, recipe, arrays = overflow_case(tmp_path)
     with pytest.raises(PassError, match="node_block_list"):
         run_pass({"node_block_list": ["nope"]}, source, recipe, arrays, tmp_path / "bad")
+
+
+def test_a_loop_body_is_emulated_in_fp16_too(tmp_path):
+    """The emulation left a Loop's body in FP16 inside its FP32 graph: ONNX Runtime refused the type mismatch and
+    the fp16 stage of a model with control flow failed as an internal error."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h_in", "w"], ["m"]), helper.make_node("Tanh", ["m"], ["h_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_in", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("h_out", TensorProto.FLOAT, None)])
+    weights = [numpy_helper.from_array(rng.normal(size=(16, 16)).astype(np.float32) / 4, "w"),
+               numpy_helper.from_array(np.array(3, np.int64), "trips"), numpy_helper.from_array(np.array(True), "go")]
+    graph = helper.make_graph([helper.make_node("Loop", ["trips", "go", "x"], ["y"], body=body)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    converted = convert_to_fp16(model, keep_io_types=True, op_block_list=None, node_block_list=[])
+    (emulated := tmp_path / "emulated.onnx").write_bytes(emulate_fp16(converted).SerializeToString())
+    (fp32 := tmp_path / "fp32.onnx").write_bytes(model.SerializeToString())
+    x = rng.normal(size=(2, 16)).astype(np.float32)
+    np.testing.assert_allclose(run_model(emulated, {"x": x})[0], run_model(fp32, {"x": x})[0], atol=5e-3)

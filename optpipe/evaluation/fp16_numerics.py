@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from optpipe.core.artifact import all_graphs
+
 ROUNDED_SUFFIX = "__fp16_storage"
 RAW_SUFFIX = "__fp32_raw"
 
@@ -23,11 +25,12 @@ RAW_SUFFIX = "__fp32_raw"
 def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every tensor that shape inference can type."""
     inferred = onnx.shape_inference.infer_shapes(model)
-    graph = inferred.graph
-    types = {init.name: init.data_type for init in graph.initializer}
-    for info in (*graph.input, *graph.output, *graph.value_info):
-        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
-            types[info.name] = info.type.tensor_type.elem_type
+    types: dict[str, int] = {}
+    for graph in all_graphs(inferred.graph):  # a Loop's or If's body too: its tensors are FP16 as well
+        types.update({init.name: init.data_type for init in graph.initializer})
+        for info in (*graph.input, *graph.output, *graph.value_info):
+            if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
+                types[info.name] = info.type.tensor_type.elem_type
     return types
 
 
@@ -36,13 +39,23 @@ def emulate_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     types = tensor_types(model)
     emulated = onnx.ModelProto()
     emulated.CopyFrom(model)
-    graph = emulated.graph
+    _emulate_graph(emulated.graph, types)
+    return emulated
+
+
+def _emulate_graph(graph: onnx.GraphProto, types: dict[str, int]) -> None:
+    """emulate_fp16 on one graph and, depth first, on the bodies of its Loop / If / Scan nodes (a body left in
+    FP16 inside an FP32 graph is a type mismatch ONNX Runtime refuses: the fp16 stage of a Loop model failed as
+    an internal error)."""
     for index, init in enumerate(graph.initializer):
         if init.data_type == TensorProto.FLOAT16:
             graph.initializer[index].CopyFrom(_as_float32(init))
     nodes = []
     for node in graph.node:
         _widen_attributes(node)
+        for attr in node.attribute:
+            for body in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
+                _emulate_graph(body, types)
         nodes.append(node)
         for position, name in enumerate(node.output):
             if name and types.get(name) == TensorProto.FLOAT16:
@@ -56,7 +69,6 @@ def emulate_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
         if info.type.tensor_type.elem_type == TensorProto.FLOAT16:
             info.type.tensor_type.elem_type = TensorProto.FLOAT
     del graph.value_info[:]  # types changed; ORT re-infers them
-    return emulated
 
 
 def _widen_attributes(node: onnx.NodeProto) -> None:
