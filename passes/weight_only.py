@@ -71,7 +71,8 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
     """Quantize MatMul weights to INT4/INT8 (ORT MatMulNBits, weight-only, blockwise); activations stay float."""
 
     name = "weight_only"
-    version = "2"  # 2: Gemm weights and a tied LM head (through a Transpose) quantized too (graph/matmul_weights.py)
+    version = "3"  # 2: Gemm weights and a tied LM head (through a Transpose) quantized too (graph/matmul_weights.py)
+    # 3: an unnamed Gemm's MatMul + Add named after its output (two unnamed Gemms made a graph ORT refused)
     Params = WeightOnlyParams
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
 

@@ -104,11 +104,12 @@ def _drop_unused(graph: onnx.GraphProto) -> None:
 
 def _as_matmul(node: onnx.NodeProto, weight: onnx.TensorProto, initializers: dict, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     alpha, beta = float(node_attribute(node, "alpha", 1.0)), float(node_attribute(node, "beta", 1.0))
+    base = node.name or node.output[0]  # an unnamed Gemm's: '/bias' for each of two made a graph ORT refuses
     b_name = weight.name
     if node_attribute(node, "transB", 0) or alpha != 1.0:
         b = numpy_helper.to_array(weight)
         b = np.ascontiguousarray(b.T if node_attribute(node, "transB", 0) else b) * np.asarray(alpha, b.dtype)
-        b_name = _new_initializer(graph, initializers, f"{weight.name}/{node.name}/as_matmul", b)
+        b_name = _new_initializer(graph, initializers, f"{weight.name}/{base}/as_matmul", b)
     has_bias = len(node.input) > 2 and node.input[2] and beta != 0.0
     product = f"{node.output[0]}/matmul" if has_bias else node.output[0]
     nodes = [helper.make_node("MatMul", [node.input[0], b_name], [product], name=node.name)]
@@ -118,10 +119,10 @@ def _as_matmul(node: onnx.NodeProto, weight: onnx.TensorProto, initializers: dic
             dtype = helper.tensor_dtype_to_np_dtype(initializers[bias].data_type) if bias in initializers else np.float32
             scale = np.asarray(beta, dtype)
             bias_scaled = f"{node.output[0]}/beta_bias"
-            nodes.append(helper.make_node("Mul", [bias, _new_initializer(graph, initializers, f"{node.name}/beta", scale)],
-                                          [bias_scaled], name=f"{node.name}/beta"))
+            nodes.append(helper.make_node("Mul", [bias, _new_initializer(graph, initializers, f"{base}/beta", scale)],
+                                          [bias_scaled], name=f"{base}/beta"))
             bias = bias_scaled
-        nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], name=f"{node.name}/bias"))
+        nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], name=f"{base}/bias"))
     return nodes
 
 

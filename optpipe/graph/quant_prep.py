@@ -18,20 +18,34 @@ import onnx
 from optpipe.graph.unfuse import has_fused_ops, unfuse
 
 
+#: The opset ORT's quantizer writes per-channel QDQ at (DequantizeLinear's `axis` is opset 13's). Below it, the
+#: quantizer wrote that attribute into an opset-9 model, which ONNX Runtime then refused ("internal error").
+QDQ_OPSET = 13
+
+
 def needs_preparation(model: onnx.ModelProto) -> bool:
-    """Read with or without weights: only names and node types are looked at."""
-    return bool(shadowing_value_info(model)) or has_fused_ops(model)
+    """Read with or without weights: only names, node types and the opset are looked at."""
+    return bool(shadowing_value_info(model)) or has_fused_ops(model) or standard_opset(model) < QDQ_OPSET
 
 
 def prepare_for_quantizer(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     """A copy of `model` the quantizer can read, and what was changed."""
     shadowed = shadowing_value_info(model)
+    opset = standard_opset(model)
+    if opset < QDQ_OPSET:
+        # onnx's own converter (each op's adapter between versions), not an edit of the opset number
+        model = onnx.version_converter.convert_version(model, QDQ_OPSET)
     prepared, split = unfuse(model)
     if shadowed:
         kept = [v for v in prepared.graph.value_info if v.name not in shadowed]
         del prepared.graph.value_info[:]
         prepared.graph.value_info.extend(kept)
-    return prepared, {"split_fused_ops": split, "dropped_initializer_value_info": len(shadowed)}
+    changes = {"split_fused_ops": split, "dropped_initializer_value_info": len(shadowed)}
+    return prepared, changes | ({"opset": f"{opset} -> {QDQ_OPSET} (onnx.version_converter)"} if opset < QDQ_OPSET else {})
+
+
+def standard_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), QDQ_OPSET)
 
 
 def shadowing_value_info(model: onnx.ModelProto) -> set[str]:
