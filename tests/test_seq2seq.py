@@ -1,4 +1,4 @@
-"""Encoder-decoder models (T5, BART, Marian): `optpipe init` on their folder writes a recipe with the decoder's
+"""Encoder-decoder models (T5, BART, Marian; Whisper as speech-seq2seq): `optpipe init` on their folder writes a recipe with the decoder's
 target tokens, and it compiles from text.
 
 init gave "T5Model.forward() does not run on the inputs inferred for it (input_ids, attention_mask)": the
@@ -99,3 +99,22 @@ def test_generation_on_an_encoder_decoder_is_refused_saying_it_is_built_for_deco
                                  HFConfigModel(hf_config={"model_type": "t5"}, task="seq2seq-lm"), inputs,
                                  {"batch": DimRange(min=1, opt=1, max=2), "sequence": DimRange(min=1, opt=8, max=16)})
     assert problem and "not encoder-decoders" in problem and "causal-lm" not in problem
+
+
+def test_init_writes_whisper_as_speech_seq2seq_with_its_features_and_targets(tmp_path, cli_run, monkeypatch):
+    import torch
+
+    config = transformers.WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+                                        max_source_positions=50, max_target_positions=32, vocab_size=500,
+                                        decoder_start_token_id=1, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    transformers.WhisperForConditionalGeneration(config).save_pretrained(tmp_path / "whisper")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "whisper", "-o", "recipe.yaml")
+    assert result.exit_code == 0, result.output
+    recipe = yaml.safe_load(Path("recipe.yaml").read_text())
+    assert recipe["model"] == {"hf": "whisper", "task": "speech-seq2seq", "outputs": ["logits"]}
+    assert [spec["name"] for spec in recipe["inputs"]] == ["input_features", "decoder_input_ids"]
+    assert recipe["inputs"][0]["shape"] == ["batch", 16, 100] and recipe["dims"]["target"]["max"] == 32
+    assert recipe["evaluate"]["task"] == {"kind": "language-model", "tokens": "decoder_input_ids"}

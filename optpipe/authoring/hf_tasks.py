@@ -25,7 +25,7 @@ TASK_MAPPINGS = {task: f"MODEL_FOR_{name}_MAPPING_NAMES" for task, name in (
     ("token-classification", "TOKEN_CLASSIFICATION"), ("question-answering", "QUESTION_ANSWERING"),
     ("fill-mask", "MASKED_LM"), ("causal-lm", "CAUSAL_LM"), ("image-classification", "IMAGE_CLASSIFICATION"),
     ("object-detection", "OBJECT_DETECTION"), ("semantic-segmentation", "SEMANTIC_SEGMENTATION"),
-    ("seq2seq-lm", "SEQ_TO_SEQ_CAUSAL_LM"))}
+    ("seq2seq-lm", "SEQ_TO_SEQ_CAUSAL_LM"), ("speech-seq2seq", "SPEECH_SEQ_2_SEQ"))}
 
 
 def architecture_task(config: dict) -> str:
@@ -51,4 +51,5 @@ def architecture_task(config: dict) -> str:
 # checks the predictions (top-1, next token), which cosine alone lets flip.
 HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classification": "classification",
                     "audio-classification": "classification", "causal-lm": "language-model", "seq2seq-lm": "language-model",
+                    "speech-seq2seq": "language-model",
                     "semantic-segmentation": "segmentation"}

@@ -158,7 +158,7 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     refuse_prequantized(folder / "config.json", "init")
     task = architecture_task(config)
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
-    if task in ("causal-lm", "seq2seq-lm"):
+    if task in ("causal-lm", "seq2seq-lm", "speech-seq2seq"):
         model["outputs"] = ["logits"]
     try:
         net = meta_model(folder, task)

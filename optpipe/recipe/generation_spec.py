@@ -38,7 +38,7 @@ class GenerationSpec(Strict):
 
 #: Model tasks whose Hugging Face head is a causal LM: the only ones export_decoder exports with a KV cache.
 CAUSAL_TASKS = ("causal-lm", "text-generation")
-SEQ2SEQ_TASKS = ("seq2seq-lm", "text2text-generation")
+SEQ2SEQ_TASKS = ("seq2seq-lm", "text2text-generation", "speech-seq2seq")
 
 
 def decoder_dims(spec: GenerationSpec, inputs, dims, tokens: str) -> tuple[int, int, int]:

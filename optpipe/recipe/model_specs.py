@@ -18,6 +18,7 @@ class Strict(BaseModel):
 HF_TASKS = (
     "feature-extraction", "sequence-classification", "text-classification", "token-classification",
     "question-answering", "fill-mask", "masked-lm", "causal-lm", "text-generation", "seq2seq-lm", "text2text-generation",
+    "speech-seq2seq",
     "image-classification", "object-detection", "semantic-segmentation", "audio-classification",
 )
 

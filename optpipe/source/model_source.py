@@ -146,6 +146,7 @@ HF_AUTO_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",
     "seq2seq-lm": "AutoModelForSeq2SeqLM",  # an encoder-decoder's one teacher-forced forward: logits over decoder_input_ids
     "text2text-generation": "AutoModelForSeq2SeqLM",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",  # Whisper's: log-mel features in, logits over decoder_input_ids
     "text-generation": "AutoModelForCausalLM",
     "image-classification": "AutoModelForImageClassification",
     "object-detection": "AutoModelForObjectDetection",
@@ -154,7 +155,7 @@ HF_AUTO_CLASSES = {
 }
 # Decoders without past key/values: the exported graph takes the whole sequence and returns logits
 # (Optimum's "text-generation" without "-with-past").
-NO_CACHE_TASKS = ("causal-lm", "text-generation", "seq2seq-lm", "text2text-generation")
+NO_CACHE_TASKS = ("causal-lm", "text-generation", "seq2seq-lm", "text2text-generation", "speech-seq2seq")
 
 
 def _auto_class(task: str):
