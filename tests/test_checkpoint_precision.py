@@ -17,6 +17,7 @@ import yaml
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+from helpers_recipes import compile_recipe, small_recipe  # noqa: E402
 from optpipe.recipe.schema import DimRange, FactoryModel, HFConfigModel, HFModel, InputSpec, ModelSource  # noqa: E402
 from optpipe.source.model_source import load_torch_model, widened_to_float32  # noqa: E402
 
@@ -114,13 +115,7 @@ def test_a_model_computing_in_bfloat16_is_measured_and_its_export_refusal_names_
     bfloat16), and the export's failure (ONNX Runtime has no bfloat16 Gemm on CPU) says why and what to change,
     not 'raise check_atol' or 'make the dims fixed'."""
     (tmp_path / "autocast_model.py").write_text(AUTOCAST_MODEL)
-    recipe = {"name": "autocast", "model": {"factory": "autocast_model:build", "path": "."},
-              "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}],
-              "dims": {"batch": {"min": 1, "opt": 2, "max": 4}}, "data": {"eval": {"source": "synthetic", "samples": 4}},
-              "stages": {"export": {"pass": "export"}}, "evaluate": {"batch_sizes": [2], "warmup": 1, "iterations": 2},
-              "output": "run"}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    result = compile_recipe(tmp_path, cli_run, small_recipe({"factory": "autocast_model:build", "path": "."}))
     assert result.exit_code == 1, result.output
     assert "the model computes in bfloat16 (autocast or a cast in forward)" in result.output
     assert "take the autocast or the cast out of forward" in result.output and "check_atol" not in result.output
@@ -172,11 +167,7 @@ def test_an_onnx_source_in_bfloat16_is_refused_with_its_cause(tmp_path, cli_run)
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], [weight])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "bf16.onnx")
-    recipe = {"name": "bf16-onnx", "model": {"onnx": "bf16.onnx"}, "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}],
-              "dims": {"batch": {"min": 1, "opt": 1, "max": 2}}, "data": {"eval": {"source": "synthetic", "samples": 2}},
-              "stages": {"export": {"pass": "export"}}, "output": "run"}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    result = compile_recipe(tmp_path, cli_run, small_recipe({"onnx": "bf16.onnx"}))
     assert result.exit_code == 2, result.output
     assert "it computes in bfloat16" in result.output and "export it in float32" in result.output
     assert "export the model again" not in result.output

@@ -10,8 +10,9 @@ import json
 
 import numpy as np
 import onnx
-import yaml
 from onnx import TensorProto, helper, numpy_helper
+
+from helpers_recipes import compile_recipe, small_recipe
 
 
 def _opset9_mlp(path):
@@ -27,14 +28,9 @@ def _opset9_mlp(path):
 
 def test_an_opset9_graph_with_unnamed_gemms_quantizes_in_int8_and_weight_only(tmp_path, cli_run):
     _opset9_mlp(tmp_path / "old.onnx")
-    recipe = {"name": "old", "model": {"onnx": "old.onnx"}, "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}],
-              "dims": {"batch": {"min": 1, "opt": 2, "max": 4}},
-              "data": {"eval": {"source": "synthetic", "samples": 8}, "calibration": {"source": "synthetic", "samples": 8}},
-              "stages": {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "static"}},
-                         "w8": {"pass": "weight_only", "after": "export", "params": {"bits": 8, "block_size": 16}}},
-              "evaluate": {"batch_sizes": [2], "warmup": 1, "iterations": 2}, "output": "run"}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    stages = {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "static"}},
+              "w8": {"pass": "weight_only", "after": "export", "params": {"bits": 8, "block_size": 16}}}
+    result = compile_recipe(tmp_path, cli_run, small_recipe({"onnx": "old.onnx"}, stages=stages, samples=8))
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     stages = {s["name"]: s for s in report["stages"]}

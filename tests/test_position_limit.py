@@ -9,9 +9,17 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
+from helpers_recipes import compile_recipe, small_recipe  # noqa: E402
 from optpipe.core.errors import RecipeError  # noqa: E402
 from optpipe.recipe.schema import DimRange, InputSpec, ModelInputs  # noqa: E402
 from optpipe.source.position_limit import check_sequence_dims, position_limit  # noqa: E402
+
+TOKENS = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 100]}]
+
+
+def _token_dims(longest: int) -> dict:
+    return {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 1, "opt": 16, "max": longest}}
+
 
 SMALL = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100)
 
@@ -53,14 +61,9 @@ def test_rotary_positions_take_any_length():
 
 
 def test_compile_refuses_a_sequence_dim_past_the_table_in_one_line(tmp_path, cli_run):
-    recipe = {"name": "long", "model": {"hf_config": {"model_type": "bert", "num_hidden_layers": 1, "max_position_embeddings": 64,
-                                                      **SMALL}, "task": "feature-extraction"},
-              "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 100]}],
-              "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 1, "opt": 16, "max": 4096}},
-              "data": {"eval": {"source": "synthetic", "samples": 2}}, "stages": {"export": {"pass": "export"}},
-              "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 2}, "output": "run"}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    model = {"hf_config": {"model_type": "bert", "num_hidden_layers": 1, "max_position_embeddings": 64, **SMALL},
+             "task": "feature-extraction"}
+    result = compile_recipe(tmp_path, cli_run, small_recipe(model, TOKENS, _token_dims(4096), samples=2))
     assert result.exit_code == 2, result.output
     assert ("dims.sequence.max: 4096 is longer than the model takes: its learned position table "
             "(embeddings.position_embeddings) has 64 positions") in result.output
@@ -84,18 +87,12 @@ def test_an_onnx_source_with_a_position_table_is_held_to_its_rows(tmp_path, cli_
                               [helper.make_tensor_value_info("embedded", TensorProto.FLOAT, ["S", 8])], [table, *scalars])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "m.onnx")
     assert onnx_position_limit(graph) == (table.name, 64)
-    recipe = {"name": "onnx-long", "model": {"onnx": "m.onnx"},
-              "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 100]}],
-              "dims": {"batch": {"min": 1, "opt": 1, "max": 2}, "sequence": {"min": 1, "opt": 16, "max": 100}},
-              "data": {"eval": {"source": "synthetic", "samples": 2}}, "stages": {"export": {"pass": "export"}},
-              "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 2}, "output": "run"}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    recipe = small_recipe({"onnx": "m.onnx"}, TOKENS, _token_dims(100), samples=2)
+    result = compile_recipe(tmp_path, cli_run, recipe)
     assert result.exit_code == 2, result.output
     assert "dims.sequence.max: 100 is longer than the model takes" in result.output and "at most 64" in result.output
     recipe["dims"]["sequence"]["max"] = 64
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    assert cli_run("compile", str(tmp_path / "recipe.yaml")).exit_code == 0
+    assert compile_recipe(tmp_path, cli_run, recipe).exit_code == 0
 
 
 def test_init_on_an_onnx_file_keeps_the_sequence_within_its_position_table(tmp_path, cli_run, monkeypatch):

@@ -5,7 +5,8 @@ check used to fail with 'raise check_atol/check_rtol only if this is rounding', 
 from __future__ import annotations
 
 import pytest
-import yaml
+
+from helpers_recipes import compile_recipe, small_recipe
 
 MODELS = '''import torch
 
@@ -36,13 +37,7 @@ def dropout():
 @pytest.mark.parametrize("factory", ["noise", "dropout"])
 def test_a_random_forward_is_refused_naming_the_output_and_the_cause(tmp_path, cli_run, factory):
     (tmp_path / f"noisy_{factory}.py").write_text(MODELS)  # a module per test: an imported one is held to its folder
-    recipe = {"name": "noisy", "model": {"factory": f"noisy_{factory}:{factory}", "path": "."},
-              "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}],
-              "dims": {"batch": {"min": 1, "opt": 2, "max": 4}}, "data": {"eval": {"source": "synthetic", "samples": 4}},
-              "stages": {"export": {"pass": "export"}}, "evaluate": {"batch_sizes": [2], "warmup": 1, "iterations": 2},
-              "output": "run"}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    result = compile_recipe(tmp_path, cli_run, small_recipe({"factory": f"noisy_{factory}:{factory}", "path": "."}))
     assert result.exit_code == 2, result.output
     assert "forward() gives different outputs on the same inputs (output 'output' differs by" in result.output
     assert "make forward deterministic" in result.output and "check_atol" not in result.output
@@ -59,11 +54,8 @@ def test_an_onnx_source_that_samples_is_refused_by_compile_and_init(tmp_path, cl
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], [weight])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "noisy.onnx")
-    recipe = {"name": "noisy-onnx", "model": {"onnx": "noisy.onnx"}, "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}],
-              "dims": {"batch": {"min": 1, "opt": 1, "max": 2}}, "data": {"eval": {"source": "synthetic", "samples": 2}},
-              "stages": {"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"}}, "output": "run"}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    result = compile_recipe(tmp_path, cli_run, small_recipe(
+        {"onnx": "noisy.onnx"}, stages={"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"}}))
     assert result.exit_code == 2 and "'noisy.onnx' draws random numbers (RandomNormalLike)" in result.output, result.output
     monkeypatch.chdir(tmp_path)
     result = cli_run("init", "noisy.onnx", "-o", "init.yaml")
