@@ -141,7 +141,7 @@ def _decoder_ids(input_ids: np.ndarray, model: ModelSource) -> np.ndarray:
     length = dim if isinstance(dim, int) else model.dims[dim].opt if dim else input_ids.shape[1]
     start = _decoder_start(model)
     shifted = np.concatenate([np.full((len(input_ids), 1), start, input_ids.dtype), input_ids], axis=1)[:, :length]
-    if shifted.shape[1] < length:  # a target longer than the source: padded with the start token's row end
+    if shifted.shape[1] < length:  # a target dim longer than the source's: the rest filled with the start token
         shifted = np.pad(shifted, ((0, 0), (0, length - shifted.shape[1])), constant_values=start)
     return shifted
 
@@ -154,9 +154,13 @@ def _decoder_start(model: ModelSource) -> int:
     from optpipe.source.model_source import hf_folder
 
     try:
-        config = model.model.hf_config if isinstance(model.model, HFConfigModel) else             json.loads((hf_folder(model) / "config.json").read_text())
+        if isinstance(model.model, HFConfigModel):
+            config = model.model.hf_config
+        else:
+            config = json.loads((hf_folder(model) / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
+    config = config if isinstance(config, dict) else {}
     for key in ("decoder_start_token_id", "pad_token_id"):
         if isinstance(config.get(key), int):
             return config[key]

@@ -46,7 +46,6 @@ def architecture_task(config: dict) -> str:
     return by_name
 
 
-
 # Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
 # checks the predictions (top-1, next token), which cosine alone lets flip.
 HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classification": "classification",
