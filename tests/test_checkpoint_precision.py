@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch")
 
 from helpers_recipes import compile_recipe, small_recipe  # noqa: E402
 from optpipe.recipe.schema import DimRange, FactoryModel, HFConfigModel, HFModel, InputSpec, ModelSource  # noqa: E402
-from optpipe.source.model_source import load_torch_model, widened_to_float32  # noqa: E402
+from optpipe.source.checkpoint_precision import widened_to_float32  # noqa: E402
+from optpipe.source.model_source import load_torch_model  # noqa: E402
 
 SMALL_BERT = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100)
 INPUTS = (InputSpec(name="input_ids", dtype="int64", shape=["batch", "sequence"], range=(0, 100)),)

@@ -1,5 +1,5 @@
-"""A model file of another format given as ONNX (or to init) is named, with the recipe that takes it
-(optpipe/safety/file_kinds.py); it was "not an ONNX model or is truncated; export it again"."""
+"""A model file of another format given as ONNX (or to init), or a Hub id given as a folder, is named with the
+recipe that takes it (optpipe/safety/file_kinds.py); it was "not an ONNX model or is truncated; export it again"."""
 from __future__ import annotations
 
 import json
@@ -58,3 +58,20 @@ def test_init_names_the_format_and_a_config_json_for_its_folder(tmp_path, cli_ru
     (tmp_path / "bert" / "config.json").write_text("{}")
     result = cli_run("init", "bert/config.json", "-o", "recipe.yaml")
     assert result.exit_code == 2 and "config.json; give its folder" in result.output, result.output
+
+
+def test_a_hub_id_is_answered_with_how_to_get_the_folder(tmp_path, cli_run, monkeypatch):
+    """`hf: google-bert/bert-base-uncased`, as a model card shows it, is no folder here and optpipe downloads nothing:
+    compile and init say how to fetch it, where they said 'does not exist' (with a GGUF hint) or 'not a folder'."""
+    from helpers_recipes import compile_recipe, small_recipe
+
+    monkeypatch.chdir(tmp_path)
+    tokens = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", 8], "range": [0, 100]}]
+    result = compile_recipe(tmp_path, cli_run, small_recipe({"hf": "google-bert/bert-base-uncased"}, tokens))
+    assert result.exit_code == 2, result.output
+    assert "reads as a Hugging Face Hub id" in result.output
+    assert "huggingface-cli download google-bert/bert-base-uncased --local-dir DIR" in result.output
+    result = cli_run("init", "google-bert/bert-base-uncased", "-o", "recipe.yaml")
+    assert result.exit_code == 2 and "reads as a Hugging Face Hub id" in result.output, result.output
+    (tmp_path / "models" / "mine").mkdir(parents=True)  # an existing relative folder is never taken for an id
+    assert "Hub id" not in cli_run("init", "models/mine", "-o", "recipe.yaml").output

@@ -23,7 +23,8 @@ from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
 from optpipe.safety.file_kinds import other_model_format
 from optpipe.source.position_limit import onnx_position_limit
-from optpipe.source.model_source import TOKENIZER_FILES, refuse_prequantized, stored_dtype, widened_to_float32
+from optpipe.source.checkpoint_precision import refuse_prequantized, stored_dtype, widened_to_float32
+from optpipe.source.model_source import TOKENIZER_FILES, hub_id_hint
 
 FILL_IN = "FILL-IN"
 
@@ -58,6 +59,8 @@ def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
     other = other_model_format(local) if local.is_file() else None
     if other:
         raise ModelSourceError(f"init: '{path}' is {other}")
+    if not local.exists() and hub_id_hint(path):
+        raise ModelSourceError(f"init: {hub_id_hint(path)}")
     raise ModelSourceError(f"init: '{path}' is not an .onnx file, a Hugging Face folder or module:factory")
 
 

@@ -9,6 +9,7 @@ import hashlib
 from functools import lru_cache
 import importlib
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ import numpy as np
 from optpipe.core.artifact import sha256_file
 from optpipe.core.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe.example_inputs import example_inputs
+from optpipe.source.checkpoint_precision import (HALF_DTYPES, refuse_prequantized, refuse_quantized_modules, stored_dtype,
+                                                 widened_to_float32, widening_note)
 from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
 
 
@@ -59,6 +62,9 @@ def hf_folder(source: ModelSource) -> Path:
             )
         folder = Path(list(found.submodule_search_locations)[0]) / spec.subdir
     if not folder.exists():
+        hub = hub_id_hint(spec.hf) if spec.hf is not None else ""
+        if hub:
+            raise ModelSourceError(f"model.hf: {hub}")
         raise ModelSourceError(f"model: '{folder}' does not exist; point the recipe at a Hugging Face model folder (from a "
                                "GGUF checkpoint, write one with scripts/gguf_to_hf.py, as the recipe's comments say)")
     if not (folder / "config.json").is_file() and not (tokenizer_only and any((folder / name).is_file() for name in TOKENIZER_FILES)):
@@ -120,6 +126,18 @@ def onnx_source_path(source: ModelSource) -> Path:
     return path
 
 
+#: A Hugging Face Hub id (`owner/name`): what users copy from a model card, and what optpipe never downloads
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_id_hint(text: str) -> str:
+    """For a path that does not exist and reads as a Hub id: how to get the folder; else ''."""
+    if not HUB_ID.match(text) or text.endswith((".onnx", ".json", ".yaml")):
+        return ""
+    return (f"'{text}' reads as a Hugging Face Hub id, and optpipe loads nothing from a hub; download the folder first "
+            f"(huggingface-cli download {text} --local-dir DIR) and give DIR")
+
+
 def load_torch_model(source: ModelSource) -> TorchModel:
     """The recipe's model as a torch module in eval mode."""
     spec = source.model
@@ -176,7 +194,7 @@ def _load_hf(source: ModelSource, spec: HFModel) -> TorchModel:
                                     dtype=_torch_float32(), **extra)
     except Exception as exc:  # transformers raises many types; all mean "cannot load this folder"
         raise ModelSourceError(f"model: cannot load '{folder}' as {spec.task} ({cls.__name__}): {first_line(exc)}") from None
-    return _wrap_hf(model, source, f"{cls.__name__} from {folder}{_widening_note(stored)}")
+    return _wrap_hf(model, source, f"{cls.__name__} from {folder}{widening_note(stored)}")
 
 
 def _load_hf_config(source: ModelSource, spec: HFConfigModel) -> TorchModel:
@@ -201,7 +219,7 @@ def _load_hf_config(source: ModelSource, spec: HFConfigModel) -> TorchModel:
         raise ModelSourceError(f"model.task: '{model_type}' has no {spec.task} head ({first_line(exc)}); pick another task") from None
     except Exception as exc:  # noqa: BLE001 - modules assert on their sizes (nn.Embedding: "Padding_idx must be within num_embeddings")
         raise _config_refused(model_type, exc) from None
-    note = _widening_note(HALF_DTYPES.get(str(options.get("dtype") or options.get("torch_dtype"))))
+    note = widening_note(HALF_DTYPES.get(str(options.get("dtype") or options.get("torch_dtype"))))
     return _wrap_hf(model, source, f"{type(model).__name__} from {type(config).__name__} (random weights, seed {spec.seed}){note}")
 
 
@@ -228,7 +246,7 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
 
     refuse_quantized_modules(net)
     widened = widened_to_float32(net)
-    description += _widening_note(widened) if widened and "widened" not in description else ""
+    description += widening_note(widened) if widened and "widened" not in description else ""
     sample = example_inputs(source, batch=1)
     args = [torch.from_numpy(sample[s.name]) for s in source.inputs]
     try:
@@ -242,71 +260,6 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
     indices, output_names = pick_outputs([name for name, _ in leaves], source.model.outputs, declared)
     module = flat_module(net, call, indices)
     return TorchModel(module.eval(), [s.name for s in source.inputs], output_names, description)
-
-
-#: Half-precision weights as checkpoints ship them (most hub decoders: bfloat16), by their names in configs and torch.
-HALF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
-
-
-def widened_to_float32(net) -> str | None:
-    """A module with half-precision weights (bfloat16, float16) widened to float32 in place; the stored dtype, or None.
-
-    Every pass and the eager reference start from float32: numpy (the evaluation, the checks) has no bfloat16, ONNX
-    Runtime's CPU kernels run few bfloat16 ops, and the precision a stage asks for (fp16, bf16, int8) is the pass's
-    to take, from the exact values. Widening is exact (Optimum's export loads in float32 the same way)."""
-    halves = {str(t.dtype).removeprefix("torch.") for t in [*net.parameters(), *net.buffers()] if t.is_floating_point()}
-    halves &= set(HALF_DTYPES.values())
-    if not halves:
-        return None
-    net.float()
-    return "/".join(sorted(halves))
-
-
-def refuse_prequantized(config_json: Path, owner: str) -> None:
-    """A checkpoint quantized already (config.json's quantization_config: GPTQ, AWQ, bitsandbytes, FP8...) has no float
-    weights to start from: transformers would ask for that method's own kernels package, and an export of them would
-    not be the float model every stage is measured against. Refused, naming the method."""
-    import json
-
-    try:
-        config = json.loads(config_json.read_text())
-    except (OSError, ValueError):
-        return
-    quantization = config.get("quantization_config") if isinstance(config, dict) else None
-    if isinstance(quantization, dict):
-        method = quantization.get("quant_method", "unnamed")
-        bits = f", {quantization['bits']} bits" if "bits" in quantization else ""
-        raise ModelSourceError(
-            f"{owner}: '{config_json.parent}' is a checkpoint quantized already ({method}{bits}: config.json's "
-            "quantization_config); optpipe compiles from float weights: give the float checkpoint it was made from "
-            "(the weight_only and openvino_weights passes quantize it, measured against the float model)")
-
-
-def refuse_quantized_modules(net) -> None:
-    """A module quantized in PyTorch already (torch.ao's quantized Linear, Conv...: packed int8 weights) neither exports
-    to ONNX ('quantized::linear_dynamic is not supported') nor has float weights for the stages to start from."""
-    quantized = sorted({type(m).__module__ + "." + type(m).__name__ for m in net.modules()
-                        if ".quantized" in type(m).__module__ and type(m).__module__.startswith("torch.")})
-    if quantized:
-        raise ModelSourceError(f"model: the module is quantized in PyTorch already ({', '.join(quantized[:3])}); give it "
-                               "before torch.ao's quantization: the int8 and openvino passes quantize it, measured against "
-                               "the float model")
-
-
-def stored_dtype(config_json: Path) -> str | None:
-    """The half-precision dtype a Hugging Face folder's config.json says its weights are stored in, else None."""
-    import json
-
-    try:
-        config = json.loads(config_json.read_text())
-    except (OSError, ValueError):
-        return None
-    value = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
-    return HALF_DTYPES.get(str(value)) if value else None
-
-
-def _widening_note(stored: str | None) -> str:
-    return f" (weights stored in {stored}, widened to float32: exact)" if stored else ""
 
 
 def _torch_float32():

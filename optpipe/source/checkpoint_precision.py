@@ -1,0 +1,73 @@
+"""The precision a checkpoint comes in: half precision widened to float32 (exactly), quantized already refused.
+
+Every pass and the eager reference start from float32 weights. Hub checkpoints mostly ship in bfloat16, which
+transformers 5 loads as stored: export and eager failed on it ("unsupported ScalarType BFloat16"). A checkpoint
+quantized already (GPTQ, AWQ, torch.ao) has no float weights to start from at all.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from optpipe.core.errors import ModelSourceError
+
+
+#: Half-precision weights as checkpoints ship them (most hub decoders: bfloat16), by their names in configs and torch.
+HALF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def widened_to_float32(net) -> str | None:
+    """A module with half-precision weights (bfloat16, float16) widened to float32 in place; the stored dtype, or None.
+
+    Every pass and the eager reference start from float32: numpy (the evaluation, the checks) has no bfloat16, ONNX
+    Runtime's CPU kernels run few bfloat16 ops, and the precision a stage asks for (fp16, bf16, int8) is the pass's
+    to take, from the exact values. Widening is exact (Optimum's export loads in float32 the same way)."""
+    halves = {str(t.dtype).removeprefix("torch.") for t in [*net.parameters(), *net.buffers()] if t.is_floating_point()}
+    halves &= set(HALF_DTYPES.values())
+    if not halves:
+        return None
+    net.float()
+    return "/".join(sorted(halves))
+
+
+def refuse_prequantized(config_json: Path, owner: str) -> None:
+    """A checkpoint quantized already (config.json's quantization_config: GPTQ, AWQ, bitsandbytes, FP8...) has no float
+    weights to start from: transformers would ask for that method's own kernels package, and an export of them would
+    not be the float model every stage is measured against. Refused, naming the method."""
+    try:
+        config = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method", "unnamed")
+        bits = f", {quantization['bits']} bits" if "bits" in quantization else ""
+        raise ModelSourceError(
+            f"{owner}: '{config_json.parent}' is a checkpoint quantized already ({method}{bits}: config.json's "
+            "quantization_config); optpipe compiles from float weights: give the float checkpoint it was made from "
+            "(the weight_only and openvino_weights passes quantize it, measured against the float model)")
+
+
+def refuse_quantized_modules(net) -> None:
+    """A module quantized in PyTorch already (torch.ao's quantized Linear, Conv...: packed int8 weights) neither exports
+    to ONNX ('quantized::linear_dynamic is not supported') nor has float weights for the stages to start from."""
+    quantized = sorted({type(m).__module__ + "." + type(m).__name__ for m in net.modules()
+                        if ".quantized" in type(m).__module__ and type(m).__module__.startswith("torch.")})
+    if quantized:
+        raise ModelSourceError(f"model: the module is quantized in PyTorch already ({', '.join(quantized[:3])}); give it "
+                               "before torch.ao's quantization: the int8 and openvino passes quantize it, measured against "
+                               "the float model")
+
+
+def stored_dtype(config_json: Path) -> str | None:
+    """The half-precision dtype a Hugging Face folder's config.json says its weights are stored in, else None."""
+    try:
+        config = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return HALF_DTYPES.get(str(value)) if value else None
+
+
+def widening_note(stored: str | None) -> str:
+    return f" (weights stored in {stored}, widened to float32: exact)" if stored else ""
