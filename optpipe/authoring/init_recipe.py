@@ -59,9 +59,8 @@ def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
     other = other_model_format(local) if local.is_file() else None
     if other:
         raise ModelSourceError(f"init: '{path}' is {other}")
-    if not local.exists() and hub_id_hint(path):
-        raise ModelSourceError(f"init: {hub_id_hint(path)}")
-    raise ModelSourceError(f"init: '{path}' is not an .onnx file, a Hugging Face folder or module:factory")
+    hub = hub_id_hint(path) if not local.exists() else ""
+    raise ModelSourceError(f"init: '{path}' is not an .onnx file, a Hugging Face folder or module:factory{hub}")
 
 
 # --- ONNX ------------------------------------------------------------------------------------

@@ -63,10 +63,8 @@ def hf_folder(source: ModelSource) -> Path:
         folder = Path(list(found.submodule_search_locations)[0]) / spec.subdir
     if not folder.exists():
         hub = hub_id_hint(spec.hf) if spec.hf is not None else ""
-        if hub:
-            raise ModelSourceError(f"model.hf: {hub}")
         raise ModelSourceError(f"model: '{folder}' does not exist; point the recipe at a Hugging Face model folder (from a "
-                               "GGUF checkpoint, write one with scripts/gguf_to_hf.py, as the recipe's comments say)")
+                               f"GGUF checkpoint, write one with scripts/gguf_to_hf.py, as the recipe's comments say){hub}")
     if not (folder / "config.json").is_file() and not (tokenizer_only and any((folder / name).is_file() for name in TOKENIZER_FILES)):
         raise ModelSourceError(f"model: '{folder}' has no config.json; point the recipe at a Hugging Face model folder")
     return folder
@@ -131,10 +129,11 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def hub_id_hint(text: str) -> str:
-    """For a path that does not exist and reads as a Hub id: how to get the folder; else ''."""
+    """For a path that does not exist and could be a Hub id: '; if ... is a Hub id, how to get its folder', else ''.
+    Said beside the other causes: 'models/gemma' is as likely a folder not written yet."""
     if not HUB_ID.match(text) or text.endswith((".onnx", ".json", ".yaml")):
         return ""
-    return (f"'{text}' reads as a Hugging Face Hub id, and optpipe loads nothing from a hub; download the folder first "
+    return (f"; if '{text}' is a Hugging Face Hub id: optpipe loads nothing from a hub, download the folder first "
             f"(huggingface-cli download {text} --local-dir DIR) and give DIR")
 
 
