@@ -11,6 +11,7 @@ import numpy as np
 
 from optpipe.calibration.labels import attach_labels, class_folders, load_class_folders
 from optpipe.core.errors import DataError, first_line
+from optpipe.core.runtime import DECODER_IDS
 from optpipe.recipe.example_inputs import synthetic_inputs
 from optpipe.recipe.generation_spec import CAUSAL_TASKS
 from optpipe.recipe.schema import DataSource, ModelSource
@@ -128,9 +129,6 @@ def _text(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     return _tokenizer_inputs(encoded, model)
 
 
-DECODER_IDS = "decoder_input_ids"
-
-
 def _decoder_ids(input_ids: np.ndarray, model: ModelSource) -> np.ndarray:
     """An encoder-decoder's decoder_input_ids from text alone: each line as its own target, shifted right behind the
     decoder's start token (as transformers' shift_tokens_right builds them from labels for T5's and BART's
@@ -147,18 +145,12 @@ def _decoder_ids(input_ids: np.ndarray, model: ModelSource) -> np.ndarray:
 
 
 def _decoder_start(model: ModelSource) -> int:
-    """config.json's decoder_start_token_id (else its pad token, T5's start; else 0)."""
-    import json
-
-    from optpipe.recipe.schema import HFConfigModel
-    from optpipe.source.model_source import hf_folder
+    """The config's decoder_start_token_id (else its pad token, T5's start; else 0)."""
+    from optpipe.source.torch_weights import config_options
 
     try:
-        if isinstance(model.model, HFConfigModel):
-            config = model.model.hf_config
-        else:
-            config = json.loads((hf_folder(model) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = config_options(model)
+    except (OSError, ValueError):  # a config.json transformers will name when it loads the model
         config = {}
     config = config if isinstance(config, dict) else {}
     for key in ("decoder_start_token_id", "pad_token_id"):

@@ -12,12 +12,12 @@ import inspect
 from typing import Any, Callable, Optional
 
 from optpipe.core.errors import ModelSourceError
+from optpipe.core.runtime import DECODER_IDS
 
 TEXT = ("input_ids", "attention_mask", "token_type_ids")
 IMAGE = "pixel_values"
 AUDIO = "input_values"
 MEL = "input_features"  # Whisper's log-mel spectrogram: num_mel_bins x 2 * max_source_positions frames, fixed
-DECODER_IDS = "decoder_input_ids"  # an encoder-decoder's target tokens (T5, BART, Marian): [batch, target]
 KNOWN = (*TEXT, IMAGE, AUDIO, MEL, DECODER_IDS)
 
 

@@ -157,7 +157,7 @@ def _rename_batch(inputs: list[dict], dims: dict) -> dict:
 
 def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    refuse_prequantized(folder / "config.json", "init")
+    refuse_prequantized(config, folder, "init")
     task = architecture_task(config)
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
     if task in ("causal-lm", "seq2seq-lm", "speech-seq2seq"):
@@ -175,7 +175,7 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     owner = type(net).__name__
     inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
     kind, notes = model_kind(net, inputs, dims, owner)
-    notes += _widening_notes(stored_dtype(folder / "config.json"))
+    notes += _widening_notes(stored_dtype(config))
     return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task),
                       conv_widths=_torch_conv_widths(net))
 

@@ -134,6 +134,7 @@ def ort_session(path: Path, threads: int, providers: list[str] | None = None, op
 
 #: A decoder exported with its KV cache (optpipe/source/decoder_export.py) takes these beside the tokens.
 PAST_PREFIX, MASK_NAME, TOKENS_NAME = "past_key_values.", "attention_mask", "input_ids"
+DECODER_IDS = "decoder_input_ids"  # an encoder-decoder's target tokens (T5, BART, Marian, Whisper): [batch, target]
 
 
 def prefill_feeds(feeds: Feeds, inputs: list[tuple[str, list]]) -> Feeds:

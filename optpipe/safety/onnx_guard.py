@@ -236,7 +236,6 @@ def check_runnable(path: Path, where: str) -> None:
         raise ModelSourceError(f"{where}: ONNX Runtime cannot load '{path.name}' ({detail}); export the model again") from None
 
 
-
 def check_runs_on(path: Path, feeds: dict, where: str = "model.onnx") -> None:
     """ONNX Runtime runs the model on `feeds` (built from the recipe's input specs); else the
     specs do not fit the model: RecipeError naming the inputs' range and dims."""

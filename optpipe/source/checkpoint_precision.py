@@ -30,20 +30,25 @@ def widened_to_float32(net) -> str | None:
     return "/".join(sorted(halves))
 
 
-def refuse_prequantized(config_json: Path, owner: str) -> None:
+def folder_config(folder: Path) -> dict:
+    """A Hugging Face folder's config.json as a mapping; {} where it cannot be read (transformers then says why)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def refuse_prequantized(config: dict, folder: Path, owner: str) -> None:
     """A checkpoint quantized already (config.json's quantization_config: GPTQ, AWQ, bitsandbytes, FP8...) has no float
     weights to start from: transformers would ask for that method's own kernels package, and an export of them would
     not be the float model every stage is measured against. Refused, naming the method."""
-    try:
-        config = json.loads(config_json.read_text())
-    except (OSError, ValueError):
-        return
-    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    quantization = config.get("quantization_config")
     if isinstance(quantization, dict):
         method = quantization.get("quant_method", "unnamed")
         bits = f", {quantization['bits']} bits" if "bits" in quantization else ""
         raise ModelSourceError(
-            f"{owner}: '{config_json.parent}' is a checkpoint quantized already ({method}{bits}: config.json's "
+            f"{owner}: '{folder}' is a checkpoint quantized already ({method}{bits}: config.json's "
             "quantization_config); optpipe compiles from float weights: give the float checkpoint it was made from "
             "(the weight_only and openvino_weights passes quantize it, measured against the float model)")
 
@@ -59,14 +64,9 @@ def refuse_quantized_modules(net) -> None:
                                "the float model")
 
 
-def stored_dtype(config_json: Path) -> str | None:
-    """The half-precision dtype a Hugging Face folder's config.json says its weights are stored in, else None."""
-    try:
-        config = json.loads(config_json.read_text())
-    except (OSError, ValueError):
-        return None
-    value = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
-    return HALF_DTYPES.get(str(value)) if value else None
+def stored_dtype(config: dict) -> str | None:
+    """The half-precision dtype a Hugging Face config says its weights are stored in, else None."""
+    return HALF_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
 
 
 def widening_note(stored: str | None) -> str:

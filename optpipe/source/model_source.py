@@ -20,7 +20,7 @@ import numpy as np
 from optpipe.core.artifact import sha256_file
 from optpipe.core.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe.example_inputs import example_inputs
-from optpipe.source.checkpoint_precision import (HALF_DTYPES, refuse_prequantized, refuse_quantized_modules, stored_dtype,
+from optpipe.source.checkpoint_precision import (folder_config, refuse_prequantized, refuse_quantized_modules, stored_dtype,
                                                  widened_to_float32, widening_note)
 from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
 
@@ -185,15 +185,17 @@ def _load_hf(source: ModelSource, spec: HFModel) -> TorchModel:
     folder = hf_folder(source)
     cls = _auto_class(spec.task)
     extra = {"use_cache": False} if spec.task in NO_CACHE_TASKS else {}
-    refuse_prequantized(folder / "config.json", "model")
-    stored = stored_dtype(folder / "config.json")
+    config = folder_config(folder)
+    refuse_prequantized(config, folder, "model")
+    import torch
+
     try:
         # Read straight into float32 (widened_to_float32 says why): no half-precision copy beside it.
         model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code,
-                                    dtype=_torch_float32(), **extra)
+                                    dtype=torch.float32, **extra)
     except Exception as exc:  # transformers raises many types; all mean "cannot load this folder"
         raise ModelSourceError(f"model: cannot load '{folder}' as {spec.task} ({cls.__name__}): {first_line(exc)}") from None
-    return _wrap_hf(model, source, f"{cls.__name__} from {folder}{widening_note(stored)}")
+    return _wrap_hf(model, source, f"{cls.__name__} from {folder}{widening_note(stored_dtype(config))}")
 
 
 def _load_hf_config(source: ModelSource, spec: HFConfigModel) -> TorchModel:
@@ -211,14 +213,14 @@ def _load_hf_config(source: ModelSource, spec: HFConfigModel) -> TorchModel:
     cls = _auto_class(spec.task)
     torch.manual_seed(spec.seed)
     try:
-        model = cls.from_config(config, dtype=_torch_float32())  # a config's `dtype: bfloat16` would build it in bf16
+        model = cls.from_config(config, dtype=torch.float32)  # a config's `dtype: bfloat16` would build it in bf16
     except ValueError as exc:
         if "Unrecognized configuration class" not in str(exc):  # a config the architecture refuses (heads vs hidden size...)
             raise _config_refused(model_type, exc) from None
         raise ModelSourceError(f"model.task: '{model_type}' has no {spec.task} head ({first_line(exc)}); pick another task") from None
     except Exception as exc:  # noqa: BLE001 - modules assert on their sizes (nn.Embedding: "Padding_idx must be within num_embeddings")
         raise _config_refused(model_type, exc) from None
-    note = widening_note(HALF_DTYPES.get(str(options.get("dtype") or options.get("torch_dtype"))))
+    note = widening_note(stored_dtype(options))
     return _wrap_hf(model, source, f"{type(model).__name__} from {type(config).__name__} (random weights, seed {spec.seed}){note}")
 
 
@@ -259,12 +261,6 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
     indices, output_names = pick_outputs([name for name, _ in leaves], source.model.outputs, declared)
     module = flat_module(net, call, indices)
     return TorchModel(module.eval(), [s.name for s in source.inputs], output_names, description)
-
-
-def _torch_float32():
-    import torch
-
-    return torch.float32
 
 
 def _load_torchvision(source: ModelSource, spec: TorchvisionModel) -> TorchModel:

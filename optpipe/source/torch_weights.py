@@ -53,7 +53,7 @@ def _weight_bytes(source: ModelSource) -> int | None:
         if files:
             return FP32 * sum(safetensors_parameters(f) for f in files)
     if isinstance(spec, (HFModel, HFConfigModel)):
-        options = _config_options(source)
+        options = config_options(source)
         return _meta_bytes(options.pop("model_type", None), options, spec.task)
     if isinstance(spec, FactoryModel) and spec.checkpoint and spec.checkpoint.endswith(".safetensors"):
         return FP32 * safetensors_parameters(source.resolve(spec.checkpoint))
@@ -112,7 +112,7 @@ def _tied_bytes(source: ModelSource) -> int:
 
     if not isinstance(source.model, (HFModel, HFConfigModel)) or source.model.task not in LM_HEAD_TASKS:
         return 0  # no LM head to share the table: a BERT's config says tied (transformers' default) all the same
-    options = _config_options(source)
+    options = config_options(source)
     config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
     text = config.get_text_config()
     if not getattr(config, "tie_word_embeddings", False) and not getattr(text, "tie_word_embeddings", False):
@@ -120,11 +120,12 @@ def _tied_bytes(source: ModelSource) -> int:
     return FP32 * int(text.vocab_size) * int(text.hidden_size)
 
 
-def _config_options(source: ModelSource) -> dict:
-    """The config's keys, model_type included: an `hf` folder's config.json, or the recipe's hf_config (a copy)."""
+def config_options(source: ModelSource) -> dict:
+    """The config's keys, model_type included: the recipe's hf_config (a copy), else the config.json of the model's
+    Hugging Face folder (an ONNX source's: of its tokenizer's folder, as an Optimum export writes them)."""
     spec = source.model
-    if isinstance(spec, HFModel):
-        from optpipe.source.model_source import hf_folder
+    if isinstance(spec, HFConfigModel):
+        return dict(spec.hf_config)
+    from optpipe.source.model_source import hf_folder
 
-        return json.loads((hf_folder(source) / "config.json").read_text())
-    return dict(spec.hf_config)
+    return json.loads((hf_folder(source) / "config.json").read_text())
