@@ -75,7 +75,8 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
     check_deterministic(graph, path.name, "init")  # compile would refuse it: no recipe written
     initializers = {t.name for t in graph.graph.initializer}
     vocab = _index_ranges(graph.graph)
-    positions = (onnx_position_limit(graph.graph) or ("", None))[1]  # a position table bounds the token sequence
+    limit = onnx_position_limit(graph.graph)  # a position table bounds the token sequence
+    positions = limit[1] if limit else None
     inputs, dims = [], {}
     for value in graph.graph.input:
         if value.name in initializers:
@@ -160,7 +161,7 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     refuse_prequantized(config, folder, "init")
     task = architecture_task(config)
     model: dict[str, Any] = {"hf": _relative(folder, recipe_dir), "task": task}
-    if task in ("causal-lm", "seq2seq-lm", "speech-seq2seq"):
+    if HF_VERDICT_TASKS.get(task) == "language-model":  # the logits alone (not the encoder's states or a past)
         model["outputs"] = ["logits"]
     try:
         net = meta_model(folder, task)

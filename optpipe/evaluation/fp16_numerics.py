@@ -39,23 +39,22 @@ def emulate_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     types = tensor_types(model)
     emulated = onnx.ModelProto()
     emulated.CopyFrom(model)
-    _emulate_graph(emulated.graph, types)
+    # The bodies of Loop / If / Scan too (one left in FP16 inside an FP32 graph is a type mismatch ONNX Runtime
+    # refuses: the fp16 stage of a Loop model failed as an internal error). Reversed depth-first order: each body
+    # before the graph holding it, whose node list is rebuilt from copies of its nodes.
+    for graph in reversed(list(all_graphs(emulated.graph))):
+        _emulate_graph(graph, types)
     return emulated
 
 
 def _emulate_graph(graph: onnx.GraphProto, types: dict[str, int]) -> None:
-    """emulate_fp16 on one graph and, depth first, on the bodies of its Loop / If / Scan nodes (a body left in
-    FP16 inside an FP32 graph is a type mismatch ONNX Runtime refuses: the fp16 stage of a Loop model failed as
-    an internal error)."""
+    """emulate_fp16 on one graph, its subgraphs aside."""
     for index, init in enumerate(graph.initializer):
         if init.data_type == TensorProto.FLOAT16:
             graph.initializer[index].CopyFrom(_as_float32(init))
     nodes = []
     for node in graph.node:
         _widen_attributes(node)
-        for attr in node.attribute:
-            for body in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                _emulate_graph(body, types)
         nodes.append(node)
         for position, name in enumerate(node.output):
             if name and types.get(name) == TensorProto.FLOAT16:

@@ -241,7 +241,6 @@ def load_session(path: Path, threads: int = 2):
 BFLOAT16_GRAPH = "the model computes in bfloat16 (autocast or a cast in forward), which ONNX Runtime's CPU kernels mostly do not run"
 
 
-
 def onnx_outputs(path: Path, feeds: Feeds, threads: int = 2, session=None) -> Outputs:
     """`path`'s outputs on `feeds`; `session`: one load_session(path, threads) built already (export
     checks one model at several shapes: one session, not one per shape)."""
