@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import lru_cache
+from contextlib import contextmanager
 import importlib
 import importlib.util
 import re
@@ -181,6 +182,21 @@ def _auto_class(task: str):
     return getattr(transformers, HF_AUTO_CLASSES[task])
 
 
+@contextmanager
+def _no_loading_bar():
+    """transformers' "Loading weights" tqdm bar, off while optpipe loads: it wrote into the console's progress
+    lines (and a log file's) on every load; the user's own setting is put back."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def _load_hf(source: ModelSource, spec: HFModel) -> TorchModel:
     folder = hf_folder(source)
     cls = _auto_class(spec.task)
@@ -191,8 +207,9 @@ def _load_hf(source: ModelSource, spec: HFModel) -> TorchModel:
 
     try:
         # Read straight into float32 (widened_to_float32 says why): no half-precision copy beside it.
-        model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code,
-                                    dtype=torch.float32, **extra)
+        with _no_loading_bar():
+            model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code,
+                                        dtype=torch.float32, **extra)
     except Exception as exc:  # transformers raises many types; all mean "cannot load this folder"
         raise ModelSourceError(f"model: cannot load '{folder}' as {spec.task} ({cls.__name__}): {first_line(exc)}") from None
     return _wrap_hf(model, source, f"{cls.__name__} from {folder}{widening_note(stored_dtype(config))}")
