@@ -72,7 +72,9 @@ def _dominates(a: tuple, b: tuple) -> bool:
 
 
 def machine_description() -> dict[str, Any]:
-    return {
+    from optpipe.hardware.container_limits import read_limits
+
+    described = {
         "platform": platform.platform(),
         "processor": _cpu_name(),
         "cores": os.cpu_count(),
@@ -80,6 +82,17 @@ def machine_description() -> dict[str, Any]:
         "cpu": cpu_record(),  # the CPU class that chose the int8 formats and ran every figure
         "libraries": {n: _dist_version(n) for n in ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy")},
     }
+    container = read_limits().record()  # the figures ran within these, not the host's cores and memory
+    if container:
+        described["container"] = container
+    return described
+
+
+def _container_note(machine: dict) -> str:
+    limits = machine.get("container") or {}
+    said = ([f"CPU quota {limits['cpu_quota']:g}"] if "cpu_quota" in limits else []) + \
+        ([f"memory limit {limits['memory_limit_bytes'] / 1e9:.1f} GB"] if "memory_limit_bytes" in limits else [])
+    return f"; in a container: {', '.join(said)}" if said else ""
 
 
 #: report.html's plots with the digest of the data they show: a rerun with the same figures reuses them.
@@ -98,7 +111,7 @@ def write_report(report: RunReport, run_dir: Path) -> None:
 def render_markdown(report: RunReport) -> str:
     lines = [f"# optpipe report: {report.recipe}", ""]
     cpu_class = (report.machine.get("cpu") or {}).get("class")
-    cores = f"{report.machine.get('cores')} cores" + (f", {cpu_class}" if cpu_class else "")
+    cores = f"{report.machine.get('cores')} cores" + (f", {cpu_class}" if cpu_class else "") + _container_note(report.machine)
     lines += [f"{report.created} on {report.machine.get('processor')} ({cores}), "
               f"{report.evaluation.get('threads')} threads; accuracy against `{report.reference}`.", ""]
     lines += [stage_table(report), ""]

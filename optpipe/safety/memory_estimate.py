@@ -78,7 +78,17 @@ HEADROOM = 0.9
 
 
 def available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else physical memory."""
+    """What can be allocated without swapping: MemAvailable from /proc/meminfo (else physical memory), or
+    less where a container's memory limit leaves less (the kernel's OOM killer acts on the cgroup's limit,
+    not the machine's memory)."""
+    from optpipe.hardware.container_limits import read_limits
+
+    in_container = read_limits().memory_available()
+    machine = _machine_available()
+    return machine if in_container is None else min(machine, in_container)
+
+
+def _machine_available() -> int:
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -90,6 +100,17 @@ def available_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 << 30
+
+
+def where_available(available: int | None = None) -> str:
+    """Whose memory a budget is: the container's, where its limit is what leaves less, else the machine's."""
+    from optpipe.hardware.container_limits import read_limits
+
+    limits = read_limits()
+    in_container = limits.memory_available()
+    if available is None and in_container is not None and in_container < _machine_available():
+        return f"in this container (its cgroup memory limit is {limits.memory_limit / 1e9:.1f} GB)"
+    return "on this machine"
 
 
 def stage_estimates(fp32_bytes: int, stages: dict[str, str], held: int = 0, tied_table: int = 0) -> dict[str, int]:
@@ -116,6 +137,6 @@ def check_fits(fp32_bytes: int, stages: dict[str, str], available: int | None = 
         if need > budget:
             raise UserInputError(
                 f"stage '{name}' ({stages[name]}) needs about {need / 1e9:.1f} GB for a model of {fp32_bytes / 1e9:.1f} GB "
-                f"FP32 weights, and {budget / 1e9:.1f} GB is available: free memory, run that stage on a larger machine, "
-                f"or start from a smaller model")
+                f"FP32 weights, and {budget / 1e9:.1f} GB is available {where_available(available)}: free memory, "
+                f"run that stage on a larger machine (or container), or start from a smaller model")
     return estimates

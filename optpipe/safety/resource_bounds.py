@@ -30,19 +30,29 @@ log = logging.getLogger("optpipe.recipe.schema")
 
 
 def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity), fewer where a container's CPU quota pays for fewer:
+    threads beyond the quota are throttled, which turns latency figures into noise."""
+    from optpipe.hardware.container_limits import read_limits
+
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    quota = read_limits().cores()
+    return cores if quota is None else min(cores, quota)
 
 
 def memory_budget() -> int:
-    """Half the machine's physical memory, in bytes: what inputs alone may take at most."""
+    """Half the memory this process may use (the machine's, or a container's limit where lower), in bytes:
+    what inputs alone may take at most."""
+    from optpipe.hardware.container_limits import read_limits
+
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         total = 8 << 30  # unknown: assume a small machine
-    return total // 2
+    limit = read_limits().memory_limit
+    return (total if limit is None else min(total, limit)) // 2
 
 
 # Latency points one evaluation measures per list: each costs warmup + iterations runs of the model.
@@ -61,7 +71,12 @@ def check_resources(recipe: Recipe, origin: str) -> None:
 def _cap_threads(recipe: Recipe) -> None:
     cores = available_cores()
     if recipe.evaluate.threads > cores:
-        log.warning("evaluate.threads: %d is more than the %d cores available; using %d", recipe.evaluate.threads, cores, cores)
+        from optpipe.hardware.container_limits import read_limits
+
+        limits = read_limits()
+        why = f" (this container's CPU quota is {limits.cpu_quota:g} CPUs)" if limits.cores() == cores else ""
+        log.warning("evaluate.threads: %d is more than the %d cores available%s; using %d", recipe.evaluate.threads, cores,
+                    why, cores)
         recipe.evaluate.threads = cores
 
 

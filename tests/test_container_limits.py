@@ -1,0 +1,138 @@
+"""A container's memory limit and CPU quota, read from its cgroup files: the preflight, the thread cap and the
+report use them where /proc/meminfo and the CPU count describe the host (optpipe/hardware/container_limits.py)."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from optpipe.core.errors import UserInputError
+from optpipe.hardware import container_limits
+from optpipe.hardware.container_limits import ContainerLimits, read_limits
+from optpipe.safety import memory_estimate, resource_bounds
+from helpers_recipes import small_recipe
+
+GB = 1 << 30
+
+
+def _proc(tmp_path: Path, cgroup: str, mounts: list[tuple[str, Path, str, str]]) -> Path:
+    """A fake /proc/self: its cgroup file, and a mountinfo with (root, mount point, fstype, super options) rows."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    rows = [f"{30 + i} 23 0:{40 + i} {root} {point} rw,relatime - {fstype} {fstype} {options}"
+            for i, (root, point, fstype, options) in enumerate(mounts)]
+    (proc / "mountinfo").write_text("\n".join(["22 1 8:1 / / rw - ext4 /dev/vda rw", *rows]) + "\n")
+    return proc
+
+
+def _files(folder: Path, **files: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name.replace("__", ".")).write_text(text + "\n")
+
+
+def test_cgroup_v1_limits_of_a_docker_container(tmp_path):
+    memory, cpu = tmp_path / "memory", tmp_path / "cpu,cpuacct"
+    own = "/docker/4f1e"
+    _files(memory, memory__limit_in_bytes=str(2 ** 63 - 4096))  # the host's root: no limit
+    _files(memory / "docker" / "4f1e", memory__limit_in_bytes=str(6 * GB), memory__usage_in_bytes=str(3 * GB),
+           memory__stat=f"total_cache {2 * GB}\ntotal_active_file {GB}\ntotal_inactive_file {GB // 2}\n"
+                        f"hierarchical_memory_limit {6 * GB}")
+    _files(cpu / "docker" / "4f1e", cpu__cfs_quota_us="150000", cpu__cfs_period_us="100000")
+    _files(cpu, cpu__cfs_quota_us="-1", cpu__cfs_period_us="100000")
+    proc = _proc(tmp_path, f"12:memory:{own}\n4:cpu,cpuacct:{own}\n1:name=systemd:{own}\n",
+                 [("/", memory, "cgroup", "rw,memory"), ("/", cpu, "cgroup", "rw,cpu,cpuacct")])
+    limits = read_limits(proc)
+    assert limits.memory_limit == 6 * GB
+    assert limits.memory_used == 3 * GB - GB - GB // 2  # its file pages are reclaimed before anything is killed
+    assert limits.memory_available() == 6 * GB - limits.memory_used
+    assert limits.cpu_quota == 1.5 and limits.cores() == 2
+    assert limits.record() == {"memory_limit_bytes": 6 * GB, "cpu_quota": 1.5}
+
+
+def test_cgroup_v2_takes_the_tightest_limit_up_to_the_mount(tmp_path):
+    unified = tmp_path / "unified"
+    pod = unified / "kubepods.slice" / "pod7"
+    _files(unified, cgroup__controllers="cpu memory")  # the root holds no limit files
+    _files(unified / "kubepods.slice", memory__max="max", cpu__max="max 100000")
+    _files(pod, memory__max=str(4 * GB), cpu__max="100000 100000")  # the pod's limit binds its container
+    _files(pod / "app", memory__max=str(8 * GB), memory__current=str(GB), cpu__max="max 100000",
+           memory__stat=f"anon {GB // 2}\nactive_file {GB // 4}\ninactive_file {GB // 4}")
+    proc = _proc(tmp_path, "0::/kubepods.slice/pod7/app\n", [("/", unified, "cgroup2", "rw,nsdelegate")])
+    limits = read_limits(proc)
+    assert limits.memory_limit == 4 * GB
+    assert limits.memory_used == GB // 2
+    assert limits.cpu_quota == 1.0 and limits.cores() == 1
+
+
+@pytest.mark.parametrize("cgroup, root", [
+    ("0::/\n", "/"),  # a private cgroup namespace: the container's cgroup is "/" and is the mount's root
+    ("0::/system.slice/docker-4f1e.scope\n", "/system.slice/docker-4f1e.scope"),  # its own cgroup bound at the root
+    ("0::/elsewhere\n", "/system.slice/docker-4f1e.scope"),  # a path the mount does not show: the mount's root
+])
+def test_a_containers_own_cgroup_at_the_mount_root(tmp_path, cgroup, root):
+    unified = tmp_path / "unified"
+    _files(unified, memory__max=str(3 * GB), memory__current=str(GB), cpu__max="200000 100000")
+    limits = read_limits(_proc(tmp_path, cgroup, [(root, unified, "cgroup2", "rw")]))
+    assert (limits.memory_limit, limits.cpu_quota) == (3 * GB, 2.0)
+
+
+@pytest.mark.parametrize("layout", ["unlimited", "no-cgroup-fs", "no-proc"])
+def test_no_limit_set_or_nothing_to_read_is_no_limit(tmp_path, layout):
+    unified = tmp_path / "unified"
+    _files(unified, memory__max="max", memory__current=str(GB), cpu__max="max 100000")
+    mounts = [] if layout == "no-cgroup-fs" else [("/", unified, "cgroup2", "rw")]
+    proc = tmp_path / "missing" if layout == "no-proc" else _proc(tmp_path, "0::/\n", mounts)
+    limits = read_limits(proc)
+    assert limits == ContainerLimits(None, None, None)
+    assert limits.memory_available() is None and limits.cores() is None and limits.record() == {}
+
+
+def test_the_preflight_refuses_in_the_containers_memory_and_says_whose(monkeypatch):
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(3 * GB, GB // 2, None))
+    assert memory_estimate.available_bytes() == 3 * GB - GB // 2
+    with pytest.raises(UserInputError) as refused:
+        memory_estimate.check_fits(2 * GB, {"int8": "int8"})
+    assert "in this container (its cgroup memory limit is 3.2 GB)" in str(refused.value)
+    assert resource_bounds.memory_budget() <= 3 * GB // 2  # inputs alone: half of the container's memory
+
+
+def test_threads_are_capped_to_the_cpu_quota_and_the_report_says_the_limits(monkeypatch, caplog):
+    from optpipe.recipe.schema import Recipe
+    from optpipe.reporting.run_report import machine_description
+
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(6 * GB, GB, 1.0))
+    recipe = Recipe.model_validate({**small_recipe({"onnx": "m.onnx"}), "evaluate": {"threads": 2}})
+    with caplog.at_level(logging.WARNING):
+        resource_bounds.check_resources(recipe, "recipe.yaml")
+    assert recipe.evaluate.threads == 1
+    assert "this container's CPU quota is 1 CPUs" in caplog.text
+    assert machine_description()["container"] == {"memory_limit_bytes": 6 * GB, "cpu_quota": 1.0}
+
+
+def _writable_v1_memory() -> Path | None:
+    root = Path("/sys/fs/cgroup/memory")
+    return root if root.is_dir() and os.access(root, os.W_OK) else None
+
+
+@pytest.mark.skipif(_writable_v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
+def test_a_real_cgroups_limit_is_what_a_process_in_it_reads(tmp_path):
+    """The kernel's own files, not a fake tree: a process moved into a cgroup with a 1.5 GB limit reads it."""
+    group = _writable_v1_memory() / f"optpipe-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(3 * GB // 2))
+        code = ("import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()));"
+                "from optpipe.hardware.container_limits import read_limits; print(read_limits().memory_limit)")
+        read = subprocess.run([sys.executable, "-c", code, str(group / "cgroup.procs")], capture_output=True, text=True,
+                              timeout=60)
+        assert read.returncode == 0, read.stderr
+        assert int(read.stdout.strip()) == 3 * GB // 2
+    finally:
+        group.rmdir()
