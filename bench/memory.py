@@ -5,6 +5,11 @@ weights (438 MB FP32, no hub), compiled in this process with an instrument that 
 few milliseconds: per stage and per evaluation it prints the RSS when the phase began and its peak.
 
     python bench/memory.py /tmp/optpipe-memory [--stages export,simplify,...] [--cold] [--large]
+    python bench/memory.py /tmp/optpipe-memory --recipe recipes/gemma3-270m.yaml --cold
+
+Beside each phase's peak RSS: its peak anonymous memory (the RSS less mapped files' page cache, which the kernel
+reclaims before its OOM killer acts, in a container's cgroup as on the machine) and the memory preflight's estimate
+for that stage (optpipe/safety/memory_estimate.py), which it compares with the memory available.
 
 A sampling thread rather than VmHWM: the evaluator resets the high-water mark (clear_refs) for its
 own memory column, so the mark alone would miss what came before it. Worker processes a stage starts
@@ -25,38 +30,45 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_S = 0.01
 
 
-def _rss_kb(pid: str = "self") -> int:
+def _rss_kb(pid: str = "self") -> tuple[int, int]:
+    """(VmRSS, RssAnon) in kB. RssAnon is what the kernel cannot reclaim without swap: the rest of the RSS is the
+    page cache of mapped files (the model's weights read by mmap), which it drops before it kills anything."""
+    rss = anon = 0
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                return int(line.split()[1])
+                rss = int(line.split()[1])
+            elif line.startswith("RssAnon:"):
+                anon = int(line.split()[1])
     except OSError:
         pass
-    return 0
+    return rss, anon
 
 
-def _tree_rss_kb() -> int:
+def _tree_rss_kb() -> tuple[int, int]:
     """This process plus its live children (a stage's worker process, OpenVINO's helpers)."""
-    total = _rss_kb()
+    rss, anon = _rss_kb()
     try:
         children = Path("/proc/self/task").glob("*/children")
         for path in children:
             for pid in path.read_text().split():
-                total += _rss_kb(pid)
+                child = _rss_kb(pid)
+                rss, anon = rss + child[0], anon + child[1]
     except OSError:
         pass
-    return total
+    return rss, anon
 
 
 class RssProbe:
     """Samples the RSS in a thread; `mark(label)` starts a new phase and closes the last one."""
 
     def __init__(self):
-        self.rows: list[tuple[str, float, float]] = []  # label, RSS at start (GB), peak (GB)
+        self.rows: list[tuple[str, float, float, float]] = []  # label, RSS at start, peak RSS, peak anonymous (GB)
         self.overall = 0
+        self.overall_anon = 0
         self._label: str | None = None
         self._start = 0
-        self._peak = 0
+        self._peak = self._peak_anon = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -64,17 +76,18 @@ class RssProbe:
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            rss = _tree_rss_kb()
+            rss, anon = _tree_rss_kb()
             with self._lock:
-                self._peak = max(self._peak, rss)
-                self.overall = max(self.overall, rss)
+                self._peak, self._peak_anon = max(self._peak, rss), max(self._peak_anon, anon)
+                self.overall, self.overall_anon = max(self.overall, rss), max(self.overall_anon, anon)
 
     def mark(self, label: str | None) -> None:
-        rss = _tree_rss_kb()
+        rss, anon = _tree_rss_kb()
         with self._lock:
             if self._label is not None:
-                self.rows.append((self._label, self._start / 1e6, max(self._peak, rss) / 1e6))
-            self._label, self._start, self._peak = label, rss, rss
+                self.rows.append((self._label, self._start / 1e6, max(self._peak, rss) / 1e6,
+                                  max(self._peak_anon, anon) / 1e6))
+            self._label, self._start, self._peak, self._peak_anon = label, rss, rss, anon
 
     def close(self) -> None:
         self.mark(None)
@@ -140,6 +153,21 @@ def write_recipe(folder: Path, stages: list[str] | None, build_skipped: bool = F
     return path
 
 
+def estimates(recipe) -> dict[str, float]:
+    """The memory preflight's estimate per stage (GB), to read beside the measured peaks: the preflight refuses a
+    run whose estimate exceeds the memory available, so an estimate far above the measured anonymous peak is a
+    model refused that would have fit."""
+    from optpipe.plan.source_preflight import estimated_steps, stage_steps
+    from optpipe.safety.memory_estimate import stage_estimates
+    from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes
+
+    weights = fp32_weight_bytes(recipe.model_source())  # None for an ONNX source (check_onnx_memory sizes its files)
+    if weights is None:
+        return {}
+    steps = estimated_steps(recipe, weights) if recipe.evaluate.eager_baseline else stage_steps(recipe, weights)
+    return {name: need / 1e9 for name, need in stage_estimates(weights, steps, held=held_beside_passes(weights)).items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("folder", type=Path, nargs="?", default=Path("/tmp/optpipe-memory"))
@@ -148,11 +176,14 @@ def main() -> int:
     parser.add_argument("--build-skipped", action="store_true",
                         help="build the stages this CPU class skips (skip_slow: false): their memory, measured on any CPU")
     parser.add_argument("--large", action="store_true", help="BERT-large's shape (1.34 GB), exporter auto")
+    parser.add_argument("--recipe", type=Path, help="any recipe instead (e.g. recipes/gemma3-270m.yaml); its run and cache "
+                                                    "go into FOLDER")
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
     if args.cold:
         shutil.rmtree(args.folder / "cache", ignore_errors=True)
-    path = write_recipe(args.folder, args.stages.split(",") if args.stages else None, args.build_skipped, args.large)
+    path = args.recipe or write_recipe(args.folder, args.stages.split(",") if args.stages else None, args.build_skipped,
+                                       args.large)
 
     probe = RssProbe()
     from optpipe.execution.pipeline import RunOptions, compile_recipe
@@ -160,15 +191,23 @@ def main() -> int:
 
     probe.mark("imports")
     recipe = load_recipe(path)
+    need = estimates(recipe)
     started = time.perf_counter()
-    report = compile_recipe(recipe, RunOptions(instruments=[make_instrument(probe)], force=args.cold))
+    options = RunOptions(instruments=[make_instrument(probe)], force=args.cold)
+    if args.recipe:
+        options = RunOptions(instruments=options.instruments, force=args.cold, output=args.folder / "run",
+                             cache_dir=args.folder / "cache")
+    report = compile_recipe(recipe, options)
     probe.close()
     load = Path("/proc/loadavg").read_text().split()[:3]
-    print(f"\n{'BERT-large' if args.large else 'BERT-base'} (random weights), {time.perf_counter() - started:.0f} s, load {' '.join(load)}")
-    print(f"{'phase':44s} {'RSS at start GB':>16s} {'peak GB':>8s}")
-    for label, start, peak in probe.rows:
-        print(f"{label:44s} {start:16.2f} {peak:8.2f}")
-    print(f"overall peak RSS (process + children): {probe.overall / 1e6:.2f} GB")
+    name = recipe.name if args.recipe else "BERT-large" if args.large else "BERT-base"
+    print(f"\n{name}, {time.perf_counter() - started:.0f} s, load {' '.join(load)}")
+    print(f"{'phase':44s} {'RSS at start GB':>16s} {'peak GB':>8s} {'anon peak GB':>13s} {'preflight GB':>13s}")
+    for label, start, peak, anon in probe.rows:
+        stage = label.split(" ", 1)[1] if label.startswith(("pass ", "evaluate ")) else None
+        estimate = need.get(stage) if label.startswith("pass ") or stage == "pytorch-eager" else None
+        print(f"{label:44s} {start:16.2f} {peak:8.2f} {anon:13.2f} {'' if estimate is None else f'{estimate:.2f}':>13s}")
+    print(f"overall peak RSS (process + children): {probe.overall / 1e6:.2f} GB, of it anonymous {probe.overall_anon / 1e6:.2f} GB")
     for stage in report.stages:
         print(f"  {stage.name}: {stage.status} {stage.reason or ''}")
     return 0
