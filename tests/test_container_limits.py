@@ -96,7 +96,10 @@ def test_no_limit_set_or_nothing_to_read_is_no_limit(tmp_path, layout):
 
 def test_the_preflight_refuses_in_the_containers_memory_and_says_whose(monkeypatch):
     monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(3 * GB, GB // 2, None))
-    assert memory_estimate.available_bytes() == 3 * GB - GB // 2
+    own = memory_estimate._held_by_this_process()
+    assert own > 0  # this process's libraries: counted in each estimate's baseline, so not as used by someone else
+    assert memory_estimate.available_bytes() == 3 * GB - GB // 2 + own
+    monkeypatch.setattr(memory_estimate, "_held_by_this_process", lambda: 0)
     with pytest.raises(UserInputError) as refused:
         memory_estimate.check_fits(2 * GB, {"int8": "int8"})
     assert "in this container (its cgroup memory limit is 3.2 GB)" in str(refused.value)
@@ -136,3 +139,34 @@ def test_a_real_cgroups_limit_is_what_a_process_in_it_reads(tmp_path):
         assert int(read.stdout.strip()) == 3 * GB // 2
     finally:
         group.rmdir()
+
+
+def test_a_stage_that_will_not_fit_fails_before_it_runs_and_the_other_branches_run(tmp_path, cli_run, monkeypatch):
+    """A container whose memory holds the export and fp16 but not int8's estimate: int8 fails with the line naming the
+    container's limit, without running; export and fp16 run and are reported, and the exit code is the input's (2)."""
+    import json
+
+    import numpy as np
+    import onnx
+
+    from helpers_passes import small_mlp
+    from helpers_recipes import compile_recipe
+    from optpipe.plan.source_preflight import onnx_memory_estimates
+    from optpipe.safety.recipe_loading import parse_recipe
+
+    onnx.save(small_mlp(np.random.default_rng(0)), tmp_path / "mlp.onnx")
+    stages = {"export": {"pass": "export"}, "fp16": {"pass": "fp16", "after": "export"},
+              "int8": {"pass": "int8", "after": "export"}}
+    recipe = small_recipe({"onnx": "mlp.onnx"}, stages=stages)
+    need = onnx_memory_estimates(parse_recipe(recipe, base_dir=tmp_path), tmp_path / "mlp.onnx")
+    assert need["fp16"] < need["export"] < need["int8"]
+    between = int((need["export"] + need["int8"]) / 2 / memory_estimate.HEADROOM)
+    monkeypatch.setattr(memory_estimate, "_held_by_this_process", lambda: 0)
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(between, 0, None))
+    result = compile_recipe(tmp_path, cli_run, recipe)
+    assert result.exit_code == 2, result.output
+    assert "error: stage 'int8' failed: (int8) needs about" in result.output
+    assert "is available in this container (its cgroup memory limit is" in result.output
+    stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
+    assert stages["export"]["status"] == "ok" and stages["fp16"]["status"] == "ok"
+    assert stages["int8"]["status"] == "failed" and not (tmp_path / "run" / "stages" / "int8").exists()

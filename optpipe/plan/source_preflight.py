@@ -3,7 +3,8 @@ the compile and the search; here, not in safety/, because they read optpipe/sour
 
 - memory: the estimated peak per stage, before anything loads, from a PyTorch / Hugging Face source's FP32
   weight bytes (source/torch_weights.py: safetensors headers or the config) or an ONNX source's files; a
-  pass's peak may depend on how it runs on weights that large (its worker), which only this layer sees;
+  pass's peak may depend on how it runs on weights that large (its worker), which only this layer sees. A stage
+  that will not fit fails before it runs, with its line, and the other branches run;
 - a decoder measured by generation (evaluate.generation): the prompts fit the export's sequence dim
   (tokenized as the evaluation will), and an ONNX source has the past_key_values inputs of a
   KV-cache export.
@@ -14,29 +15,55 @@ import json
 import math
 from pathlib import Path
 
-from optpipe.core.errors import RecipeError
+from optpipe.core.errors import RecipeError, UserInputError
 from optpipe.recipe.generation_spec import decoder_dims
 from optpipe.recipe.schema import HFConfigModel, HFModel, Recipe
 
 PAST_PREFIX = "past_key_values."
 
 
-def source_preflight(recipe: Recipe, onnx_path: Path | None) -> None:
-    if onnx_path is None:
-        check_torch_memory(recipe)
-    else:
-        check_onnx_memory(recipe, onnx_path)
+def source_preflight(recipe: Recipe, onnx_path: Path | None) -> dict[str, str]:
+    """The stages that will not fit this machine's memory (or its container's), each with its line: they fail before
+    they run, and the other branches run. Where nothing could run, the run is refused here."""
+    refused = memory_refusals(recipe, onnx_path)
     check_generation(recipe, onnx_path)
+    return refused
 
 
-def check_onnx_memory(recipe: Recipe, path: Path) -> dict[str, int]:
-    """Each stage's estimated peak against this machine's memory (safety/memory_estimate.py), for an ONNX source:
-    its weight bytes are the model file and its external data; no eager baseline runs beside its stages. A model
-    that cannot fit is refused before any stage runs, naming the stage. Returns the estimates (stage -> bytes)."""
+def memory_refusals(recipe: Recipe, onnx_path: Path | None) -> dict[str, str]:
+    """Each stage's estimated peak against the memory available (safety/memory_estimate.py): stage -> why it will
+    not fit. Where nothing could run (no first stage fits, or the eager baseline every figure is measured against
+    does not), the run is refused at once, naming the stage. No estimate for sources that must run to know their size."""
+    from optpipe.safety.memory_estimate import over_budget
+
+    sized = _onnx_sizing(recipe, onnx_path) if onnx_path is not None else _torch_sizing(recipe)
+    if sized is None:
+        return {}
+    weights, steps, held, tied = sized
+    refused = over_budget(weights, steps, held=held, tied_table=tied)
+    roots = [name for name, stage in recipe.stages.items() if stage.after is None]
+    blocking = [roots[0]] if roots and all(name in refused for name in roots) else []
+    blocking += [name for name in refused if name not in recipe.stages]  # the eager baseline
+    if blocking:
+        raise UserInputError(f"stage '{blocking[0]}' {refused[blocking[0]]}")
+    return refused
+
+
+def onnx_memory_estimates(recipe: Recipe, path: Path) -> dict[str, int]:
+    """stage -> estimated peak bytes, for an ONNX source (no eager baseline runs beside its stages)."""
+    from optpipe.safety.memory_estimate import stage_estimates
+
+    weights, steps, held, tied = _onnx_sizing(recipe, path)
+    return stage_estimates(weights, steps, held, tied)
+
+
+def _onnx_sizing(recipe: Recipe, path: Path) -> tuple[int, dict[str, str], int, int]:
+    """(weight bytes, stage -> kind of step, bytes held beside the passes, a tied head's table bytes) of an ONNX
+    source: its weight bytes are the model file and its external data."""
     import onnx
 
     from optpipe.graph.matmul_weights import tied_heads
-    from optpipe.safety.memory_estimate import WEIGHT_ONLY_COPY, check_fits
+    from optpipe.safety.memory_estimate import WEIGHT_ONLY_COPY
     from optpipe.safety.onnx_guard import external_files
 
     model = onnx.load(str(path), load_external_data=False)
@@ -46,23 +73,22 @@ def check_onnx_memory(recipe: Recipe, path: Path) -> dict[str, int]:
     tied = 0
     if WEIGHT_ONLY_COPY in steps.values():  # HQQ writes a tied head's table transposed: its dims say its size
         tied = max((4 * math.prod(table.dims) for _, _, table in tied_heads(model)), default=0)
-    return check_fits(weights, steps, tied_table=tied)
+    return weights, steps, 0, tied
 
 
-def check_torch_memory(recipe: Recipe) -> None:
-    """The memory preflight of a PyTorch / Hugging Face source: its FP32 weight bytes from the safetensors
-    headers or the config (safety/torch_weights.py), before anything loads; the eager baseline holds
-    the model as the export does. No estimate for sources that must run to know their size."""
-    from optpipe.safety.memory_estimate import WEIGHT_ONLY_COPY, check_fits
+def _torch_sizing(recipe: Recipe) -> tuple[int, dict[str, str], int, int] | None:
+    """The same for a PyTorch / Hugging Face source: its FP32 weight bytes from the safetensors headers or the
+    config (source/torch_weights.py), before anything loads; the eager baseline holds the model as the export does."""
+    from optpipe.safety.memory_estimate import WEIGHT_ONLY_COPY
     from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes, tied_table_bytes
 
     source = recipe.model_source()
     weights = fp32_weight_bytes(source)
     if weights is None:
-        return
+        return None
     steps = estimated_steps(recipe, weights)
     tied = tied_table_bytes(source) if WEIGHT_ONLY_COPY in steps.values() else 0
-    check_fits(weights, steps, held=held_beside_passes(weights), tied_table=tied)
+    return weights, steps, held_beside_passes(weights), tied
 
 
 def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:

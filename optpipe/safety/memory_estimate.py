@@ -19,6 +19,11 @@ written beside it), onnxslim's simplify 3.95x (whole-model protobufs), weight_on
 export to the end of the run: `held` adds it to every later stage (source/torch_weights.held_beside_passes).
 A bigger one is dropped after the export since then: at 1.1 B (4.40 GB) the passes peaked at 5.55-6.29 GB
 against these estimates' 6.75-7.41 GB, the export (in its own worker) at 9.70 against 10.49 (docs/llm.md).
+
+What must fit is the anonymous memory: the rest of a peak RSS is the page cache of mapped model files, which the
+kernel reclaims before its OOM killer acts, on a machine as in a container's cgroup. Gemma 3 270M's whole compile
+peaked at 3.54 GB RSS and 2.70 GB anonymous, and ran to its end inside a 3.2 GB cgroup (docs/memory.md, eleventh
+round). Factors measured as RSS are upper bounds of it; those below re-measured since are the anonymous peak's.
 """
 from __future__ import annotations
 
@@ -29,7 +34,9 @@ from optpipe.core.errors import UserInputError
 BASELINE_BYTES = 350 << 20
 #: The estimate of a KV-cache decoder's export in a worker of its own (passes/export.py WORKER_MIN_BYTES): the
 #: torch model and the graph being written; the check's ONNX Runtime session runs after the worker, from eager's
-#: handed-over outputs (optpipe/evaluation/self_check.py). Measured at 1.1 B: 5.38 GB, 1.14x above the baseline.
+#: handed-over outputs (optpipe/evaluation/self_check.py). Measured at 1.1 B: 5.38 GB, 1.14x above the baseline;
+#: on Gemma 3 270M (1.07 GB, a 262k-row table tied to the head, which the check's session folds transposed):
+#: 2.10 GB anonymous (2.67 RSS), 1.64x; the factor was 1.3 and let it through 0.3 GB short.
 DECODER_EXPORT = "export, a KV-cache decoder in its own worker"
 #: The TorchScript exporter (`exporter: torchscript`), in the compile's process: the torch model, the weights its
 #: constant folding transposes for MatMul, and the serialized graph at once, inside torch.onnx. Measured on
@@ -63,9 +70,14 @@ WEIGHT_ONLY_WORKER = "weight_only, weights read from disk (worker)"
 WEIGHT_ONLY_COPY = "weight_only, a float copy of a tied LM head (algorithm: hqq)"
 #: pass -> peak RSS above the baseline, as a multiple of the FP32 weight bytes (measured, above).
 PASS_FACTORS = {
-    "export": 2.3, "weight_only": 1.45, "openvino_weights": 1.6, "simplify": 4.0, "openvino": 2.2, "int8": 3.2, OV_INT8: 4.3,
+    "export": 2.3, "weight_only": 1.45, "openvino_weights": 1.6, "openvino": 2.2, "int8": 3.2, OV_INT8: 4.3,
+    # onnxslim in a worker with the weights left on disk (passes/_onnxslim_on_disk.py), then the self-check's session:
+    # Gemma 3 270M 2.11 GB anonymous (2.23 RSS), 1.65x, its 262k-row table 62% of the weights; BERT-large 1.82 GB
+    # RSS, 1.1x. It was 4.0 (whole-model protobufs in the compile's process, before the worker): Gemma's simplify,
+    # which ran inside a 2.5 GB cgroup, was refused there.
+    "simplify": 1.8,
     "measure": 1.2,  # a generation measurement: the weights of the runtimes it holds, plus their KV caches
-    DECODER_EXPORT: 1.3, TORCHSCRIPT_EXPORT: 3.6, EAGER_EVALUATION: 2.2, EAGER_APART: 1.3, OV_DATA_AWARE: 2.4,
+    DECODER_EXPORT: 1.7, TORCHSCRIPT_EXPORT: 3.6, EAGER_EVALUATION: 2.2, EAGER_APART: 1.3, OV_DATA_AWARE: 2.4,
     WEIGHT_ONLY_WORKER: 0.9, WEIGHT_ONLY_COPY: 1.45,
 }
 #: WEIGHT_ONLY_COPY adds this much of the tied table (measured 1.43x, above).
@@ -78,14 +90,14 @@ HEADROOM = 0.9
 
 
 def available_bytes() -> int:
-    """What can be allocated without swapping: MemAvailable from /proc/meminfo (else physical memory), or
-    less where a container's memory limit leaves less (the kernel's OOM killer acts on the cgroup's limit,
-    not the machine's memory)."""
+    """What this run may hold: what can be allocated without swapping (MemAvailable from /proc/meminfo, else physical
+    memory; less where a container's memory limit leaves less: the kernel's OOM killer acts on the cgroup's limit, not
+    the machine's memory), and what this process holds already, since each estimate counts it in its baseline."""
     from optpipe.hardware.container_limits import read_limits
 
     in_container = read_limits().memory_available()
     machine = _machine_available()
-    return machine if in_container is None else min(machine, in_container)
+    return (machine if in_container is None else min(machine, in_container)) + _held_by_this_process()
 
 
 def _machine_available() -> int:
@@ -124,19 +136,39 @@ def stage_estimates(fp32_bytes: int, stages: dict[str, str], held: int = 0, tied
 
 
 def memory_budget(available: int | None = None) -> int:
-    """What a run may take: the available memory (MemAvailable, or `available`) less the headroom."""
+    """What a run may take: what it may hold (available_bytes, or `available`) less the headroom."""
     return int((available if available is not None else available_bytes()) * HEADROOM)
+
+
+def _held_by_this_process() -> int:
+    """This process's anonymous memory (its imported libraries, the recipe's data): used already, so not in what
+    is available, but each estimate's baseline counts it."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def over_budget(fp32_bytes: int, stages: dict[str, str], available: int | None = None, held: int = 0,
+                tied_table: int = 0) -> dict[str, str]:
+    """stage -> the line saying why it will not fit, for each stage whose estimate exceeds the memory available."""
+    estimates = stage_estimates(fp32_bytes, stages, held, tied_table)
+    budget = memory_budget(available)
+    return {name: f"({stages[name]}) needs about {need / 1e9:.1f} GB for a model of {fp32_bytes / 1e9:.1f} GB FP32 weights, "
+                  f"and {budget / 1e9:.1f} GB is available {where_available(available)}: free memory, run that stage on a "
+                  f"larger machine (or container), or start from a smaller model"
+            for name, need in estimates.items() if need > budget}
 
 
 def check_fits(fp32_bytes: int, stages: dict[str, str], available: int | None = None, held: int = 0,
                tied_table: int = 0) -> dict[str, int]:
     """Refuse, naming the first stage that will not fit; return the estimates otherwise."""
-    estimates = stage_estimates(fp32_bytes, stages, held, tied_table)
-    budget = memory_budget(available)
-    for name, need in estimates.items():
-        if need > budget:
-            raise UserInputError(
-                f"stage '{name}' ({stages[name]}) needs about {need / 1e9:.1f} GB for a model of {fp32_bytes / 1e9:.1f} GB "
-                f"FP32 weights, and {budget / 1e9:.1f} GB is available {where_available(available)}: free memory, "
-                f"run that stage on a larger machine (or container), or start from a smaller model")
-    return estimates
+    refused = over_budget(fp32_bytes, stages, available, held, tied_table)
+    if refused:
+        name, why = next(iter(refused.items()))
+        raise UserInputError(f"stage '{name}' {why}")
+    return stage_estimates(fp32_bytes, stages, held, tied_table)

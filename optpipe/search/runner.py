@@ -12,7 +12,7 @@ from pathlib import Path
 
 from optpipe.cache.remote_io import check_apart
 from optpipe.cache.store import LeaseSet
-from optpipe.core.errors import OptpipeError
+from optpipe.core.errors import OptpipeError, UserInputError
 from optpipe.execution.executors import Executor, Progress, settings_for
 from optpipe.execution.fan_out import PlainDriver
 from optpipe.execution.stage_tasks import TaskSettings
@@ -115,6 +115,9 @@ def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
     try:
         services = RunServices(recipe.model_source(), recipe.data, cache)
         preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
-        source_preflight(recipe, onnx_path(recipe.model_source()))
+        too_big = source_preflight(recipe, onnx_path(recipe.model_source()))
+        if too_big:  # a search's trials would each meet it: refused once, here
+            name, why = next(iter(too_big.items()))
+            raise UserInputError(f"stage '{name}' {why}")
     finally:
         cache.release_leases()
