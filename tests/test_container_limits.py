@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -166,6 +167,7 @@ def test_a_stage_that_will_not_fit_fails_before_it_runs_and_the_other_branches_r
     result = compile_recipe(tmp_path, cli_run, recipe)
     assert result.exit_code == 2, result.output
     assert "error: stage 'int8' failed: (int8) needs about" in result.output
+    assert re.search(r"failed int8 \(0\.0s\)", result.output)  # it never ran: not the time since fp16 started
     assert "is available in this container (its cgroup memory limit is" in result.output
     stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
     assert stages["export"]["status"] == "ok" and stages["fp16"]["status"] == "ok"

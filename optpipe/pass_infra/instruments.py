@@ -252,7 +252,9 @@ class ConsoleProgress(Instrument):
 
     def stage_done(self, result: "StageResult") -> None:
         status = "cached" if result.status == "ok" and result.cached else result.status
-        self._end(result.name, status, result.reason or "")
+        # The stage's own duration: one that never ran (its parent failed, it would not fit) took 0 s, not the time
+        # since the last stage started.
+        self._end(result.name, status, result.reason or "", took=result.duration_s)
 
     def before_evaluation(self, stage: str) -> None:
         self._start(f"evaluate {stage}: accuracy and latency")
@@ -341,13 +343,13 @@ class ConsoleProgress(Instrument):
             self._stop.set()
             self._stop = None
 
-    def _end(self, what: str, status: str, detail: str) -> None:
+    def _end(self, what: str, status: str, detail: str, took: float | None = None) -> None:
         with self._lock:
             self._stop_ticker()
             if self._status is not None:
                 self._status.stop()
                 self._status = None
-            took = time.perf_counter() - self._started
+            took = time.perf_counter() - self._started if took is None else took
             colour = self.COLOURS.get(status, "white")
             extra = f" — {detail}" if detail else ""
             # escape: a reason quoting a path such as "[/tmp/x]" is text, not rich markup (it raised MarkupError).
