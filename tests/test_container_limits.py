@@ -172,3 +172,13 @@ def test_a_stage_that_will_not_fit_fails_before_it_runs_and_the_other_branches_r
     stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
     assert stages["export"]["status"] == "ok" and stages["fp16"]["status"] == "ok"
     assert stages["int8"]["status"] == "failed" and not (tmp_path / "run" / "stages" / "int8").exists()
+
+
+def test_a_cpu_quota_joins_the_measurements_key_and_no_quota_leaves_it_as_it_was(monkeypatch):
+    from optpipe.hardware.cpu_features import machine_id
+
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(None, None, None))
+    plain = machine_id()
+    assert "cpu_quota" not in plain  # keys of measurements made outside a container are unchanged
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(None, None, 1.5))
+    assert machine_id() == {**plain, "cpu_quota": 1.5}  # a latency throttled by the quota is not reused without it

@@ -164,9 +164,14 @@ def cpu_record() -> dict:
 
 def machine_id() -> dict:
     """Latency and int8 numerics belong to a machine and its CPU class: the key of a measurement holds
-    both, and OpenVINO's view of the CPU (ONEDNN_MAX_CPU_ISA restricts it without changing the machine)."""
+    both, and OpenVINO's view of the CPU (ONEDNN_MAX_CPU_ISA restricts it without changing the machine);
+    and a container's CPU quota where one is set (its throttling changes every latency on the same machine)."""
+    from optpipe.hardware.container_limits import read_limits
+
+    quota = read_limits().cpu_quota
     return {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "cpu_class": engine_target("onnxruntime").key(), "openvino_cpu_class": engine_target("openvino").key()}
+            "cpu_class": engine_target("onnxruntime").key(), "openvino_cpu_class": engine_target("openvino").key(),
+            **({"cpu_quota": round(quota, 2)} if quota is not None else {})}
 
 
 def parse_features(text: str) -> CpuTarget:
