@@ -101,17 +101,25 @@ def available_bytes() -> int:
 
 
 def _machine_available() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = _proc_kb("/proc/meminfo", "MemAvailable:")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 << 30
+
+
+def _proc_kb(path: str, field: str) -> int | None:
+    """A "Field: N kB" line of a /proc file, in bytes; None where there is none (not Linux)."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def where_available(available: int | None = None) -> str:
@@ -143,14 +151,7 @@ def memory_budget(available: int | None = None) -> int:
 def _held_by_this_process() -> int:
     """This process's anonymous memory (its imported libraries, the recipe's data): used already, so not in what
     is available, but each estimate's baseline counts it."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_kb("/proc/self/status", "RssAnon:") or 0
 
 
 def over_budget(fp32_bytes: int, stages: dict[str, str], available: int | None = None, held: int = 0,
