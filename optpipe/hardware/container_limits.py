@@ -44,8 +44,9 @@ class ContainerLimits:
         return max(0, self.memory_limit - (self.memory_used or 0))
 
     def cores(self) -> int | None:
-        """Whole cores the quota pays for (a quota of 1.5 CPUs keeps 2 threads busy half the time)."""
-        return None if self.cpu_quota is None else max(1, math.ceil(self.cpu_quota - 1e-9))
+        """Whole cores the quota pays for, rounded down: 2 threads on a quota of 1.5 CPUs run out of it 25 ms into
+        every 100 ms period and wait for the next, and a latency caught in that wait is not the model's."""
+        return None if self.cpu_quota is None else max(1, math.floor(self.cpu_quota + 1e-9))
 
     def record(self) -> dict:
         """What a report says: only the limits that are set."""
