@@ -167,11 +167,19 @@ def test_a_stage_that_will_not_fit_fails_before_it_runs_and_the_other_branches_r
     result = compile_recipe(tmp_path, cli_run, recipe)
     assert result.exit_code == 2, result.output
     assert "error: stage 'int8' failed: (int8) needs about" in result.output
-    assert re.search(r"failed int8 \(0\.0s\)", result.output)  # it never ran: not the time since fp16 started
+    assert re.search(r"failed int8 \(0\.\ds\)", result.output)  # it never ran: not the time since fp16 started
     assert "is available in this container (its cgroup memory limit is" in result.output
     stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
     assert stages["export"]["status"] == "ok" and stages["fp16"]["status"] == "ok"
     assert stages["int8"]["status"] == "failed" and not (tmp_path / "run" / "stages" / "int8").exists()
+
+    # Compiled where it fits, then in the container again: the cached result is used, nothing needs to run.
+    with monkeypatch.context() as roomy:
+        roomy.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(None, None, None))
+        assert compile_recipe(tmp_path, cli_run, recipe).exit_code == 0
+    again = compile_recipe(tmp_path, cli_run, recipe)
+    assert again.exit_code == 0 and "needs about" not in again.output, again.output
+    assert re.search(r"cached int8", again.output)
 
 
 def test_a_cpu_quota_joins_the_measurements_key_and_no_quota_leaves_it_as_it_was(monkeypatch):

@@ -82,9 +82,9 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
             too_big = source_preflight(recipe, onnx_path(recipe.model_source()))
         order = _stages_to_run(graph, options.only)
 
-        manager = PassManager(plan, cache, services, run_dir, options)
+        manager = PassManager(plan, cache, services, run_dir, options, too_big)
         instruments = manager.instruments
-        stages = manager.run(order, graph, passes, too_big)
+        stages = manager.run(order, graph, passes)
         results = evaluate_stages(EvaluationParts.of(plan), order, stages, services, cache, options.providers, instruments, options.force)
         report = build_report(plan.name, plan.evaluate, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
@@ -113,16 +113,16 @@ class PassManager:
     """The loop over stages in order: a stage whose parent did not finish is skipped, the
     others go to the cached stage runner."""
 
-    def __init__(self, plan: CompilePlan, cache: StageCache, services: RunServices, run_dir: Path, options: RunOptions):
+    def __init__(self, plan: CompilePlan, cache: StageCache, services: RunServices, run_dir: Path, options: RunOptions,
+                 too_big: dict[str, str] | None = None):
         self.plan = plan
         self.instruments = Instruments(options.instruments)
-        self.runner = StageRunner(plan, cache, services, run_dir / "logs", self.instruments, force=options.force)
+        self.runner = StageRunner(plan, cache, services, run_dir / "logs", self.instruments, force=options.force,
+                                  too_big=too_big)
         self.services = services
 
-    def run(self, order: list[str], graph: nx.DiGraph, passes: dict[str, Pass],
-            too_big: dict[str, str] | None = None) -> dict[str, StageResult]:
-        """Every stage's result, in order; a finished one carries its model (`result.model`). `too_big`: stages the
-        memory preflight says will not fit, with why: they fail without running (a user's input, not a pass's fault)."""
+    def run(self, order: list[str], graph: nx.DiGraph, passes: dict[str, Pass]) -> dict[str, StageResult]:
+        """Every stage's result, in order; a finished one carries its model (`result.model`)."""
         results: dict[str, StageResult] = {}
         self.instruments.run_start(order)
         for index, name in enumerate(order):
@@ -131,9 +131,6 @@ class PassManager:
             if parent is not None and parent.status != "ok":
                 result = StageResult(name=name, pass_name=spec.pass_name, parent=spec.parent, status="skipped",
                                      reason=f"parent stage '{parent.name}' {parent.status}", duration_s=0.0, not_run=parent.not_run)
-            elif name in (too_big or {}):
-                result = StageResult(name=name, pass_name=spec.pass_name, parent=spec.parent, status="failed",
-                                     reason=too_big[name], duration_s=0.0, error_kind="input")
             else:
                 result = self.runner.run(name, passes[name], parent.model if parent else None)
                 if not any(self._reads_torch(later) for later in order[index + 1:]):

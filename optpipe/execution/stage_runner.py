@@ -14,7 +14,7 @@ from pathlib import Path
 
 from optpipe.core.artifact import ModelArtifact, write_info
 from optpipe.cache.store import StageCache, library_versions
-from optpipe.core.errors import OptpipeError, PassError, StageOutOfMemory, first_line
+from optpipe.core.errors import OptpipeError, PassError, StageOutOfMemory, UserInputError, first_line
 from optpipe.hardware.cpu_features import engine_target
 from optpipe.evaluation.self_check import NumericSelfCheck, self_check_fingerprint
 from optpipe.execution.contract import run_pass
@@ -35,8 +35,11 @@ class StageRunner:
     """Runs one stage at a time; a stage's failure is returned as its result, never raised."""
 
     def __init__(self, plan: CompilePlan, cache: StageCache, services: RunServices, logs_dir: Path, instruments: Instrument,
-                 force: bool = False):
+                 force: bool = False, too_big: dict[str, str] | None = None):
+        """`too_big`: stages the memory preflight says will not fit, with why: a cache hit is used, else they fail
+        without running (the user's input, exit 2) and the other branches run."""
         self.plan = plan
+        self.too_big = too_big or {}
         self.cache = cache
         self.services = services
         self.logs_dir = logs_dir
@@ -99,6 +102,8 @@ class StageRunner:
             if hit is not None:
                 ctx.log.info("cache hit %s", key)
                 return hit, True
+            if ctx.stage in self.too_big:
+                raise UserInputError(self.too_big[ctx.stage])
             ctx.log.info("running pass %s v%s with %s", pass_.name, pass_.version, pass_.params.model_dump())
             output = self._execute(pass_, model, ctx, log_path)
             watch.check()  # a Ctrl-C the pass swallowed: its result is not published
