@@ -129,14 +129,21 @@ def _writable_v1_memory() -> Path | None:
 def test_a_real_cgroups_limit_is_what_a_process_in_it_reads(tmp_path):
     """The kernel's own files, not a fake tree: a process moved into a cgroup with a 1.5 GB limit reads it."""
     group = _writable_v1_memory() / f"optpipe-test-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
+    try:
+        group.mkdir()
+    except OSError as exc:  # writable by its mode, refused by the kernel (a container's read-only cgroup fs)
+        pytest.skip(f"cannot make a cgroup here: {exc}")
     try:
         (group / "memory.limit_in_bytes").write_text(str(3 * GB // 2))
-        code = ("import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()));"
+        code = ("import os, sys\n"
+                "try:\n    open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                "except OSError as exc:\n    print('cannot join', exc); sys.exit(0)\n"
                 "from optpipe.hardware.container_limits import read_limits; print(read_limits().memory_limit)")
         read = subprocess.run([sys.executable, "-c", code, str(group / "cgroup.procs")], capture_output=True, text=True,
                               timeout=60)
         assert read.returncode == 0, read.stderr
+        if read.stdout.startswith("cannot join"):
+            pytest.skip(read.stdout.strip())
         assert int(read.stdout.strip()) == 3 * GB // 2
     finally:
         group.rmdir()
