@@ -29,7 +29,6 @@ _UNLIMITED = 1 << 60
 class Mount:
     root: str  # the cgroup path mounted at `point` ("/" on the host; the container's own path when bound in)
     point: Path
-    version: int  # 1 or 2
 
 
 @dataclass(frozen=True)
@@ -92,10 +91,10 @@ def _mounts(text: str) -> dict[str, Mount]:
             continue
         root, point, fstype, options = fields[3], Path(fields[4]), tail[0], tail[2].split(",")
         if fstype == "cgroup2":
-            mounts.setdefault("", Mount(root, point, 2))
+            mounts.setdefault("", Mount(root, point))  # v2: one hierarchy
         elif fstype == "cgroup":
             for name in options:
-                mounts.setdefault(name, Mount(root, point, 1))
+                mounts.setdefault(name, Mount(root, point))  # v1: one per controller
     return mounts
 
 
