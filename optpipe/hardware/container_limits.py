@@ -119,11 +119,13 @@ def _read(path: Path) -> str | None:
 
 
 def _number(text: str | None) -> int | None:
+    if text is None:
+        return None
     try:
-        value = int(text) if text is not None else None
+        value = int(text)
     except ValueError:
         return None  # "max": no limit
-    return value if value is not None and value < _UNLIMITED else None
+    return value if value < _UNLIMITED else None
 
 
 def _stat(folder: Path, key: str) -> int | None:
@@ -140,18 +142,28 @@ def _page_cache(folder: Path, prefix: str) -> int:
     return sum(_stat(folder, f"{prefix}{kind}_file") or 0 for kind in ("active", "inactive"))
 
 
+def _folders(controller: str, paths: dict[str, str], mounts: dict[str, Mount]) -> tuple[list[Path], bool] | None:
+    """The cgroup's folders for `controller` (its own, then its parents) and whether they are cgroup v1's: v1 where
+    the controller has a hierarchy of its own (v1, or a hybrid whose v2 mount holds no such controller), else v2's."""
+    if controller in mounts and controller in paths:
+        return _chain(paths[controller], mounts[controller]), True
+    if "" in mounts and "" in paths:
+        return _chain(paths[""], mounts[""]), False
+    return None
+
+
 def _memory(paths: dict[str, str], mounts: dict[str, Mount]) -> tuple[int | None, int | None]:
-    if "memory" in mounts and "memory" in paths:  # v1 (or hybrid, where v2 holds no memory controller)
-        chain = _chain(paths["memory"], mounts["memory"])
+    found = _folders("memory", paths, mounts)
+    if found is None:
+        return None, None
+    chain, v1 = found
+    if v1:
         limits = [_number(_read(folder / "memory.limit_in_bytes")) for folder in chain]
         limits.append(_stat(chain[0], "hierarchical_memory_limit"))
         usage, cache = _number(_read(chain[0] / "memory.usage_in_bytes")), _page_cache(chain[0], "total_")
-    elif "" in mounts and "" in paths:
-        chain = _chain(paths[""], mounts[""])
+    else:
         limits = [_number(_read(folder / "memory.max")) for folder in chain]
         usage, cache = _number(_read(chain[0] / "memory.current")), _page_cache(chain[0], "")
-    else:
-        return None, None
     set_limits = [limit for limit in limits if limit is not None]
     if not set_limits:
         return None, None
@@ -160,15 +172,16 @@ def _memory(paths: dict[str, str], mounts: dict[str, Mount]) -> tuple[int | None
 
 
 def _cpu_quota(paths: dict[str, str], mounts: dict[str, Mount]) -> float | None:
-    quotas = []
-    if "cpu" in mounts and "cpu" in paths:
-        for folder in _chain(paths["cpu"], mounts["cpu"]):
-            quota, period = _read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")
-            if quota and period and quota.lstrip("-").isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
-                quotas.append(int(quota) / int(period))
-    elif "" in mounts and "" in paths:
-        for folder in _chain(paths[""], mounts[""]):
-            quota, _, period = (_read(folder / "cpu.max") or "max").partition(" ")
-            if quota.isdigit() and period.strip().isdigit() and int(period) > 0:
-                quotas.append(int(quota) / int(period))
-    return min(quotas) if quotas else None
+    """The tightest quota up the hierarchy, in CPUs: v1's cfs_quota_us over cfs_period_us (-1: none), v2's cpu.max
+    "quota period" ("max": none)."""
+    found = _folders("cpu", paths, mounts)
+    if found is None:
+        return None
+    chain, v1 = found
+    if v1:
+        pairs = [(_read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")) for folder in chain]
+    else:
+        pairs = [(_read(folder / "cpu.max") or "max").partition(" ")[::2] for folder in chain]
+    quotas = [int(quota) / int(period) for quota, period in pairs
+              if quota and period and quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0]
+    return min(quotas, default=None)
