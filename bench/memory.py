@@ -154,18 +154,13 @@ def write_recipe(folder: Path, stages: list[str] | None, build_skipped: bool = F
 
 
 def estimates(recipe) -> dict[str, float]:
-    """The memory preflight's estimate per stage (GB), to read beside the measured peaks: the preflight refuses a
-    run whose estimate exceeds the memory available, so an estimate far above the measured anonymous peak is a
-    model refused that would have fit."""
-    from optpipe.plan.source_preflight import estimated_steps, stage_steps
-    from optpipe.safety.memory_estimate import stage_estimates
-    from optpipe.source.torch_weights import fp32_weight_bytes, held_beside_passes
+    """The memory preflight's estimate per stage (GB), to read beside the measured peaks: the preflight fails a stage
+    whose estimate exceeds the memory available, so an estimate far above the measured anonymous peak is a stage
+    refused that would have fit."""
+    from optpipe.plan.source_preflight import memory_estimates
+    from optpipe.source.model_source import onnx_path
 
-    weights = fp32_weight_bytes(recipe.model_source())  # None for an ONNX source (check_onnx_memory sizes its files)
-    if weights is None:
-        return {}
-    steps = estimated_steps(recipe, weights) if recipe.evaluate.eager_baseline else stage_steps(recipe, weights)
-    return {name: need / 1e9 for name, need in stage_estimates(weights, steps, held=held_beside_passes(weights)).items()}
+    return {name: need / 1e9 for name, need in memory_estimates(recipe, onnx_path(recipe.model_source())).items()}
 
 
 def main() -> int:

@@ -159,14 +159,14 @@ def test_a_stage_that_will_not_fit_fails_before_it_runs_and_the_other_branches_r
 
     from helpers_passes import small_mlp
     from helpers_recipes import compile_recipe
-    from optpipe.plan.source_preflight import onnx_memory_estimates
+    from optpipe.plan.source_preflight import memory_estimates
     from optpipe.safety.recipe_loading import parse_recipe
 
     onnx.save(small_mlp(np.random.default_rng(0)), tmp_path / "mlp.onnx")
     stages = {"export": {"pass": "export"}, "fp16": {"pass": "fp16", "after": "export"},
               "int8": {"pass": "int8", "after": "export"}}
     recipe = small_recipe({"onnx": "mlp.onnx"}, stages=stages)
-    need = onnx_memory_estimates(parse_recipe(recipe, base_dir=tmp_path), tmp_path / "mlp.onnx")
+    need = memory_estimates(parse_recipe(recipe, base_dir=tmp_path), tmp_path / "mlp.onnx")
     assert need["fp16"] < need["export"] < need["int8"]
     between = int((need["export"] + need["int8"]) / 2 / memory_estimate.HEADROOM)
     monkeypatch.setattr(memory_estimate, "_held_by_this_process", lambda: 0)

@@ -211,10 +211,10 @@ def test_an_onnx_sources_memory_estimate_knows_how_each_pass_runs_on_it(tmp_path
                    "int4": {"pass": "weight_only"}, "hqq": {"pass": "weight_only", "params": {"algorithm": "hqq", "symmetric": False}}}})
     steps = {"int4": "weight_only", "hqq": memory_estimate.WEIGHT_ONLY_COPY, "data": memory_estimate.OV_DATA_AWARE}
     expected = memory_estimate.stage_estimates(weights, steps, tied_table=4 * VOCAB * K)
-    assert source_preflight.onnx_memory_estimates(recipe, path) == expected  # no eager row: an ONNX source has none
+    assert source_preflight.memory_estimates(recipe, path) == expected  # no eager row: an ONNX source has none
     monkeypatch.setattr(_weight_only_on_disk, "WORKER_MIN_BYTES", 0)
     worker = memory_estimate.stage_estimates(weights, {**steps, "int4": memory_estimate.WEIGHT_ONLY_WORKER}, tied_table=4 * VOCAB * K)
-    assert source_preflight.onnx_memory_estimates(recipe, path) == worker and worker["int4"] < expected["int4"]
+    assert source_preflight.memory_estimates(recipe, path) == worker and worker["int4"] < expected["int4"]
     monkeypatch.setattr(memory_estimate, "available_bytes", lambda: int((worker["data"] - 1) / memory_estimate.HEADROOM))
     too_big = source_preflight.source_preflight(recipe, path)  # the other first stages fit: they run
     assert "int4" not in too_big and too_big["data"].startswith("(openvino_weights, data-aware")

@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from optpipe.core.errors import RecipeError, UserInputError
+from optpipe.core.errors import RecipeError
 from optpipe.recipe.generation_spec import decoder_dims
 from optpipe.recipe.schema import HFConfigModel, HFModel, Recipe
 
@@ -34,9 +34,9 @@ def memory_refusals(recipe: Recipe, onnx_path: Path | None) -> dict[str, str]:
     """Each stage's estimated peak against the memory available (safety/memory_estimate.py): stage -> why it will
     not fit. Where nothing could run (no first stage fits, or the eager baseline every figure is measured against
     does not), the run is refused at once, naming the stage. No estimate for sources that must run to know their size."""
-    from optpipe.safety.memory_estimate import over_budget
+    from optpipe.safety.memory_estimate import over_budget, refusal
 
-    sized = _onnx_sizing(recipe, onnx_path) if onnx_path is not None else _torch_sizing(recipe)
+    sized = _sizing(recipe, onnx_path)
     if sized is None:
         return {}
     weights, steps, held, tied = sized
@@ -45,16 +45,21 @@ def memory_refusals(recipe: Recipe, onnx_path: Path | None) -> dict[str, str]:
     blocking = [roots[0]] if roots and all(name in refused for name in roots) else []
     blocking += [name for name in refused if name not in recipe.stages]  # the eager baseline
     if blocking:
-        raise UserInputError(f"stage '{blocking[0]}' {refused[blocking[0]]}")
+        raise refusal(refused, blocking[0])
     return refused
 
 
-def onnx_memory_estimates(recipe: Recipe, path: Path) -> dict[str, int]:
-    """stage -> estimated peak bytes, for an ONNX source (no eager baseline runs beside its stages)."""
+def memory_estimates(recipe: Recipe, onnx_path: Path | None) -> dict[str, int]:
+    """stage (and the eager baseline's evaluation) -> estimated peak bytes, as memory_refusals compares them; {} where
+    the source cannot tell its size before it runs (bench/memory.py prints them beside the measured peaks)."""
     from optpipe.safety.memory_estimate import stage_estimates
 
-    weights, steps, held, tied = _onnx_sizing(recipe, path)
-    return stage_estimates(weights, steps, held, tied)
+    sized = _sizing(recipe, onnx_path)
+    return {} if sized is None else stage_estimates(*sized)
+
+
+def _sizing(recipe: Recipe, onnx_path: Path | None) -> tuple[int, dict[str, str], int, int] | None:
+    return _onnx_sizing(recipe, onnx_path) if onnx_path is not None else _torch_sizing(recipe)
 
 
 def _onnx_sizing(recipe: Recipe, path: Path) -> tuple[int, dict[str, str], int, int]:

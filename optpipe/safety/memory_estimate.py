@@ -159,10 +159,18 @@ def over_budget(fp32_bytes: int, stages: dict[str, str], available: int | None =
     """stage -> the line saying why it will not fit, for each stage whose estimate exceeds the memory available."""
     estimates = stage_estimates(fp32_bytes, stages, held, tied_table)
     budget = memory_budget(available)
+    over = {name: need for name, need in estimates.items() if need > budget}
+    whose = where_available(available) if over else ""  # the cgroup and /proc read once, and only to say it
     return {name: f"({stages[name]}) needs about {need / 1e9:.1f} GB for a model of {fp32_bytes / 1e9:.1f} GB FP32 weights, "
-                  f"and {budget / 1e9:.1f} GB is available {where_available(available)}: free memory, run that stage on a "
+                  f"and {budget / 1e9:.1f} GB is available {whose}: free memory, run that stage on a "
                   f"larger machine (or container), or start from a smaller model"
-            for name, need in estimates.items() if need > budget}
+            for name, need in over.items()}
+
+
+def refusal(refused: dict[str, str], name: str | None = None) -> UserInputError:
+    """The whole run refused at stage `name` (default: the first of `refused`, over_budget's lines)."""
+    name = name if name is not None else next(iter(refused))
+    return UserInputError(f"stage '{name}' {refused[name]}")
 
 
 def check_fits(fp32_bytes: int, stages: dict[str, str], available: int | None = None, held: int = 0,
@@ -170,6 +178,5 @@ def check_fits(fp32_bytes: int, stages: dict[str, str], available: int | None = 
     """Refuse, naming the first stage that will not fit; return the estimates otherwise."""
     refused = over_budget(fp32_bytes, stages, available, held, tied_table)
     if refused:
-        name, why = next(iter(refused.items()))
-        raise UserInputError(f"stage '{name}' {why}")
+        raise refusal(refused)
     return stage_estimates(fp32_bytes, stages, held, tied_table)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from optpipe.cache.remote_io import check_apart
 from optpipe.cache.store import LeaseSet
-from optpipe.core.errors import OptpipeError, UserInputError
+from optpipe.core.errors import OptpipeError
 from optpipe.execution.executors import Executor, Progress, settings_for
 from optpipe.execution.fan_out import PlainDriver
 from optpipe.execution.stage_tasks import TaskSettings
@@ -109,6 +109,7 @@ def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
     from optpipe.execution.services import RunServices
     from optpipe.source.model_source import onnx_path
     from optpipe.plan.source_preflight import source_preflight
+    from optpipe.safety.memory_estimate import refusal
     from optpipe.safety.preflight import preflight
 
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
@@ -117,7 +118,6 @@ def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
         preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
         too_big = source_preflight(recipe, onnx_path(recipe.model_source()))
         if too_big:  # a search's trials would each meet it: refused once, here
-            name, why = next(iter(too_big.items()))
-            raise UserInputError(f"stage '{name}' {why}")
+            raise refusal(too_big)
     finally:
         cache.release_leases()
