@@ -197,3 +197,12 @@ def test_a_cpu_quota_joins_the_measurements_key_and_no_quota_leaves_it_as_it_was
     assert "cpu_quota" not in plain  # keys of measurements made outside a container are unchanged
     monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(None, None, 1.5))
     assert machine_id() == {**plain, "cpu_quota": 1.5}  # a latency throttled by the quota is not reused without it
+
+
+def test_a_need_just_over_the_budget_is_not_said_as_equal_to_it(monkeypatch):
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(None, None, None))
+    budget = memory_estimate.memory_budget(900_000_000)
+    need = memory_estimate.stage_estimates(100 << 20, {"ov-int8": memory_estimate.OV_INT8})["ov-int8"]
+    assert need > budget and f"{need / 1e9:.1f}" == f"{budget / 1e9:.1f}"  # the case met: 0.8 GB against 0.8 GB
+    line = memory_estimate.over_budget(100 << 20, {"ov-int8": memory_estimate.OV_INT8}, available=900_000_000)["ov-int8"]
+    assert f"needs about {need / 1e9:.2f} GB" in line and f"and {budget / 1e9:.2f} GB is available" in line

@@ -161,10 +161,16 @@ def over_budget(fp32_bytes: int, stages: dict[str, str], available: int | None =
     budget = memory_budget(available)
     over = {name: need for name, need in estimates.items() if need > budget}
     whose = where_available(available) if over else ""  # the cgroup and /proc read once, and only to say it
-    return {name: f"({stages[name]}) needs about {need / 1e9:.1f} GB for a model of {fp32_bytes / 1e9:.1f} GB FP32 weights, "
-                  f"and {budget / 1e9:.1f} GB is available {whose}: free memory, run that stage on a "
+    return {name: f"({stages[name]}) needs about {_gb(need, budget)} GB for a model of {fp32_bytes / 1e9:.1f} GB FP32 weights, "
+                  f"and {_gb(budget, need)} GB is available {whose}: free memory, run that stage on a "
                   f"larger machine (or container), or start from a smaller model"
             for name, need in over.items()}
+
+
+def _gb(value: int, other: int) -> str:
+    """`value` in GB, to one decimal, or two where one would show it equal to `other` ("needs 0.8 GB, 0.8 GB available"
+    read as a contradiction in a 0.9 GB container)."""
+    return f"{value / 1e9:.1f}" if f"{value / 1e9:.1f}" != f"{other / 1e9:.1f}" else f"{value / 1e9:.2f}"
 
 
 def refusal(refused: dict[str, str], name: str | None = None) -> UserInputError:
