@@ -206,3 +206,77 @@ def test_a_need_just_over_the_budget_is_not_said_as_equal_to_it(monkeypatch):
     assert need > budget and f"{need / 1e9:.1f}" == f"{budget / 1e9:.1f}"  # the case met: 0.8 GB against 0.8 GB
     line = memory_estimate.over_budget(100 << 20, {"ov-int8": memory_estimate.OV_INT8}, available=900_000_000)["ov-int8"]
     assert f"needs about {need / 1e9:.2f} GB" in line and f"and {budget / 1e9:.2f} GB is available" in line
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_throttled_time_is_read_where_the_tightest_quota_is(tmp_path, version):
+    """The kernel's throttled time of the cgroup whose quota binds (a parent's, here), in seconds; None without one."""
+    if version == "v1":
+        cpu = tmp_path / "cpu"
+        _files(cpu / "kube" / "pod", cpu__cfs_quota_us="100000", cpu__cfs_period_us="100000",
+               cpu__stat="nr_periods 40\nnr_throttled 30\nthrottled_time 2500000000")
+        _files(cpu / "kube" / "pod" / "app", cpu__cfs_quota_us="-1", cpu__cfs_period_us="100000",
+               cpu__stat="nr_periods 0\nnr_throttled 0\nthrottled_time 0")
+        proc = _proc(tmp_path, "4:cpu:/kube/pod/app\n", [("/", cpu, "cgroup", "rw,cpu")])
+    else:
+        unified = tmp_path / "unified"
+        _files(unified / "pod", cpu__max="100000 100000", cpu__stat="usage_usec 9\nthrottled_usec 2500000")
+        _files(unified / "pod" / "app", cpu__max="max 100000", cpu__stat="usage_usec 9\nthrottled_usec 0")
+        proc = _proc(tmp_path, "0::/pod/app\n", [("/", unified, "cgroup2", "rw")])
+    assert container_limits.cpu_throttled_s(proc) == pytest.approx(2.5)
+    assert container_limits.cpu_throttled_s(tmp_path / "no-proc") is None
+    bare = tmp_path / "b" / "bare"
+    _files(bare, cpu__max="max 100000", cpu__stat="throttled_usec 7")
+    assert container_limits.cpu_throttled_s(_proc(tmp_path / "b", "0::/\n", [("/", bare, "cgroup2", "rw")])) is None
+
+
+def test_the_quotas_held_back_share_flags_a_figure():
+    import numpy as np
+
+    from optpipe.evaluation.cpu_contention import CpuSnapshot, throttled_share
+    from optpipe.evaluation.latency import busy_reason
+
+    start = CpuSnapshot(wall_s=100.0, busy_s=50.0, own_s=10.0, cpus=2, throttled_s=4.0)
+    # 2 s on 2 CPUs: 4 CPU-seconds offered; the quota held the threads back 1 s of them.
+    assert throttled_share(start, CpuSnapshot(102.0, 53.0, 12.0, 2, throttled_s=5.0)) == 0.25
+    assert throttled_share(start, CpuSnapshot(102.0, 53.0, 12.0, 2, throttled_s=None)) is None  # no quota
+    assert throttled_share(start, CpuSnapshot(100.2, 53.0, 12.0, 2, throttled_s=5.0)) is None  # too short to tell
+    steady = np.full(30, 5.0)
+    assert busy_reason(steady, [5.0, 5.0, 5.0], throttled=0.02) is None
+    assert "the container's CPU quota held it back 25%" in busy_reason(steady, [5.0, 5.0, 5.0], throttled=0.25)
+
+
+def _writable_v1_cpu() -> Path | None:
+    root = Path("/sys/fs/cgroup/cpu")
+    return root if (root / "cpu.cfs_quota_us").exists() and os.access(root, os.W_OK) else None
+
+
+@pytest.mark.skipif(_writable_v1_cpu() is None, reason="needs a writable cgroup v1 cpu hierarchy (root)")
+def test_a_figure_timed_under_a_real_cpu_quota_says_the_quota_held_it_back(tmp_path):
+    """A process in a cgroup of half a CPU times a steady computation: the kernel's throttled time marks the figure
+    busy with the quota named (the host's /proc/stat sees idle CPUs meanwhile)."""
+    group = _writable_v1_cpu() / f"optpipe-test-{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup here: {exc}")
+    try:
+        (group / "cpu.cfs_quota_us").write_text("50000")  # 0.5 CPU per 100 ms period
+        code = ("import os, sys\n"
+                "try:\n    open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                "except OSError as exc:\n    print('cannot join', exc); sys.exit(0)\n"
+                "import numpy as np\nfrom optpipe.evaluation.latency import measure\n"
+                "run = lambda feeds: {'y': sum(range(60000))}\n"
+                "lat = measure(run, {'x': np.zeros((1, 2))}, 2, 300, 1, 'cpu', adaptive=False)\n"
+                "print(lat.throttled); print(lat.unreliable)")
+        timed = subprocess.run([sys.executable, "-c", code, str(group / "cgroup.procs")], capture_output=True, text=True,
+                               timeout=120)
+        assert timed.returncode == 0, timed.stderr
+        if timed.stdout.startswith("cannot join"):
+            pytest.skip(timed.stdout.strip())
+        throttled, unreliable = timed.stdout.splitlines()[:2]
+        # One thread at half a CPU waits about half of each period: a quarter of two CPUs' time.
+        assert float(throttled) > 0.1, timed.stdout
+        assert "the container's CPU quota held it back" in unreliable
+    finally:
+        group.rmdir()

@@ -119,6 +119,9 @@ class Latency(BaseModel):
     load_average: Optional[float] = Field(None, description="the machine's 1-minute load average while timed")
     others_cpu: Optional[float] = Field(
         None, description="share of this process's CPUs that other processes used while timed (Linux; None elsewhere or when too short to tell)")
+    throttled: Optional[float] = Field(
+        None, description="share of this process's CPU time its container's CPU quota held it back while timed (cgroup "
+        "cpu.stat); None without a quota")
     unreliable: Optional[str] = Field(None, description="why the machine looked busy while this was timed (tail, spread); None if steady")
     eager_p50_ms: Optional[float] = Field(None, description="PyTorch eager p50 timed with this figure, same inputs (see eager_apart)")
     eager_p90_ms: Optional[float] = Field(None, description="PyTorch eager p90 timed with this figure")

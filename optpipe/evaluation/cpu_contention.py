@@ -9,6 +9,10 @@ included), over the wall time those CPUs offered.
 
 No library reports this per process set (psutil would read the same /proc files, and is not a
 dependency); Linux only: elsewhere the figure is None and only the timing's shape judges.
+
+In a container with a CPU quota the host's /proc/stat does not show the other kind of wait: the
+quota spent, this process's threads stopped until the next period (idle CPUs, to the host). The
+cgroup's throttled time says how long (optpipe.hardware.container_limits.cpu_throttled_s).
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import os
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from optpipe.hardware.container_limits import cpu_throttled_s
 
 #: Shorter spans are not judged: /proc/stat counts in clock ticks (10 ms), too coarse below this.
 MIN_WALL_S = 0.5
@@ -27,6 +33,7 @@ class CpuSnapshot:
     busy_s: float  # busy time of the CPUs in this process's affinity set, every process's
     own_s: float  # this process's user + system time, all threads
     cpus: int
+    throttled_s: Optional[float] = None  # the cgroup's throttled time so far; None without a CPU quota
 
 
 def snapshot() -> Optional[CpuSnapshot]:
@@ -46,7 +53,7 @@ def snapshot() -> Optional[CpuSnapshot]:
         user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
         busy += user + nice + system + irq + softirq + steal  # steal: another VM had the core
     times = os.times()
-    return CpuSnapshot(time.monotonic(), busy / tick, times.user + times.system, len(allowed))
+    return CpuSnapshot(time.monotonic(), busy / tick, times.user + times.system, len(allowed), cpu_throttled_s())
 
 
 def others_share(start: Optional[CpuSnapshot], end: Optional[CpuSnapshot]) -> Optional[float]:
@@ -55,3 +62,14 @@ def others_share(start: Optional[CpuSnapshot], end: Optional[CpuSnapshot]) -> Op
         return None
     others = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
     return round(min(1.0, max(0.0, others / ((end.wall_s - start.wall_s) * end.cpus))), 3)
+
+
+def throttled_share(start: Optional[CpuSnapshot], end: Optional[CpuSnapshot]) -> Optional[float]:
+    """The share (0..1) of this process's CPU time the container's quota held it back between two snapshots
+    (the kernel sums the throttled time over the CPUs' run queues: divided by the CPUs' wall time); None
+    without a quota or when too short to tell."""
+    if start is None or end is None or start.throttled_s is None or end.throttled_s is None \
+            or end.wall_s - start.wall_s < MIN_WALL_S:
+        return None
+    waited = max(0.0, end.throttled_s - start.throttled_s)
+    return round(min(1.0, waited / ((end.wall_s - start.wall_s) * end.cpus)), 3)

@@ -206,21 +206,24 @@ class GenerationEvaluator:
                                       decode_tokens_per_s=statistics.median(g.decode_tokens_per_s for g in own),
                                       eager_ttft_ms=_median_ms(g.ttft_s for g in eager) if eager else None,
                                       eager_decode_tokens_per_s=statistics.median(g.decode_tokens_per_s for g in eager) if eager else None))
-            others = cpu_contention.others_share(before, cpu_contention.snapshot())
+            after = cpu_contention.snapshot()
+            others = cpu_contention.others_share(before, after), cpu_contention.throttled_share(before, after)
             latency.append(self._latency(batch, own, eager, provider, others))
         return rows, latency
 
-    def _latency(self, batch: int, own: list, eager: list | None, provider: str, others: float | None) -> Latency:
-        """One decode step (ms) per round; busy as latency.py judges it (tail, rounds' spread, other processes' CPU)."""
+    def _latency(self, batch: int, own: list, eager: list | None, provider: str,
+                 others: tuple[float | None, float | None]) -> Latency:
+        """One decode step (ms) per round; busy as latency.py judges it (tail, rounds' spread, other processes' CPU,
+        the container's quota: `others`, as cpu_contention reads them)."""
         steps = [g.decode_s / max(g.tokens.shape[1] - 1, 1) * 1e3 for g in own]
         p50 = statistics.median(steps)
         eager_steps = [g.decode_s / max(g.tokens.shape[1] - 1, 1) * 1e3 for g in eager] if eager else None
         engine = "openvino" if provider == openvino_runtime.PROVIDER else "onnxruntime"
-        busy = [r for r in (busy_reason(np.array(steps), steps, others),
+        busy = [r for r in (busy_reason(np.array(steps), steps, *others),
                             eager_steps and busy_reason(np.array(eager_steps), eager_steps, None)) if r]
         return Latency(batch_size=batch, shape={"input_ids": [batch, 1]}, p50_ms=p50, p90_ms=float(np.percentile(steps, 90)),
                        p99_ms=max(steps), mean_ms=statistics.fmean(steps), throughput=batch * 1e3 / p50, iterations=len(steps),
-                       provider=provider, load_average=os.getloadavg()[0], others_cpu=others,
+                       provider=provider, load_average=os.getloadavg()[0], others_cpu=others[0], throttled=others[1],
                        unreliable="; ".join(busy) or None, spread=(max(steps) - min(steps)) / p50 if p50 else None,
                        eager_p50_ms=statistics.median(eager_steps) if eager_steps else None,
                        eager_p90_ms=float(np.percentile(eager_steps, 90)) if eager_steps else None,

@@ -60,6 +60,10 @@ BUSY_SPREAD = 0.5  # (max - min) / median of the per-block medians
 # Other processes' share of this process's CPUs while it timed (optpipe.evaluation.cpu_contention).
 # Quiet, this machine's background stayed under 5%; one busy process on one of its two cores is 50%.
 BUSY_OTHERS = 0.25
+# The container's CPU quota holding the threads back while timed: each wait lands inside a timed call (x86-amx,
+# ORT MiniLM at 2 threads in a cgroup of 1.5 CPUs: p90 1.8-2.2x its p50, docs/benchmarks.md). A few percent
+# already moves a median of short calls; quiet, within the quota, it stays at 0.
+BUSY_THROTTLED = 0.05
 # Warm-up runs until a block is no faster than the one before (caches, lazy initialisation, JIT kernels).
 WARM_SETTLED = 0.9  # a block at least 10% faster than the previous means still warming up
 WARM_CAP_S = 3.0  # give up waiting for it to settle after this long (the busy flags then tell)
@@ -174,7 +178,8 @@ def measure(
         steady = float(np.median(np.concatenate(blocks[name]))) if settled[name] is not None else None
         warmth.record(fn, feeds, steady)
     load = max(load, _load_average()) if load is not None else None
-    others = cpu_contention.others_share(cpu_start, cpu_contention.snapshot())
+    cpu_end = cpu_contention.snapshot()
+    others = cpu_contention.others_share(cpu_start, cpu_end), cpu_contention.throttled_share(cpu_start, cpu_end)
     latency = _summarise(blocks["candidate"], feeds, provider, load, others, stopped if adaptive else None)
     if baseline is not None:
         eager = _summarise(blocks["baseline"], feeds, "baseline", load, others)
@@ -265,15 +270,18 @@ def median_interval(times: np.ndarray) -> float | None:
     return float((ordered[hi] - ordered[lo]) / 2 / median) if median > 0 else None
 
 
-def busy_reason(times_ms: np.ndarray, block_medians: list[float], others_cpu: float | None = None) -> str | None:
-    """Why these timings (or the CPU time other processes took meanwhile) say the machine was busy,
-    or None when they look steady."""
+def busy_reason(times_ms: np.ndarray, block_medians: list[float], others_cpu: float | None = None,
+                throttled: float | None = None) -> str | None:
+    """Why these timings (or the CPU time other processes took meanwhile, or the container's quota held back)
+    say the machine was busy, or None when they look steady."""
     p50 = float(np.percentile(times_ms, 50))
     if p50 <= 0:
         return None
     reasons = []
     if others_cpu is not None and others_cpu > BUSY_OTHERS:
         reasons.append(f"other processes took {others_cpu:.0%} of its CPUs > {BUSY_OTHERS:.0%}")
+    if throttled is not None and throttled > BUSY_THROTTLED:
+        reasons.append(f"the container's CPU quota held it back {throttled:.0%} of its CPU time > {BUSY_THROTTLED:.0%}")
     tail = float(np.percentile(times_ms, 90)) / p50
     if tail > BUSY_TAIL:
         reasons.append(f"p90/p50 {tail:.2f} > {BUSY_TAIL}")
@@ -297,7 +305,8 @@ def _time_block(run: Run, feeds: Feeds, n: int, clock: Clock, tick: Callable[[],
 
 
 def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Optional[float],
-               others_cpu: Optional[float] = None, stopped: Optional[str] = None) -> Latency:
+               others: tuple[Optional[float], Optional[float]] = (None, None), stopped: Optional[str] = None) -> Latency:
+    """`others`: other processes' share of the CPUs and the quota's throttled share while timed (cpu_contention)."""
     ms = np.concatenate(blocks)
     medians = [float(np.median(b)) for b in blocks]
     batch = len(next(iter(feeds.values())))
@@ -316,8 +325,9 @@ def _summarise(blocks: list[np.ndarray], feeds: Feeds, provider: str, load: Opti
         interval=median_interval(ms),
         stopped=stopped,
         load_average=load,
-        others_cpu=others_cpu,
-        unreliable=busy_reason(ms, medians, others_cpu),
+        others_cpu=others[0],
+        throttled=others[1],
+        unreliable=busy_reason(ms, medians, *others),
     )
 
 

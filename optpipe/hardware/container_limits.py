@@ -128,8 +128,8 @@ def _number(text: str | None) -> int | None:
     return value if value < _UNLIMITED else None
 
 
-def _stat(folder: Path, key: str) -> int | None:
-    for line in (_read(folder / "memory.stat") or "").splitlines():
+def _stat(folder: Path, key: str, file: str = "memory.stat") -> int | None:
+    for line in (_read(folder / file) or "").splitlines():
         name, _, value = line.partition(" ")
         if name == key:
             return _number(value)
@@ -172,8 +172,13 @@ def _memory(paths: dict[str, str], mounts: dict[str, Mount]) -> tuple[int | None
 
 
 def _cpu_quota(paths: dict[str, str], mounts: dict[str, Mount]) -> float | None:
-    """The tightest quota up the hierarchy, in CPUs: v1's cfs_quota_us over cfs_period_us (-1: none), v2's cpu.max
-    "quota period" ("max": none)."""
+    found = _quota_folder(paths, mounts)
+    return None if found is None else found[0]
+
+
+def _quota_folder(paths: dict[str, str], mounts: dict[str, Mount]) -> tuple[float, Path, bool] | None:
+    """The tightest quota up the hierarchy, in CPUs (v1's cfs_quota_us over cfs_period_us, -1: none; v2's cpu.max
+    "quota period", "max": none), the folder that sets it and whether it is cgroup v1's."""
     found = _folders("cpu", paths, mounts)
     if found is None:
         return None
@@ -182,6 +187,22 @@ def _cpu_quota(paths: dict[str, str], mounts: dict[str, Mount]) -> float | None:
         pairs = [(_read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")) for folder in chain]
     else:
         pairs = [(_read(folder / "cpu.max") or "max").partition(" ")[::2] for folder in chain]
-    quotas = [int(quota) / int(period) for quota, period in pairs
+    quotas = [(int(quota) / int(period), folder, v1) for (quota, period), folder in zip(pairs, chain)
               if quota and period and quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0]
-    return min(quotas, default=None)
+    return min(quotas, key=lambda found: found[0], default=None)
+
+
+def cpu_throttled_s(proc: Path = Path("/proc/self")) -> float | None:
+    """Seconds the CPU quota has held this process's cgroup back so far (the throttled time in cpu.stat of the
+    folder whose quota is the tightest, summed over its CPUs' run queues by the kernel); None without a quota.
+    A difference of two readings is the time the timed calls waited for the next period, not ran."""
+    try:
+        found = _quota_folder(_cgroup_paths((proc / "cgroup").read_text()), _mounts((proc / "mountinfo").read_text()))
+    except OSError:
+        return None
+    if found is None:
+        return None
+    _, folder, v1 = found
+    key, unit = ("throttled_time", 1e-9) if v1 else ("throttled_usec", 1e-6)
+    value = _stat(folder, key, "cpu.stat")
+    return None if value is None else value * unit
