@@ -280,3 +280,59 @@ def test_a_figure_timed_under_a_real_cpu_quota_says_the_quota_held_it_back(tmp_p
         assert "the container's CPU quota held it back" in unreliable
     finally:
         group.rmdir()
+
+
+def test_a_fanned_out_compile_fails_only_the_stage_that_will_not_fit_where_it_runs(tmp_path, cli_run, monkeypatch):
+    """Two recipes at once (the fan-out path searches and Ray take): the stage over this machine's memory fails
+    before it runs, in its task, with the line; every other stage of both recipes runs. It was refused, whole."""
+    import json
+
+    import numpy as np
+    import onnx
+    import yaml
+
+    from helpers_passes import small_mlp
+    from optpipe.plan.source_preflight import memory_estimates
+    from optpipe.safety.recipe_loading import parse_recipe
+
+    onnx.save(small_mlp(np.random.default_rng(0)), tmp_path / "mlp.onnx")
+    files = []
+    for name, extra in (("a", {"int8": {"pass": "int8", "after": "export"}}), ("b", {})):
+        stages = {"export": {"pass": "export"}, "fp16": {"pass": "fp16", "after": "export"}, **extra}
+        recipe = {**small_recipe({"onnx": "mlp.onnx"}, stages=stages), "name": name, "output": f"run-{name}"}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+        files.append(str(tmp_path / f"{name}.yaml"))
+    need = memory_estimates(parse_recipe(yaml.safe_load(open(files[0])), base_dir=tmp_path), tmp_path / "mlp.onnx")
+    between = int((need["export"] + need["int8"]) / 2 / memory_estimate.HEADROOM)
+    monkeypatch.setattr(memory_estimate, "_held_by_this_process", lambda: 0)
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(between, 0, None))
+    result = cli_run("compile", *files)
+    assert result.exit_code == 2, result.output
+    assert "(int8) needs about" in result.output and "is available in this container" in result.output
+    for name, failed in (("a", {"int8"}), ("b", set())):
+        stages = {s["name"]: s["status"] for s in json.loads((tmp_path / f"run-{name}" / "report.json").read_text())["stages"]}
+        assert {stage for stage, status in stages.items() if status != "ok"} == failed, (name, stages)
+
+
+def test_the_driver_of_a_cluster_does_not_judge_the_nodes_memory(tmp_path, monkeypatch):
+    """A driver too small for even the first stage: refused at once where the stages would run on it (the local
+    executor), not where they run on a cluster's nodes (Ray), whose tasks check their own memory."""
+    import numpy as np
+    import onnx
+
+    from helpers_passes import small_mlp
+    from optpipe.execution.executors import settings_for
+    from optpipe.plan.compile_plan import CompilePlan
+    from optpipe.plan.source_preflight import node_refusals
+    from optpipe.safety.recipe_loading import parse_recipe
+    from optpipe.search.runner import _preflight
+
+    onnx.save(small_mlp(np.random.default_rng(0)), tmp_path / "mlp.onnx")
+    recipe = parse_recipe(small_recipe({"onnx": "mlp.onnx"}, stages={"export": {"pass": "export"}}), base_dir=tmp_path)
+    settings = settings_for(tmp_path / "cache", tmp_path / "run", False, "auto")
+    monkeypatch.setattr(memory_estimate, "_held_by_this_process", lambda: 0)
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(1 << 20, 0, None))
+    with pytest.raises(UserInputError, match="stage 'export' .* needs about"):
+        _preflight(recipe, settings, here=True)
+    _preflight(recipe, settings, here=False)
+    assert "export" in node_refusals(CompilePlan.of(recipe))  # what the node's task says, on a node this small

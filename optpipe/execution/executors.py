@@ -65,6 +65,7 @@ class Progress:
 
 class Executor(Protocol):
     slots: int  # trials worth running at once
+    runs_here: bool  # the stages run on this machine (its memory is theirs)
 
     def run(self, plans: list[Plan], progress: Progress) -> None: ...
 
@@ -79,6 +80,7 @@ class LocalExecutor:
     """This process, one stage at a time: nothing else runs while a stage is timed."""
 
     slots = 1
+    runs_here = True
 
     def run(self, plans: list[Plan], progress: Progress) -> None:
         node = node_description()

@@ -52,6 +52,8 @@ def _eval_task(compile_plan, name, stage, parent_name, parent, reference_name, r
 
 
 class RayExecutor:
+    runs_here = False  # the stages run on the cluster's nodes, with their own memory
+
     def __init__(self, address: str | None):
         try:
             import ray

@@ -11,6 +11,7 @@ import math
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 from optpipe.core.artifact import ModelArtifact, write_info
 from optpipe.cache.store import StageCache, library_versions
@@ -35,9 +36,10 @@ class StageRunner:
     """Runs one stage at a time; a stage's failure is returned as its result, never raised."""
 
     def __init__(self, plan: CompilePlan, cache: StageCache, services: RunServices, logs_dir: Path, instruments: Instrument,
-                 force: bool = False, too_big: dict[str, str] | None = None):
-        """`too_big`: stages the memory preflight says will not fit, with why: a cache hit is used, else they fail
-        without running (the user's input, exit 2) and the other branches run."""
+                 force: bool = False, too_big: dict[str, str] | Callable[[], dict[str, str]] | None = None):
+        """`too_big`: stages the memory preflight says will not fit, with why (or how to find them, asked on a cache
+        miss only): a cache hit is used, else they fail without running (the user's input, exit 2) and the other
+        branches run."""
         self.plan = plan
         self.too_big = too_big or {}
         self.cache = cache
@@ -102,8 +104,9 @@ class StageRunner:
             if hit is not None:
                 ctx.log.info("cache hit %s", key)
                 return hit, True
-            if ctx.stage in self.too_big:
-                raise UserInputError(self.too_big[ctx.stage])
+            too_big = self.too_big() if callable(self.too_big) else self.too_big
+            if ctx.stage in too_big:
+                raise UserInputError(too_big[ctx.stage])
             ctx.log.info("running pass %s v%s with %s", pass_.name, pass_.version, pass_.params.model_dump())
             output = self._execute(pass_, model, ctx, log_path)
             watch.check()  # a Ctrl-C the pass swallowed: its result is not published

@@ -61,10 +61,14 @@ def _run_one(plan: CompilePlan, name: str, parent: StageResult | None, settings:
     from optpipe.execution.services import RunServices
     from optpipe.execution.stage_runner import StageRunner
     from optpipe.pass_infra.instruments import Instruments
+    from optpipe.plan.source_preflight import node_refusals
 
     pass_ = plan.configured_pass(name)  # the driver validated the recipe: a task configures only its own pass
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    runner = StageRunner(plan, cache, RunServices(plan.model_source(), plan.data, cache), settings.run_dir / "logs", Instruments(), force=settings.force)
+    # The memory of the machine the stage runs on (a Ray node's, not the driver's), for this plan's own params (a
+    # search trial's): a stage that will not fit fails before its pass runs, after a cache miss, as in `compile`.
+    runner = StageRunner(plan, cache, RunServices(plan.model_source(), plan.data, cache), settings.run_dir / "logs",
+                         Instruments(), force=settings.force, too_big=lambda: node_refusals(plan))
     return runner.run(name, pass_, parent.model if parent else None)
 
 

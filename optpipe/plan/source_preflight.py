@@ -14,10 +14,19 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Union
 
 from optpipe.core.errors import RecipeError
 from optpipe.recipe.generation_spec import decoder_dims
 from optpipe.recipe.schema import HFConfigModel, HFModel, Recipe
+
+if TYPE_CHECKING:
+    from optpipe.plan.compile_plan import CompilePlan
+
+#: What the memory estimate reads: a recipe (the driver, before the run) or the compile plan a task got (a stage about
+#: to run on a node of a fan-out: a search trial's own params). Both have the stages' passes and params, the evaluate
+#: section and the model source.
+Sizable = Union[Recipe, "CompilePlan"]
 
 PAST_PREFIX = "past_key_values."
 
@@ -49,6 +58,21 @@ def memory_refusals(recipe: Recipe, onnx_path: Path | None) -> dict[str, str]:
     return refused
 
 
+def node_refusals(plan: CompilePlan) -> dict[str, str]:
+    """memory_refusals' lines for the stages of a plan, against the memory of the machine this runs on, refusing nothing
+    at once: a fan-out's task checks its stage where it runs (a Ray node has its own memory; a search trial its own
+    params), and the stage fails before it runs where it will not fit, while the other stages go on."""
+    from optpipe.safety.memory_estimate import over_budget
+    from optpipe.source.model_source import onnx_path
+
+    sized = _sizing(plan, onnx_path(plan.model_source()))
+    if sized is None:
+        return {}
+    weights, steps, held, tied = sized
+    return {name: line for name, line in over_budget(weights, steps, held=held, tied_table=tied).items()
+            if name in plan.stages}
+
+
 def memory_estimates(recipe: Recipe, onnx_path: Path | None) -> dict[str, int]:
     """stage (and the eager baseline's evaluation) -> estimated peak bytes, as memory_refusals compares them; {} where
     the source cannot tell its size before it runs (bench/memory.py prints them beside the measured peaks)."""
@@ -58,11 +82,11 @@ def memory_estimates(recipe: Recipe, onnx_path: Path | None) -> dict[str, int]:
     return {} if sized is None else stage_estimates(*sized)
 
 
-def _sizing(recipe: Recipe, onnx_path: Path | None) -> tuple[int, dict[str, str], int, int] | None:
+def _sizing(recipe: Sizable, onnx_path: Path | None) -> tuple[int, dict[str, str], int, int] | None:
     return _onnx_sizing(recipe, onnx_path) if onnx_path is not None else _torch_sizing(recipe)
 
 
-def _onnx_sizing(recipe: Recipe, path: Path) -> tuple[int, dict[str, str], int, int]:
+def _onnx_sizing(recipe: Sizable, path: Path) -> tuple[int, dict[str, str], int, int]:
     """(weight bytes, stage -> kind of step, bytes held beside the passes, a tied head's table bytes) of an ONNX
     source: its weight bytes are the model file and its external data."""
     import onnx
@@ -81,7 +105,7 @@ def _onnx_sizing(recipe: Recipe, path: Path) -> tuple[int, dict[str, str], int, 
     return weights, steps, 0, tied
 
 
-def _torch_sizing(recipe: Recipe) -> tuple[int, dict[str, str], int, int] | None:
+def _torch_sizing(recipe: Sizable) -> tuple[int, dict[str, str], int, int] | None:
     """The same for a PyTorch / Hugging Face source: its FP32 weight bytes from the safetensors headers or the
     config (source/torch_weights.py), before anything loads; the eager baseline holds the model as the export does."""
     from optpipe.safety.memory_estimate import WEIGHT_ONLY_COPY
@@ -96,7 +120,7 @@ def _torch_sizing(recipe: Recipe) -> tuple[int, dict[str, str], int, int] | None
     return weights, steps, held_beside_passes(weights), tied
 
 
-def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:
+def estimated_steps(recipe: Sizable, weights: int) -> dict[str, str]:
     """stage (and eager's evaluation) -> the memory estimate's kind of step: its pass, or one of the estimate's
     own kinds where the pass's peak depends on how it runs (safety/memory_estimate.py)."""
     from optpipe.passes.export import WORKER_MIN_BYTES
@@ -112,7 +136,7 @@ def estimated_steps(recipe: Recipe, weights: int) -> dict[str, str]:
     return steps
 
 
-def stage_steps(recipe: Recipe, weights: int) -> dict[str, str]:
+def stage_steps(recipe: Sizable, weights: int) -> dict[str, str]:
     """stage -> the memory estimate's kind of step for its pass on weights of this size (any source)."""
     return {name: _step_kind(stage.pass_name, stage.params, weights) for name, stage in recipe.stages.items()}
 

@@ -40,7 +40,7 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
         if remote_cache:
             check_apart(remote_cache, cache)
         settings = settings_for(cache, run_dir, force, providers, remote_cache, storage_options)
-        _preflight(recipe, settings)
+        _preflight(recipe, settings, executor.runs_here)
         if SearchSpace.declared(recipe):
             drivers.append(SearchDriver(recipe, run_dir, settings, yes))
         else:
@@ -104,20 +104,24 @@ def _hold_outcomes(plan, held: dict) -> None:
             leases.hold(model.folder.name)
 
 
-def _preflight(recipe: Recipe, settings: TaskSettings) -> None:
-    """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line."""
+def _preflight(recipe: Recipe, settings: TaskSettings, here: bool) -> None:
+    """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line.
+
+    Memory: where the stages run on this machine (`here`), the run is refused at once only where nothing could run,
+    as `compile` does; each stage that will not fit fails before it runs, in its task (stage_tasks: a search
+    trial's own params). On a Ray cluster this machine's memory says nothing of the nodes': the tasks alone judge."""
     from optpipe.execution.services import RunServices
     from optpipe.source.model_source import onnx_path
-    from optpipe.plan.source_preflight import source_preflight
-    from optpipe.safety.memory_estimate import refusal
+    from optpipe.plan.source_preflight import check_generation, source_preflight
     from optpipe.safety.preflight import preflight
 
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
     try:
         services = RunServices(recipe.model_source(), recipe.data, cache)
         preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
-        too_big = source_preflight(recipe, onnx_path(recipe.model_source()))
-        if too_big:  # a search's trials would each meet it: refused once, here
-            raise refusal(too_big)
+        if here:
+            source_preflight(recipe, onnx_path(recipe.model_source()))
+        else:
+            check_generation(recipe, onnx_path(recipe.model_source()))
     finally:
         cache.release_leases()
