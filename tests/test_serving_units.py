@@ -47,6 +47,14 @@ def test_the_servers_own_cpu_is_not_counted_as_a_neighbours():
     assert _others_share(before, after, 5.0, 7.0) == 0.0
 
 
+def test_a_load_point_in_a_container_says_when_its_quota_held_it_back():
+    from optpipe.serving.loadtest import _busy
+
+    assert _busy(0.1, None) is None and _busy(0.1, 0.01) is None
+    assert _busy(None, 0.3) == "the container's CPU quota held it back 30% of the CPUs' time > 5%"
+    assert _busy(0.4, 0.3).startswith("other processes took 40% of the CPUs > 25%, the container's CPU quota")
+
+
 def test_single_requests_cycle_the_samples():
     import numpy as np
 

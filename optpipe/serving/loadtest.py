@@ -25,7 +25,7 @@ import numpy as np
 
 from optpipe.core.errors import first_line
 from optpipe.evaluation import cpu_contention
-from optpipe.evaluation.latency import BUSY_OTHERS
+from optpipe.evaluation.latency import BUSY_OTHERS, BUSY_THROTTLED
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
 DURATION_S = 2.0
@@ -48,6 +48,7 @@ class LoadPoint:
     requests_per_execution: Optional[float]  # > 1: the dynamic batcher merged requests
     others_cpu: Optional[float]
     busy: Optional[str]  # why this figure cannot be trusted, or None
+    throttled: Optional[float] = None  # the container's CPU quota's held-back share (cpu_contention); None: no quota
 
     def row(self) -> dict:
         return asdict(self)
@@ -122,6 +123,7 @@ def measure_point(url: str, model, requests: list[dict[str, np.ndarray]], concur
         client.close()
     done = np.array([ms for per_client in latencies for ms in per_client])
     others = _others_share(cpu_before, cpu_after, server_before, server_after)
+    throttled = cpu_contention.throttled_share(cpu_before, cpu_after)
     merged = None
     if before_stats and after_stats and after_stats[1] > before_stats[1]:
         merged = round((after_stats[0] - before_stats[0]) / (after_stats[1] - before_stats[1]), 2)
@@ -130,9 +132,18 @@ def measure_point(url: str, model, requests: list[dict[str, np.ndarray]], concur
         requests=int(done.size), errors=sum(errors), throughput_rps=round(done.size / wall, 1) if wall > 0 else 0.0,
         p50_ms=round(float(np.percentile(done, 50)), 3) if done.size else None,
         p99_ms=round(float(np.percentile(done, 99)), 3) if done.size else None,
-        requests_per_execution=merged, others_cpu=others,
-        busy=(f"other processes took {others:.0%} of the CPUs > {BUSY_OTHERS:.0%}" if others is not None and others > BUSY_OTHERS else None),
+        requests_per_execution=merged, others_cpu=others, busy=_busy(others, throttled), throttled=throttled,
     )
+
+
+def _busy(others: Optional[float], throttled: Optional[float]) -> Optional[str]:
+    reasons = []
+    if others is not None and others > BUSY_OTHERS:
+        reasons.append(f"other processes took {others:.0%} of the CPUs > {BUSY_OTHERS:.0%}")
+    if throttled is not None and throttled > BUSY_THROTTLED:
+        # The server in the same container shares its quota: its waits land in the requests' latencies.
+        reasons.append(f"the container's CPU quota held it back {throttled:.0%} of the CPUs' time > {BUSY_THROTTLED:.0%}")
+    return ", ".join(reasons) or None
 
 
 def sweep(url: str, models: list, requests: list[dict[str, np.ndarray]], concurrencies=CONCURRENCIES,
