@@ -120,33 +120,42 @@ def test_threads_are_capped_to_the_cpu_quota_and_the_report_says_the_limits(monk
     assert machine_description()["container"] == {"memory_limit_bytes": 6 * GB, "cpu_quota": 1.0}
 
 
-def _writable_v1_memory() -> Path | None:
-    root = Path("/sys/fs/cgroup/memory")
-    return root if root.is_dir() and os.access(root, os.W_OK) else None
+def _writable_v1(controller: str, probe: str) -> Path | None:
+    root = Path("/sys/fs/cgroup") / controller
+    return root if (root / probe).exists() and os.access(root, os.W_OK) else None
 
 
-@pytest.mark.skipif(_writable_v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy (root)")
-def test_a_real_cgroups_limit_is_what_a_process_in_it_reads(tmp_path):
-    """The kernel's own files, not a fake tree: a process moved into a cgroup with a 1.5 GB limit reads it."""
-    group = _writable_v1_memory() / f"optpipe-test-{uuid.uuid4().hex[:8]}"
+def _run_in_new_cgroup(root: Path, settings: dict[str, str], code: str) -> str:
+    """`code`'s output, run by a process that joined a new cgroup under `root` with `settings` written first (file
+    -> value); skips where the kernel refuses the group or the move (a container's read-only cgroup fs)."""
+    group = root / f"optpipe-test-{uuid.uuid4().hex[:8]}"
     try:
         group.mkdir()
-    except OSError as exc:  # writable by its mode, refused by the kernel (a container's read-only cgroup fs)
+    except OSError as exc:  # writable by its mode, refused by the kernel
         pytest.skip(f"cannot make a cgroup here: {exc}")
     try:
-        (group / "memory.limit_in_bytes").write_text(str(3 * GB // 2))
-        code = ("import os, sys\n"
+        for name, value in settings.items():
+            (group / name).write_text(value)
+        join = ("import os, sys\n"
                 "try:\n    open(sys.argv[1], 'w').write(str(os.getpid()))\n"
-                "except OSError as exc:\n    print('cannot join', exc); sys.exit(0)\n"
-                "from optpipe.hardware.container_limits import read_limits; print(read_limits().memory_limit)")
-        read = subprocess.run([sys.executable, "-c", code, str(group / "cgroup.procs")], capture_output=True, text=True,
-                              timeout=60)
-        assert read.returncode == 0, read.stderr
-        if read.stdout.startswith("cannot join"):
-            pytest.skip(read.stdout.strip())
-        assert int(read.stdout.strip()) == 3 * GB // 2
+                "except OSError as exc:\n    print('cannot join', exc); sys.exit(0)\n")
+        ran = subprocess.run([sys.executable, "-c", join + code, str(group / "cgroup.procs")], capture_output=True,
+                             text=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr
+        if ran.stdout.startswith("cannot join"):
+            pytest.skip(ran.stdout.strip())
+        return ran.stdout
     finally:
         group.rmdir()
+
+
+@pytest.mark.skipif(_writable_v1("memory", "memory.limit_in_bytes") is None,
+                    reason="needs a writable cgroup v1 memory hierarchy (root)")
+def test_a_real_cgroups_limit_is_what_a_process_in_it_reads(tmp_path):
+    """The kernel's own files, not a fake tree: a process moved into a cgroup with a 1.5 GB limit reads it."""
+    out = _run_in_new_cgroup(_writable_v1("memory", "memory.limit_in_bytes"), {"memory.limit_in_bytes": str(3 * GB // 2)},
+                             "from optpipe.hardware.container_limits import read_limits; print(read_limits().memory_limit)")
+    assert int(out.strip()) == 3 * GB // 2
 
 
 def test_a_stage_that_will_not_fit_fails_before_it_runs_and_the_other_branches_run(tmp_path, cli_run, monkeypatch):
@@ -246,40 +255,19 @@ def test_the_quotas_held_back_share_flags_a_figure():
     assert "the container's CPU quota held it back 25%" in busy_reason(steady, [5.0, 5.0, 5.0], throttled=0.25)
 
 
-def _writable_v1_cpu() -> Path | None:
-    root = Path("/sys/fs/cgroup/cpu")
-    return root if (root / "cpu.cfs_quota_us").exists() and os.access(root, os.W_OK) else None
-
-
-@pytest.mark.skipif(_writable_v1_cpu() is None, reason="needs a writable cgroup v1 cpu hierarchy (root)")
+@pytest.mark.skipif(_writable_v1("cpu", "cpu.cfs_quota_us") is None, reason="needs a writable cgroup v1 cpu hierarchy (root)")
 def test_a_figure_timed_under_a_real_cpu_quota_says_the_quota_held_it_back(tmp_path):
     """A process in a cgroup of half a CPU times a steady computation: the kernel's throttled time marks the figure
     busy with the quota named (the host's /proc/stat sees idle CPUs meanwhile)."""
-    group = _writable_v1_cpu() / f"optpipe-test-{uuid.uuid4().hex[:8]}"
-    try:
-        group.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot make a cgroup here: {exc}")
-    try:
-        (group / "cpu.cfs_quota_us").write_text("50000")  # 0.5 CPU per 100 ms period
-        code = ("import os, sys\n"
-                "try:\n    open(sys.argv[1], 'w').write(str(os.getpid()))\n"
-                "except OSError as exc:\n    print('cannot join', exc); sys.exit(0)\n"
-                "import numpy as np\nfrom optpipe.evaluation.latency import measure\n"
-                "run = lambda feeds: {'y': sum(range(60000))}\n"
-                "lat = measure(run, {'x': np.zeros((1, 2))}, 2, 300, 1, 'cpu', adaptive=False)\n"
-                "print(lat.throttled); print(lat.unreliable)")
-        timed = subprocess.run([sys.executable, "-c", code, str(group / "cgroup.procs")], capture_output=True, text=True,
-                               timeout=120)
-        assert timed.returncode == 0, timed.stderr
-        if timed.stdout.startswith("cannot join"):
-            pytest.skip(timed.stdout.strip())
-        throttled, unreliable = timed.stdout.splitlines()[:2]
-        # One thread at half a CPU waits about half of each period: a quarter of two CPUs' time.
-        assert float(throttled) > 0.1, timed.stdout
-        assert "the container's CPU quota held it back" in unreliable
-    finally:
-        group.rmdir()
+    out = _run_in_new_cgroup(_writable_v1("cpu", "cpu.cfs_quota_us"), {"cpu.cfs_quota_us": "50000"},  # 0.5 CPU a period
+                             "import numpy as np\nfrom optpipe.evaluation.latency import measure\n"
+                             "run = lambda feeds: {'y': sum(range(150000))}\n"
+                             "lat = measure(run, {'x': np.zeros((1, 2))}, 2, 300, 1, 'cpu', adaptive=False)\n"
+                             "print(lat.throttled); print(lat.unreliable)")
+    throttled, unreliable = out.splitlines()[:2]
+    # One thread at half a CPU waits about half of each period: a quarter of two CPUs' time.
+    assert float(throttled) > 0.1, out
+    assert "the container's CPU quota held it back" in unreliable
 
 
 def test_a_fanned_out_compile_fails_only_the_stage_that_will_not_fit_where_it_runs(tmp_path, cli_run, monkeypatch):
