@@ -120,6 +120,17 @@ def test_threads_are_capped_to_the_cpu_quota_and_the_report_says_the_limits(monk
     assert machine_description()["container"] == {"memory_limit_bytes": 6 * GB, "cpu_quota": 1.0}
 
 
+def test_a_quota_under_one_cpu_is_said_before_anything_is_timed(monkeypatch, caplog):
+    from optpipe.recipe.schema import Recipe
+
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(None, None, 0.5))
+    recipe = Recipe.model_validate({**small_recipe({"onnx": "m.onnx"}), "evaluate": {"threads": 1}})
+    with caplog.at_level(logging.WARNING):
+        resource_bounds.check_resources(recipe, "recipe.yaml")
+    assert recipe.evaluate.threads == 1
+    assert "CPU quota is 0.5 CPUs, under one: every latency figure includes the quota's waits" in caplog.text
+
+
 def _writable_v1(controller: str, probe: str) -> Path | None:
     root = Path("/sys/fs/cgroup") / controller
     return root if (root / probe).exists() and os.access(root, os.W_OK) else None

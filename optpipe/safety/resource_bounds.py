@@ -69,15 +69,20 @@ def check_resources(recipe: Recipe, origin: str) -> None:
 
 
 def _cap_threads(recipe: Recipe) -> None:
-    cores = available_cores()
-    if recipe.evaluate.threads > cores:
-        from optpipe.hardware.container_limits import read_limits
+    from optpipe.hardware.container_limits import read_limits
 
-        limits = read_limits()
-        why = f" (this container's CPU quota is {limits.cpu_quota:g} CPUs)" if limits.cores() == cores else ""
+    cores, limits = available_cores(), read_limits()
+    quota = limits.cpu_quota
+    if recipe.evaluate.threads > cores:
+        why = f" (this container's CPU quota is {quota:g} CPUs)" if limits.cores() == cores else ""
         log.warning("evaluate.threads: %d is more than the %d cores available%s; using %d", recipe.evaluate.threads, cores,
                     why, cores)
         recipe.evaluate.threads = cores
+    if quota is not None and quota < 1:
+        # Even one thread runs out of a quota under one CPU in every period and waits for the next: the waits land
+        # in the timed calls (each figure then says so, flagged busy: optpipe.evaluation.cpu_contention).
+        log.warning("this container's CPU quota is %g CPUs, under one: every latency figure includes the quota's waits "
+                    "(flagged busy); give the container at least one whole CPU to measure", quota)
 
 
 def _check_batch_sizes(recipe: Recipe, origin: str) -> None:
