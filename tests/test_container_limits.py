@@ -335,3 +335,38 @@ def test_the_driver_of_a_cluster_does_not_judge_the_nodes_memory(tmp_path, monke
         _preflight(recipe, settings, here=True)
     _preflight(recipe, settings, here=False)
     assert "export" in node_refusals(CompilePlan.of(recipe))  # what the node's task says, on a node this small
+
+
+def test_a_node_too_small_for_the_eager_baseline_fails_its_row_before_the_model_loads(tmp_path, monkeypatch):
+    """A fan-out's evaluation task on a machine whose memory cannot hold eager's evaluation (a Ray node smaller than
+    the driver): the eager row fails with the memory line, the model is never built; with room, eager is measured."""
+    from optpipe.execution import stage_tasks
+    from optpipe.execution.executors import settings_for
+    from optpipe.execution.services import RunServices
+    from optpipe.plan.compile_plan import CompilePlan
+    from optpipe.safety.recipe_loading import parse_recipe
+
+    bert = {"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+            "intermediate_size": 64, "vocab_size": 100}
+    recipe = parse_recipe({
+        "name": "tiny-bert", "model": {"hf_config": bert},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", 8], "range": [0, 100]}],
+        "dims": {"batch": {"min": 1, "opt": 1, "max": 2}},
+        "data": {"eval": {"source": "synthetic", "samples": 4, "seed": 0}},
+        "stages": {"export": {"pass": "export"}},
+        "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 3, "threads": 1},
+    }, base_dir=tmp_path)
+    plan, settings = CompilePlan.of(recipe), settings_for(tmp_path / "cache", tmp_path / "run", False, "auto")
+    built = []
+    original = RunServices.torch_model
+    monkeypatch.setattr(RunServices, "torch_model", lambda self: built.append(1) or original(self))
+    monkeypatch.setattr(memory_estimate, "_held_by_this_process", lambda: 0)
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(1 << 20, 0, None))
+    [row] = stage_tasks.evaluate(plan, [], {}, "export", True, settings)
+    assert (row.name, row.status, row.error_kind) == ("pytorch-eager", "failed", "input")
+    assert row.reason.startswith("PyTorch eager baseline not run here: (") and "needs about" in row.reason
+    assert not built
+
+    monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(None, None, None))
+    [row] = stage_tasks.evaluate(plan, [], {}, "export", True, settings)
+    assert row.status == "ok" and row.latency and built

@@ -108,19 +108,34 @@ def evaluate(plan: CompilePlan, names: list[str], outcomes: dict, reference: str
     from optpipe.execution.stage_evaluation import EvaluationParts, evaluate_stages
     from optpipe.pass_infra.instruments import Instruments
 
+    refused = _eager_refused(plan) if eager else None
     cache = settings.open_cache()
-    scoped = plan.with_evaluate(reference=reference, eager_baseline=eager)
+    scoped = plan.with_evaluate(reference=reference, eager_baseline=eager and refused is None)
     try:
         outcomes = {stage: held_keeping_figures(plan, result, settings, cache) for stage, result in outcomes.items()}
         results = evaluate_stages(EvaluationParts.of(scoped), names, outcomes, RunServices(scoped.model_source(), scoped.data, cache), cache, settings.providers, Instruments(),
                                   settings.force)
     finally:
         cache.release_leases()
+    results = ([refused] if refused is not None else []) + results
     node = node_description()
     for result in results:
         if result.latency:
             result.measured_on = node
     return results
+
+
+def _eager_refused(plan: CompilePlan) -> StageResult | None:
+    """The eager baseline's row, failed before its model loads, where its evaluation will not fit this machine's memory
+    (a Ray node smaller than the driver: where the stages run on the driver, the driver refused the run already)."""
+    from optpipe.execution.stage_evaluation import EAGER_STAGE
+    from optpipe.plan.source_preflight import node_refusals
+
+    line = node_refusals(plan).get(EAGER_STAGE)
+    if line is None:
+        return None
+    return StageResult(name=EAGER_STAGE, pass_name="eager", status="failed", error_kind="input", duration_s=0.0,
+                       reason=f"PyTorch eager baseline not run here: {line}")
 
 
 def held_keeping_figures(plan: CompilePlan, result: StageResult, settings: TaskSettings, cache) -> StageResult:

@@ -59,9 +59,10 @@ def memory_refusals(recipe: Recipe, onnx_path: Path | None) -> dict[str, str]:
 
 
 def node_refusals(plan: CompilePlan) -> dict[str, str]:
-    """memory_refusals' lines for the stages of a plan, against the memory of the machine this runs on, refusing nothing
-    at once: a fan-out's task checks its stage where it runs (a Ray node has its own memory; a search trial its own
-    params), and the stage fails before it runs where it will not fit, while the other stages go on."""
+    """memory_refusals' lines for the stages of a plan (and its eager baseline's evaluation, "pytorch-eager"), against
+    the memory of the machine this runs on, refusing nothing at once: a fan-out's task checks its stage where it runs
+    (a Ray node has its own memory; a search trial its own params), and the stage fails before it runs where it will
+    not fit, while the other stages go on."""
     from optpipe.safety.memory_estimate import over_budget
     from optpipe.source.model_source import onnx_path
 
@@ -69,8 +70,7 @@ def node_refusals(plan: CompilePlan) -> dict[str, str]:
     if sized is None:
         return {}
     weights, steps, held, tied = sized
-    return {name: line for name, line in over_budget(weights, steps, held=held, tied_table=tied).items()
-            if name in plan.stages}
+    return over_budget(weights, steps, held=held, tied_table=tied)
 
 
 def memory_estimates(recipe: Recipe, onnx_path: Path | None) -> dict[str, int]:
