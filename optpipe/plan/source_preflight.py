@@ -43,13 +43,9 @@ def memory_refusals(recipe: Recipe, onnx_path: Path | None) -> dict[str, str]:
     """Each stage's estimated peak against the memory available (safety/memory_estimate.py): stage -> why it will
     not fit. Where nothing could run (no first stage fits, or the eager baseline every figure is measured against
     does not), the run is refused at once, naming the stage. No estimate for sources that must run to know their size."""
-    from optpipe.safety.memory_estimate import over_budget, refusal
+    from optpipe.safety.memory_estimate import refusal
 
-    sized = _sizing(recipe, onnx_path)
-    if sized is None:
-        return {}
-    weights, steps, held, tied = sized
-    refused = over_budget(weights, steps, held=held, tied_table=tied)
+    refused = _over_budget(recipe, onnx_path)
     roots = [name for name, stage in recipe.stages.items() if stage.after is None]
     blocking = [roots[0]] if roots and all(name in refused for name in roots) else []
     blocking += [name for name in refused if name not in recipe.stages]  # the eager baseline
@@ -63,10 +59,16 @@ def node_refusals(plan: CompilePlan) -> dict[str, str]:
     the memory of the machine this runs on, refusing nothing at once: a fan-out's task checks its stage where it runs
     (a Ray node has its own memory; a search trial its own params), and the stage fails before it runs where it will
     not fit, while the other stages go on."""
-    from optpipe.safety.memory_estimate import over_budget
     from optpipe.source.model_source import onnx_path
 
-    sized = _sizing(plan, onnx_path(plan.model_source()))
+    return _over_budget(plan, onnx_path(plan.model_source()))
+
+
+def _over_budget(recipe: Sizable, onnx_path: Path | None) -> dict[str, str]:
+    """stage (and the eager baseline) -> why it will not fit this machine's memory; {} for a source of unknown size."""
+    from optpipe.safety.memory_estimate import over_budget
+
+    sized = _sizing(recipe, onnx_path)
     if sized is None:
         return {}
     weights, steps, held, tied = sized

@@ -117,11 +117,11 @@ def _preflight(recipe: Recipe, settings: TaskSettings, here: bool) -> None:
 
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
     try:
-        services = RunServices(recipe.model_source(), recipe.data, cache)
-        preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
+        services, onnx = RunServices(recipe.model_source(), recipe.data, cache), onnx_path(recipe.model_source())
+        preflight(recipe, onnx, services.eval_set, services.calibration_set, cache)
         if here:
-            source_preflight(recipe, onnx_path(recipe.model_source()))
+            source_preflight(recipe, onnx)
         else:
-            check_generation(recipe, onnx_path(recipe.model_source()))
+            check_generation(recipe, onnx)
     finally:
         cache.release_leases()
