@@ -64,6 +64,12 @@ def others_share(start: Optional[CpuSnapshot], end: Optional[CpuSnapshot]) -> Op
     return round(min(1.0, max(0.0, others / ((end.wall_s - start.wall_s) * end.cpus))), 3)
 
 
+def shares(start: Optional[CpuSnapshot], end: Optional[CpuSnapshot]) -> tuple[Optional[float], Optional[float]]:
+    """(other processes' share, the container quota's held-back share) between two snapshots: what a figure's busy
+    check reads (optpipe.evaluation.latency.busy_reason)."""
+    return others_share(start, end), throttled_share(start, end)
+
+
 def throttled_share(start: Optional[CpuSnapshot], end: Optional[CpuSnapshot]) -> Optional[float]:
     """The share (0..1) of this process's CPU time the container's quota held it back between two snapshots
     (the kernel sums the throttled time over the CPUs' run queues: divided by the CPUs' wall time); None

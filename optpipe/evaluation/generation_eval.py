@@ -206,8 +206,7 @@ class GenerationEvaluator:
                                       decode_tokens_per_s=statistics.median(g.decode_tokens_per_s for g in own),
                                       eager_ttft_ms=_median_ms(g.ttft_s for g in eager) if eager else None,
                                       eager_decode_tokens_per_s=statistics.median(g.decode_tokens_per_s for g in eager) if eager else None))
-            after = cpu_contention.snapshot()
-            others = cpu_contention.others_share(before, after), cpu_contention.throttled_share(before, after)
+            others = cpu_contention.shares(before, cpu_contention.snapshot())
             latency.append(self._latency(batch, own, eager, provider, others))
         return rows, latency
 

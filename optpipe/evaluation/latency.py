@@ -178,8 +178,7 @@ def measure(
         steady = float(np.median(np.concatenate(blocks[name]))) if settled[name] is not None else None
         warmth.record(fn, feeds, steady)
     load = max(load, _load_average()) if load is not None else None
-    cpu_end = cpu_contention.snapshot()
-    others = cpu_contention.others_share(cpu_start, cpu_end), cpu_contention.throttled_share(cpu_start, cpu_end)
+    others = cpu_contention.shares(cpu_start, cpu_contention.snapshot())
     latency = _summarise(blocks["candidate"], feeds, provider, load, others, stopped if adaptive else None)
     if baseline is not None:
         eager = _summarise(blocks["baseline"], feeds, "baseline", load, others)
