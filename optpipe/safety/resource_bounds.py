@@ -20,25 +20,30 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from optpipe.core.errors import RecipeError
 from optpipe.recipe.schema import InputSpec, Recipe
 
+if TYPE_CHECKING:
+    from optpipe.hardware.container_limits import ContainerLimits
+
 log = logging.getLogger("optpipe.recipe.schema")
 
 
-def available_cores() -> int:
+def available_cores(limits: ContainerLimits | None = None) -> int:
     """The cores this process may run on (its CPU affinity), fewer where a container's CPU quota pays for fewer:
-    threads beyond the quota are throttled, which turns latency figures into noise."""
+    threads beyond the quota are throttled, which turns latency figures into noise. `limits`: the cgroup's, where the
+    caller read them already."""
     from optpipe.hardware.container_limits import read_limits
 
     try:
         cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         cores = max(1, os.cpu_count() or 1)
-    quota = read_limits().cores()
+    quota = (limits or read_limits()).cores()
     return cores if quota is None else min(cores, quota)
 
 
@@ -71,8 +76,8 @@ def check_resources(recipe: Recipe, origin: str) -> None:
 def _cap_threads(recipe: Recipe) -> None:
     from optpipe.hardware.container_limits import read_limits
 
-    cores, limits = available_cores(), read_limits()
-    quota = limits.cpu_quota
+    limits = read_limits()
+    cores, quota = available_cores(limits), limits.cpu_quota
     if recipe.evaluate.threads > cores:
         why = f" (this container's CPU quota is {quota:g} CPUs)" if limits.cores() == cores else ""
         log.warning("evaluate.threads: %d is more than the %d cores available%s; using %d", recipe.evaluate.threads, cores,
