@@ -17,9 +17,11 @@ head in float, untouched.
 From 256 MB of weights the quantizer runs in a worker that reads each weight from disk when it quantizes it
 (passes/_weight_only_on_disk.py; Gemma 3 270M's passes 3.2-3.4 -> 0.85-1.18 GB in a compile, docs/memory.md).
 
-Nothing is calibrated (round-to-nearest per block, or HQQ's optimized scales): the stage's accuracy
-is what the evaluation measures against the reference, and the stage info lists what was quantized
-and what was left in float and why.
+Nothing is calibrated by the default algorithm (round-to-nearest per block) or HQQ (optimized scales). `algorithm:
+awq` is the data-aware one: NNCF's activation-aware INT4 on data.calibration, its statistics run by ONNX Runtime,
+`ratio` of the MatMuls in INT4 and the rest at 8 bits (passes/_nncf_awq.py; ORT's own GPTQ returns round-to-nearest,
+docs/llm.md). The stage's accuracy is what the evaluation measures against the reference, and the stage info lists
+what was quantized and what was left in float and why.
 """
 from __future__ import annotations
 
@@ -45,9 +47,14 @@ class WeightOnlyParams(PassParams):
     accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
         4, description="MatMulNBits compute type: 4 = int8 activations (fast on ORT CPU), 1 = fp32, 0 = the kernel's default"
     )
-    algorithm: Literal["default", "hqq"] = Field(
+    algorithm: Literal["default", "hqq", "awq"] = Field(
         "default", description="default: round-to-nearest per block; hqq: Half-Quadratic Quantization's optimized scales "
-        "(4 bits, asymmetric)")
+        "(4 bits, asymmetric); awq: NNCF's activation-aware INT4 on data.calibration (4 bits, symmetric; the MatMuls it "
+        "leaves and the LM head at 8 bits)")
+    ratio: float = Field(1.0, gt=0, le=1, description="awq: share of the MatMuls in INT4 (NNCF ranks them by their "
+                         "activations' sensitivity), the rest at 8 bits")
+    scale_estimation: bool = Field(False, description="awq: NNCF's scale estimation after AWQ (each block's scale fitted "
+                                   "to its layer's output on the calibration data)")
     gather: bool = Field(False, description="also quantize embedding tables (Gather -> GatherBlockQuantized): smaller, not faster")
     exclude: list[str] = Field(default_factory=list, description="node names kept in float (e.g. the LM head)")
 
@@ -64,6 +71,12 @@ class WeightOnlyParams(PassParams):
         if self.algorithm == "hqq" and (self.bits != 4 or self.symmetric):
             raise ValueError("algorithm hqq quantizes to 4 bits, asymmetric: set `bits: 4` and `symmetric: false`, "
                              "or `algorithm: default`")
+        if self.algorithm == "awq" and (self.bits != 4 or not self.symmetric):
+            # passes/_nncf_awq.py: NNCF 3.4 writes asymmetric INT4 zero points that ONNX Runtime 1.31 refuses to load.
+            raise ValueError("algorithm awq quantizes to 4 bits, symmetric (NNCF's asymmetric zero points do not load "
+                             "in ONNX Runtime): set `bits: 4` and `symmetric: true`, or `algorithm: default`")
+        if self.algorithm != "awq" and (self.ratio != 1 or self.scale_estimation):
+            raise ValueError("`ratio` and `scale_estimation` are options of `algorithm: awq`: set it, or remove them")
         return self
 
 
@@ -75,10 +88,28 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
     # 3: an unnamed Gemm's MatMul + Add named after its output (two unnamed Gemms made a graph ORT refused)
     Params = WeightOnlyParams
     libraries = ("onnx", "onnxruntime", "onnxruntime-gpu")
+    calibration_use = ("weight_only with algorithm awq", "set `params: {algorithm: default}`")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.params.algorithm == "awq"
+
+    def fingerprint(self, ctx: PassContext) -> dict:
+        """awq: NNCF's version, and the CPU class its statistics ran on (ORT's kernels), join the key."""
+        if self.params.algorithm != "awq":
+            return {}
+        from importlib.metadata import version
+
+        from optpipe.hardware.cpu_features import engine_target
+
+        return {"nncf": version("nncf"), "cpu": engine_target("onnxruntime").key()}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params
-        if model.size_bytes() >= _weight_only_on_disk.WORKER_MIN_BYTES:
+        if params.algorithm == "awq":
+            before = op_histogram(model.load(with_weights=False))
+            artifact, facts = _awq(model, params, ctx)
+        elif model.size_bytes() >= _weight_only_on_disk.WORKER_MIN_BYTES:
             before = op_histogram(model.load(with_weights=False))
             artifact, facts = _on_disk(model, params, ctx)
         else:
@@ -103,6 +134,7 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
             "accuracy_level": params.accuracy_level,
             "compute": "int8 activations x int%d weights" % params.bits if params.accuracy_level == 4 else "float (weights dequantized)",
             "algorithm": params.algorithm,
+            **({"ratio": params.ratio, "scale_estimation": params.scale_estimation} if params.algorithm == "awq" else {}),
             "quantized": sum(n.op_type in ("MatMulNBits", "GatherBlockQuantized") for n in graph.graph.node),
             **facts,  # candidates, gemms_as_matmuls, transposed_weights (tied LM heads), left_in_float, weights
             "excluded": params.exclude,
@@ -124,4 +156,20 @@ def _on_disk(model: ModelArtifact, params: WeightOnlyParams, ctx: PassContext) -
                 raise PassError(exc.said) from None
             raise PassError(f"ONNX Runtime's MatMulNBits quantizer failed: {exc}; try another `block_size`, "
                             "or `exclude` the node it names") from None
+    return ModelArtifact(folder=ctx.workdir, info={}), {**facts, "weights": "on disk (worker)"}
+
+
+def _awq(model: ModelArtifact, params: WeightOnlyParams, ctx: PassContext) -> tuple[ModelArtifact, dict]:
+    """NNCF's AWQ in its worker (passes/_nncf_awq.py), whatever the model's size: its statistics sessions and graph
+    copies are given back when the worker exits."""
+    from optpipe.passes import _nncf_awq
+
+    with tempfile.TemporaryDirectory(dir=ctx.workdir) as scratch:
+        try:
+            facts = _nncf_awq.awq_on_disk(model.path, params.model_dump(mode="json"), ctx, Path(scratch))
+        except _weight_only_on_disk.DiskWorkerFailed as exc:
+            if exc.said:
+                raise PassError(exc.said) from None
+            raise PassError(f"NNCF's AWQ weight compression failed: {exc}; try another `block_size` or `ratio`, "
+                            "or `algorithm: default`") from None
     return ModelArtifact(folder=ctx.workdir, info={}), {**facts, "weights": "on disk (worker)"}

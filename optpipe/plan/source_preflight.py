@@ -146,7 +146,8 @@ def stage_steps(recipe: Sizable, weights: int) -> dict[str, str]:
 def _step_kind(pass_name: str, params: dict, weights: int) -> str:
     """A stage's kind of step for the memory estimate: its pass, or how that pass runs on these weights."""
     from optpipe.passes._weight_only_on_disk import WORKER_MIN_BYTES
-    from optpipe.safety.memory_estimate import OV_DATA_AWARE, OV_INT8, TORCHSCRIPT_EXPORT, WEIGHT_ONLY_COPY, WEIGHT_ONLY_WORKER
+    from optpipe.safety.memory_estimate import (OV_DATA_AWARE, OV_INT8, TORCHSCRIPT_EXPORT, WEIGHT_ONLY_AWQ, WEIGHT_ONLY_COPY,
+                                                WEIGHT_ONLY_WORKER)
 
     if pass_name == "openvino" and params.get("precision") == "int8":
         return OV_INT8
@@ -154,6 +155,8 @@ def _step_kind(pass_name: str, params: dict, weights: int) -> str:
         return TORCHSCRIPT_EXPORT  # `auto` tries dynamo first, in a worker from 256 MB: the plain export's factor
     if pass_name == "openvino_weights" and params.get("data_aware"):
         return OV_DATA_AWARE
+    if pass_name == "weight_only" and params.get("algorithm") == "awq":
+        return WEIGHT_ONLY_AWQ  # NNCF's statistics sessions, in its worker whatever the size
     if pass_name == "weight_only" and params.get("algorithm") == "hqq":
         return WEIGHT_ONLY_COPY  # the tied head's float copy (HQQ takes the whole weight), in a worker or not
     if pass_name == "weight_only" and weights >= WORKER_MIN_BYTES:
