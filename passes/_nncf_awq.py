@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
+from optpipe.passes._calibration_feeds import calibration_feeds
 from optpipe.passes._disk_worker import SHAPE_TENSOR_BYTES, graph_with_small_tensors, run_on_disk, save_reading_from, worker_main
 from optpipe.passes._nbits_quantize import quantize_weights, weight_matmuls
 
@@ -44,7 +45,7 @@ LOG = "optpipe.passes.weight_only"
 
 def awq_on_disk(model_path: Path, params: dict, ctx: "PassContext", scratch: Path) -> dict:
     """The compressed model written as an artifact in ctx.workdir, from a worker; what was done."""
-    feeds = calibration_feeds(ctx, model_path)
+    feeds = onnx_calibration_feeds(ctx, model_path)
     scratch.mkdir(parents=True, exist_ok=True)
     arrays = {f"{i}/{name}": value for i, batch in enumerate(feeds) for name, value in batch.items()}
     np.savez(scratch / CALIBRATION_FILE, **arrays)
@@ -53,18 +54,12 @@ def awq_on_disk(model_path: Path, params: dict, ctx: "PassContext", scratch: Pat
     return run_on_disk("optpipe.passes._nncf_awq", model_path, request, scratch, "NNCF's AWQ")
 
 
-def calibration_feeds(ctx: "PassContext", model_path: Path) -> list[dict[str, np.ndarray]]:
-    """data.calibration in batches the graph takes (one sample each where it has a batch dim), each completed to its
-    prefill for a KV-cache decoder (a mask of ones, an empty past)."""
-    from optpipe.core.runtime import prefill_feeds
-    from optpipe.evaluation.guard import accuracy_batch
-
+def onnx_calibration_feeds(ctx: "PassContext", model_path: Path) -> list[dict[str, np.ndarray]]:
+    """data.calibration in the batches the ONNX graph takes (passes/_calibration_feeds.py)."""
     graph = onnx.load(str(model_path), load_external_data=False).graph
     shapes = [(i.name, [d.dim_value if d.HasField("dim_value") else d.dim_param for d in i.type.tensor_type.shape.dim])
               for i in graph.input]
-    samples = ctx.calibration_set()
-    size = 1 if ctx.inputs.batch_dim() else accuracy_batch(ctx.inputs, ctx.evaluate)
-    return [prefill_feeds(batch, shapes) for batch in samples.batches(size) if len(next(iter(batch.values()))) == size]
+    return calibration_feeds(ctx, shapes)
 
 
 def compress(model: onnx.ModelProto, params, folder: Path, feeds: list[dict[str, np.ndarray]], log: logging.Logger):

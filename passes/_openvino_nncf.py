@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from optpipe.core.artifact import ModelArtifact
-from optpipe.core.errors import DataError, PassError, RecipeError, first_line
-from optpipe.core.runtime import prefill_feeds
+from optpipe.core.errors import PassError, RecipeError, first_line
 from optpipe.evaluation import openvino_runtime as ovr
+from optpipe.passes._calibration_feeds import calibration_feeds
 from optpipe.passes._openvino_guard import fake_quantize_count, repair, model_feeds, nncf_logs_to
 from optpipe.passes._openvino_isa import int8_preset
 from optpipe.hardware.cpu_features import engine_target, int8_sums_saturate
@@ -83,19 +83,8 @@ def preset_choice(params: OpenVinoParams, transformer: bool) -> dict[str, str]:
 
 
 def calibration_batches(ctx: PassContext, converted) -> list[dict[str, np.ndarray]]:
-    """The calibration set in batches the model takes: one sample each, or a model without a batch
-    dim's fixed batch (a trailing partial batch dropped: the model cannot take it)."""
-    from optpipe.evaluation.guard import accuracy_batch
-
-    samples = ctx.calibration_set()
-    size = 1 if ctx.inputs.batch_dim() else accuracy_batch(ctx.inputs, ctx.evaluate)
-    if len(samples) < size:
-        raise DataError(f"data.calibration: {len(samples)} samples, fewer than the model's fixed batch of {size}; "
-                        f"give at least {size} samples")
-    # A KV-cache decoder's forward also takes a mask and a past per layer: each sample is its prefill.
-    shapes = ovr.input_shapes(converted)
-    return [model_feeds(prefill_feeds(b, shapes), converted) for b in samples.batches(size)
-            if len(next(iter(b.values()))) == size]
+    """The calibration set in batches the converted model takes (passes/_calibration_feeds.py), fed by its names."""
+    return [model_feeds(feeds, converted) for feeds in calibration_feeds(ctx, ovr.input_shapes(converted))]
 
 
 def exclude_names(params: OpenVinoParams, model: ModelArtifact, converted, stage: str) -> list[str]:
