@@ -113,6 +113,10 @@ def pass_warnings(info: dict) -> list[str]:
     guard = info.get("guard") or {}
     if isinstance(guard, dict) and guard.get("unconverted"):
         warnings.append(f"guard: {guard['unconverted']}")
+    if info.get("algorithm") == "awq" and info.get("int4_matmuls") == 0:
+        warnings.append(f"awq: NNCF put no MatMul in INT4 (ratio {info.get('ratio')}, block_size {info.get('block_size')}); "
+                        "every weight is at 8 bits, round-to-nearest: raise `ratio`, or use a `block_size` that divides "
+                        "the MatMuls' input width")
     return warnings
 
 
