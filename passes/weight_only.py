@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -51,8 +51,8 @@ class WeightOnlyParams(PassParams):
         "default", description="default: round-to-nearest per block; hqq: Half-Quadratic Quantization's optimized scales "
         "(4 bits, asymmetric); awq: NNCF's activation-aware INT4 on data.calibration (4 bits, symmetric; the MatMuls it "
         "leaves and the LM head at 8 bits)")
-    ratio: float = Field(1.0, gt=0, le=1, description="awq: share of the MatMuls in INT4 (NNCF ranks them by their "
-                         "activations' sensitivity), the rest at 8 bits")
+    ratio: float = Field(1.0, gt=0, le=1, description="awq: share of the MatMuls' weights in INT4, whole layers (NNCF ranks "
+                         "them by their activations' sensitivity), the rest at 8 bits")
     scale_estimation: bool = Field(False, description="awq: NNCF's scale estimation after AWQ (each block's scale fitted "
                                    "to its layer's output on the calibration data)")
     gather: bool = Field(False, description="also quantize embedding tables (Gather -> GatherBlockQuantized): smaller, not faster")
@@ -132,7 +132,7 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
             "block_size": params.block_size,
             "symmetric": params.symmetric,
             "accuracy_level": params.accuracy_level,
-            "compute": "int8 activations x int%d weights" % params.bits if params.accuracy_level == 4 else "float (weights dequantized)",
+            "compute": f"int8 activations x {_widths(params)} weights" if params.accuracy_level == 4 else "float (weights dequantized)",
             "algorithm": params.algorithm,
             **({"ratio": params.ratio, "scale_estimation": params.scale_estimation} if params.algorithm == "awq" else {}),
             "quantized": sum(n.op_type in ("MatMulNBits", "GatherBlockQuantized") for n in graph.graph.node),
@@ -146,17 +146,15 @@ class WeightOnlyPass(Pass[WeightOnlyParams]):
         return write_info(ctx.workdir, info)
 
 
+def _widths(params: WeightOnlyParams) -> str:
+    return "int4 and int8" if params.algorithm == "awq" else f"int{params.bits}"
+
+
 def _on_disk(model: ModelArtifact, params: WeightOnlyParams, ctx: PassContext) -> tuple[ModelArtifact, dict]:
     """The quantized artifact and what was done, from a worker reading the weights from disk."""
-    with tempfile.TemporaryDirectory(dir=ctx.workdir) as scratch:
-        try:
-            facts = _weight_only_on_disk.quantize_on_disk(model.path, params.model_dump(mode="json"), ctx.workdir, Path(scratch))
-        except _weight_only_on_disk.DiskWorkerFailed as exc:
-            if exc.said:  # a refusal the pass worded itself, in the worker
-                raise PassError(exc.said) from None
-            raise PassError(f"ONNX Runtime's MatMulNBits quantizer failed: {exc}; try another `block_size`, "
-                            "or `exclude` the node it names") from None
-    return ModelArtifact(folder=ctx.workdir, info={}), {**facts, "weights": "on disk (worker)"}
+    return _in_worker(
+        lambda scratch: _weight_only_on_disk.quantize_on_disk(model.path, params.model_dump(mode="json"), ctx.workdir, scratch),
+        "ONNX Runtime's MatMulNBits quantizer failed: {}; try another `block_size`, or `exclude` the node it names", ctx)
 
 
 def _awq(model: ModelArtifact, params: WeightOnlyParams, ctx: PassContext) -> tuple[ModelArtifact, dict]:
@@ -164,12 +162,19 @@ def _awq(model: ModelArtifact, params: WeightOnlyParams, ctx: PassContext) -> tu
     copies are given back when the worker exits."""
     from optpipe.passes import _nncf_awq
 
+    return _in_worker(
+        lambda scratch: _nncf_awq.awq_on_disk(model.path, params.model_dump(mode="json"), ctx, scratch),
+        "NNCF's AWQ weight compression failed: {}; try another `block_size` or `ratio`, or `algorithm: default`", ctx)
+
+
+def _in_worker(work: Callable[[Path], dict], failed: str, ctx: PassContext) -> tuple[ModelArtifact, dict]:
+    """The artifact a disk worker wrote into the stage's folder (`work` runs it with a scratch folder) and its facts;
+    its failure as one line: the pass's own words where the worker raised them, else `failed` with its message."""
     with tempfile.TemporaryDirectory(dir=ctx.workdir) as scratch:
         try:
-            facts = _nncf_awq.awq_on_disk(model.path, params.model_dump(mode="json"), ctx, Path(scratch))
+            facts = work(Path(scratch))
         except _weight_only_on_disk.DiskWorkerFailed as exc:
-            if exc.said:
+            if exc.said:  # a refusal the pass worded itself, in the worker
                 raise PassError(exc.said) from None
-            raise PassError(f"NNCF's AWQ weight compression failed: {exc}; try another `block_size` or `ratio`, "
-                            "or `algorithm: default`") from None
+            raise PassError(failed.format(exc)) from None
     return ModelArtifact(folder=ctx.workdir, info={}), {**facts, "weights": "on disk (worker)"}
