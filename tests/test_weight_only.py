@@ -448,31 +448,3 @@ def test_nncf_compression_reads_weights_unmapped(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(ovr, "read_onnx", lambda p, mmap=True: asked.append(mmap) or real(p, mmap=mmap))
     _run(setup, "openvino_weights", "ov-unmapped", mode="int4_sym", group_size=32)
     assert asked == [False]
-
-
-def test_awq_on_a_graph_that_is_no_decoder(setup):
-    """NNCF's AWQ (passes/_nncf_awq.py) on an MLP with an attention-like MatMul: the MatMuls with a weight in INT4
-    from the calibration batches, except the last one (NNCF keeps a model's last MatMul, an LM head's place, out of
-    INT4), which goes to 8 bits; the activations' MatMul left alone; the output as close as round-to-nearest's."""
-    tmp, source, _, feeds, reference = setup
-    out = _run(setup, "weight_only", "awq", bits=4, block_size=32, algorithm="awq")
-    graph = out.load(with_weights=False).graph
-    bits = sorted(helper.get_attribute_value(a) for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute
-                  if a.name == "bits")
-    assert bits == [4, 8] and out.info["int4_matmuls"] == 1 and out.info["int8_matmuls"] == 1
-    assert [n.name for n in graph.node if n.op_type == "MatMul"] == ["scores"]
-    assert _worst_cosine(run_model(out.path, feeds)[0], reference) >= 0.98
-
-
-def test_awq_that_put_nothing_in_int4_says_so(setup):
-    """NNCF keeps the last MatMul out of INT4 and fills `ratio` of the rest's weights a whole layer at a time: half of
-    this MLP's one other MatMul is no layer, so nothing is INT4 and the stage is INT8 round-to-nearest; it says so.
-    A block wider than a MatMul's input (K 128) at ratio 1 is NNCF's refusal, one line naming the fix."""
-    from optpipe.evaluation.verdict import pass_warnings
-
-    out = _run(setup, "weight_only", "awq-half", bits=4, block_size=32, algorithm="awq", ratio=0.5)
-    assert out.info["int4_matmuls"] == 0 and out.info["int8_matmuls"] == 2
-    [warning] = pass_warnings(out.info)
-    assert warning.startswith("awq: NNCF put no MatMul in INT4 (ratio 0.5, block_size 32)")
-    with pytest.raises(PassError, match=r"NNCF's AWQ weight compression failed: InvalidGroupSizeError.*`block_size`"):
-        _run(setup, "weight_only", "awq-wide", bits=4, block_size=256, algorithm="awq")

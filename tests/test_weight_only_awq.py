@@ -9,7 +9,9 @@ import pytest
 import yaml
 
 from optpipe.passes import get_pass
+from optpipe.core.errors import PassError
 from test_generation_report import decoder_recipe
+from test_weight_only import _run, _worst_cosine, run_model, setup  # noqa: F401 (setup: the MLP fixture)
 
 AWQ = {"bits": 4, "block_size": 32, "algorithm": "awq", "ratio": 0.5}
 
@@ -105,3 +107,31 @@ def test_awq_without_calibration_data_is_refused_naming_it(tmp_path):
     result = CliRunner().invoke(cli, ["compile", str(recipe), "--cache-dir", str(tmp_path / "cache")])
     assert result.exit_code == 2, result.output
     assert "data.calibration" in result.output and "algorithm awq" in result.output
+
+
+def test_awq_on_a_graph_that_is_no_decoder(setup):
+    """NNCF's AWQ (passes/_nncf_awq.py) on an MLP with an attention-like MatMul: the MatMuls with a weight in INT4
+    from the calibration batches, except the last one (NNCF keeps a model's last MatMul, an LM head's place, out of
+    INT4), which goes to 8 bits; the activations' MatMul left alone; the output as close as round-to-nearest's."""
+    tmp, source, _, feeds, reference = setup
+    out = _run(setup, "weight_only", "awq", bits=4, block_size=32, algorithm="awq")
+    graph = out.load(with_weights=False).graph
+    bits = sorted(onnx.helper.get_attribute_value(a) for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+                  if a.name == "bits")
+    assert bits == [4, 8] and out.info["int4_matmuls"] == 1 and out.info["int8_matmuls"] == 1
+    assert [n.name for n in graph.node if n.op_type == "MatMul"] == ["scores"]
+    assert _worst_cosine(run_model(out.path, feeds)[0], reference) >= 0.98
+
+
+def test_awq_that_put_nothing_in_int4_says_so(setup):
+    """NNCF keeps the last MatMul out of INT4 and fills `ratio` of the rest's weights a whole layer at a time: half of
+    this MLP's one other MatMul is no layer, so nothing is INT4 and the stage is INT8 round-to-nearest; it says so.
+    A block wider than a MatMul's input (K 128) at ratio 1 is NNCF's refusal, one line naming the fix."""
+    from optpipe.evaluation.verdict import pass_warnings
+
+    out = _run(setup, "weight_only", "awq-half", bits=4, block_size=32, algorithm="awq", ratio=0.5)
+    assert out.info["int4_matmuls"] == 0 and out.info["int8_matmuls"] == 2
+    [warning] = pass_warnings(out.info)
+    assert warning.startswith("awq: NNCF put no MatMul in INT4 (ratio 0.5, block_size 32)")
+    with pytest.raises(PassError, match=r"NNCF's AWQ weight compression failed: InvalidGroupSizeError.*`block_size`"):
+        _run(setup, "weight_only", "awq-wide", bits=4, block_size=256, algorithm="awq")
