@@ -73,7 +73,7 @@ def quantize(source: onnx.ModelProto, params: WeightOnlyParams, log: logging.Log
                         "try another `block_size`, or `exclude` the node it names") from None
     result = quantizer.model.model
     if params.algorithm == "hqq":
-        _set_accuracy_level(result, params.accuracy_level)  # HQQ's config has no accuracy level of its own
+        set_accuracy_level(result, params.accuracy_level)  # HQQ's config has no accuracy level of its own
     return result, config
 
 
@@ -99,10 +99,16 @@ def weight_matmuls(model: onnx.ModelProto, excluded: list[str], heads: set[str] 
     return taken, skipped[:50]
 
 
-def _set_accuracy_level(model: onnx.ModelProto, level: int) -> None:
+def set_accuracy_level(model: onnx.ModelProto, level: int) -> None:
+    """Every MatMulNBits computes at `level`: the attribute set where a writer gave another, added where it gave none."""
     for node in model.graph.node:
-        if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+        if node.op_type != "MatMulNBits":
+            continue
+        attribute = next((a for a in node.attribute if a.name == "accuracy_level"), None)
+        if attribute is None:
             node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
+        else:
+            attribute.i = level
 
 
 def _check_names(model: onnx.ModelProto, names: list[str]) -> None:

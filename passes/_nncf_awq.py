@@ -34,7 +34,7 @@ import onnx
 
 from optpipe.passes._calibration_feeds import calibration_feeds
 from optpipe.passes._disk_worker import SHAPE_TENSOR_BYTES, graph_with_small_tensors, run_on_disk, save_reading_from, worker_main
-from optpipe.passes._nbits_quantize import quantize_weights, weight_matmuls
+from optpipe.passes._nbits_quantize import quantize_weights, set_accuracy_level, weight_matmuls
 
 if TYPE_CHECKING:
     from optpipe.pass_infra.pass_base import PassContext
@@ -56,10 +56,9 @@ def awq_on_disk(model_path: Path, params: dict, ctx: "PassContext", scratch: Pat
 
 def onnx_calibration_feeds(ctx: "PassContext", model_path: Path) -> list[dict[str, np.ndarray]]:
     """data.calibration in the batches the ONNX graph takes (passes/_calibration_feeds.py)."""
-    graph = onnx.load(str(model_path), load_external_data=False).graph
-    shapes = [(i.name, [d.dim_value if d.HasField("dim_value") else d.dim_param for d in i.type.tensor_type.shape.dim])
-              for i in graph.input]
-    return calibration_feeds(ctx, shapes)
+    from optpipe.evaluation.generation_inputs import graph_inputs
+
+    return calibration_feeds(ctx, list(graph_inputs(model_path).items()))
 
 
 def compress(model: onnx.ModelProto, params, folder: Path, feeds: list[dict[str, np.ndarray]], log: logging.Logger):
@@ -80,10 +79,7 @@ def compress(model: onnx.ModelProto, params, folder: Path, feeds: list[dict[str,
     with telemetry_off():
         model = nncf.compress_weights(model, **options)
     int4 = [node for node in model.graph.node if node.op_type == "MatMulNBits"]
-    for node in int4:
-        for attribute in node.attribute:
-            if attribute.name == "accuracy_level":
-                attribute.i = params.accuracy_level
+    set_accuracy_level(model, params.accuracy_level)  # NNCF writes 0
     log.info("NNCF AWQ: %d MatMuls in INT4", len(int4))
     facts = {"int4_matmuls": len(int4), "int8_matmuls": 0}
     backup = SimpleNamespace(**{**vars(params), "bits": 8, "symmetric": True, "algorithm": "default", "gather": False})

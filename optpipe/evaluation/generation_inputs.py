@@ -35,7 +35,7 @@ def logits_vocab(path: Path, is_ir: bool) -> int | None:
 
 def layout_of_stage(path: Path, is_ir: bool, evaluate: EvaluateSpec, source: ModelSource, stage: str) -> DecoderLayout:
     """The KV-cache layout of a stage's graph (its past_key_values.<i>.key/value inputs), with the recipe's dims."""
-    shapes = _graph_inputs(path, is_ir)
+    shapes = graph_inputs(path, is_ir)
     pasts = {name: shape for name, shape in shapes.items() if name.startswith(PAST_PREFIX)}
     if not pasts:
         raise UserInputError(
@@ -51,7 +51,8 @@ def layout_of_stage(path: Path, is_ir: bool, evaluate: EvaluateSpec, source: Mod
                          max_batch=max_batch, max_sequence=max_sequence, max_past=max_past)
 
 
-def _graph_inputs(path: Path, is_ir: bool) -> dict[str, list]:
+def graph_inputs(path: Path, is_ir: bool = False) -> dict[str, list]:
+    """input name -> its dims (ints, or the dim names / None where not fixed), of an ONNX file or an OpenVINO IR."""
     if is_ir:
         from optpipe.evaluation.openvino_runtime import read_model
 
