@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def quantize_weights(source: onnx.ModelProto, params: WeightOnlyParams, log: logging.Logger, folder: Path) -> tuple[onnx.ModelProto, dict]:
     """`source` quantized (it is spent) and what was done. Its large weights may still be external data in
     `folder` (the worker's case): ORT's quantizer and the tied heads read them from there, one at a time."""
-    _check_names(source, params.exclude)
+    check_names(source, params.exclude)
     # ORT's quantizer takes a MatMul of an initializer only (optpipe/graph/matmul_weights.py).
     gemms = gemms_as_matmuls(source)
     heads = tied_heads(source, skip=frozenset(params.exclude))
@@ -111,7 +111,7 @@ def set_accuracy_level(model: onnx.ModelProto, level: int) -> None:
             attribute.i = level
 
 
-def _check_names(model: onnx.ModelProto, names: list[str]) -> None:
+def check_names(model: onnx.ModelProto, names: list[str]) -> None:
     known = {node.name for node in model.graph.node}
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -34,7 +34,7 @@ import onnx
 
 from optpipe.passes._calibration_feeds import calibration_feeds
 from optpipe.passes._disk_worker import SHAPE_TENSOR_BYTES, graph_with_small_tensors, run_on_disk, save_reading_from, worker_main
-from optpipe.passes._nbits_quantize import quantize_weights, set_accuracy_level, weight_matmuls
+from optpipe.passes._nbits_quantize import check_names, quantize_weights, set_accuracy_level, weight_matmuls
 
 if TYPE_CHECKING:
     from optpipe.pass_infra.pass_base import PassContext
@@ -75,6 +75,7 @@ def compress(model: onnx.ModelProto, params, folder: Path, feeds: list[dict[str,
                    advanced_parameters=nncf.AdvancedCompressionParameters(
                        backend_params={BackendParameters.EXTERNAL_DATA_DIR: str(folder.resolve())}))
     if params.exclude:
+        check_names(model, params.exclude)  # before NNCF's statistics, and whether or not anything is left for 8 bits
         options["ignored_scope"] = nncf.IgnoredScope(names=list(params.exclude), validate=False)
     with telemetry_off():
         model = nncf.compress_weights(model, **options)

@@ -135,3 +135,9 @@ def test_awq_that_put_nothing_in_int4_says_so(setup):
     assert warning.startswith("awq: NNCF put no MatMul in INT4 (ratio 0.5, block_size 32)")
     with pytest.raises(PassError, match=r"NNCF's AWQ weight compression failed: InvalidGroupSizeError.*`block_size`"):
         _run(setup, "weight_only", "awq-wide", bits=4, block_size=256, algorithm="awq")
+
+
+def test_awq_refuses_exclude_names_the_model_does_not_have(setup):
+    """Checked before NNCF's statistics run (NNCF's own scope check is off: its names are the graph's)."""
+    with pytest.raises(PassError, match=r"exclude names nodes the model does not have: \['nope'\]"):
+        _run(setup, "weight_only", "awq-unknown", bits=4, block_size=32, algorithm="awq", exclude=["nope"])
