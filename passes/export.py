@@ -11,7 +11,8 @@ from pydantic import Field, model_validator
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.core.process_memory import release_freed_memory
-from optpipe.evaluation.self_check import EAGER, SelfCheckParams, hand_over_eager, load_session, numeric_check, onnx_outputs
+from optpipe.core.results import EAGER
+from optpipe.evaluation.self_check import SelfCheckParams, hand_over_eager, load_session, numeric_check, onnx_outputs
 from optpipe.source.position_limit import check_sequence_dims, hold_sequence_dims, onnx_position_limit
 from optpipe.core.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line, root_first_line
 from optpipe.recipe.example_inputs import trace_inputs

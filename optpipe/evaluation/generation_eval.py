@@ -25,7 +25,7 @@ import numpy as np
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.core.artifact import sha256_file
 from optpipe.core.process_memory import release_freed_memory
-from optpipe.core.results import Accuracy, Generation, GenerationRow, Latency, Memory, OutputAccuracy, TaskAccuracy
+from optpipe.core.results import EAGER, Accuracy, Generation, GenerationRow, Latency, Memory, OutputAccuracy, TaskAccuracy
 from optpipe.evaluation import generation as gen
 from optpipe.evaluation import generation_inputs as inputs
 from optpipe.evaluation import cpu_contention, openvino_runtime
@@ -38,7 +38,6 @@ from optpipe.recipe.schema import EvaluateSpec, ModelSource, TaskSpec, Tolerance
 from optpipe.recipe.task_bounds import own_bounds
 
 FORMAT = 2  # 2: busy flags (tail, rounds spread, other processes) on the decode-step rows
-EAGER_NAME = "pytorch-eager"
 RANDOM_WEIGHTS = ("model.hf_config builds random weights: these accuracy figures mean nothing (a random decoder's logits "
                   "are near ties, so agreement and perplexity say nothing about quality); point `model` at an hf folder "
                   "with real weights for them")
@@ -71,13 +70,13 @@ class GenerationEvaluator:
             model = hf_causal_lm(torch_model())
             dims = decoder_dims(self.spec, self.source.inputs, self.source.dims, self.evaluate.task.tokens)
             self._eager_layout = layout_of(model, *dims)
-            return gen.EagerRunner(model, self._eager_layout, self.evaluate.threads, name=EAGER_NAME)
+            return gen.EagerRunner(model, self._eager_layout, self.evaluate.threads, name=EAGER)
 
         def build():
             return self._eager.get(), self._eager_layout
 
         self._eager.set_source(runner, release)
-        self._reference = (EAGER_NAME, build)
+        self._reference = (EAGER, build)
         key = self._key("eager:" + source_digest, {"runtime": "torch", **library_versions(("torch", "transformers"))})
         try:
             return self._cached(key, "eager", lambda: self._measure_eager(build))
@@ -140,7 +139,7 @@ class GenerationEvaluator:
     def _measure_stage(self, build, ir: bool, task: TaskSpec, bounds: dict[str, float]):
         ref = self._reference_figures()
         reference_name, reference_build = self._reference
-        beside = reference_build()[0] if reference_name == EAGER_NAME and not self._eager.apart else None
+        beside = reference_build()[0] if reference_name == EAGER and not self._eager.apart else None
         self._eager.drop_apart()  # the reference's figures may have loaded it: gone before the stage's runtime comes
         with PeakMemory() as peak:
             runner, layout = build()
@@ -149,7 +148,7 @@ class GenerationEvaluator:
             prefill = [runner.forward(p[None], np.ones((1, len(p)), np.int64), gen.empty_past(layout, 1))[0] for p in ref["prompts"]]
             perplexity = gen.perplexity(runner, layout, ref["text"])
             runner.close()
-        if reference_name == EAGER_NAME and self._eager.apart:
+        if reference_name == EAGER and self._eager.apart:
             rows, latency = self._eager_after(rows, latency)
         accuracy = self._accuracy(agreement, perplexity, ref, prefill, task)
         accuracy.task.own_bounds = bounds
@@ -182,7 +181,7 @@ class GenerationEvaluator:
             logits = [runner.forward(p[None], np.ones((1, len(p)), np.int64), gen.empty_past(layout, 1))[0] for p in texts.prompts]
             self._ref_figures = {"prompts": texts.prompts, "tokens": tokens, "logits": logits, "text": texts.text,
                                  "how": texts.tokens, "perplexity": gen.perplexity(runner, layout, texts.text)}
-            if self._reference[0] != EAGER_NAME:
+            if self._reference[0] != EAGER:
                 runner.close()  # a reference stage's session: its figures are kept, its weights need not be
         return self._ref_figures
 
@@ -256,7 +255,7 @@ class GenerationEvaluator:
         return Generation(weights=inputs.weights_kind(self.source), tokens=ref["how"], prompts=len(ref["prompts"]),
                           new_tokens=self.spec.new_tokens, prompt_tokens=min(len(p) for p in ref["prompts"]), rows=rows,
                           next_token_agreement=agreement, perplexity=perplexity,
-                          eager_perplexity=ref_perplexity if self._reference[0] == EAGER_NAME else None,
+                          eager_perplexity=ref_perplexity if self._reference[0] == EAGER else None,
                           text_tokens=int(ref["text"].shape[1]), peak_rss_bytes=memory.host_rss_bytes)
 
     def _key(self, model_digest: str, extra: dict, task: TaskSpec | None = None) -> str:

@@ -50,12 +50,12 @@ from optpipe.pass_infra.instruments import Instrument, StageInfo
 from optpipe.pass_infra.pass_base import PassParams
 from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel, OutputTolerance, Tolerance
+from optpipe.core.results import EAGER
 from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session
 
 if TYPE_CHECKING:
     from optpipe.core.artifact import ModelArtifact
 
-EAGER = "pytorch-eager"
 INPUT = "input"
 #: Beside the stage's workdir (the workdir holds only the artifact's files): eager's outputs a pass handed over.
 HANDOVER_SUFFIX = ".eager.npz"

@@ -24,7 +24,7 @@ from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
 from optpipe.execution.services import RunServices
 from optpipe.source.model_source import onnx_path
-from optpipe.execution.stage_evaluation import EAGER_STAGE, EvaluationParts, evaluate_stages  # noqa: F401  (EAGER_STAGE: public name)
+from optpipe.execution.stage_evaluation import EvaluationParts, evaluate_stages
 from optpipe.execution.stage_runner import StageRunner
 from optpipe.pass_infra.instruments import Instrument, Instruments
 from optpipe.pass_infra.pass_base import Pass

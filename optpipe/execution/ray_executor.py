@@ -120,7 +120,7 @@ class RayExecutor:
 
     def _collect(self, waiting: dict, progress: Progress) -> None:
         """Take results as they finish: one progress line each, with the node that ran it."""
-        from optpipe.core.results import StageResult
+        from optpipe.core.results import EAGER, StageResult
 
         ray = self.ray
         pending = list(waiting)
@@ -132,7 +132,7 @@ class RayExecutor:
             except Exception as exc:  # retries spent (or a task that could not run): the stage fails, the run goes on
                 reason = f"Ray task failed after {MAX_RETRIES} retries: {type(exc).__name__}: {first_line(exc)}"
                 spec = plan.compile_plan.stages.get(name)
-                value = StageResult(name=name or "pytorch-eager", pass_name=spec.pass_name if spec else "eager",
+                value = StageResult(name=name or EAGER, pass_name=spec.pass_name if spec else "eager",
                                     parent=spec.parent if spec else None, status="failed", reason=reason)
                 node, seconds = None, 0.0
             if kind == "pass":

@@ -26,10 +26,9 @@ from optpipe.plan.compile_plan import CompilePlan
 from optpipe.plan.source_preflight import eager_timing
 from optpipe.recipe.schema import EvaluateSpec, ModelSource, OnnxModel, Tolerance
 from optpipe.core.process_memory import release_freed_memory
-from optpipe.core.results import StageResult, error_kind
+from optpipe.core.results import EAGER, StageResult, error_kind
 from optpipe.core.signal_stack import restore_signal_stack
 
-EAGER_STAGE = "pytorch-eager"
 
 
 @dataclass(frozen=True)
@@ -99,13 +98,13 @@ def _sweep(results: list[StageResult], parts: EvaluationParts, evaluator: Evalua
 
     chosen = set(pareto_frontier(results)) if parts.evaluate.sweep_stages == "frontier" else {r.name for r in results}
     for result in results:
-        if result.status != "ok" or not result.latency or (result.name not in chosen and result.name != EAGER_STAGE):
+        if result.status != "ok" or not result.latency or (result.name not in chosen and result.name != EAGER):
             continue
-        if result.name == EAGER_STAGE and not chosen - {EAGER_STAGE}:
+        if result.name == EAGER and not chosen - {EAGER}:
             continue  # no stage has curves: the baseline's alone would compare with nothing
         instruments.before_sweep(result.name)  # a sweep point at batch 16 can take seconds: shown as progress
         try:
-            if result.name == EAGER_STAGE:
+            if result.name == EAGER:
                 points, cached = evaluator.sweep_eager(_eager_digest(parts), result.latency)
             else:
                 points, cached = evaluator.sweep_onnx(result.model, result.latency)
@@ -161,8 +160,8 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
 
 def _evaluate_eager(parts: EvaluationParts, evaluator: Evaluator, services: RunServices, instruments: Instrument,
                     source_check: "SourceCheck") -> StageResult:
-    result = StageResult(name=EAGER_STAGE, pass_name="eager", status="ok")
-    instruments.before_evaluation(EAGER_STAGE)
+    result = StageResult(name=EAGER, pass_name="eager", status="ok")
+    instruments.before_evaluation(EAGER)
     try:
         digest = _eager_digest(parts)
         accuracy, latency, memory, cached = evaluator.evaluate_eager(services.torch_model, digest, parts.evaluate.tolerance,

@@ -17,7 +17,7 @@ from typing import Any
 from optpipe.cache.backends import open_cache
 from optpipe.core.artifact import MANIFEST_FILE
 from optpipe.core.library_files import keep_library_files_in
-from optpipe.core.results import StageResult
+from optpipe.core.results import EAGER, StageResult
 from optpipe.core.runtime import cuda_device_names  # the one reader of GPU names, as targets/gpu_type.py uses
 from optpipe.plan.compile_plan import CompilePlan
 
@@ -128,13 +128,12 @@ def evaluate(plan: CompilePlan, names: list[str], outcomes: dict, reference: str
 def _eager_refused(plan: CompilePlan) -> StageResult | None:
     """The eager baseline's row, failed before its model loads, where its evaluation will not fit this machine's memory
     (a Ray node smaller than the driver: where the stages run on the driver, the driver refused the run already)."""
-    from optpipe.execution.stage_evaluation import EAGER_STAGE
     from optpipe.plan.source_preflight import node_refusals
 
-    line = node_refusals(plan).get(EAGER_STAGE)
+    line = node_refusals(plan).get(EAGER)
     if line is None:
         return None
-    return StageResult(name=EAGER_STAGE, pass_name="eager", status="failed", error_kind="input", duration_s=0.0,
+    return StageResult(name=EAGER, pass_name="eager", status="failed", error_kind="input", duration_s=0.0,
                        reason=f"PyTorch eager baseline not run here: {line}")
 
 

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optpipe.core.results import EAGER
+
 
 @dataclass(order=True)
 class _Task:
@@ -29,7 +31,7 @@ class _Task:
 
 def tasks_of(report: dict, prefix: str) -> list[_Task]:
     """One pass task and one evaluation task per finished stage of a report."""
-    stages = [s for s in report["stages"] if s["status"] == "ok" and s["name"] != "pytorch-eager"]
+    stages = [s for s in report["stages"] if s["status"] == "ok" and s["name"] != EAGER]
     reference = report.get("reference")
     tasks = []
     for s in stages:

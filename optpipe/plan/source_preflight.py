@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from optpipe.core.errors import RecipeError
+from optpipe.core.results import EAGER
 from optpipe.recipe.generation_spec import decoder_dims
 from optpipe.recipe.schema import HFConfigModel, HFModel, Recipe
 
@@ -134,7 +135,7 @@ def estimated_steps(recipe: Sizable, weights: int) -> dict[str, str]:
     if recipe.evaluate.eager_baseline:
         # Apart, eager is never beside a stage's runtime: its own evaluation holds one copy, as a stage's does.
         apart = eager_timing(recipe.evaluate.eager_timing, weights) == "apart"
-        steps["pytorch-eager"] = EAGER_APART if apart else EAGER_EVALUATION
+        steps[EAGER] = EAGER_APART if apart else EAGER_EVALUATION
     return steps
 
 
@@ -177,7 +178,7 @@ def eager_timing(setting: str, weights: int | None, available: int | None = None
         return setting
     if weights is None:
         return "interleaved"
-    need = stage_estimates(weights, {"pytorch-eager": EAGER_EVALUATION})["pytorch-eager"]
+    need = stage_estimates(weights, {EAGER: EAGER_EVALUATION})[EAGER]
     return "interleaved" if need <= memory_budget(available) else "apart"
 
 
