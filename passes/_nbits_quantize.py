@@ -20,9 +20,11 @@ if TYPE_CHECKING:
     from optpipe.passes.weight_only import WeightOnlyParams
 
 
-def quantize_weights(source: onnx.ModelProto, params: WeightOnlyParams, log: logging.Logger, folder: Path) -> tuple[onnx.ModelProto, dict]:
+def quantize_weights(source: onnx.ModelProto, params: WeightOnlyParams, log: logging.Logger, folder: Path,
+                     required: bool = True) -> tuple[onnx.ModelProto, dict]:
     """`source` quantized (it is spent) and what was done. Its large weights may still be external data in
-    `folder` (the worker's case): ORT's quantizer and the tied heads read them from there, one at a time."""
+    `folder` (the worker's case): ORT's quantizer and the tied heads read them from there, one at a time.
+    Without a MatMul to quantize: a PassError where `required`, else `source` back (AWQ's leftovers)."""
     check_names(source, params.exclude)
     # ORT's quantizer takes a MatMul of an initializer only (optpipe/graph/matmul_weights.py).
     gemms = gemms_as_matmuls(source)
@@ -31,6 +33,8 @@ def quantize_weights(source: onnx.ModelProto, params: WeightOnlyParams, log: log
     if not streamed:
         transposed_weights_folded(source, skip=frozenset(params.exclude))
     candidates, skipped = weight_matmuls(source, params.exclude, {node.name for node, _, _ in heads} if streamed else set())
+    if not candidates and not required:
+        return source, {"candidates": 0, "gemms_as_matmuls": gemms, "transposed_weights": [], "left_in_float": skipped}
     if not candidates:
         raise PassError("no MatMul or Gemm with a constant 2-D weight to quantize (weight_only needs their weights as "
                         "initializers); hang the stage after export or simplify")

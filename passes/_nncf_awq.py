@@ -34,7 +34,7 @@ import onnx
 
 from optpipe.passes._calibration_feeds import calibration_feeds
 from optpipe.passes._disk_worker import SHAPE_TENSOR_BYTES, graph_with_small_tensors, run_on_disk, save_reading_from, worker_main
-from optpipe.passes._nbits_quantize import check_names, quantize_weights, set_accuracy_level, weight_matmuls
+from optpipe.passes._nbits_quantize import check_names, quantize_weights, set_accuracy_level
 
 if TYPE_CHECKING:
     from optpipe.pass_infra.pass_base import PassContext
@@ -84,17 +84,10 @@ def compress(model: onnx.ModelProto, params, folder: Path, feeds: list[dict[str,
     log.info("NNCF AWQ: %d MatMuls in INT4", len(int4))
     facts = {"int4_matmuls": len(int4), "int8_matmuls": 0}
     backup = SimpleNamespace(**{**vars(params), "bits": 8, "symmetric": True, "algorithm": "default", "gather": False})
-    if weight_matmuls(model, params.exclude, _tied_head_names(model, params.exclude))[0]:
-        model, rest = quantize_weights(model, backup, log, folder)
-        facts.update(int8_matmuls=rest["candidates"], transposed_weights=rest["transposed_weights"],
-                     left_in_float=rest["left_in_float"])
+    model, rest = quantize_weights(model, backup, log, folder, required=False)  # the leftovers, where there are any
+    facts.update(int8_matmuls=rest["candidates"], transposed_weights=rest["transposed_weights"],
+                 left_in_float=rest["left_in_float"])
     return model, facts
-
-
-def _tied_head_names(model: onnx.ModelProto, exclude: list[str]) -> set[str]:
-    from optpipe.graph.matmul_weights import tied_heads
-
-    return {node.name for node, _, _ in tied_heads(model, skip=frozenset(exclude))}
 
 
 def _awq(request: dict) -> dict:

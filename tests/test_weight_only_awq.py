@@ -11,6 +11,7 @@ import yaml
 from optpipe.passes import get_pass
 from optpipe.core.errors import PassError
 from test_generation_report import decoder_recipe
+from optpipe.execution.stage_runner import run_checked
 from test_weight_only import _run, _worst_cosine, run_model, setup  # noqa: F401 (setup: the MLP fixture)
 
 AWQ = {"bits": 4, "block_size": 32, "algorithm": "awq", "ratio": 0.5}
@@ -141,3 +142,32 @@ def test_awq_refuses_exclude_names_the_model_does_not_have(setup):
     """Checked before NNCF's statistics run (NNCF's own scope check is off: its names are the graph's)."""
     with pytest.raises(PassError, match=r"exclude names nodes the model does not have: \['nope'\]"):
         _run(setup, "weight_only", "awq-unknown", bits=4, block_size=32, algorithm="awq", exclude=["nope"])
+
+
+def test_awq_leaves_no_gemm_weight_in_float(setup):
+    """Gemms with a weight (GPT-2's Conv1D, torch.addmm) that NNCF leaves: ORT's 8 bits take them as MatMuls, as the
+    default algorithm does (AWQ's leftovers used to be looked for among MatMuls only, so a Gemm-only graph stayed
+    FP32). The activations' Gemm stays; the output as close as int8's."""
+    from helpers_passes import artifact_of, context
+    from test_weight_only import _run_proto, gemm_mlp
+
+    tmp, _, recipe, feeds, _ = setup
+    model = gemm_mlp(5)
+    expected = _run_proto(model, feeds)[0]
+    cls = get_pass("weight_only")
+    out = run_checked(cls(cls.Params(**{**AWQ, "ratio": 1.0})), artifact_of(model, tmp / "gemm-awq-source"),
+                      context(recipe, tmp / "gemm-awq", feeds))
+    graph = out.load(with_weights=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("MatMulNBits") == 2 and ops.count("Gemm") == 1 and "MatMul" not in ops, ops
+    assert out.info["int4_matmuls"] + out.info["int8_matmuls"] == 2
+    assert _worst_cosine(run_model(out.path, feeds)[0], expected) >= 0.98
+
+
+def test_awq_with_every_weight_excluded_quantizes_nothing_and_says_why(setup):
+    """Nothing for NNCF and nothing left for 8 bits: the stage writes the model as it was, and names the nodes it
+    left in float with why."""
+    out = _run(setup, "weight_only", "awq-none", bits=4, block_size=32, algorithm="awq", exclude=["mm1", "mm2"])
+    assert out.info["int4_matmuls"] == 0 and out.info["int8_matmuls"] == 0
+    assert {entry["node"] for entry in out.info["left_in_float"]} == {"mm1", "mm2", "scores"}
+    assert not [n for n in out.load(with_weights=False).graph.node if n.op_type == "MatMulNBits"]
