@@ -39,7 +39,8 @@ def texts(spec: GenerationSpec, source: ModelSource, vocab: int, max_sequence: i
             raise RecipeError(f"evaluate.generation.prompts.{i}: {len(ids)} tokens, more than the export's max sequence "
                               f"{max_sequence} (the sequence dim's max); shorten the prompt or raise that dim's max")
         if len(ids) == 0:
-            raise RecipeError(f"evaluate.generation.prompts.{i}: no tokens; give a non-empty prompt")
+            said = f" ({how} gives none for this text)" if spec.prompts[i] else ""
+            raise RecipeError(f"evaluate.generation.prompts.{i}: no tokens{said}; give a non-empty prompt")
         if ids.max() >= vocab:
             raise RecipeError(f"evaluate.generation.prompts.{i}: token id {int(ids.max())} is outside the vocabulary ({vocab})")
     if spec.text is not None:
@@ -63,6 +64,10 @@ def _encoder(source: ModelSource, vocab: int):
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            if len(tokenizer) < 2:
+                # transformers 5 builds an empty tokenizer (one special token; every text -> no ids) from a folder with
+                # no tokenizer files for some model types (Phi's GPT2Tokenizer), where Llama's raises
+                raise ValueError("no vocabulary")
             # verbose=False: the text is one stream cut into windows later; "longer than the maximum sequence
             # length ... will result in indexing errors" is not true of it
             return (lambda text: tokenizer(text, verbose=False)["input_ids"]), f"tokenizer {folder.name}"
