@@ -110,11 +110,11 @@ def compare(
         violations=violations,
         polygraphy_match=polygraphy_match,
         task=task_result,
-        warnings=_magnitude_warnings(pairs) + _sensitivity_warnings(outputs, task_result, min_input_sensitivity),
+        warnings=magnitude_warnings(pairs) + _sensitivity_warnings(outputs, task_result, min_input_sensitivity),
     )
 
 
-def _magnitude_warnings(pairs: list[tuple[str, np.ndarray, np.ndarray]]) -> list[str]:
+def magnitude_warnings(pairs: list[tuple[str, np.ndarray, np.ndarray]]) -> list[str]:
     """The warning when a float output of the reference is all zeros or all subnormal (below its dtype's smallest
     normal): runtimes flush such values to zero or not as they please, so every figure on it is noise. A random-init
     MobileViT's logits peaked at 2.9e-41: eager 'disagreed' with its own export (cosine 0.976) and every int8,
@@ -146,7 +146,23 @@ def _magnitude_warnings(pairs: list[tuple[str, np.ndarray, np.ndarray]]) -> list
     return warnings
 
 
-MEANINGLESS = "these accuracy figures mean nothing"  # the report's rows mark a figure under these warnings
+def tied_logits_warnings(rows: np.ndarray) -> list[str]:
+    """The warning when the reference's next-token logits ([positions, vocabulary]) tie at their maximum in most
+    positions: its greedy token is then the lowest tied id, which any candidate with the same ties "agrees" with,
+    and flat logits make the perplexity the vocabulary's size. A Qwen2 built with initializer_range 1e20 gave
+    logits of exactly 0 everywhere: agreement 1.000, perplexity 2048.000 for every stage, and no word of it."""
+    if rows.size == 0 or rows.shape[-1] < 2:
+        return []
+    top2 = np.partition(rows, -2, axis=-1)[:, -2:]
+    tied = int((top2[:, 0] == top2[:, 1]).sum())
+    if tied * 2 <= len(rows):
+        return []
+    return [f"the reference's next-token logits {TIED} in {tied} of {len(rows)} prompt positions (flat logits: the model's "
+            f"weights not loaded, or a degenerate model), so {MEANINGLESS}"]
+
+
+MEANINGLESS = "these accuracy figures mean nothing"
+TIED = "tie at their maximum"  # the report's rows mark a figure under these warnings
 NEAR_ZERO = "zero or subnormal everywhere"
 BELOW_HALF = "stays below float16's smallest normal (6.1e-05)"
 HALF_NORMAL = float(np.finfo(np.float16).tiny)

@@ -29,6 +29,7 @@ from optpipe.core.results import EAGER, Accuracy, Generation, GenerationRow, Lat
 from optpipe.evaluation import generation as gen
 from optpipe.evaluation import generation_inputs as inputs
 from optpipe.evaluation import cpu_contention, openvino_runtime
+from optpipe.evaluation.accuracy import magnitude_warnings, tied_logits_warnings
 from optpipe.evaluation.cosine import row_cosines
 from optpipe.evaluation.held_eager import HeldEager
 from optpipe.evaluation.latency import busy_reason
@@ -241,12 +242,14 @@ class GenerationEvaluator:
             task.violations.append(f"perplexity {perplexity:.3f} is {ratio:.3f}x {self._reference[0]}'s {ref['perplexity']:.3f} "
                                    f"(allowed {task_spec.perplexity_ratio_max}x)")
         cand = np.concatenate([x[0] for x in prefill]).astype(np.float64)
-        expected = np.concatenate([x[0] for x in ref["logits"]]).astype(np.float64)
+        reference = np.concatenate([x[0] for x in ref["logits"]])
+        expected = reference.astype(np.float64)
         cosines = row_cosines(cand, expected)
         logits = OutputAccuracy(name="logits", max_abs=float(np.abs(cand - expected).max()), mean_abs=float(np.abs(cand - expected).mean()),
                                 cosine_mean=float(cosines.mean()), cosine_min=float(cosines.min()),
                                 top1=float((cand.argmax(-1) == expected.argmax(-1)).mean()))
         warnings = [RANDOM_WEIGHTS] if inputs.weights_kind(self.source) == "random" else []
+        warnings += magnitude_warnings([("logits", cand, reference)]) or tied_logits_warnings(reference)
         return Accuracy(reference=self._reference[0], samples=len(ref["prompts"]), outputs=[logits],
                         within_tolerance=not task.violations, violations=list(task.violations), task=task, warnings=warnings)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Literal, Optional
 
-from optpipe.evaluation.accuracy import BELOW_HALF, MEANINGLESS, NEAR_ZERO
+from optpipe.evaluation.accuracy import BELOW_HALF, MEANINGLESS, NEAR_ZERO, TIED
 from optpipe.evaluation.latency import BUSY_SPREAD
 from optpipe.evaluation.openvino_runtime import PRECISION_NAMES
 from optpipe.evaluation.speed_verdict import SLOWER_THAN_PARENT
@@ -190,6 +190,8 @@ def meaningless_mark(accuracy: Accuracy) -> str:
         return " (meaningless: outputs ~0)" if any(MEANINGLESS in w for w in near_zero) else " (some outputs ~0)"
     if any(BELOW_HALF in w for w in accuracy.warnings):
         return " (output below fp16's range)"
+    if any(TIED in w for w in accuracy.warnings):
+        return " (meaningless: tied logits)"
     if any(MEANINGLESS in w and "random weights" in w for w in accuracy.warnings):
         return " (meaningless: random weights)"
     if any(MEANINGLESS in w for w in accuracy.warnings):
