@@ -115,3 +115,28 @@ def test_the_hf_folders_tokenizer_is_copied_and_genai_encodes_as_transformers_do
     text = "every pass is measured"
     assert list(og.Tokenizer(genai_model).encode(text)) == tokenizer(text)["input_ids"]
     assert json.loads((tmp_path / "bundle" / ort_genai.CONFIG_FILE).read_text())["model"]["eos_token_id"] == 1
+
+
+def test_a_model_type_genai_has_no_class_for_runs_as_its_generic_decoder(tmp_path):
+    """GPT-NeoX (and Falcon, BLOOM, StableLM): GenAI refuses their model_type, and runs optpipe's graph of them as its
+    generic `decoder`, with eager's tokens."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from optpipe.recipe.model_specs import HFModel
+    from optpipe.recipe.schema import ModelSource
+
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, max_position_embeddings=128, rotary_pct=0.25,
+                                             bos_token_id=0, eos_token_id=1)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    layout = export_decoder(model, tmp_path / "bundle", max_batch=2, max_sequence=16, max_past=40)
+    graph = onnx.load(str(tmp_path / "bundle" / "model.onnx"), load_external_data=False).graph
+    source = ModelSource((), {}, HFModel(hf=str(tmp_path / "hf"), task="causal-lm"), tmp_path)
+    facts = ort_genai.write_genai(tmp_path / "bundle", graph, source, threads=1)
+    assert facts["check"]["same_tokens"] is True and facts["type"].startswith("decoder: onnxruntime-genai has no 'gpt_neox'")
+    assert json.loads((tmp_path / "bundle" / ort_genai.CONFIG_FILE).read_text())["model"]["type"] == "decoder"
+    expected = gen.greedy(gen.EagerRunner(model, layout, 1), layout, PROMPT, 8).tokens
+    for tokens, row in zip(ort_genai.generate(tmp_path / "bundle", PROMPT, 8), expected):
+        assert ort_genai._same_up_to_eos(tokens, row, 1), (tokens, row)

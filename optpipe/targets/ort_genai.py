@@ -35,6 +35,9 @@ CONFIG_FILE = "genai_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json")
 CHECK_TOKENS = 6
+#: onnxruntime-genai's model type for any decoder-only graph with the inputs and outputs above
+GENERIC_TYPE = "decoder"
+UNSUPPORTED_TYPE = "Unsupported model_type"  # its refusal of a type it has no class for
 
 
 def decoder_layout(graph) -> DecoderLayout | None:
@@ -99,6 +102,15 @@ def write_genai(folder: Path, graph, source, threads: int) -> dict[str, Any] | N
     if "eos_token_id" not in config["model"]:
         written["eos"] = "the model's config names no eos_token_id: generation runs to max_length"
     written["check"] = check(folder, layout, facts.eos(config["model"]), threads)
+    if UNSUPPORTED_TYPE in written["check"].get("reason", ""):
+        # GenAI picks its model class by `type` and refuses a type it has no class for (gpt_neox, falcon, bloom,
+        # stablelm...). optpipe's graph has the generic decoder's inputs and outputs (positions come from the cache
+        # length), which GenAI's own "decoder" type runs: measured on those four, the same greedy tokens.
+        written["type"] = (f"{GENERIC_TYPE}: onnxruntime-genai has no '{config['model'].get('type')}' model class, and "
+                           "runs this graph as its generic decoder")
+        config["model"]["type"] = GENERIC_TYPE
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        written["check"] = check(folder, layout, facts.eos(config["model"]), threads)
     if written["check"].get("same_tokens") is False:
         (folder / CONFIG_FILE).unlink(missing_ok=True)
         written["config"] = None
