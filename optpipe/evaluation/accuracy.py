@@ -161,8 +161,8 @@ def tied_logits_warnings(rows: np.ndarray) -> list[str]:
             f"weights not loaded, or a degenerate model), so {MEANINGLESS}"]
 
 
-MEANINGLESS = "these accuracy figures mean nothing"
-TIED = "tie at their maximum"  # the report's rows mark a figure under these warnings
+MEANINGLESS = "these accuracy figures mean nothing"  # the report's rows mark a figure under these warnings
+TIED = "tie at their maximum"
 NEAR_ZERO = "zero or subnormal everywhere"
 BELOW_HALF = "stays below float16's smallest normal (6.1e-05)"
 HALF_NORMAL = float(np.finfo(np.float16).tiny)

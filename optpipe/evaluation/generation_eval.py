@@ -38,7 +38,7 @@ from optpipe.hardware.cpu_features import engine_target, machine_id
 from optpipe.recipe.schema import EvaluateSpec, ModelSource, TaskSpec, Tolerance
 from optpipe.recipe.task_bounds import own_bounds
 
-FORMAT = 2  # 2: busy flags (tail, rounds spread, other processes) on the decode-step rows
+FORMAT = 3  # 3: the reference's ~0 or tied logits warned; 2: busy flags (tail, rounds spread, other processes) on the decode-step rows
 RANDOM_WEIGHTS = ("model.hf_config builds random weights: these accuracy figures mean nothing (a random decoder's logits "
                   "are near ties, so agreement and perplexity say nothing about quality); point `model` at an hf folder "
                   "with real weights for them")
