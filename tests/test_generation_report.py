@@ -397,6 +397,10 @@ def test_the_report_says_where_int4_does_not_decode_faster_than_int8_or_eager():
     [line] = decode_speed_by_bits([int8_quick, drifted], "x86-amx")
     assert "1.35x INT8 `int8_quick`" in line and "but 0.86x by tok/s ⚠ inconclusive in this run" in line
     assert "moved 1.57x" in line and "not faster than INT8" not in line
+    # Either side of the noise line by a hair, eager steady (Gemma 3 270M, batch 4): the speed-up's verdict, no flag.
+    [line] = decode_speed_by_bits([stage("int8w", {"int8": 0.99}, {4: (159, 20.57)}),
+                                   stage("int4_awq", {"int4": 0.18, "int8": 0.81}, {4: (166, 20.39)})], "x86-avx512-vnni")
+    assert line.endswith("1.05x INT8 `int8w` (159 tok/s, 7.73x eager)"), line
     assert decode_speed_by_bits([int8w], "x86-amx") == [], "no INT4 stage: nothing to say"
 
 

@@ -74,12 +74,14 @@ def decode_speed_by_bits(stages: list[StageResult], cpu_class: str | None) -> li
 def _against_int8(best4: tuple[StageResult, float, float], best8: tuple[StageResult, float, float], where: str) -> str:
     """INT4 against INT8 by their speed-ups over eager; where their raw tokens/s say the opposite, eager's own speed
     moved between the two timings (a tiny Qwen2 under load: 1.35x by speed-up, 0.86x by tok/s, eager 1.57x apart),
-    and the run answers nothing: said so, not a verdict either way."""
+    and the run answers nothing: said so, not a verdict either way. Where eager held still, the speed-up decides."""
     (_, eager4, rate4), (stage8, eager8, rate8) = best4, best8
     ratio, raw = eager4 / eager8, rate4 / rate8
     line = f", {ratio:.2f}x INT8 `{stage8.name}` ({rate8:.0f} tok/s, {eager8:.2f}x eager)"
-    if (ratio > 1 + LATENCY_NOISE) != (raw > 1 + LATENCY_NOISE):
-        drift = max(rate4 / eager4, rate8 / eager8) / min(rate4 / eager4, rate8 / eager8)
+    drift = max(rate4 / eager4, rate8 / eager8) / min(rate4 / eager4, rate8 / eager8)
+    # Only where eager itself moved beyond the noise: two figures either side of the noise line by a hair (Gemma 3
+    # 270M at batch 4: 1.053x by speed-up, 1.044x by tok/s, eager 1.01x apart) are the same answer.
+    if (ratio > 1 + LATENCY_NOISE) != (raw > 1 + LATENCY_NOISE) and drift > 1 + LATENCY_NOISE:
         return line + (f" but {raw:.2f}x by tok/s ⚠ inconclusive in this run: eager's own speed moved {drift:.2f}x between "
                        "the two stages' timings (a busy machine?); measure again")
     return line + (f" ⚠ INT4 is not faster than INT8 {where}" if ratio <= 1 + LATENCY_NOISE else "")
