@@ -180,8 +180,11 @@ class GenerationEvaluator:
             texts = inputs.texts(self.spec, self.source, layout.vocab, layout.max_sequence)
             tokens = [gen.greedy(runner, layout, p[None], self.spec.new_tokens).tokens for p in texts.prompts]
             logits = [runner.forward(p[None], np.ones((1, len(p)), np.int64), gen.empty_past(layout, 1))[0] for p in texts.prompts]
+            rows = np.concatenate([x[0] for x in logits])  # [prompt positions, vocabulary]
             self._ref_figures = {"prompts": texts.prompts, "tokens": tokens, "logits": logits, "text": texts.text,
-                                 "how": texts.tokens, "perplexity": gen.perplexity(runner, layout, texts.text)}
+                                 "how": texts.tokens, "perplexity": gen.perplexity(runner, layout, texts.text),
+                                 # the reference's own: the same for every stage measured against it
+                                 "warnings": magnitude_warnings([("logits", rows, rows)]) or tied_logits_warnings(rows)}
             if self._reference[0] != EAGER:
                 runner.close()  # a reference stage's session: its figures are kept, its weights need not be
         return self._ref_figures
@@ -242,14 +245,13 @@ class GenerationEvaluator:
             task.violations.append(f"perplexity {perplexity:.3f} is {ratio:.3f}x {self._reference[0]}'s {ref['perplexity']:.3f} "
                                    f"(allowed {task_spec.perplexity_ratio_max}x)")
         cand = np.concatenate([x[0] for x in prefill]).astype(np.float64)
-        reference = np.concatenate([x[0] for x in ref["logits"]])
-        expected = reference.astype(np.float64)
+        expected = np.concatenate([x[0] for x in ref["logits"]]).astype(np.float64)
         cosines = row_cosines(cand, expected)
         logits = OutputAccuracy(name="logits", max_abs=float(np.abs(cand - expected).max()), mean_abs=float(np.abs(cand - expected).mean()),
                                 cosine_mean=float(cosines.mean()), cosine_min=float(cosines.min()),
                                 top1=float((cand.argmax(-1) == expected.argmax(-1)).mean()))
         warnings = [RANDOM_WEIGHTS] if inputs.weights_kind(self.source) == "random" else []
-        warnings += magnitude_warnings([("logits", cand, reference)]) or tied_logits_warnings(reference)
+        warnings += ref["warnings"]
         return Accuracy(reference=self._reference[0], samples=len(ref["prompts"]), outputs=[logits],
                         within_tolerance=not task.violations, violations=list(task.violations), task=task, warnings=warnings)
 

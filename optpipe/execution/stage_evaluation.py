@@ -30,7 +30,6 @@ from optpipe.core.results import EAGER, StageResult, error_kind
 from optpipe.core.signal_stack import restore_signal_stack
 
 
-
 @dataclass(frozen=True)
 class EvaluationParts:
     """What stage evaluation reads from the recipe, resolved once at the top (`of`)."""
