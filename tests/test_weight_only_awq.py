@@ -8,11 +8,12 @@ import onnx
 import pytest
 import yaml
 
-from optpipe.passes import get_pass
+from helpers_passes import artifact_of, context
 from optpipe.core.errors import PassError
-from test_generation_report import decoder_recipe
 from optpipe.execution.stage_runner import run_checked
-from test_weight_only import _run, _worst_cosine, run_model, setup  # noqa: F401 (setup: the MLP fixture)
+from optpipe.passes import get_pass
+from test_generation_report import decoder_recipe
+from test_weight_only import _run, _run_proto, _worst_cosine, gemm_mlp, run_model, setup  # noqa: F401 (setup: the MLP fixture)
 
 AWQ = {"bits": 4, "block_size": 32, "algorithm": "awq", "ratio": 0.5}
 
@@ -148,9 +149,6 @@ def test_awq_leaves_no_gemm_weight_in_float(setup):
     """Gemms with a weight (GPT-2's Conv1D, torch.addmm) that NNCF leaves: ORT's 8 bits take them as MatMuls, as the
     default algorithm does (AWQ's leftovers used to be looked for among MatMuls only, so a Gemm-only graph stayed
     FP32). The activations' Gemm stays; the output as close as int8's."""
-    from helpers_passes import artifact_of, context
-    from test_weight_only import _run_proto, gemm_mlp
-
     tmp, _, recipe, feeds, _ = setup
     model = gemm_mlp(5)
     expected = _run_proto(model, feeds)[0]
