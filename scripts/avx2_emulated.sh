@@ -17,7 +17,8 @@
 #   Needs: qemu-user (Debian/Ubuntu: apt-get install qemu-user) and optpipe installed in the venv of `python` (README's
 #   first command; or PYTHON=path/to/venv/bin/python).
 # Seen with QEMU 7.2: one long-lived emulated pytest process (many ORT/OpenVINO thread pools) died of SIGSEGV in a test
-# that passes alone, emulated too: give the suite to pytest-xdist (-n 2 --dist loadfile), whose workers are restarted.
+# that passes alone, emulated too: README's test command gives the suite to pytest-xdist (pyproject's addopts), whose
+# workers are restarted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -16,6 +16,17 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
+# The heaviest tests (a MiniLM compile, a big export in its worker, a two-node Ray cluster) peak at a few GB each.
+GB_PER_TEST_PROCESS = 4
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """How many test processes `-n auto` (pyproject's addopts) starts: one per core this run may use (its affinity
+    and a container's CPU quota), at most 4, and no more than half the memory fits at GB_PER_TEST_PROCESS each."""
+    from optpipe.safety.resource_bounds import available_cores, memory_budget
+
+    return max(1, min(available_cores(), 4, memory_budget() // (GB_PER_TEST_PROCESS << 30)))
+
 MODELS = REPO / "recipes" / "models"
 
 TINY_RECIPE = {
