@@ -215,7 +215,9 @@ def _tensors(ov_model, wanted: set[tuple[str, int]], feeds, check: InputCheck) -
         request.infer({k: v for k, v in batch.items() if k in inputs})
         for (key, _), port in zip(outputs, ports):
             got.setdefault(key, []).append(np.array(request.get_tensor(port).data, copy=True))
-    return {key: np.concatenate(parts) for key, parts in got.items()}
+    from optpipe.core.runtime import join_arrays
+
+    return {key: join_arrays(parts) for key, parts in got.items()}
 
 
 def _accuracy_controlled_call(converted, calibration, options, params: OpenVinoParams, ctx: PassContext, check: InputCheck,
@@ -275,15 +277,22 @@ def guard_metric(accuracy: Accuracy, cosine_min: float) -> float:
 
 
 def subset_accuracy(check: InputCheck, picked: list[int], outs: list[dict]) -> Accuracy:
+    """The candidate's outputs on the batches `picked` against the reference's for them: its rows, where every
+    output is one row per sample; else the input's outputs batch by batch (a 0-d loss, a mean over the batch, a
+    length that depends on the data have no rows to pick)."""
+    from optpipe.core.runtime import join_batches
     from optpipe.evaluation.accuracy import compare
 
-    size = check.batch_size
-    reference = check.reference()
-    rows = np.concatenate([np.arange(i * size, i * size + len(next(iter(o.values())))) for i, o in zip(picked, outs)])
-    candidate = {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
-    expected = {name: array[rows] for name, array in reference.items()}
-    inputs = {name: array[rows] for name, array in check.ctx.eval_set().arrays.items()}
-    return compare(candidate, expected, inputs, check.ctx.tolerance, "input", check.ctx.evaluate.top1)
+    size, arrays, batches = check.batch_size, check.ctx.eval_set().arrays, check.batches
+    rows = np.concatenate([np.arange(i * size, i * size + len(next(iter(batches[i].values())))) for i in picked])
+    reference, samples = check.reference(), len(next(iter(arrays.values())))
+    if all(len(array) == samples for array in reference.values()):
+        expected = {name: array[rows] for name, array in reference.items()}
+    else:
+        parts = check.reference_batches()
+        expected = join_batches([parts[i] for i in picked])
+    inputs = {name: array[rows] for name, array in arrays.items()}
+    return compare(join_batches(outs), expected, inputs, check.ctx.tolerance, "input", check.ctx.evaluate.top1)
 
 
 def model_feeds(feeds: dict[str, np.ndarray], ov_model) -> dict[str, np.ndarray]:

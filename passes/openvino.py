@@ -169,7 +169,7 @@ class InputCheck:
     def __init__(self, model: ModelArtifact, ctx: PassContext):
         self.model, self.ctx = model, ctx
         self.names = ovr.output_names(model.path)
-        self._reference = None
+        self._reference = self._reference_batches = None
         self._compiled = None  # (ov.Model, hint, compiled model) of the last check
 
     @property
@@ -194,6 +194,15 @@ class InputCheck:
 
             self._reference = run_onnx(self.model.path, self.batches, self.ctx.evaluate.threads)
         return self._reference
+
+    def reference_batches(self) -> list[dict[str, np.ndarray]]:
+        """The input's outputs batch by batch, for outputs that are not one row per sample (subset_accuracy)."""
+        if self._reference_batches is None:
+            from optpipe.core.runtime import ort_runner, ort_session
+
+            run = ort_runner(ort_session(self.model.path, self.ctx.evaluate.threads))
+            self._reference_batches = [run(feeds) for feeds in self.batches]
+        return self._reference_batches
 
     def outputs(self, compiled) -> dict[str, np.ndarray]:
         from optpipe.evaluation.accuracy import run_callable

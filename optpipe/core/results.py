@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import computed_field, BaseModel, Field, PrivateAttr
+from pydantic import computed_field, BaseModel, ConfigDict, Field, PrivateAttr
 
 from optpipe.core.artifact import ModelArtifact
 
@@ -17,7 +17,15 @@ from optpipe.core.errors import OptpipeError, PassCrashed, UserInputError
 from optpipe.graph.coverage import Coverage
 
 
-class OutputAccuracy(BaseModel):
+class Result(BaseModel):
+    """Every figure survives report.json: an infinite error (NaN outputs, outputs of unlike shapes) is written as the
+    string "Infinity" and read back as inf. Pydantic's default writes null, which the float fields then refuse:
+    `optpipe report`, `inspect` and `export` could not read the run again."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+
+class OutputAccuracy(Result):
     name: str
     max_abs: float
     mean_abs: float
@@ -32,9 +40,13 @@ class OutputAccuracy(BaseModel):
     equal_share: Optional[float] = Field(
         None, description="an integer or boolean output (class ids, token ids, masks): the share of its elements equal to the reference's"
     )
+    shapes: Optional[tuple[list[int], list[int]]] = Field(
+        None, description="the candidate's and the reference's shapes where they differ (a length that depends on the data): "
+                          "nothing compares elementwise, every figure reads as no agreement"
+    )
 
 
-class TaskAccuracy(BaseModel):
+class TaskAccuracy(Result):
     """The task's metrics (evaluate.task) against the reference stage and, where the data has labels, the labels."""
 
     kind: str
@@ -57,7 +69,7 @@ class TaskAccuracy(BaseModel):
         return min(values) if values else None
 
 
-class GuardCheck(BaseModel):
+class GuardCheck(Result):
     """The figure a pass's accuracy guard measured, shown beside the report's own (see evaluation/guard.py)."""
 
     numerics: str = Field(description="what computed it, e.g. emulated FP16 storage")
@@ -67,7 +79,7 @@ class GuardCheck(BaseModel):
     gave_up: Optional[str] = None
 
 
-class Accuracy(BaseModel):
+class Accuracy(Result):
     reference: str
     samples: int
     outputs: list[OutputAccuracy]
@@ -98,7 +110,7 @@ class Accuracy(BaseModel):
         return max(0.0, 1.0 - headline)
 
 
-class Latency(BaseModel):
+class Latency(Result):
     batch_size: int
     shape: dict[str, list[int]]
     p50_ms: float
@@ -137,7 +149,7 @@ class Latency(BaseModel):
         return self.eager_p50_ms / self.p50_ms if self.eager_p50_ms and self.p50_ms else None
 
 
-class GenerationRow(BaseModel):
+class GenerationRow(Result):
     """Greedy generation at one batch size, medians over the rounds; eager's timed with it (interleaved, or right
     after it where its Latency row says eager_apart)."""
 
@@ -148,7 +160,7 @@ class GenerationRow(BaseModel):
     eager_decode_tokens_per_s: Optional[float] = None
 
 
-class Generation(BaseModel):
+class Generation(Result):
     """A decoder measured by generation (evaluate.generation): the figures its row and report.json show."""
 
     weights: Literal["random", "checkpoint", "unknown"] = Field(
@@ -169,7 +181,7 @@ class Generation(BaseModel):
         return next((r for r in self.rows if r.batch_size == batch), None)
 
 
-class Memory(BaseModel):
+class Memory(Result):
     """Peak memory while a stage's session is created and timed, above what the process held before."""
 
     host_rss_bytes: Optional[int] = Field(None, description="peak resident set size increase of this process")
@@ -193,7 +205,7 @@ def error_kind(exc: BaseException) -> ErrorKind:
     return "input" if isinstance(exc, UserInputError) else "stage"
 
 
-class MeasuredResult(BaseModel):
+class MeasuredResult(Result):
     """What a stage and a target share: the verdict read from their `status` and `accuracy`, and the
     headline of their `latency` (both subclasses declare those fields)."""
 
@@ -311,7 +323,7 @@ FRONTIER_AXES = ["p50 latency at the first batch size", "accuracy error (1 - wor
 EAGER = "pytorch-eager"
 
 
-class RunReport(BaseModel):
+class RunReport(Result):
     """report.json: everything one compile measured. Built by reporting.run_report.build_report."""
 
     schema_version: int = SCHEMA_VERSION

@@ -5,7 +5,7 @@ import functools
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -154,6 +154,16 @@ def prefill_feeds(feeds: Feeds, inputs: list[tuple[str, list]]) -> Feeds:
         elif name.startswith(PAST_PREFIX) and len(shape) == 4 and all(isinstance(d, int) for d in (shape[1], shape[3])):
             completed[name] = np.zeros((batch, shape[1], 0, shape[3]), np.float32)
     return completed
+
+
+def join_batches(outs: Sequence[Outputs]) -> Outputs:
+    """Each output over all batches, along axis 0. An output with no axis (a 0-d loss, a score of the whole batch)
+    gives one element per batch: np.concatenate refuses 0-d arrays, and a scalar output failed every stage."""
+    return {name: join_arrays([np.asarray(o[name]) for o in outs]) for name in outs[0].keys()}
+
+
+def join_arrays(parts: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.atleast_1d(p) for p in parts])
 
 
 def ort_runner(session) -> Callable[[Feeds], Outputs]:

@@ -21,7 +21,7 @@ from optpipe.evaluation.cosine import MASK_INPUT, cosine_of_rows, row_cosines, r
 from optpipe.evaluation.task_metrics import task_accuracy
 from optpipe.recipe.schema import TaskSpec, Tolerance
 from optpipe.recipe.task_bounds import own_bounds
-from optpipe.core.runtime import Feeds, Outputs
+from optpipe.core.runtime import Feeds, Outputs, join_batches
 from optpipe.pass_infra.progress import counted
 
 
@@ -58,13 +58,11 @@ def _run_onnx(path: Path, batches: Sequence[Feeds], threads: int, providers: lis
     batches = [prefill_feeds(feeds, shapes) for feeds in batches]  # a KV-cache decoder's one forward is its prefill
     runner = OnnxrtRunner(session, name="candidate")
     results = Comparator.run([runner], data_loader=batches)
-    iterations = results["candidate"]
-    return {name: np.concatenate([np.asarray(it[name]) for it in iterations]) for name in iterations[0].keys()}
+    return join_batches(list(results["candidate"]))
 
 
 def run_callable(run: Callable[[Feeds], Outputs], batches: list[Feeds], progress: Callable[[int, int], None] | None = None) -> Outputs:
-    outs = [run(b) for b in counted(batches, progress)]
-    return {name: np.concatenate([o[name] for o in outs]) for name in outs[0]}
+    return join_batches([run(b) for b in counted(batches, progress)])
 
 
 def compare(
@@ -89,7 +87,10 @@ def compare(
     mask = inputs.get(MASK_INPUT)
     outputs = [_output_accuracy(name, c, r, mask, top1, tolerance.for_output(name)) for name, c, r in pairs]
     task_result = None
-    if task is not None:
+    unlike = [o for o in outputs if o.shapes]  # no metric or elementwise rule reads outputs of unlike shapes
+    if unlike:
+        pairs = [pair for pair, out in zip(pairs, outputs) if not out.shapes]
+    if task is not None and not unlike:
         task = task.bounded(tolerance.task)
         task_result = task_accuracy(task, {n: c for n, c, _ in pairs}, {n: r for n, _, r in pairs}, inputs, labels)
         task_result.own_bounds = own_bounds(tolerance.task)
@@ -240,7 +241,8 @@ SLICE_ELEMENTS = 1 << 22
 def _output_accuracy(name: str, cand: np.ndarray, ref: np.ndarray, mask, top1: bool | None, tol: Tolerance) -> OutputAccuracy:
     cand, ref = np.asarray(cand), np.asarray(ref)
     if cand.shape != ref.shape:
-        raise ValueError(f"output '{name}' has shape {cand.shape}, the reference {ref.shape}")
+        return OutputAccuracy(name=name, max_abs=float("inf"), mean_abs=float("inf"), cosine_mean=0.0, cosine_min=0.0,
+                              shapes=(list(cand.shape), list(ref.shape)))
     discrete = ref.dtype.kind in "iub"  # class ids, token ids, masks: equal or not
     want_top1 = top1 if top1 is not None else "logit" in name.lower()
     sums = _Sums(want_top1, discrete, tol)
@@ -321,6 +323,10 @@ def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explic
         if only_explicit:
             given = stage_tol.model_fields_set | set(getattr(stage_tol.outputs.get(out.name), "model_fields_set", ()))
             tol = tol.model_copy(update={k: None for k in ("cosine_min", "max_abs", "rtol", "top1_min") if k not in given})
+        if out.shapes:  # named whatever the tolerance: no figure of the output means anything
+            found.append(f"output '{out.name}' has shape {out.shapes[0]} where the reference's is {out.shapes[1]}: its size "
+                         "depends on the data (a threshold, a filter, NMS) and this stage changed which values pass it")
+            continue
         if not out.finite:
             if not only_explicit:
                 found.append(f"output '{out.name}' has NaN or Inf values")

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
+from optpipe.core.runtime import join_batches
 from optpipe.evaluation.accuracy import quiet_polygraphy
 from optpipe.targets.base import TargetJob
 
@@ -18,8 +17,7 @@ def evaluate_engine(plan_path: Path, job: TargetJob, provider: str):
     measurer = job.measurer
     engine = EngineFromPath(str(plan_path))
     results = Comparator.run([TrtRunner(engine, name="tensorrt")], data_loader=measurer.batches)
-    iterations = results[0][1]
-    outputs = {name: np.concatenate([np.asarray(it[name]) for it in iterations]) for name in iterations[0].keys()}
+    outputs = join_batches(list(results[0][1]))
     accuracy = measurer.accuracy(outputs, job.settings.tolerance_for(job.stage.name))
     with TrtRunner(engine, name="tensorrt-latency") as runner:
         latency = measurer.latency(lambda feeds: runner.infer(feeds), provider)
