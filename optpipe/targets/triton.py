@@ -89,6 +89,7 @@ def write_repository(job: TargetJob) -> TargetResult:
         files=files,
         hash=digest,
         details={"model": name, "platform": config.get("platform") or config["backend"], "max_batch_size": config["max_batch_size"],
+                 **({"unbatched": why} if (batch := job.settings.shapes.batch_dim()) and (why := unbatched_output(job, batch)) else {}),
                  "instance_kind": config["instance_group"][0]["kind"], **(served_precision(ir) if ir and params.backend == "native" else {}),
                  **({"runtime": config["parameters"]["runtime"]} if params.backend == "python" else {}), **ensemble},
     )
@@ -232,7 +233,7 @@ def batching_limit(job: TargetJob, params: TritonParams, inputs: list[TensorSpec
     if batch is None:
         return 0
     leads_dynamic = all(t.dims and not isinstance(t.dims[0], int) for t in inputs + outputs)
-    if not leads_dynamic:
+    if not leads_dynamic or unbatched_output(job, batch):
         return 0
     limit = job.settings.shapes.dims[batch].max
     if params.max_batch_size is None:
@@ -243,6 +244,24 @@ def batching_limit(job: TargetJob, params: TritonParams, inputs: list[TensorSpec
             f"the model was measured (and TensorRT profiled) for; lower it or raise dims.{batch}.max"
         )
     return params.max_batch_size
+
+
+def unbatched_output(job: TargetJob, batch: str) -> Optional[str]:
+    """Why Triton must not batch requests together (None: it may): an output that does not lead with the batch dim.
+    Its first dim may still be dynamic (a length that depends on the data: the scores past a threshold) and Triton
+    would split it between the requests it joined as if it were one row per sample, silently. The dims' names come
+    from the nearest ONNX graph: an IR's dynamic dims have none."""
+    view = job.stage
+    while view is not None and not view.model_path.is_file():
+        parent = job.settings.parents.get(view.name)
+        view = job.stage_folder(parent) if parent else None
+    if view is None:
+        return None
+    for spec in io_specs(view.graph)[1]:
+        if not spec.dims or spec.dims[0] != batch:
+            return (f"output '{spec.name}' leads with {spec.dims[0] if spec.dims else 'no dim'!r}, not the batch dim "
+                    f"'{batch}': served unbatched (max_batch_size 0)")
+    return None
 
 
 def instance_kind(job: TargetJob, params: TritonParams) -> str:

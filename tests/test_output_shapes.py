@@ -1,0 +1,124 @@
+"""Outputs that are not one row per sample: a 0-d output (a loss, a score of the whole batch), a mean over the
+batch, and a length that depends on the data (the scores past a threshold, as a detector's NMS keeps boxes).
+Each compiled with every stage failing as "internal error", or was served by Triton as if it were per sample."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from helpers_recipes import compile_recipe, small_recipe  # noqa: E402
+from optpipe.core.runtime import join_batches  # noqa: E402
+from optpipe.evaluation.accuracy import compare  # noqa: E402
+from optpipe.recipe.schema import Tolerance  # noqa: E402
+
+MODELS = '''import torch
+
+
+class Loss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(x).pow(2).mean()
+
+
+class PastThreshold(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 1024)
+
+    def forward(self, x):
+        s = self.fc(x).flatten()
+        return s[s > 0.0]
+
+
+def loss():
+    torch.manual_seed(0)
+    return Loss().eval()
+
+
+def past_threshold():
+    torch.manual_seed(0)
+    return PastThreshold().eval()
+'''
+
+
+def _compile(tmp_path, cli_run, factory: str, stages: dict, **top):
+    module = f"shapes_{factory}"  # one module name per folder: a factory is imported from its recipe's folder only
+    (tmp_path / f"{module}.py").write_text(MODELS)
+    recipe = small_recipe({"factory": f"{module}:{factory}", "path": "."}, stages=stages, samples=16)
+    result = compile_recipe(tmp_path, cli_run, {**recipe, **top})
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    return result, {s["name"]: s for s in report["stages"]}
+
+
+def test_a_0d_output_is_one_value_per_batch_through_every_runtime(tmp_path, cli_run):
+    stages = {"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"},
+              "int8": {"pass": "int8", "after": "simplify", "params": {"mode": "dynamic"}},
+              "ov-fp32": {"pass": "openvino", "after": "simplify", "params": {"precision": "fp32"}}}
+    result, rows = _compile(tmp_path, cli_run, "loss", stages)
+    assert result.exit_code == 0, result.output
+    assert "internal error" not in result.output
+    for name in ("pytorch-eager", "export", "simplify", "int8", "ov-fp32"):
+        assert rows[name]["status"] == "ok", (name, rows[name].get("reason"))
+    assert rows["ov-fp32"]["accuracy"]["outputs"][0]["cosine_min"] > 0.9999
+
+
+def test_a_stage_that_changes_a_data_dependent_length_is_out_of_tolerance_not_an_error(tmp_path, cli_run):
+    """Unguarded dynamic int8 moves thousands of scores by ~1e-2: some cross the threshold, and the output's length
+    changes. That is the stage's verdict (both shapes named), and report.json reads back (its errors are infinite)."""
+    stages = {"export": {"pass": "export"},
+              "int8": {"pass": "int8", "after": "export", "params": {"mode": "dynamic", "guard": False}}}
+    result, rows = _compile(tmp_path, cli_run, "past_threshold", stages,
+                            targets=[{"kind": "triton", "stages": ["export"]}])
+    assert result.exit_code == 0, result.output
+    assert rows["export"]["status"] == "ok"
+    int8 = rows["int8"]
+    assert int8["verdict"] == "out-of-tolerance", int8["accuracy"]
+    violation = int8["accuracy"]["violations"][0]  # and the guard's record of the same
+    assert "has shape [" in violation and "where the reference's is [" in violation and "depends on the data" in violation
+    assert int8["accuracy"]["outputs"][0]["max_abs"] == "Infinity"
+    assert cli_run("report", str(tmp_path / "run")).exit_code == 0
+    # Triton would split the joined requests' output as if it were one row per sample: served unbatched.
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    (triton,) = [t for t in report["targets"] if t["kind"] == "triton"]
+    assert triton["details"]["max_batch_size"] == 0 and "not the batch dim 'batch'" in triton["details"]["unbatched"]
+    config = next((tmp_path / "run").rglob("config.pbtxt")).read_text()
+    assert "max_batch_size: 0" in config and "dynamic_batching" not in config
+
+
+def test_outputs_of_unlike_shapes_name_both_and_leave_the_others_compared():
+    ref = {"kept": np.arange(11, dtype=np.float32), "logits": np.ones((4, 3), np.float32)}
+    cand = {"kept": np.arange(10, dtype=np.float32), "logits": np.ones((4, 3), np.float32)}
+    accuracy = compare(cand, ref, {}, Tolerance(cosine_min=0.99, max_abs=1e-3), "export")
+    assert not accuracy.within_tolerance
+    assert accuracy.violations == ["output 'kept' has shape [10] where the reference's is [11]: its size depends on the data "
+                                   "(a threshold, a filter, NMS) and this stage changed which values pass it"]
+    assert accuracy.outputs[1].cosine_min == pytest.approx(1.0) and accuracy.outputs[1].shapes is None
+
+
+def test_join_batches_keeps_one_element_per_batch_of_a_0d_output():
+    joined = join_batches([{"loss": np.float32(1.5), "y": np.ones((2, 3))}, {"loss": np.float32(2.5), "y": np.ones((1, 3))}])
+    assert joined["loss"].tolist() == [1.5, 2.5] and joined["y"].shape == (3, 3)
+
+
+def test_the_openvino_guards_subset_of_batches_reads_the_reference_batch_by_batch_for_unbatched_outputs():
+    from passes._openvino_guard import subset_accuracy
+
+    batches = [{"x": np.full((2, 1), float(i), np.float32)} for i in range(3)]
+    per_batch = [{"loss": np.float32(i + 1.0), "y": b["x"] * 2} for i, b in enumerate(batches)]
+    ctx = SimpleNamespace(eval_set=lambda: SimpleNamespace(arrays={"x": np.concatenate([b["x"] for b in batches])}),
+                          tolerance=Tolerance(cosine_min=0.99), evaluate=SimpleNamespace(top1=None))
+    check = SimpleNamespace(batch_size=2, batches=batches, ctx=ctx, reference=lambda: join_batches(per_batch),
+                            reference_batches=lambda: per_batch)
+    picked = [2, 0]
+    same = subset_accuracy(check, picked, [per_batch[i] for i in picked])
+    assert same.within_tolerance and [o.max_abs for o in same.outputs] == [0.0, 0.0]
+    off = subset_accuracy(check, picked, [{**per_batch[i], "loss": np.float32(-1.0)} for i in picked])
+    assert not off.within_tolerance and "loss" in off.violations[0]
