@@ -8,6 +8,7 @@ line, by compile and init. An ONNX source in bfloat16, which ORT's CPU kernels c
 the model again"."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from helpers_recipes import compile_recipe, small_recipe  # noqa: E402
 from optpipe.recipe.schema import DimRange, FactoryModel, HFConfigModel, HFModel, InputSpec, ModelSource  # noqa: E402
-from optpipe.source.checkpoint_precision import widened_to_float32  # noqa: E402
+from optpipe.source.checkpoint_precision import as_float32  # noqa: E402
 from optpipe.source.model_source import load_torch_model  # noqa: E402
 
 SMALL_BERT = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100)
@@ -63,11 +64,39 @@ def test_a_config_asking_for_bfloat16_builds_a_float32_model(tmp_path):
 def test_a_factory_returning_a_half_module_is_widened_and_a_float32_one_left_alone():
     half = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).half()
     half[1].bias.data = half[1].bias.data.bfloat16()
-    assert widened_to_float32(half) == "bfloat16/float16"
+    assert as_float32(half) == "bfloat16/float16"
     assert {p.dtype for p in half.parameters()} == {torch.float32}
     plain = torch.nn.Linear(4, 3)
     plain.register_buffer("steps", torch.zeros(2, dtype=torch.float64))
-    assert widened_to_float32(plain) is None and plain.steps.dtype == torch.float64  # no half weight: untouched
+    assert as_float32(plain) is None and plain.steps.dtype == torch.float64  # no half weight: untouched
+    double = torch.nn.Linear(4, 3).double()
+    assert as_float32(double) == "float64" and {p.dtype for p in double.parameters()} == {torch.float32}
+
+
+DOUBLE_MODEL = '''import torch
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).double().eval()
+'''
+
+
+def test_a_float64_module_is_narrowed_by_init_and_compile_and_both_say_so(tmp_path, cli_run, monkeypatch):
+    """A `.double()` module: init inferred no input (float32 data against float64 weights) and the recipe schema takes
+    no float64 input, so nothing could compile it. Now its weights are narrowed to float32, and both say it."""
+    (tmp_path / "double_model.py").write_text(DOUBLE_MODEL)
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "double_model:build", "-o", "recipe.yaml")
+    assert result.exit_code == 0, result.output
+    assert "its weights are float64: the compile narrows them to float32 (rounded)" in result.output
+    (spec,) = yaml.safe_load(Path("recipe.yaml").read_text())["inputs"]
+    assert spec["dtype"] == "float32" and spec["shape"][1:] == [16], spec
+    compiled = compile_recipe(tmp_path, cli_run, small_recipe({"factory": "double_model:build", "path": "."}))
+    assert compiled.exit_code == 0, compiled.output
+    report = yaml.safe_load((tmp_path / "run" / "report.json").read_text())
+    export = {s["name"]: s for s in report["stages"]}["export"]
+    assert export["status"] == "ok" and "narrowed to float32: rounded" in json.dumps(export["info"])
 
 
 def test_a_bfloat16_folder_compiles_and_init_says_it_is_widened(tmp_path, cli_run, monkeypatch):

@@ -23,7 +23,7 @@ from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
 from optpipe.safety.file_kinds import other_model_format
 from optpipe.source.position_limit import onnx_position_limit
-from optpipe.source.checkpoint_precision import refuse_prequantized, stored_dtype, widened_to_float32
+from optpipe.source.checkpoint_precision import as_float32, refuse_prequantized, stored_dtype
 from optpipe.source.model_source import TOKENIZER_FILES, hub_id_hint
 
 FILL_IN = "FILL-IN"
@@ -202,8 +202,8 @@ def _tokenizer_inputs(folder: Path) -> list[str]:
 
 
 def _widening_notes(stored: str | None) -> list[str]:
-    return [f"its weights are {stored}: the compile widens them to float32 (exact), and each stage takes its own "
-            "precision from there"] if stored else []
+    how = "narrows them to float32 (rounded)" if stored and "float64" in stored else "widens them to float32 (exact)"
+    return [f"its weights are {stored}: the compile {how}, and each stage takes its own precision from there"] if stored else []
 
 
 # --- module:factory --------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     net = net[0] if isinstance(net, tuple) else net
     if not isinstance(net, torch.nn.Module):
         raise ModelSourceError(f"init: '{spec}' returned {type(net).__name__}, not a torch.nn.Module")
-    widened = widened_to_float32(net)  # measured in float32, as the compile loads it
+    widened = as_float32(net)  # measured in float32, as the compile loads it
     owner = type(net).__name__
     params = forward_parameters(net.forward)
     hf_config = getattr(net, "config", None)

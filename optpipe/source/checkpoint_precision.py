@@ -1,4 +1,5 @@
-"""The precision a checkpoint comes in: half precision widened to float32 (exactly), quantized already refused.
+"""The precision a checkpoint comes in: half precision widened to float32 (exactly), float64 narrowed, quantized
+already refused.
 
 Every pass and the eager reference start from float32 weights. Hub checkpoints mostly ship in bfloat16, which
 transformers 5 loads as stored: export and eager failed on it ("unsupported ScalarType BFloat16"). A checkpoint
@@ -16,18 +17,25 @@ from optpipe.core.errors import ModelSourceError
 HALF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
-def widened_to_float32(net) -> str | None:
-    """A module with half-precision weights (bfloat16, float16) widened to float32 in place; the stored dtype, or None.
+def as_float32(net) -> str | None:
+    """A module whose weights are not float32 converted to float32 in place; their dtype(s) before, or None.
 
-    Every pass and the eager reference start from float32: numpy (the evaluation, the checks) has no bfloat16, ONNX
-    Runtime's CPU kernels run few bfloat16 ops, and the precision a stage asks for (fp16, bf16, int8) is the pass's
-    to take, from the exact values. Widening is exact (Optimum's export loads in float32 the same way)."""
-    halves = {str(t.dtype).removeprefix("torch.") for t in [*net.parameters(), *net.buffers()] if t.is_floating_point()}
-    halves &= set(HALF_DTYPES.values())
-    if not halves:
+    Half precision (bfloat16, float16: most hub checkpoints) is widened. Every pass and the eager reference start from
+    float32: numpy (the evaluation, the checks) has no bfloat16, ONNX Runtime's CPU kernels run few bfloat16 ops, and
+    the precision a stage asks for (fp16, bf16, int8) is the pass's to take, from the exact values. Widening is exact
+    (Optimum's export loads in float32 the same way). Float64 parameters (a scientific model, a module `.double()`d)
+    are narrowed: the recipe's inputs are float32 at most, so init could infer no input and the compile could not
+    feed the model at all; no CPU engine runs float64 fast. That rounds the weights (said in the model's description).
+    A float64 buffer beside float32 weights (a step counter) is left alone."""
+    floats = [t for t in [*net.parameters(), *net.buffers()] if t.is_floating_point()]
+    kinds = {str(t.dtype).removeprefix("torch.") for t in floats}
+    changed = kinds & set(HALF_DTYPES.values())
+    if any(p.dtype.is_floating_point and p.dtype.itemsize == 8 for p in net.parameters()):
+        changed |= kinds & {"float64"}
+    if not changed:
         return None
     net.float()
-    return "/".join(sorted(halves))
+    return "/".join(sorted(changed))
 
 
 def folder_config(folder: Path) -> dict:
@@ -70,4 +78,8 @@ def stored_dtype(config: dict) -> str | None:
 
 
 def widening_note(stored: str | None) -> str:
-    return f" (weights stored in {stored}, widened to float32: exact)" if stored else ""
+    if not stored:
+        return ""
+    if "float64" in stored:
+        return f" (weights in {stored}, narrowed to float32: rounded; every stage is measured against the float32 model)"
+    return f" (weights stored in {stored}, widened to float32: exact)"

@@ -22,7 +22,7 @@ from optpipe.core.artifact import sha256_file
 from optpipe.core.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe.example_inputs import example_inputs
 from optpipe.source.checkpoint_precision import (folder_config, refuse_prequantized, refuse_quantized_modules, stored_dtype,
-                                                 widened_to_float32, widening_note)
+                                                 as_float32, widening_note)
 from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
 
 
@@ -206,7 +206,7 @@ def _load_hf(source: ModelSource, spec: HFModel) -> TorchModel:
     import torch
 
     try:
-        # Read straight into float32 (widened_to_float32 says why): no half-precision copy beside it.
+        # Read straight into float32 (as_float32 says why): no half-precision copy beside it.
         with _no_loading_bar():
             model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code,
                                         dtype=torch.float32, **extra)
@@ -263,8 +263,8 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
     from optpipe.source.model_outputs import flat_module, named_leaves, pick_outputs
 
     refuse_quantized_modules(net)
-    widened = widened_to_float32(net)
-    description += widening_note(widened) if widened and "widened" not in description else ""
+    converted = as_float32(net)
+    description += widening_note(converted) if converted and "float32:" not in description else ""
     sample = example_inputs(source, batch=1)
     args = [torch.from_numpy(sample[s.name]) for s in source.inputs]
     try:
