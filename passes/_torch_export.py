@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from optpipe.pass_infra.progress import Progress, no_progress, printed_progress
-from optpipe.recipe.schema import ModelInputs
+from optpipe.recipe.schema import DimRange, ModelInputs
 from optpipe.source.model_source import TorchModel
 
 DYNAMO_MIN_OPSET = 18
@@ -82,10 +82,9 @@ def export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opse
 
     args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
     dynamic_axes = {name: axes for name, axes in dynamic_dims(shapes).items() if axes}
-    for out in torch_model.output_names:  # outputs share the batch dim with the inputs
-        batch = shapes.batch_dim()
-        if batch:
-            dynamic_axes[out] = {0: batch}
+    batch = shapes.batch_dim()
+    if batch:  # the tracer names no output dim itself; the outputs that are one row per sample share the batch dim
+        dynamic_axes.update({out: {0: batch} for out in batch_led_outputs(torch_model, feeds, shapes.dims[batch])})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", torch.jit.TracerWarning)
         torch.onnx.export(
@@ -99,6 +98,26 @@ def export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opse
             dynamic_axes=dynamic_axes,
         )
     return [str(w.message).split(".")[0] for w in caught if "Python boolean" in str(w.message)]
+
+
+def batch_led_outputs(torch_model: TorchModel, feeds, batch: DimRange) -> list[str]:
+    """The outputs whose first dim follows the batch, in eager runs at the trace's batch and one more (or one fewer).
+    Labelled by name without looking, a mean over the batch ([8]) or a length that depends on the data (the scores
+    past a threshold) came out as [batch]: the graph lied about its shapes, and Triton batched requests into them."""
+    import numpy as np
+    import torch
+
+    size = len(next(iter(feeds.values())))
+    other = size + 1 if size + 1 <= batch.max else size - 1
+    if other < max(batch.min, 1):
+        return list(torch_model.output_names)  # one batch size only: nothing to tell apart, nothing to batch
+    resized = {name: np.concatenate([a, a[:1]]) if other > size else a[:other] for name, a in feeds.items()}
+    leads = []
+    with torch.no_grad():
+        for feed in (feeds, resized):
+            outs = torch_model.module(*(torch.from_numpy(feed[name]) for name in torch_model.input_names))
+            leads.append([o.dim() > 0 and o.shape[0] == len(next(iter(feed.values()))) for o in outs])
+    return [name for name, *led in zip(torch_model.output_names, *leads) if all(led)]
 
 
 def takes_varargs(module) -> bool:

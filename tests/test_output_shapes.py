@@ -38,6 +38,20 @@ class PastThreshold(torch.nn.Module):
         return s[s > 0.0]
 
 
+class BatchMean(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc(x).mean(0), self.fc(x)
+
+
+def batch_mean():
+    torch.manual_seed(0)
+    return BatchMean().eval()
+
+
 def loss():
     torch.manual_seed(0)
     return Loss().eval()
@@ -122,3 +136,20 @@ def test_the_openvino_guards_subset_of_batches_reads_the_reference_batch_by_batc
     assert same.within_tolerance and [o.max_abs for o in same.outputs] == [0.0, 0.0]
     off = subset_accuracy(check, picked, [{**per_batch[i], "loss": np.float32(-1.0)} for i in picked])
     assert not off.within_tolerance and "loss" in off.violations[0]
+
+
+def test_the_torchscript_export_labels_only_per_sample_outputs_with_the_batch_dim(tmp_path, cli_run):
+    """The tracer's outputs were all labelled [batch, ...]: a mean over the batch ([8]) too, which Triton then batched."""
+    import onnx
+
+    stages = {"export": {"pass": "export", "params": {"exporter": "torchscript"}}}
+    result, rows = _compile(tmp_path, cli_run, "batch_mean", stages, targets=[{"kind": "triton", "stages": ["export"]}])
+    assert result.exit_code == 0, result.output
+    assert rows["export"]["status"] == "ok"
+    graph = onnx.load(str(next((tmp_path / "run" / "stages" / "export").glob("*.onnx"))), load_external_data=False).graph
+    dims = [[d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in graph.output]
+    assert dims == [[8], ["batch", 8]]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    (triton,) = report["targets"]
+    assert triton["details"]["max_batch_size"] == 0
+    assert triton["details"]["unbatched"] == "output 'output_0' leads with 8, not the batch dim 'batch': served unbatched (max_batch_size 0)"

@@ -259,8 +259,8 @@ def unbatched_output(job: TargetJob, batch: str) -> Optional[str]:
         return None
     for spec in io_specs(view.graph)[1]:
         if not spec.dims or spec.dims[0] != batch:
-            return (f"output '{spec.name}' leads with {spec.dims[0] if spec.dims else 'no dim'!r}, not the batch dim "
-                    f"'{batch}': served unbatched (max_batch_size 0)")
+            lead = f"leads with {spec.dims[0]!r}" if spec.dims else "is 0-d"
+            return f"output '{spec.name}' {lead}, not the batch dim '{batch}': served unbatched (max_batch_size 0)"
     return None
 
 
