@@ -190,6 +190,11 @@ CASES = {
     "calibration data wrong size": (lambda d: _with_eval_data(d, "calibration", x=np.zeros((4, 15), np.float32)), USER, "data.calibration: input 'x' has size 15 on axis 1"),
     "eval data pickled objects": (lambda d: _with_eval_data(d, x=np.array([{"a": 1}] * 4, dtype=object)), USER, "not a readable npz"),
     "eval data not npz": (lambda d: (d.mkdir(exist_ok=True), (d / "data.npz").write_text("nope"), _mutated(d, lambda r: r["data"].update(eval={"source": "npz", "path": "data.npz"})))[2], USER, "not a readable npz"),
+    "eval data with a NaN": (lambda d: _mutated(d, lambda r: r.update(
+        stages={"export": {"pass": "export"}},
+        data={**r["data"], "eval": {"source": "npz", "samples": 4,
+                                    "path": _npz(d, x=np.where(np.eye(4, 16) > 0, np.nan, 0.5).astype(np.float32))}})),
+        STAGE, "the data itself has NaN or Inf in input 'x' (4 of 64 values): fix the data"),
     "eval data missing file": (lambda d: _mutated(d, lambda r: r["data"].update(eval={"source": "npz", "path": "gone.npz"})), USER, "does not exist"),
     # resources
     "stage over its time limit": (lambda d: _with_model(d, write_linear_onnx, _stage("sleepy", timeout_s=1)), STAGE, "exceeded its time limit of 1 s; raise stages.bad.timeout_s"),

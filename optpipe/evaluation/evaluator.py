@@ -221,8 +221,8 @@ class Evaluator:
             candidate = reference(outputs)  # the same model: its outputs are the reference's
         else:
             candidate = outputs()
-        candidate = require_finite(candidate, "it outputs", NonFiniteOutputs)
-        expected = require_finite(reference(), f"the reference stage '{name}' outputs", NonFiniteOutputs)
+        candidate = require_finite(candidate, "it outputs", NonFiniteOutputs, self.all_inputs)
+        expected = require_finite(reference(), f"the reference stage '{name}' outputs", NonFiniteOutputs, self.all_inputs)
         return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1,
                        task=self.settings.task, labels=self.eval_set.labels,
                        min_input_sensitivity=self.settings.min_input_sensitivity)

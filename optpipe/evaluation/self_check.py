@@ -182,7 +182,7 @@ def self_check_fingerprint(params: PassParams, shapes: ModelInputs) -> dict[str,
 def numeric_check(candidate: Outputs, reference: Outputs, feeds: Feeds, params: SelfCheckParams, against: str,
                   hint: str = "") -> dict[str, Any]:
     """The self-check's record (info.json's `self_check`); PassError when enforced and out of tolerance."""
-    require_finite(reference, f"the {against} outputs" if against != INPUT else "the model it starts from outputs", PassError)
+    require_finite(reference, f"the {against} outputs" if against != INPUT else "the model it starts from outputs", PassError, feeds)
     enforced = params.check_enforced
     half = _float16_tolerances(params, reference) if enforced else {}
     tolerance = Tolerance(
@@ -266,14 +266,23 @@ def eager_outputs(torch_model, feeds: Feeds, threads: int) -> Outputs:
         raise PassError(f"PyTorch eager fails on the recipe's inputs: {first_line(exc)}") from None
 
 
-def require_finite(outputs: Outputs, whose: str, error: type[Exception] = DataError) -> Outputs:
-    """`outputs` unchanged when every value is finite; else one sentence naming the output."""
+def require_finite(outputs: Outputs, whose: str, error: type[Exception] = DataError, inputs: Feeds | None = None) -> Outputs:
+    """`outputs` unchanged when every value is finite; else one sentence naming the output, and the input where the
+    data itself holds NaN or Inf (a missing value in a table, an overflowed preprocessing step): the cause to fix is
+    then the data, not the model's range or precision."""
     for name, value in outputs.items():
         value = np.asarray(value)
         if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
             bad = int(value.size - np.isfinite(value).sum())
-            raise error(
-                f"{whose} NaN or Inf in '{name}' ({bad} of {value.size} values); check that the inputs' "
-                "`range`/data fit the model, or keep the ops that overflow in higher precision"
-            )
+            raise error(f"{whose} NaN or Inf in '{name}' ({bad} of {value.size} values); {_non_finite_cause(inputs or {})}")
     return outputs
+
+
+def _non_finite_cause(inputs: Feeds) -> str:
+    for name, value in inputs.items():
+        value = np.asarray(value)
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            bad = int(value.size - np.isfinite(value).sum())
+            return (f"the data itself has NaN or Inf in input '{name}' ({bad} of {value.size} values): fix the data, or give "
+                    "the model inputs it handles")
+    return "check that the inputs' `range`/data fit the model, or keep the ops that overflow in higher precision"
