@@ -63,8 +63,8 @@ def past_threshold():
 '''
 
 
-def _compile(tmp_path, cli_run, factory: str, stages: dict, **top):
-    module = f"shapes_{factory}"  # one module name per folder: a factory is imported from its recipe's folder only
+def _compile(tmp_path, cli_run, factory: str, stages: dict, module: str = "", **top):
+    module = f"shapes_{module or factory}"  # one module name per test: a factory is imported from its recipe's folder only
     (tmp_path / f"{module}.py").write_text(MODELS)
     recipe = small_recipe({"factory": f"{module}:{factory}", "path": "."}, stages=stages, samples=16)
     result = compile_recipe(tmp_path, cli_run, {**recipe, **top})
@@ -153,3 +153,13 @@ def test_the_torchscript_export_labels_only_per_sample_outputs_with_the_batch_di
     (triton,) = report["targets"]
     assert triton["details"]["max_batch_size"] == 0
     assert triton["details"]["unbatched"] == "output 'output_0' leads with 8, not the batch dim 'batch': served unbatched (max_batch_size 0)"
+
+
+def test_a_batch_size_asked_for_an_output_that_is_not_per_sample_is_refused_in_one_line(tmp_path, cli_run):
+    stages = {"export": {"pass": "export"}}
+    targets = [{"kind": "triton", "stages": ["export"], "params": {"max_batch_size": 4}}]
+    result, rows = _compile(tmp_path, cli_run, "past_threshold", stages, module="asked_batch", targets=targets)
+    assert rows["export"]["status"] == "ok"
+    assert result.exit_code == 1, result.output
+    assert ("targets (triton): max_batch_size 4 cannot be served: output 'output' leads with 'u0', not the batch dim "
+            "'batch'; set max_batch_size: 0") in result.output

@@ -89,7 +89,8 @@ def write_repository(job: TargetJob) -> TargetResult:
         files=files,
         hash=digest,
         details={"model": name, "platform": config.get("platform") or config["backend"], "max_batch_size": config["max_batch_size"],
-                 **({"unbatched": why} if (batch := job.settings.shapes.batch_dim()) and (why := unbatched_output(job, batch)) else {}),
+                 **({"unbatched": f"{why}: served unbatched (max_batch_size 0)"}
+                    if (batch := job.settings.shapes.batch_dim()) and (why := unbatched_output(job, batch)) else {}),
                  "instance_kind": config["instance_group"][0]["kind"], **(served_precision(ir) if ir and params.backend == "native" else {}),
                  **({"runtime": config["parameters"]["runtime"]} if params.backend == "python" else {}), **ensemble},
     )
@@ -233,7 +234,11 @@ def batching_limit(job: TargetJob, params: TritonParams, inputs: list[TensorSpec
     if batch is None:
         return 0
     leads_dynamic = all(t.dims and not isinstance(t.dims[0], int) for t in inputs + outputs)
-    if not leads_dynamic or unbatched_output(job, batch):
+    why = unbatched_output(job, batch)
+    if why and params.max_batch_size:  # asked for by the recipe: a wrong answer per request, not a setting to drop
+        raise TargetError(f"targets (triton): max_batch_size {params.max_batch_size} cannot be served: {why}; "
+                          "set max_batch_size: 0 (or return one row per sample from the model)")
+    if not leads_dynamic or why:
         return 0
     limit = job.settings.shapes.dims[batch].max
     if params.max_batch_size is None:
@@ -260,7 +265,7 @@ def unbatched_output(job: TargetJob, batch: str) -> Optional[str]:
     for spec in io_specs(view.graph)[1]:
         if not spec.dims or spec.dims[0] != batch:
             lead = f"leads with {spec.dims[0]!r}" if spec.dims else "is 0-d"
-            return f"output '{spec.name}' {lead}, not the batch dim '{batch}': served unbatched (max_batch_size 0)"
+            return f"output '{spec.name}' {lead}, not the batch dim '{batch}'"
     return None
 
 
