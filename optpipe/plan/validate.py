@@ -37,7 +37,26 @@ def validate_recipe(recipe: Recipe) -> tuple[nx.DiGraph, dict[str, Pass]]:
                 raise RecipeError(f"targets.{i}.stages: unknown stage '{stage}'{suggest(stage, recipe.stages)}")
     validate_targets(recipe.targets)
     check_stage_rules(recipe, passes)
+    check_input_layout(recipe.inputs)
     return graph, passes
+
+
+def check_input_layout(inputs) -> None:
+    """Every input leads with the batch dim where one does. Samples are stacked and fed in batches along each input's
+    first dim: an input shared by the whole batch (a 0-d temperature, a [4, 16] codebook) was sliced like the others,
+    and every stage failed as an internal error ("Received incompatible shape: (1, 16)", "array is 0-dimensional")."""
+    batched = [(i, spec) for i, spec in enumerate(inputs) if spec.shape and isinstance(spec.shape[0], str)]
+    if not batched:
+        return
+    first, lead = batched[0][0], batched[0][1]
+    for i, spec in enumerate(inputs):
+        if spec.shape and (isinstance(spec.shape[0], str) or spec.shape[0] == 1):
+            continue  # a dynamic dim, or a fixed batch of one (feeds of one sample fit it)
+        what = "is 0-d (one value)" if not spec.shape else f"leads with the fixed size {spec.shape[0]}"
+        raise RecipeError(
+            f"inputs.{i} ('{spec.name}') {what}, while inputs.{first} ('{lead.name}') leads with the batch dim "
+            f"'{lead.shape[0]}': optpipe feeds every input in batches of samples along its first dim; give it that dim "
+            "(one row per sample), or make it part of the model (a constant the factory's module holds)")
 
 
 def configure(stage: str, spec, known: dict[str, type[Pass]]) -> Pass:
