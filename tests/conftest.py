@@ -16,6 +16,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "recipes" / "models"
 # The heaviest tests (a MiniLM compile, a big export in its worker, a two-node Ray cluster) peak at a few GB each.
 GB_PER_TEST_PROCESS = 4
 
@@ -27,7 +28,6 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
     return max(1, min(available_cores(), 4, memory_budget() // (GB_PER_TEST_PROCESS << 30)))
 
-MODELS = REPO / "recipes" / "models"
 
 TINY_RECIPE = {
     "name": "tiny",
