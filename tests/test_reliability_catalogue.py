@@ -191,6 +191,8 @@ CASES = {
     "eval data wrong dtype": (lambda d: _with_eval_data(d, x=np.zeros((4, 16), np.float64)), USER, "data.eval: input 'x' is float64"),
     "eval data wrong rank": (lambda d: _with_eval_data(d, x=np.zeros((4, 16, 1), np.float32)), USER, "has rank 3"),
     "eval data missing input": (lambda d: _with_eval_data(d, pixels=np.zeros((4, 16), np.float32)), USER, "no array for input 'x'"),
+    "calibration data with Inf": (lambda d: _with_eval_data(d, "calibration", x=np.full((4, 16), np.inf, np.float32)), USER,
+                                  "data.calibration: input 'x' holds NaN or Inf (64 of 64 values), so no quantization range"),
     "calibration data wrong size": (lambda d: _with_eval_data(d, "calibration", x=np.zeros((4, 15), np.float32)), USER, "data.calibration: input 'x' has size 15 on axis 1"),
     "eval data pickled objects": (lambda d: _with_eval_data(d, x=np.array([{"a": 1}] * 4, dtype=object)), USER, "not a readable npz"),
     "eval data not npz": (lambda d: (d.mkdir(exist_ok=True), (d / "data.npz").write_text("nope"), _mutated(d, lambda r: r["data"].update(eval={"source": "npz", "path": "data.npz"})))[2], USER, "not a readable npz"),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from optpipe.cache.store import StageCache
-from optpipe.calibration.dataset import SampleSet, build_sample_set
+from optpipe.calibration.dataset import SampleSet, build_sample_set, require_finite_calibration
 from optpipe.core.errors import DataError
 from optpipe.source.model_source import load_torch_model
 from optpipe.source.torch_weights import RELEASE_BYTES
@@ -59,7 +59,7 @@ class RunServices:
         source = self.data.calibration
         if source is None:
             raise DataError("data.calibration: this stage needs a calibration set; add `data: {calibration: ...}` to the recipe")
-        return build_sample_set(source, self.source, self.cache)
+        return require_finite_calibration(build_sample_set(source, self.source, self.cache))
 
     def data_set(self, which: str) -> SampleSet:
         """A set by the name PassContext records it under ("eval", "calibration")."""
