@@ -301,3 +301,16 @@ def test_an_onnx_source_reads_text_through_the_tokenizer_the_recipe_names(tmp_pa
     assert sample_set_key(data, named) != sample_set_key(data, bare)
     with pytest.raises(ModelSourceError, match="an ONNX file has none; add `tokenizer: {hf: FOLDER}`"):
         load_samples(data, bare)
+
+
+def test_data_with_fewer_samples_than_asked_is_said_once_per_set(tmp_path, tiny_recipe, capsys, monkeypatch):
+    """An npz of 3 samples for `samples: 8` is used as it is: the run says so for each set, not silently."""
+    from reliability_fixtures import run_main
+
+    monkeypatch.setenv("OPTPIPE_CACHE", str(tmp_path / "cache"))
+    np.savez(tmp_path / "few.npz", x=np.random.default_rng(0).standard_normal((3, 32)).astype(np.float32))
+    few = {"source": "npz", "path": str(tmp_path / "few.npz"), "samples": 8}
+    code, _, err = run_main(["compile", str(tiny_recipe({"data": {"eval": few, "calibration": few}}))], capsys)
+    assert code == 0, err
+    for which in ("eval", "calibration"):
+        assert err.count(f"data.{which}: the data holds 3 samples, fewer than the 8 `samples` asks for") == 1, err

@@ -31,8 +31,10 @@ def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], obj
         check_onnx_source(recipe, onnx_path, cache)  # its memory: plan/source_preflight.py, which knows the passes
     _check_data(eval_set, "eval")
     _warn_unread_labels(recipe, eval_set)
+    _warn_short(recipe.data.eval.samples, eval_set(), "eval")
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
+        _warn_short(recipe.data.calibration.samples, calibration_set(), "calibration")
 
 
 def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = None) -> None:
@@ -102,6 +104,15 @@ def _warn_unread_labels(recipe: Recipe, eval_set: Callable[[], object]) -> None:
         now = f"evaluate.task is {task.kind}" if task else "evaluate.task is not set"
         log.warning("data.eval: the evaluation data carries labels (an npz `labels` array or class subfolders), but %s: "
                     "they are not checked; set `evaluate.task: {kind: classification}` to hold top-1 on them", now)
+
+
+def _warn_short(asked: int, samples, which: str) -> None:
+    """A file with fewer samples than `samples` asks for is used as it is (a text is repeated to fill them instead):
+    said once, since every figure of the run then rests on fewer samples than the recipe reads as."""
+    held = len(next(iter(samples.arrays.values())))
+    if held < asked:
+        log.warning("data.%s: the data holds %d samples, fewer than the %d `samples` asks for: what is measured or calibrated "
+                    "on it rests on %d; give more data or lower `samples`", which, held, asked, held)
 
 
 def _check_data(build, which: str) -> None:
