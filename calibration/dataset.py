@@ -14,6 +14,7 @@ import numpy as np
 
 from optpipe.core.artifact import sha256_file, sha256_json
 from optpipe.core.errors import DataError
+from optpipe.core.runtime import first_non_finite
 from optpipe.calibration.labels import labels_fingerprint, split_labels
 from optpipe.calibration.sources import load_samples, running_text, source_path
 from optpipe.recipe.schema import DataSource, ModelSource
@@ -109,14 +110,13 @@ def _read_arrays(path: Path) -> dict[str, np.ndarray] | None:
         return None  # unreadable although its hash matched (an older numpy?): rebuild
 
 
-def require_finite_calibration(samples: SampleSet, which: str = "data.calibration") -> SampleSet:
+def require_finite_calibration(samples: SampleSet) -> SampleSet:
     """A calibration set with NaN or Inf gives ranges that mean nothing: ORT's static quantizer stopped with "scale
     issue", which named neither the data nor the input. (An evaluation set may hold them: a model can handle a missing
     value; where its outputs then turn NaN, the evaluation names the input.)"""
-    for name, array in samples.arrays.items():
-        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
-            bad = int(array.size - np.isfinite(array).sum())
-            raise DataError(f"{which}: input '{name}' holds NaN or Inf ({bad} of {array.size} values), so no quantization range can be "
-                            "calibrated from it; fix the data (or calibrate on a set without them)")
+    found = first_non_finite(samples.arrays)
+    if found:
+        name, bad, size = found
+        raise DataError(f"data.calibration: input '{name}' holds NaN or Inf ({bad} of {size} values), so no quantization range "
+                        "can be calibrated from it; fix the data (or calibrate on a set without them)")
     return samples
-

@@ -285,7 +285,7 @@ def subset_accuracy(check: InputCheck, picked: list[int], outs: list[dict]) -> A
 
     size, arrays, batches = check.batch_size, check.ctx.eval_set().arrays, check.batches
     rows = np.concatenate([np.arange(i * size, i * size + len(next(iter(batches[i].values())))) for i in picked])
-    reference, samples = check.reference(), len(next(iter(arrays.values())))
+    reference, samples = check.reference(), len(check.ctx.eval_set())
     if all(len(array) == samples for array in reference.values()):
         expected = {name: array[rows] for name, array in reference.items()}
     else:

@@ -123,11 +123,13 @@ def test_join_batches_keeps_one_element_per_batch_of_a_0d_output():
 
 
 def test_the_openvino_guards_subset_of_batches_reads_the_reference_batch_by_batch_for_unbatched_outputs():
+    from optpipe.calibration.dataset import SampleSet
     from passes._openvino_guard import subset_accuracy
 
     batches = [{"x": np.full((2, 1), float(i), np.float32)} for i in range(3)]
     per_batch = [{"loss": np.float32(i + 1.0), "y": b["x"] * 2} for i, b in enumerate(batches)]
-    ctx = SimpleNamespace(eval_set=lambda: SimpleNamespace(arrays={"x": np.concatenate([b["x"] for b in batches])}),
+    eval_set = SampleSet({"x": np.concatenate([b["x"] for b in batches])}, key="three batches")
+    ctx = SimpleNamespace(eval_set=lambda: eval_set,
                           tolerance=Tolerance(cosine_min=0.99), evaluate=SimpleNamespace(top1=None))
     check = SimpleNamespace(batch_size=2, batches=batches, ctx=ctx, reference=lambda: join_batches(per_batch),
                             reference_batches=lambda: per_batch)

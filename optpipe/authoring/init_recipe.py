@@ -229,7 +229,7 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     net = net[0] if isinstance(net, tuple) else net
     if not isinstance(net, torch.nn.Module):
         raise ModelSourceError(f"init: '{spec}' returned {type(net).__name__}, not a torch.nn.Module")
-    widened = as_float32(net)  # measured in float32, as the compile loads it
+    converted = as_float32(net)  # measured in float32, as the compile loads it
     owner = type(net).__name__
     params = forward_parameters(net.forward)
     hf_config = getattr(net, "config", None)
@@ -240,7 +240,7 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
         inputs, dims, notes = _first_layer_input(net)
         required = [name for name, needed in params if needed]
         unknown_required(params, set(required[:1]), owner)  # the first layer tells one input, no more
-    notes += _widening_notes(widened)
+    notes += _widening_notes(converted)
     output_shapes = _probe(net, inputs, dims, owner)
     kind, kind_notes = (model_kind if hasattr(hf_config, "to_dict") else factory_kind)(net, inputs, dims, owner)
     notes += kind_notes

@@ -5,7 +5,7 @@ import functools
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -164,6 +164,15 @@ def join_batches(outs: Sequence[Outputs]) -> Outputs:
 
 def join_arrays(parts: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.atleast_1d(p) for p in parts])
+
+
+def first_non_finite(arrays: Mapping[str, np.ndarray]) -> tuple[str, int, int] | None:
+    """The first float array holding NaN or Inf: (its name, how many such values, its size); None where all are finite."""
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            return name, int(value.size - np.isfinite(value).sum()), value.size
+    return None
 
 
 def ort_runner(session) -> Callable[[Feeds], Outputs]:

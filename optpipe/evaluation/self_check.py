@@ -51,7 +51,7 @@ from optpipe.pass_infra.pass_base import PassParams
 from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel, OutputTolerance, Tolerance
 from optpipe.core.results import EAGER
-from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session
+from optpipe.core.runtime import Feeds, Outputs, eager_runner, first_non_finite, ort_runner, ort_session
 
 if TYPE_CHECKING:
     from optpipe.core.artifact import ModelArtifact
@@ -270,19 +270,17 @@ def require_finite(outputs: Outputs, whose: str, error: type[Exception] = DataEr
     """`outputs` unchanged when every value is finite; else one sentence naming the output, and the input where the
     data itself holds NaN or Inf (a missing value in a table, an overflowed preprocessing step): the cause to fix is
     then the data, not the model's range or precision."""
-    for name, value in outputs.items():
-        value = np.asarray(value)
-        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
-            bad = int(value.size - np.isfinite(value).sum())
-            raise error(f"{whose} NaN or Inf in '{name}' ({bad} of {value.size} values); {_non_finite_cause(inputs or {})}")
+    found = first_non_finite(outputs)
+    if found:
+        name, bad, size = found
+        raise error(f"{whose} NaN or Inf in '{name}' ({bad} of {size} values); {_non_finite_cause(inputs or {})}")
     return outputs
 
 
 def _non_finite_cause(inputs: Feeds) -> str:
-    for name, value in inputs.items():
-        value = np.asarray(value)
-        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
-            bad = int(value.size - np.isfinite(value).sum())
-            return (f"the data itself has NaN or Inf in input '{name}' ({bad} of {value.size} values): fix the data, or give "
-                    "the model inputs it handles")
+    found = first_non_finite(inputs)
+    if found:
+        name, bad, size = found
+        return (f"the data itself has NaN or Inf in input '{name}' ({bad} of {size} values): fix the data, or give the model "
+                "inputs it handles")
     return "check that the inputs' `range`/data fit the model, or keep the ops that overflow in higher precision"

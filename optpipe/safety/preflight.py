@@ -109,7 +109,7 @@ def _warn_unread_labels(recipe: Recipe, eval_set: Callable[[], object]) -> None:
 def _warn_short(asked: int, samples, which: str) -> None:
     """A file with fewer samples than `samples` asks for is used as it is (a text is repeated to fill them instead):
     said once, since every figure of the run then rests on fewer samples than the recipe reads as."""
-    held = len(next(iter(samples.arrays.values())))
+    held = len(samples)
     if held < asked:
         log.warning("data.%s: the data holds %d samples, fewer than the %d `samples` asks for: what is measured or calibrated "
                     "on it rests on %d; give more data or lower `samples`", which, held, asked, held)
