@@ -75,7 +75,7 @@ class _PrintedLines(io.TextIOBase):
 
     def _take(self, line: str) -> None:
         if self.log is not None and line.strip():
-            self.log.debug("%s", line)
+            self.log.info("%s", line)
         if self.prefix is not None and line.startswith(self.prefix):
             self.on_line(line[len(self.prefix):].strip())
 
@@ -83,20 +83,22 @@ class _PrintedLines(io.TextIOBase):
 @contextlib.contextmanager
 def printed_progress(progress: Progress, task: str, prefix: str | None, log: logging.Logger | None = None) -> Iterator[None]:
     """Inside the block, what the library prints on stdout after `prefix` is the step `task: <text>`
-    (prefix None: no line is a step); nothing it prints reaches the terminal (the stage log keeps it).
-    The count is the lines seen (total unknown)."""
+    (prefix None: no line is a step); nothing it prints, on stdout or stderr, reaches the terminal (the stage
+    log keeps it: torch.export prints a failed capture's whole FX graph on stderr, dozens of lines between
+    optpipe's own, before the exporter moves on). The count is the lines seen (total unknown)."""
     seen = [0]
 
     def on_line(text: str) -> None:
         seen[0] += 1
         progress(f"{task}: {text[:90]}", seen[0], 0)
 
-    sink = _PrintedLines(prefix, on_line, log)
+    sink, errors = _PrintedLines(prefix, on_line, log), _PrintedLines(None, on_line, log)
     try:
-        with contextlib.redirect_stdout(sink):
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(errors):
             yield
     finally:
         sink.flush_pending()
+        errors.flush_pending()
         sys.stdout.flush()
 
 
