@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 from inspect_models import mlp_model, mlp_recipe, save
 from optpipe.cli import cli
 from optpipe.core.errors import RecipeError, RunFolderError
-from optpipe.evaluation.evaluator import resize_dim
+from optpipe.core.runtime import resize_dim
 from optpipe.graph.stats import describe_graph, graph_diff
 from optpipe.reporting.inspection import diff_stages, open_run, parse_stage_ref, stage_handle
 from optpipe.pass_infra.instruments import StepRecorder

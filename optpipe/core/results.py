@@ -91,6 +91,9 @@ class Accuracy(Result):
     guard: Optional[GuardCheck] = Field(None, description="the pass's own guard figure; the stricter of the two is the verdict")
     task: Optional[TaskAccuracy] = Field(None, description="the task metric; when present it is the verdict")
     warnings: list[str] = Field(default_factory=list, description="why these figures may mean less than they seem (e.g. input-insensitive outputs)")
+    export_mismatch: Optional[str] = Field(
+        None, description="PyTorch eager's row, where the reference is the export: why the export does not compute what eager "
+                          "does on the evaluation data, by the export's own self-check rule (None: it does, or not checked)")
 
     @property
     def worst_cosine(self) -> float:
@@ -385,3 +388,4 @@ class RunReport(Result):
             what = (f"{'.'.join(str(part) for part in errors[0]['loc'])}: {errors[0]['msg']}" if errors
                     else str(exc).splitlines()[0])
             raise OptpipeError(f"'{path}' is not a readable optpipe report ({what}); rerun `optpipe compile`") from None
+

@@ -225,3 +225,10 @@ def pinned_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+def resize_dim(array: np.ndarray, axes: list[int], size: int) -> np.ndarray:
+    """The array with each axis in `axes` cut or cyclically repeated to `size`: real values, new length."""
+    for axis in axes:
+        array = np.take(array, np.arange(size) % array.shape[axis], axis=axis)
+    return array

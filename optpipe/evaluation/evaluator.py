@@ -13,13 +13,12 @@ import logging
 from functools import cached_property
 from typing import Callable
 
-import numpy as np
 from optpipe.evaluation.accuracy import compare, run_callable, run_onnx
 from optpipe.core.artifact import ModelArtifact
 from optpipe.cache.store import StageCache, library_versions
 from optpipe.evaluation import openvino_runtime
 from optpipe.core.errors import NonFiniteOutputs
-from optpipe.evaluation.self_check import require_finite
+from optpipe.evaluation.self_check import SelfCheckParams, export_mismatch, require_finite
 from optpipe.calibration.dataset import SampleSet
 from optpipe.evaluation.latency import Warmth, measure, warm_for
 from optpipe.evaluation.held_eager import HeldEager
@@ -27,8 +26,9 @@ from optpipe.evaluation.memory import PeakMemory
 from optpipe.hardware.cpu_features import engine_target, machine_id
 from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import Accuracy, Latency, Memory
+from optpipe.evaluation.cached_figures import decode_figures, encode_figures
 from optpipe.recipe.schema import EvaluateSpec, ModelInputs, Tolerance
-from optpipe.core.runtime import Feeds, Outputs, eager_runner, ort_runner, ort_session, pick_providers, requested_providers
+from optpipe.core.runtime import Feeds, Outputs, eager_runner, resize_dim, ort_runner, ort_session, pick_providers, requested_providers
 
 EVAL_FORMAT = 9  # 3: adaptive iteration counts, eager beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
 # 5: sweeps cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU; 7: a time budget
@@ -65,6 +65,7 @@ class Evaluator:
         self.settings = settings
         self.providers = pick_providers(requested_providers(settings.providers, providers))
         self._reference: tuple[str, str, Callable[[], Outputs]] | None = None
+        self._export_check: SelfCheckParams | None = None
         self._eager: HeldEager[Callable[[Feeds], Outputs]] = HeldEager(eager_timing)
         self._eager_failed = False
         # What this run warmed on which shapes: eager, timed again beside every stage, is warmed once.
@@ -93,6 +94,10 @@ class Evaluator:
             return cache["out"]
 
         self._reference = (name, digest, lazy)
+
+    def set_export_check(self, params: SelfCheckParams) -> None:
+        """The reference is the export: eager's row also holds it to the export's own self-check on the evaluation data."""
+        self._export_check = params
 
     def onnx_outputs(self, artifact: ModelArtifact) -> Outputs:
         return run_onnx(artifact.path, self.accuracy_batches, self.settings.threads, self.providers,
@@ -176,7 +181,7 @@ class Evaluator:
         with self.cache.lock(key):
             hit = None if self.force else self.cache.get_result(key)
             if hit is not None:
-                return _decode(hit) + (True,)
+                return decode_figures(hit) + (True,)
             # Eager is re-timed interleaved beside every stage: the report's 'vs eager' says so (an IR stage
             # once timed alone against eager's figure from minutes before: MiniLM ov-int8 3.0x that way where
             # the interleaved bench gave 3.8x, one x86-avx512-vnni VM). Apart, right after the stage instead.
@@ -190,26 +195,32 @@ class Evaluator:
             del run, outputs  # the session goes before the next stage builds its own
             if self._eager.apart:
                 latency = self._eager_after(latency)
-            self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
+            self.cache.put_result(key, encode_figures(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 
     def evaluate_eager(self, torch_model, source_digest: str, tolerance: Tolerance, release: Callable[[], object] = lambda: None) -> Measured:
         """`release`: drops the run's torch model (RunServices.release_torch_model), called apart once eager is timed."""
-        key = self._result_key("eager:" + source_digest, tolerance, extra=library_versions(("torch",)))
+        check = self._export_check
+        extra = {**library_versions(("torch",)), **({"export_check": [check.check_atol, check.check_rtol]} if check else {})}
+        key = self._result_key("eager:" + source_digest, tolerance, extra=extra)
         with self.cache.lock(key):
             # Stages timed after this one re-time eager beside themselves (or after themselves): keep a way to build it.
             self._eager.set_source(lambda: self._warmed(eager_runner(torch_model(), self.settings.threads)), release)
             hit = None if self.force else self.cache.get_result(key)
             if hit is not None:
-                return _decode(hit) + (True,)
+                return decode_figures(hit) + (True,)
             # Built again when the shared one failed, so that its real error reaches the eager row.
             run = self._eager_baseline() or eager_runner(torch_model(), self.settings.threads)
-            accuracy = self._accuracy(lambda: run_callable(run, self.accuracy_batches, self._accuracy_progress), tolerance)
+            outputs = run_callable(run, self.accuracy_batches, self._accuracy_progress) if self._reference else {}
+            accuracy = self._accuracy(lambda: outputs, tolerance)
+            if accuracy is not None and check is not None:
+                accuracy.export_mismatch = export_mismatch(self._reference[2](), outputs, self.all_inputs, check)
+            outputs = {}  # a decoder's logits can be a GB: not held while eager is timed
             with PeakMemory() as peak:
                 latency = self._latency(run, "pytorch-cpu")
             del run
             self._eager.drop_apart()
-            self.cache.put_result(key, _encode(accuracy, latency, peak.result()))
+            self.cache.put_result(key, encode_figures(accuracy, latency, peak.result()))
         return accuracy, latency, peak.result(), False
 
     def _accuracy(self, outputs: Callable[[], Outputs], tolerance: Tolerance, digest: str | None = None) -> Accuracy | None:
@@ -367,13 +378,6 @@ class Evaluator:
         )
 
 
-def resize_dim(array: np.ndarray, axes: list[int], size: int) -> np.ndarray:
-    """The array with each axis in `axes` cut or cyclically repeated to `size`: real values, new length."""
-    for axis in axes:
-        array = np.take(array, np.arange(size) % array.shape[axis], axis=axis)
-    return array
-
-
 def _shape_key(shape: dict[str, list[int]]) -> tuple:
     return tuple(sorted((name, tuple(dims)) for name, dims in shape.items()))
 
@@ -384,17 +388,3 @@ def _raise_no_eager():
 
 def _dims_text(feeds: Feeds) -> str:
     return "x".join(str(d) for d in next(iter(feeds.values())).shape)
-
-
-def _encode(accuracy: Accuracy | None, latency: list[Latency], memory: Memory | None = None) -> dict:
-    return {
-        "accuracy": accuracy.model_dump(mode="json") if accuracy else None,
-        "latency": [lat.model_dump(mode="json") for lat in latency],
-        "memory": memory.model_dump(mode="json") if memory else None,
-    }
-
-
-def _decode(value: dict) -> tuple[Accuracy | None, list[Latency], Memory | None]:
-    accuracy = Accuracy.model_validate(value["accuracy"]) if value.get("accuracy") else None
-    memory = Memory.model_validate(value["memory"]) if value.get("memory") else None
-    return accuracy, [Latency.model_validate(lat) for lat in value["latency"]], memory

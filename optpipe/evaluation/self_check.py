@@ -184,17 +184,7 @@ def numeric_check(candidate: Outputs, reference: Outputs, feeds: Feeds, params: 
     """The self-check's record (info.json's `self_check`); PassError when enforced and out of tolerance."""
     require_finite(reference, f"the {against} outputs" if against != INPUT else "the model it starts from outputs", PassError, feeds)
     enforced = params.check_enforced
-    half = _float16_tolerances(params, reference) if enforced else {}
-    tolerance = Tolerance(
-        cosine_min=None,
-        max_abs=(params.check_atol or 0.0) if enforced else None,
-        rtol=params.check_rtol if enforced else None,
-        outputs=half,
-    )
-    try:
-        accuracy = compare(candidate, reference, feeds, tolerance, against, top1=False)
-    except ValueError as exc:  # an output changed shape or count
-        raise PassError(f"self-check against {against}: {first_line(exc)}") from None
+    accuracy, half = _checked(candidate, reference, feeds, params, against)
     record = {
         "against": against,
         "inputs": "synthetic (example_inputs.trace_inputs)",
@@ -216,6 +206,35 @@ def numeric_check(candidate: Outputs, reference: Outputs, feeds: Feeds, params: 
             f"check_rtol {params.check_rtol}{held}){advice}; raise check_atol/check_rtol only if this is rounding on large outputs"
         )
     return record
+
+
+def _checked(candidate: Outputs, reference: Outputs, feeds: Feeds, params: SelfCheckParams, against: str):
+    """The comparison by the self-check's rule (float16 outputs held to FLOAT16_CHECK where left at the defaults),
+    and those float16 tolerances."""
+    enforced = params.check_enforced
+    half = _float16_tolerances(params, reference) if enforced else {}
+    tolerance = Tolerance(
+        cosine_min=None,
+        max_abs=(params.check_atol or 0.0) if enforced else None,
+        rtol=params.check_rtol if enforced else None,
+        outputs=half,
+    )
+    try:
+        return compare(candidate, reference, feeds, tolerance, against, top1=False), half
+    except ValueError as exc:  # an output changed shape or count
+        raise PassError(f"self-check against {against}: {first_line(exc)}") from None
+
+
+def export_mismatch(export: Outputs, eager: Outputs, feeds: Feeds, params: SelfCheckParams) -> str | None:
+    """Why the export does not compute what PyTorch eager does on `feeds` (the evaluation data), by the export's own
+    self-check rule (rounding passes, as on the trace inputs); None where it does. The self-check ran on synthetic
+    inputs only: a trace that recorded one branch of an `if` on tensor values passes there, and is wrong on data
+    that takes the other branch (images in 0-255 where the trace saw [-1, 1])."""
+    try:
+        accuracy, _ = _checked(export, eager, feeds, params, EAGER)
+    except PassError as exc:
+        return first_line(exc)
+    return None if accuracy.within_tolerance else f"{accuracy.violations[0]}, on {accuracy.samples} samples"
 
 
 def _float16_tolerances(params: SelfCheckParams, reference: Outputs) -> dict[str, OutputTolerance]:

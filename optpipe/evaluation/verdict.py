@@ -192,3 +192,46 @@ def left_in_float(stages: list) -> list[str]:
         if s.pass_name in QUANTIZATION_PASSES and s.coverage and s.coverage.float_compute:
             lines.append(f"`{s.name}` ({s.coverage.share('int8'):.0%} of MACs in int8): {s.coverage.float_ops_text(limit=6)}")
     return lines
+
+
+#: The reference export's line when PyTorch eager disagrees with it on the evaluation data (verdict: out of tolerance).
+UNFAITHFUL_EXPORT = "does not compute what PyTorch eager does on the evaluation data"
+
+
+def flag_unfaithful_reference(stages: list, reference: str | None) -> str | None:
+    """Where PyTorch eager's row found that the reference export does not compute what the model does on the evaluation
+    data (`Accuracy.export_mismatch`), every stage is out of tolerance: the export by that mismatch, the others because
+    their figures are against it. Its self-check held on the recipe's synthetic inputs, so the export and every
+    stage after it read "ok" at cosine 1.0 while computing something else (a model that divides images by 255 when
+    their max is over 1, traced on [-1, 1]: eager's row alone said cosine -0.50). Returns the warning (None: nothing
+    to flag); idempotent (the in-process evaluation and the report both call it)."""
+    eager = next((s for s in stages if s.pass_name == "eager" and s.accuracy is not None), None)
+    why = eager.accuracy.export_mismatch if eager is not None else None
+    if not why or reference is None:
+        return None
+    for stage in stages:
+        if stage.pass_name == "eager" or stage.status != "ok" or stage.accuracy is None:
+            continue
+        violation = (f"{UNFAITHFUL_EXPORT} ({why})" if stage.name == reference
+                     else f"measured against '{reference}', which {UNFAITHFUL_EXPORT}")
+        if violation not in stage.accuracy.violations:
+            stage.accuracy.within_tolerance = False
+            stage.accuracy.violations.insert(0, violation)
+    ref = next((s for s in stages if s.name == reference), None)
+    warning = unfaithful_export_warning(reference, why, ref.info if ref is not None else {})
+    if ref is not None and warning not in ref.warnings:
+        ref.warnings.append(warning)
+    return warning
+
+
+def unfaithful_export_warning(reference: str, why: str, info: dict) -> str:
+    """What to change when the export computes something else than the model on the user's data."""
+    branches = info.get("trace_branches") or []
+    if branches:
+        cause = (f"the TorchScript trace recorded one branch of forward()'s control flow on tensor values (the tracer: "
+                 f"'{branches[0]}'), the branch the synthetic trace inputs of `inputs` took: give those inputs a `range` "
+                 "like the data's so the trace takes its branch, or write the branch with torch.where")
+    else:
+        cause = "its self-check passed on the synthetic inputs of `inputs` only: give them a `range` like the data's"
+    return (f"'{reference}' {UNFAITHFUL_EXPORT} ({why}); every stage is measured against it, so none is within "
+            f"tolerance: {cause}")

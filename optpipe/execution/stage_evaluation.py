@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from optpipe.cache.store import StageCache
 from optpipe.execution.interrupt import escalate
 from optpipe.core.errors import OptpipeError, first_line
 from optpipe.evaluation.evaluator import Evaluator
 from optpipe.evaluation.guard_verdict import fold_guard_verdict
-from optpipe.evaluation.verdict import flag_unchanged_stages, stage_coverage
+from optpipe.evaluation.self_check import SelfCheckParams
+from optpipe.evaluation.verdict import flag_unchanged_stages, flag_unfaithful_reference, stage_coverage
 from optpipe.execution.services import RunServices
 from optpipe.pass_infra.instruments import Instrument
 from optpipe.source.model_source import source_fingerprint
@@ -38,10 +39,15 @@ class EvaluationParts:
     source: ModelSource  # the model (its eager baseline's digest) with its inputs and dims
     parents: Mapping[str, Optional[str]]  # each stage's `after`: the default reference is a root
     tolerances: Mapping[str, Tolerance]  # each stage's own tolerance, else evaluate's
+    export_check: Optional[SelfCheckParams] = None  # the reference export's self-check: eager's row holds it to it too
 
     @classmethod
     def of(cls, plan: CompilePlan) -> "EvaluationParts":
-        return cls(plan.evaluate, plan.model_source(), plan.parents(), plan.tolerances())
+        reference = plan.evaluate.reference or next((n for n, s in plan.stages.items() if s.parent is None), None)
+        stage = plan.stages.get(reference) if reference else None
+        params = plan.configured_pass(reference).params if stage is not None and stage.pass_name == "export" else None
+        check = params if isinstance(params, SelfCheckParams) and params.check_enforced else None
+        return cls(plan.evaluate, plan.model_source(), plan.parents(), plan.tolerances(), check)
 
     def tolerance_for(self, stage: str) -> Tolerance:
         return self.tolerances.get(stage, self.evaluate.tolerance)
@@ -77,13 +83,21 @@ def evaluate_stages(
         generation = GenerationEvaluator(parts.evaluate, parts.source, cache, instruments.step, force, eager_timing=timing)
         if ref_stage is not None and ref_stage.model is not None:  # the yardstick where eager is not measured
             generation.set_reference_stage(reference, ref_stage.model)
+    if parts.export_check is not None and generation is None:
+        evaluator.set_export_check(parts.export_check)
     results = []
     if parts.evaluate.eager_baseline and not isinstance(parts.source.model, OnnxModel):
         results.append(_evaluate_eager(parts, generation or evaluator, services, instruments, source_check))
+    eager = results[0] if results else None
+
+    def flag(result: StageResult) -> None:  # eager's row found the export wrong on the data: each line says so as shown
+        if eager is not None:
+            flag_unfaithful_reference([eager, result], reference)
+
     for name in order:
         result = stages[name]
         if result.status == "ok":
-            _evaluate_stage(result, parts, evaluator, instruments, source_check, generation)
+            _evaluate_stage(result, parts, evaluator, instruments, source_check, generation, flag)
         results.append(result)
     flag_unchanged_stages([stages[name] for name in order], stages, cache)
     if parts.evaluate.sweep and generation is None:
@@ -120,7 +134,8 @@ def _sweep(results: list[StageResult], parts: EvaluationParts, evaluator: Evalua
 
 
 def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Evaluator, instruments: Instrument,
-                    source_check: "SourceCheck | None" = None, generation=None) -> None:
+                    source_check: "SourceCheck | None" = None, generation=None,
+                    flag: Callable[[StageResult], object] = lambda result: None) -> None:
     artifact = result.model
     result.hash = artifact.content_hash()
     result.size_bytes = artifact.size_bytes()
@@ -154,6 +169,7 @@ def _evaluate_stage(result: StageResult, parts: EvaluationParts, evaluator: Eval
     result.accuracy, result.latency, result.memory = fold_guard_verdict(accuracy, artifact.info), latency, memory
     result.warnings += accuracy.warnings if accuracy else []
     result.evaluation_cached = cached  # apart from result.cached, the pass's: the report tells the two apart
+    flag(result)
     instruments.after_evaluation(result)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from optpipe.core.artifact import write_text_atomic
 from optpipe.evaluation.speed_verdict import DECODE_BY_BITS, decode_speed_by_bits, slower_than_parent
 from optpipe.recipe.schema import EvaluateSpec
-from optpipe.evaluation.verdict import left_in_float
+from optpipe.evaluation.verdict import flag_unfaithful_reference, left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
 from optpipe.core.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
 from optpipe.hardware.cpu_features import cpu_record
@@ -38,6 +38,7 @@ def build_report(name: str, evaluate: EvaluateSpec, stages: list[StageResult]) -
         baseline=EAGER if any(s.name == EAGER for s in stages) else None,
         stages=stages,
     )
+    flag_unfaithful_reference(stages, reference)
     slower_than_parent(stages)
     report.pareto = pareto_frontier(stages)
     for stage in stages:
