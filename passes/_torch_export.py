@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from optpipe.pass_infra.progress import Progress, no_progress, printed_progress
+from optpipe.pass_infra.progress import Progress, native_stdout_to, no_progress, printed_progress
 from optpipe.recipe.schema import DimRange, ModelInputs
 from optpipe.source.model_source import TorchModel
 
@@ -73,7 +73,8 @@ def name_derived_dims(path: Path, shapes: ModelInputs) -> None:
     onnx.save(model, str(path))
 
 
-def export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path) -> list[str]:
+def export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: int, path: Path,
+                       log: logging.Logger | None = None) -> list[str]:
     """Trace and export; returns the tracer's warnings about tensors turned into Python booleans
     (control flow that the trace fixes to the branch the trace inputs took)."""
     import warnings
@@ -85,7 +86,7 @@ def export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opse
     batch = shapes.batch_dim()
     if batch:  # the tracer names no output dim itself; the outputs that are one row per sample share the batch dim
         dynamic_axes.update({out: {0: batch} for out in batch_led_outputs(torch_model, feeds, shapes.dims[batch])})
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, native_stdout_to(log):
         warnings.simplefilter("always", torch.jit.TracerWarning)
         torch.onnx.export(
             torch_model.module,

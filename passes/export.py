@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 from typing import Literal, Optional
 
-import numpy as np
 from pydantic import Field, model_validator
 
 from optpipe.core.artifact import ModelArtifact, save_model, write_info
@@ -14,15 +13,16 @@ from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import EAGER
 from optpipe.evaluation.self_check import SelfCheckParams, hand_over_eager, load_session, numeric_check, onnx_outputs
 from optpipe.source.position_limit import check_sequence_dims, hold_sequence_dims, onnx_position_limit
-from optpipe.core.errors import ModelSourceError, PassError, RecipeError, UserInputError, first_line, root_first_line
+from optpipe.core.errors import PassError, RecipeError, UserInputError, first_line, root_first_line
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.graph.stats import graph_stats
-from optpipe.source.model_source import TorchModel, forward_failure, onnx_source_path, source_fingerprint
+from optpipe.source.model_source import TorchModel, onnx_source_path, source_fingerprint
 from optpipe.pass_infra.pass_base import Pass, PassContext
 from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import eager_runner
 from optpipe.passes import _torch_export as exporters
+from optpipe.passes._eager_reference import eager_outputs
 from optpipe.passes._torch_export import DYNAMO_MIN_OPSET
 
 
@@ -200,7 +200,7 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
             exporters.export_dynamo(torch_model, feeds, shapes, params.opset, path, steps.progress, log)
         else:
             steps("torch.onnx.export (TorchScript trace, no progress inside)")
-            branches = exporters.export_torchscript(torch_model, feeds, shapes, params.opset, path)
+            branches = exporters.export_torchscript(torch_model, feeds, shapes, params.opset, path, log)
     except (_ExportFailed, MemoryError, UserInputError):
         # MemoryError: the machine's limit, not this exporter's; a user-input error (the model or
         # recipe itself) the next exporter would share. Ctrl-C is no Exception: it is never caught.
@@ -347,40 +347,6 @@ def _failure_message(failures: dict[str, str], dynamic: bool) -> str:
     if untried and dynamic and "wrong at other sizes" not in text:
         hint += ", or make the dynamic dims fixed in `inputs`"
     return f"{text}; {hint}"
-
-
-def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads: int) -> dict[str, np.ndarray]:
-    """PyTorch eager on the trace inputs: the export's yardstick, and the first check that the
-    recipe's input specs fit the model."""
-    run = eager_runner(torch_model, threads)
-    try:
-        first, second = run(feeds), run(feeds)
-    except MemoryError:  # the machine's limit, not the inputs' fault
-        raise
-    except Exception as exc:  # whatever forward() raises on inputs it does not accept (at the trace batch)
-        raise ModelSourceError(forward_failure(feeds, root_first_line(exc))) from None
-    _refuse_random_forward(first, second)
-    return first
-
-
-#: Two eager runs on the same inputs may differ by this share of an output's largest value (threaded reductions)
-RANDOM_FORWARD_SHARE = 1e-5
-
-
-def _refuse_random_forward(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> None:
-    """Every stage is measured against eager: a forward that draws random numbers (noise, dropout with
-    training=True, sampling) differs from itself, and the export's check failed with 'raise check_atol', which
-    cannot help. Refused, with the output and how far two runs differ."""
-    for name, value in first.items():
-        a, b = np.asarray(value), np.asarray(second[name])
-        if a.dtype.kind != "f" or a.shape != b.shape or np.array_equal(a, b, equal_nan=True):
-            continue
-        apart = float(np.nanmax(np.abs(a.astype(np.float64) - b)))
-        if apart > RANDOM_FORWARD_SHARE * max(float(np.nanmax(np.abs(a))), 1e-30):
-            raise ModelSourceError(
-                f"model: forward() gives different outputs on the same inputs (output '{name}' differs by {apart:.3g} "
-                "between two runs): it draws random numbers (noise, dropout with training=True, sampling); every "
-                "stage is measured against it, so make forward deterministic for the compile")
 
 
 def import_onnx(ctx: PassContext) -> ModelArtifact:

@@ -117,6 +117,46 @@ def test_outputs_of_unlike_shapes_name_both_and_leave_the_others_compared():
     assert accuracy.outputs[1].cosine_min == pytest.approx(1.0) and accuracy.outputs[1].shapes is None
 
 
+def test_an_output_of_another_rank_is_a_changed_layout_not_a_length_of_the_data():
+    """OpenVINO converted an FFT's magnitude ([32, 17]) to [32, 17, 1]: no threshold moved there."""
+    ref, cand = {"mag": np.ones((32, 17), np.float32)}, {"mag": np.ones((32, 17, 1), np.float32)}
+    (violation,) = compare(cand, ref, {}, Tolerance(cosine_min=0.99), "simplify").violations
+    assert violation == ("output 'mag' has shape [32, 17, 1] where the reference's is [32, 17]: this stage changed the output's "
+                         "layout (a dim added, dropped or moved)")
+    two = compare({"mag": np.ones((8, 16), np.float32)}, ref, {}, Tolerance(cosine_min=0.99), "simplify").violations[0]
+    assert "changed the output's layout" in two  # two dims apart: no single length that the data decides
+
+
+def test_a_complex_output_is_refused_by_the_export_in_one_line(tmp_path, cli_run):
+    """ONNX holds no complex tensor: dynamo wrote it as a last dim of 2 and the check blamed "a size that depends on
+    the data", then the TorchScript exporter refused the FFT, its Torch IR graph printed on the terminal from C++."""
+    module = "shapes_complex"
+    (tmp_path / f"{module}.py").write_text(
+        "import torch\n\n\nclass Spectrum(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(16, 16)\n\n    def forward(self, x):\n        return torch.fft.rfft(self.fc(x))\n\n\n"
+        "def spectrum():\n    return Spectrum().eval()\n")
+    recipe = small_recipe({"factory": f"{module}:spectrum", "path": "."}, stages={"export": {"pass": "export"}})
+    result = compile_recipe(tmp_path, cli_run, recipe)
+    assert result.exit_code == 2, result.output
+    assert "output 'output' of forward() is complex (complex64)" in result.output and "view_as_real" in result.output
+    assert "Torch IR graph" not in result.output and "def forward" not in result.output
+
+
+def test_the_torchscript_exporters_native_prints_go_to_the_stage_log(tmp_path, cli_run):
+    """Its C++ log writes the whole Torch IR graph on file descriptor 1 when an op does not convert (aten::fft_rfft)."""
+    module = "shapes_magnitude"
+    (tmp_path / f"{module}.py").write_text(
+        "import torch\n\n\ndef magnitude():\n    torch.manual_seed(0)\n    fc = torch.nn.Linear(16, 16)\n"
+        "    return Magnitude(fc).eval()\n\n\n"
+        "class Magnitude(torch.nn.Module):\n    def __init__(self, fc):\n        super().__init__()\n        self.fc = fc\n\n"
+        "    def forward(self, x):\n        return torch.fft.rfft(self.fc(x)).abs()\n")
+    stages = {"export": {"pass": "export", "params": {"exporter": "torchscript"}}}
+    result = compile_recipe(tmp_path, cli_run, small_recipe({"factory": f"{module}:magnitude", "path": "."}, stages=stages))
+    assert result.exit_code == 1 and "aten::fft_rfft" in result.output, result.output
+    assert "Torch IR graph" not in result.output
+    assert "Torch IR graph at exception" in (tmp_path / "run" / "logs" / "export.log").read_text()
+
+
 def test_join_batches_keeps_one_element_per_batch_of_a_0d_output():
     joined = join_batches([{"loss": np.float32(1.5), "y": np.ones((2, 3))}, {"loss": np.float32(2.5), "y": np.ones((1, 3))}])
     assert joined["loss"].tolist() == [1.5, 2.5] and joined["y"].shape == (3, 3)

@@ -25,11 +25,8 @@ from optpipe.core.runtime import Feeds, Outputs, join_batches
 from optpipe.pass_infra.progress import counted
 
 
-
 def quiet_polygraphy() -> None:
-    """Polygraphy's verdicts are read as values; its log lines ("[E] FAILED | Output: ... Difference exceeds tolerance",
-    an ERROR on every comparison out of tolerance) would reach the terminal between optpipe's own lines."""
-    from polygraphy.logger import G_LOGGER
+    from polygraphy.logger import G_LOGGER  # verdicts are read as values: no "[E] FAILED" lines on the terminal
 
     G_LOGGER.module_severity = G_LOGGER.CRITICAL
 
@@ -109,8 +106,7 @@ def compare(
         reference=reference_name,
         samples=len(next(iter(inputs.values()))) if inputs else 0,
         outputs=outputs,
-        within_tolerance=not violations,
-        violations=violations,
+        within_tolerance=not violations, violations=violations,
         polygraphy_match=polygraphy_match,
         task=task_result,
         warnings=magnitude_warnings(pairs) + _sensitivity_warnings(outputs, task_result, min_input_sensitivity),
@@ -317,6 +313,14 @@ class _Sums:
         )
 
 
+def _shape_violation(name: str, shape: list[int], reference: list[int]) -> str:
+    """One length apart: it depends on the data (scores past a threshold); else the layout changed (OpenVINO: [32, 17, 1])."""
+    one = len(shape) == len(reference) and sum(a != b for a, b in zip(shape, reference)) == 1
+    return f"output '{name}' has shape {shape} where the reference's is {reference}: " + (
+        "its size depends on the data (a threshold, a filter, NMS) and this stage changed which values pass it" if one
+        else "this stage changed the output's layout (a dim added, dropped or moved)")
+
+
 def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explicit: bool = False) -> list[str]:
     """Tolerance breaches per output; `only_explicit`: the keys the recipe wrote (beside a task metric)."""
     found = []
@@ -326,8 +330,7 @@ def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explic
             given = stage_tol.model_fields_set | set(getattr(stage_tol.outputs.get(out.name), "model_fields_set", ()))
             tol = tol.model_copy(update={k: None for k in ("cosine_min", "max_abs", "rtol", "top1_min") if k not in given})
         if out.shapes:  # named whatever the tolerance: no figure of the output means anything
-            found.append(f"output '{out.name}' has shape {out.shapes[0]} where the reference's is {out.shapes[1]}: its size "
-                         "depends on the data (a threshold, a filter, NMS) and this stage changed which values pass it")
+            found.append(_shape_violation(out.name, *out.shapes))
             continue
         if not out.finite:
             if not only_explicit:

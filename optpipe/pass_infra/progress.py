@@ -102,6 +102,30 @@ def printed_progress(progress: Progress, task: str, prefix: str | None, log: log
         sys.stdout.flush()
 
 
+@contextlib.contextmanager
+def native_stdout_to(log: logging.Logger | None) -> Iterator[None]:
+    """Inside the block, what native code writes on file descriptor 1 goes to `log`, line by line, not to the terminal:
+    torch's TorchScript exporter prints the whole Torch IR graph there from C++ when a conversion fails ("Torch IR
+    graph at exception"), with its log switched on whatever the caller set. Python's own prints are redirected by
+    `printed_progress`; optpipe's console writes to stderr, which stays."""
+    import os
+    import tempfile
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            sink.seek(0)
+            for line in sink.read().decode("utf-8", "replace").splitlines():
+                if log is not None and line.strip():
+                    log.info("%s", line)
+
+
 class _Records(logging.Handler):
     def __init__(self, on_record: Callable[[logging.LogRecord], None]):
         super().__init__(logging.DEBUG)
