@@ -184,3 +184,46 @@ def test_init_refuses_a_folder_with_its_own_code_without_running_it(tmp_path, cl
     assert result.exit_code == 2
     assert "its own code (config.json's auto_map), which init does not run" in result.output
     assert "trust_remote_code: true" in result.output and not marker.exists() and not Path("recipe.yaml").exists()
+
+
+FIRST_LAYERS = '''import torch
+
+
+class Clip(torch.nn.Module):  # a video classifier: Conv3d first in the module, a Linear head registered after
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(3, 4, 3)
+        self.head = torch.nn.Linear(4, 10)
+
+    def forward(self, video):
+        return self.head(self.conv(video).mean((2, 3, 4)))
+
+
+class Bag(torch.nn.Module):  # a recommender's ids through a bag of embeddings
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(1000, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.head(self.bag(ids))
+
+
+def clip():
+    return Clip()
+
+
+def bag():
+    return Bag()
+'''
+
+
+def test_init_reads_the_input_of_a_video_or_an_embedding_bag_model_from_its_first_layer(tmp_path, cli_run, monkeypatch):
+    """A Conv3d first was passed over for the Linear head: init wrote x [batch, 4] and forward() refused it."""
+    (tmp_path / "first_layers.py").write_text(FIRST_LAYERS)
+    monkeypatch.chdir(tmp_path)
+    for factory, expected in (("clip", {"name": "video", "dtype": "float32", "shape": ["batch", 3, 16, 112, 112]}),
+                              ("bag", {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "range": [0, 1000]})):
+        result = cli_run("init", f"first_layers:{factory}", "-o", f"{factory}.yaml")
+        assert result.exit_code == 0, result.output
+        assert yaml.safe_load(Path(f"{factory}.yaml").read_text())["inputs"] == [expected]

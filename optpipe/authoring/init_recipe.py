@@ -256,11 +256,15 @@ def _first_layer_input(net) -> tuple[list[dict], dict, list[str]]:
     """A plain module's one input, from its first weighted layer (the only thing that tells it)."""
     import torch
 
-    first = next((m for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Embedding, torch.nn.Linear, torch.nn.Conv1d))), None)
+    nn = torch.nn
+    first = next((m for m in net.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.EmbeddingBag,
+                                                              nn.Linear))), None)
     dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
     if isinstance(first, torch.nn.Conv2d):
         return [input_entry("images", "float32", ["batch", first.in_channels, 224, 224])], dims, []
-    if isinstance(first, torch.nn.Embedding):
+    if isinstance(first, torch.nn.Conv3d):  # a video clip: 16 frames of 112 x 112, as R3D / X3D take them
+        return [input_entry("video", "float32", ["batch", first.in_channels, 16, 112, 112])], dims, []
+    if isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         dims["sequence"] = {"min": 1, "opt": 128, "max": 512}
         return [input_entry("input_ids", "int64", ["batch", "sequence"], range=[0, first.num_embeddings])], dims, []
     if isinstance(first, torch.nn.Conv1d):
