@@ -16,15 +16,20 @@ from optpipe.core.errors import DataError, OptpipeError
 Feeds = dict[str, np.ndarray]
 
 
-def sample_batches(samples: SampleSet, batch_size: int = 1, input_names: Iterable[str] | None = None) -> list[Feeds]:
-    """The set as a list of feed dicts of `batch_size` samples (the last may be smaller)."""
+def sample_batches(samples: SampleSet, batch_size: int = 1, input_names: Iterable[str] | None = None,
+                   whole: bool = False) -> list[Feeds]:
+    """The set as a list of feed dicts of `batch_size` samples (the last may be smaller; `whole`: a model whose
+    batch is fixed cannot take it, and it is dropped)."""
     keep = set(input_names) if input_names is not None else None
     if keep is not None and not keep <= set(samples.arrays):
         missing = sorted(keep - set(samples.arrays))
         raise DataError(f"the calibration set has no arrays for model inputs {missing}; it has {sorted(samples.arrays)}")
+    if whole and len(samples) < batch_size:
+        raise DataError(f"data.calibration: {len(samples)} samples, fewer than the model's fixed batch of {batch_size}; "
+                        f"give at least {batch_size} samples")
     return [
         {name: np.ascontiguousarray(array) for name, array in batch.items() if keep is None or name in keep}
-        for batch in samples.batches(batch_size)
+        for batch in samples.batches(batch_size) if not whole or len(next(iter(batch.values()))) == batch_size
     ]
 
 
@@ -38,14 +43,14 @@ def model_input_names(model_path: Path) -> list[str]:
 
 
 def ort_calibration_reader(samples: SampleSet, model_path: Path, batch_size: int = 1,
-                           progress: Callable[[int, int], None] | None = None):
+                           progress: Callable[[int, int], None] | None = None, whole: bool = False):
     """An `onnxruntime.quantization.CalibrationDataReader` over the set, rewindable.
 
     `progress(n, total)`: told as ORT's calibrator takes batch n of its range; (total + 1, total)
     when it asks past the end (it has read them all: it computes the ranges next)."""
     from onnxruntime.quantization import CalibrationDataReader
 
-    batches = sample_batches(samples, batch_size, model_input_names(model_path))
+    batches = sample_batches(samples, batch_size, model_input_names(model_path), whole)
 
     class SampleSetReader(CalibrationDataReader):
         def __init__(self):

@@ -29,7 +29,7 @@ from optpipe.core.process_memory import release_freed_memory
 from optpipe.calibration.ranges import CalibrationCache, ranges_key
 from optpipe.calibration.readers import ort_calibration_reader
 from optpipe.core.errors import PassError, first_line
-from optpipe.evaluation.guard import AccuracyGuard, GuardParams
+from optpipe.evaluation.guard import AccuracyGuard, GuardParams, accuracy_batch
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.graph.quant_prep import needs_preparation, prepare_for_quantizer
@@ -200,7 +200,7 @@ class Quantizer:
         return out
 
     def _dynamic(self, out: Path, excluded: list[str]) -> None:
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+        from onnxruntime.quantization import quantize_dynamic
 
         quantize_dynamic(
             self.model.path,
@@ -219,12 +219,13 @@ class Quantizer:
         )
 
     def _static(self, out: Path, excluded: list[str]) -> None:
-        from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+        from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
 
         samples = self.ctx.calibration_set()  # built once per content, then loaded from its cache
         ranges = self._ranges(samples.key)
-        reader = None if ranges.cached else ort_calibration_reader(samples, self.model.path, self.params.calibration_batch,
-                                                                  progress=self._calibration_progress)
+        reader = None if ranges.cached else ort_calibration_reader(samples, self.model.path, self._calibration_batch,
+                                                                  progress=self._calibration_progress,
+                                                                  whole=self.ctx.inputs.batch_dim() is None)
         with CalibrationCache(self.ctx.cache_dir).lock(ranges.key):
             started = time.perf_counter()
             quantize_static(
@@ -270,9 +271,14 @@ class Quantizer:
             samples_key,
             self.params.method,
             self.op_types,
-            {**self._calibration_options(), "batch": self.params.calibration_batch},
+            {**self._calibration_options(), "batch": self._calibration_batch},
         )
         return cache.ranges(key)
+
+    @property
+    def _calibration_batch(self) -> int:
+        """`calibration_batch`, or the fixed batch of a model without a batch dim ([1, 3, 224, 224]: ORT refused the 8)."""
+        return self.params.calibration_batch if self.ctx.inputs.batch_dim() else accuracy_batch(self.ctx.inputs, self.ctx.evaluate)
 
     @property
     def for_tensorrt(self) -> bool:

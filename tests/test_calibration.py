@@ -6,6 +6,7 @@ import importlib.util
 import numpy as np
 import onnx
 import pytest
+import yaml
 from onnx import numpy_helper, parser
 
 from optpipe.calibration.dataset import SampleSet
@@ -314,3 +315,23 @@ def test_data_with_fewer_samples_than_asked_is_said_once_per_set(tmp_path, tiny_
     assert code == 0, err
     for which in ("eval", "calibration"):
         assert err.count(f"data.{which}: the data holds 3 samples, fewer than the 8 `samples` asks for") == 1, err
+
+
+def test_a_model_with_a_fixed_batch_is_calibrated_in_batches_it_takes(tmp_path, cli_run):
+    """An ONNX file exported at [1, 16] (no batch dim): ORT's static calibration fed it batches of 8 and failed
+    ("Got invalid dimensions for input ... Got: 8 Expected: 1")."""
+    path = tiny_model(tmp_path / "m")
+    model = onnx.load(str(path))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_value = 1
+    onnx.save(model, str(path))
+    recipe = {"name": "fixed", "model": {"onnx": "m/model.onnx"}, "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 16]}],
+              "dims": {}, "data": {"eval": {"source": "synthetic", "samples": 8}, "calibration": {"source": "synthetic", "samples": 9}},
+              "stages": {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "static"}}},
+              "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 2}, "output": "run"}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli_run("compile", str(tmp_path / "recipe.yaml"))
+    assert result.exit_code == 0, result.output
+    assert len(sample_batches(sample_set(9), 4, ["x"], whole=True)) == 2  # the partial batch a fixed batch cannot take: dropped
+    with pytest.raises(DataError, match="fewer than the model's fixed batch of 4"):
+        sample_batches(sample_set(3), 4, ["x"], whole=True)
