@@ -457,6 +457,10 @@ ROUND_TWO = {
     "data is a fifo": (lambda d: _special_file_as(d, os.mkfifo, "data"), USER, "not a regular file or folder"),
     "data links to /dev/urandom": (lambda d: _special_file_as(d, lambda p: os.symlink("/dev/urandom", p), "data"), USER, "data.eval.path"),
     "output is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "run").write_text("x"), _recipe_file(d))[2], USER, "output folder"),
+    "output a folder of the user's files": (lambda d: (d.mkdir(exist_ok=True), (d / "mine" / "logs").mkdir(parents=True), (d / "mine" / "report.md").write_text("notes"),
+                                                      _recipe_file(d) + ["--output", str(d / "mine")])[3], USER, "holds report.md, logs, which a run would write over"),
+    "output is the model's own folder": (lambda d: (args := _mutated(d, lambda r: r.update(output="model")), (d / "model" / "report.md").write_text("notes"), args)[2],
+                                         USER, "is not an optpipe run folder and holds report.md"),
     "output name too long": (lambda d: _recipe_file(d) + ["--output", str(d / ("r" * 300))], USER, "too long"),
     "cache is a file": (lambda d: (d.mkdir(exist_ok=True), (d / "cache").write_text("x"), _recipe_file(d))[2], USER, "cache folder"),
     # /proc makes no new folders (mkdir says ENOENT, as root too): was "internal error: FileNotFoundError"

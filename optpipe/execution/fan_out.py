@@ -13,6 +13,7 @@ from optpipe.plan.dag import build_dag, only_order
 from optpipe.execution.executors import Plan, Progress, RunMemo
 from optpipe.execution.stage_tasks import TaskSettings, hardware_class, held_keeping_figures
 from optpipe.core.results import RunReport, StageResult
+from optpipe.recipe.run_paths import mark_run_folder
 from optpipe.recipe.schema import OnnxModel, Recipe
 from optpipe.reporting.run_report import build_report, pareto_frontier, write_report
 from optpipe.plan.compile_plan import CompilePlan
@@ -85,7 +86,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
     report.search = search(report) if search else None
     cache = settings.open_cache()
     providers = settings.providers
-    run_dir.mkdir(parents=True, exist_ok=True)
+    mark_run_folder(run_dir)
     try:
         # Leased (and rebuilt if a gc pruned them after their tasks ended) before they are copied.
         results = [held_keeping_figures(plan, result, settings, cache) for result in results]

@@ -30,7 +30,7 @@ from optpipe.pass_infra.instruments import Instrument, Instruments
 from optpipe.pass_infra.pass_base import Pass
 from optpipe.plan.compile_plan import CompilePlan
 from optpipe.recipe.schema import Recipe
-from optpipe.recipe.run_paths import RunPaths
+from optpipe.recipe.run_paths import RunPaths, mark_run_folder
 from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import StageResult
 from optpipe.reporting.inspection import save_sample_inputs
@@ -74,6 +74,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
     keep_library_files_in(cache.root)
     try:  # from here on, leases this run takes (preflight takes some) are dropped however it ends
         with folder_errors("output folder", run_dir):
+            mark_run_folder(run_dir)
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         services = RunServices(plan.model_source(), plan.data, cache)
         # Seconds on a loaded machine (the model loaded and run once, the data sets built): a console phase.

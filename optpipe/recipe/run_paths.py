@@ -37,7 +37,41 @@ class RunPaths:
         paths = cls.resolve(recipe, output, cache_dir)
         check_apart(paths.run_dir, paths.cache_dir)
         check_no_links(paths.run_dir)
+        check_not_foreign(paths.run_dir)
         return paths
+
+
+#: What a run writes in its folder. A folder holding one of them that is no run's would have it written over.
+RUN_ENTRIES = ("report.json", "report.md", "report.html", "recipe.json", "eval_inputs.npz", "logs", "stages", "targets")
+#: Left in a run folder when a run starts: a run cut short before its report is still known as a run's folder.
+RUN_MARKER = ".optpipe-run"
+
+
+def mark_run_folder(run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_MARKER).touch()
+
+
+def check_not_foreign(run_dir: Path) -> None:
+    """`output: .` beside the recipe, or a project folder: the run wrote its report.md and logs/ over the user's own
+    files of those names (and would replace a `stages/<name>/` folder), without a word. Refused before anything is
+    written, naming them; a folder an earlier run wrote (its marker, lock or report) is the run's to update."""
+    if not run_dir.is_dir() or _is_run_folder(run_dir):
+        return
+    clashes = [name for name in RUN_ENTRIES if (run_dir / name).exists()]
+    if clashes:
+        raise RunFolderError(
+            f"output folder '{run_dir}' is not an optpipe run folder and holds {', '.join(clashes)}, which a run would write "
+            "over: give `output` in the recipe (or --output) a new or empty folder")
+
+
+def _is_run_folder(run_dir: Path) -> bool:
+    if (run_dir / RUN_MARKER).exists() or (run_dir / ".optpipe.lock").exists():
+        return True
+    try:  # a run of a version before the marker: its report names optpipe
+        return '"optpipe_version"' in (run_dir / "report.json").read_text(encoding="utf-8", errors="replace")[:4096]
+    except OSError:
+        return False
 
 
 def check_no_links(run_dir: Path) -> None:
