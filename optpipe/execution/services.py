@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import logging
 from functools import lru_cache
 from pathlib import Path
@@ -121,11 +122,18 @@ def stage_logger(name: str, path: Path, truncate: bool = True):
             handler.close()
 
 
-class LogWriter:
-    """A file-like object sending what libraries print into the stage log instead of the terminal."""
+class LogWriter(io.TextIOBase):
+    """A file-like object sending what libraries print into the stage log instead of the terminal. A text stream
+    in full (io.TextIOBase: isatty, closed, ...): transformers' loading report asks sys.stdout.isatty() when a
+    checkpoint has keys the model does not use (a classifier's head loaded as AutoModel), and a plain object
+    failed that export with "'LogWriter' object has no attribute 'isatty'"."""
 
     def __init__(self, log: logging.Logger):
+        super().__init__()
         self.log = log
+
+    def writable(self) -> bool:
+        return True
 
     def write(self, text: str) -> int:
         if text.strip():
