@@ -83,8 +83,20 @@ def convert_to_fp16(
     except Exception as exc:  # shape inference or conversion errors on unusual graphs
         raise PassError(f"FP16 conversion failed: {first_line(exc)}; add the failing op to `op_block_list`") from None
     drop_duplicate_casts(converted)
+    drop_stale_initializer_types(converted)
     join_kept_regions(converted)
     return topologically_sorted(converted)
+
+
+def drop_stale_initializer_types(model: onnx.ModelProto) -> None:
+    """The converter declares a weight it kept in FP32 for a node in float (a classifier's Gemm at a graph output) as FP16
+    in value_info, beside the FP32 initializer: ONNX Runtime loads it, but shape inference refuses the graph ("Inferred
+    elem type differs from existing elem type: (1) vs (10)"), and the guard's FP16 emulation with it (an x-vector model's
+    fp16 stage failed as an internal error). An initializer's own type is the truth: such entries go."""
+    types = {init.name: init.data_type for init in model.graph.initializer}
+    stale = [v for v in model.graph.value_info if v.name in types and v.type.tensor_type.elem_type not in (0, types[v.name])]
+    for entry in stale:
+        model.graph.value_info.remove(entry)
 
 
 def drop_duplicate_casts(model: onnx.ModelProto) -> None:

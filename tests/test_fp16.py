@@ -145,3 +145,32 @@ def test_a_loop_body_is_emulated_in_fp16_too(tmp_path):
     (fp32 := tmp_path / "fp32.onnx").write_bytes(model.SerializeToString())
     x = rng.normal(size=(2, 16)).astype(np.float32)
     np.testing.assert_allclose(run_model(emulated, {"x": x})[0], run_model(fp32, {"x": x})[0], atol=5e-3)
+
+
+def test_a_weight_kept_in_float_keeps_its_type_where_the_graph_declares_it():
+    """A graph that declares a weight in value_info (ORT's fuser writes them): the converter turned the entry to FP16
+    while the node kept in float kept its weight FP32, and shape inference, the FP16 emulation with it, refused the
+    graph ("Inferred elem type differs ... (1) vs (10)"): an x-vector model's fp16 stage failed as an internal error."""
+    model = parser.parse_model("""
+        <ir_version: 9, opset_import: ["" : 17]>
+        g (float[N, 8] x) => (float[N, 4] logits, float[N, 6] emb) {
+          emb = Gemm(x, w1)
+          logits = Gemm(emb, w2)
+        }
+        """)
+    for i, node in enumerate(model.graph.node):
+        node.name = f"n{i}"
+    rng = np.random.default_rng(0)
+    for name, shape in (("w1", (8, 6)), ("w2", (6, 4))):
+        model.graph.initializer.append(onnx.numpy_helper.from_array(rng.normal(size=shape).astype(np.float32), name))
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info("w2", TensorProto.FLOAT, [6, 4]))
+    converted = convert_to_fp16(model, keep_io_types=True, op_block_list=None, node_block_list=["n1"])
+    assert {i.name: i.data_type for i in converted.graph.initializer}["w2"] == TensorProto.FLOAT
+    onnx.shape_inference.infer_shapes(converted)  # raised before
+    import onnxruntime as ort
+
+    x = rng.normal(size=(3, 8)).astype(np.float32)
+    emb = x @ onnx.numpy_helper.to_array(model.graph.initializer[0])
+    logits, emulated_emb = ort.InferenceSession(emulate_fp16(converted).SerializeToString()).run(["logits", "emb"], {"x": x})
+    assert np.allclose(emulated_emb, emb, rtol=2e-3, atol=2e-3)  # n0 in FP16 storage
+    assert np.allclose(logits, emulated_emb @ onnx.numpy_helper.to_array(model.graph.initializer[1]), rtol=1e-5, atol=1e-5)
