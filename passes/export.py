@@ -62,7 +62,7 @@ class ExportPass(Pass[ExportParams]):
     """Export the recipe's PyTorch model to ONNX with the recipe's dynamic dims, checked against eager."""
 
     name = "export"
-    version = "2"
+    version = "3"  # 3: source_warnings (checkpoint weights left out or made up) in the info
     Params = ExportParams
     needs_input = False
     libraries = ("torch", "onnx", "onnxscript", "transformers")
@@ -141,7 +141,8 @@ class ExportPass(Pass[ExportParams]):
         hand_over_eager(ctx.workdir, feeds, expected)  # the self-check's reference: it need not load the model again
         # `opset`: the one the model has (TorchScript writes at most 20), beside the one asked for.
         info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": opset, "opset_requested": params.opset,
-                "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention, **checked}
+                "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention, **checked,
+                **({"source_warnings": torch_model.warnings} if torch_model.warnings else {})}
         if failures:
             info["fallback"] = {"from": list(failures), "reasons": failures}
             ctx.log.warning("exported with %s after %s", exporter, "; ".join(f"{k} failed: {v}" for k, v in failures.items()))

@@ -86,6 +86,17 @@ def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Opt
     return inputs, dims
 
 
+def task_layout(task: str, inputs: list[dict[str, Any]], dims: dict, config: dict) -> None:
+    """The heads whose inputs have one more axis than their encoder's: a multiple-choice model takes every choice's
+    tokens ([batch, choices, sequence]), a video classifier a clip of frames ([batch, frames, channels, size, size])."""
+    for spec in inputs:
+        if task == "multiple-choice" and spec["shape"] == ["batch", "sequence"]:
+            spec["shape"] = ["batch", "choices", "sequence"]
+            dims["choices"] = {"min": 2, "opt": 4, "max": 8}
+        elif task == "video-classification" and spec["name"] == IMAGE and len(spec["shape"]) == 4:
+            spec["shape"] = ["batch", int(config.get("num_frames", 16)), *spec["shape"][1:]]
+
+
 def input_entry(name: str, dtype: str, shape: list, **extra) -> dict[str, Any]:
     """One recipe input; a mask is filled with ones and token types with zeros, as tokenizers make them."""
     entry: dict[str, Any] = {"name": name, "dtype": dtype, "shape": shape}

@@ -16,16 +16,28 @@ ARCHITECTURE_TASKS = (
     ("ForSemanticSegmentation", "semantic-segmentation"),
     ("ForAudioClassification", "audio-classification"),
     ("ForConditionalGeneration", "seq2seq-lm"),  # only for an encoder-decoder (architecture_task): not Llava's
+    ("ForMultipleChoice", "multiple-choice"),
+    ("ForPreTraining", "pretraining"),
+    ("ForNextSentencePrediction", "next-sentence-prediction"),
+    ("ForCTC", "ctc"),
+    ("ForAudioFrameClassification", "audio-frame-classification"),
+    ("ForXVector", "audio-xvector"),
+    ("ForDepthEstimation", "depth-estimation"),
+    ("ForVideoClassification", "video-classification"),
 )
 
 
-# Tasks -> transformers' own tables of the class each model type's Auto class builds for it.
+# Tasks -> transformers' own tables of the class each model type's Auto class builds for it. Not pretraining's: its
+# table also holds LM heads and vision-language models, which the name's own task (or AutoModel) builds as before.
 TASK_MAPPINGS = {task: f"MODEL_FOR_{name}_MAPPING_NAMES" for task, name in (
     ("sequence-classification", "SEQUENCE_CLASSIFICATION"), ("audio-classification", "AUDIO_CLASSIFICATION"),
     ("token-classification", "TOKEN_CLASSIFICATION"), ("question-answering", "QUESTION_ANSWERING"),
     ("fill-mask", "MASKED_LM"), ("causal-lm", "CAUSAL_LM"), ("image-classification", "IMAGE_CLASSIFICATION"),
     ("object-detection", "OBJECT_DETECTION"), ("semantic-segmentation", "SEMANTIC_SEGMENTATION"),
-    ("seq2seq-lm", "SEQ_TO_SEQ_CAUSAL_LM"), ("speech-seq2seq", "SPEECH_SEQ_2_SEQ"))}
+    ("seq2seq-lm", "SEQ_TO_SEQ_CAUSAL_LM"), ("speech-seq2seq", "SPEECH_SEQ_2_SEQ"), ("multiple-choice", "MULTIPLE_CHOICE"),
+    ("next-sentence-prediction", "NEXT_SENTENCE_PREDICTION"), ("ctc", "CTC"),
+    ("audio-frame-classification", "AUDIO_FRAME_CLASSIFICATION"), ("audio-xvector", "AUDIO_XVECTOR"),
+    ("depth-estimation", "DEPTH_ESTIMATION"), ("video-classification", "VIDEO_CLASSIFICATION"))}
 
 
 def architecture_task(config: dict) -> str:
@@ -51,4 +63,5 @@ def architecture_task(config: dict) -> str:
 HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classification": "classification",
                     "audio-classification": "classification", "causal-lm": "language-model", "seq2seq-lm": "language-model",
                     "speech-seq2seq": "language-model",
-                    "semantic-segmentation": "segmentation"}
+                    "semantic-segmentation": "segmentation", "multiple-choice": "classification",
+                    "next-sentence-prediction": "classification", "video-classification": "classification"}

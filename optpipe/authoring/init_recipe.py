@@ -17,7 +17,8 @@ from typing import Any, Optional
 import yaml
 
 from optpipe.authoring.hf_tasks import HF_VERDICT_TASKS, architecture_task
-from optpipe.authoring.forward_inputs import DECODER_IDS, forward_parameters, hf_inputs, input_entry, real_tensors, unknown_required
+from optpipe.authoring.forward_inputs import (DECODER_IDS, forward_parameters, hf_inputs, input_entry, real_tensors, task_layout,
+                                             unknown_required)
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
@@ -175,6 +176,7 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
             "module:factory that builds the model") from None
     owner = type(net).__name__
     inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
+    task_layout(task, inputs, dims, config)
     kind, notes = model_kind(net, inputs, dims, owner)
     notes += _widening_notes(stored_dtype(config))
     return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task),

@@ -104,7 +104,7 @@ def openvino_int8_warning(info: dict) -> str | None:
 def pass_warnings(info: dict) -> list[str]:
     """What a pass's info says that its figures do not: ranges calibrated on made-up data, a guard
     that kept every converted node in float (the stage is its input model)."""
-    warnings = []
+    warnings = list(info.get("source_warnings") or [])  # the export's: checkpoint weights left out or made up
     calibration = info.get("calibration") or (info.get("int8") or {}).get("calibration") or {}
     if isinstance(calibration, dict) and calibration.get("source") == "synthetic":
         warnings.append("int8 ranges were calibrated on synthetic data (uniform in each input's `range`, "

@@ -20,6 +20,8 @@ HF_TASKS = (
     "question-answering", "fill-mask", "masked-lm", "causal-lm", "text-generation", "seq2seq-lm", "text2text-generation",
     "speech-seq2seq",
     "image-classification", "object-detection", "semantic-segmentation", "audio-classification",
+    "multiple-choice", "pretraining", "next-sentence-prediction", "ctc", "audio-frame-classification", "audio-xvector",
+    "depth-estimation", "video-classification",
 )
 
 

@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import numpy as np
 from optpipe.core.artifact import sha256_file
 from optpipe.core.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe.example_inputs import example_inputs
+from optpipe.source.checkpoint_keys import loading_warnings
 from optpipe.source.checkpoint_precision import (folder_config, refuse_prequantized, refuse_quantized_modules, stored_dtype,
                                                  as_float32, widening_note)
 from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
@@ -34,6 +35,7 @@ class TorchModel:
     input_names: list[str]
     output_names: list[str]
     description: str
+    warnings: list[str] = field(default_factory=list)  # what the report says about the loaded model (weights left out)
 
 
 def hf_folder(source: ModelSource) -> Path:
@@ -170,6 +172,14 @@ HF_AUTO_CLASSES = {
     "object-detection": "AutoModelForObjectDetection",
     "semantic-segmentation": "AutoModelForSemanticSegmentation",
     "audio-classification": "AutoModelForAudioClassification",
+    "multiple-choice": "AutoModelForMultipleChoice",  # input ids [batch, choices, sequence], logits [batch, choices]
+    "pretraining": "AutoModelForPreTraining",
+    "next-sentence-prediction": "AutoModelForNextSentencePrediction",
+    "ctc": "AutoModelForCTC",  # wav2vec2-style speech recognition: raw audio in, per-frame logits
+    "audio-frame-classification": "AutoModelForAudioFrameClassification",
+    "audio-xvector": "AutoModelForAudioXVector",
+    "depth-estimation": "AutoModelForDepthEstimation",
+    "video-classification": "AutoModelForVideoClassification",
 }
 # Decoders without past key/values: the exported graph takes the whole sequence and returns logits
 # (Optimum's "text-generation" without "-with-past").
@@ -208,11 +218,13 @@ def _load_hf(source: ModelSource, spec: HFModel) -> TorchModel:
     try:
         # Read straight into float32 (as_float32 says why): no half-precision copy beside it.
         with _no_loading_bar():
-            model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code,
-                                        dtype=torch.float32, **extra)
+            model, loading = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=spec.trust_remote_code,
+                                                 dtype=torch.float32, output_loading_info=True, **extra)
     except Exception as exc:  # transformers raises many types; all mean "cannot load this folder"
         raise ModelSourceError(f"model: cannot load '{folder}' as {spec.task} ({cls.__name__}): {first_line(exc)}") from None
-    return _wrap_hf(model, source, f"{cls.__name__} from {folder}{widening_note(stored_dtype(config))}")
+    torch_model = _wrap_hf(model, source, f"{cls.__name__} from {folder}{widening_note(stored_dtype(config))}")
+    torch_model.warnings = loading_warnings(loading, cls.__name__, spec.task, (config.get("architectures") or [""])[0])
+    return torch_model
 
 
 def _load_hf_config(source: ModelSource, spec: HFConfigModel) -> TorchModel:
