@@ -11,7 +11,6 @@ the check (1.1 B: the worker peaked at 2.20x the FP32 weights holding both; docs
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 from optpipe.core.artifact import ModelArtifact, adopt_model, write_info
 from optpipe.recipe.generation_spec import decoder_dims
@@ -44,5 +43,6 @@ def export_with_cache(torch_model, ctx, steps, eager: tuple, opset: int = 20, at
     info = {"exporter": layout.exporter, "opset": max(opset, 18), "opset_requested": opset, "attention": attention,
             "exporter_requested": "decoder with KV cache (evaluate.generation)",
             "kv_cache": layout.to_dict(), "source": torch_model.description, "outputs": ["logits", *layout.present_names],
-            "graph": graph_stats(artifact.load(with_weights=False))}
+            "graph": graph_stats(artifact.load(with_weights=False)),
+            **({"source_warnings": torch_model.warnings} if torch_model.warnings else {})}
     return write_info(ctx.workdir, info)
