@@ -31,6 +31,21 @@ def noise():
 def dropout():
     torch.manual_seed(0)
     return Noisy(True).eval()
+
+
+class Counter(torch.nn.Module):  # streaming state kept between calls: a call counter in a buffer
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * self.calls
+
+
+def counter():
+    return Counter().eval()
 '''
 
 
@@ -41,6 +56,14 @@ def test_a_random_forward_is_refused_naming_the_output_and_the_cause(tmp_path, c
     assert result.exit_code == 2, result.output
     assert "forward() gives different outputs on the same inputs (output 'output' differs by" in result.output
     assert "make forward deterministic" in result.output and "check_atol" not in result.output
+
+
+def test_a_forward_that_updates_its_state_is_refused_naming_the_buffer_not_randomness(tmp_path, cli_run):
+    (tmp_path / "stateful_counter.py").write_text(MODELS)
+    result = compile_recipe(tmp_path, cli_run, small_recipe({"factory": "stateful_counter:counter", "path": "."}))
+    assert result.exit_code == 2, result.output
+    assert "it updates state it keeps between calls (buffer 'model.calls')" in result.output
+    assert "random numbers" not in result.output
 
 
 def test_an_onnx_source_that_samples_is_refused_by_compile_and_init(tmp_path, cli_run, monkeypatch):
