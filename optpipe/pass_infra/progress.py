@@ -112,7 +112,11 @@ def native_stdout_to(log: logging.Logger | None) -> Iterator[None]:
     import tempfile
 
     sys.stdout.flush()
-    saved = os.dup(1)
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (a daemon started with it closed): nothing to send to a terminal either
+        yield
+        return
     with tempfile.TemporaryFile(mode="w+b") as sink:
         os.dup2(sink.fileno(), 1)
         try:
