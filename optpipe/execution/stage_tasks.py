@@ -64,6 +64,9 @@ def _run_one(plan: CompilePlan, name: str, parent: StageResult | None, settings:
     from optpipe.plan.source_preflight import node_refusals
 
     pass_ = plan.configured_pass(name)  # the driver validated the recipe: a task configures only its own pass
+    from optpipe.recipe.run_paths import mark_run_folder
+
+    mark_run_folder(settings.run_dir)  # a search or fan-out cut short leaves a folder the next run knows as a run's
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     # The memory of the machine the stage runs on (a Ray node's, not the driver's), for this plan's own params (a
     # search trial's): a stage that will not fit fails before its pass runs, after a cache miss, as in `compile`.

@@ -18,6 +18,7 @@ from typing import Any
 
 from optpipe.core.artifact import write_text_atomic
 from optpipe.evaluation.speed_verdict import DECODE_BY_BITS, decode_speed_by_bits, slower_than_parent
+from optpipe.recipe.run_paths import mark_run_folder
 from optpipe.recipe.schema import EvaluateSpec
 from optpipe.evaluation.verdict import flag_unfaithful_reference, left_in_float
 from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, table_note
@@ -101,7 +102,7 @@ PLOTS_FILE = ".report-plots.json"
 
 
 def write_report(report: RunReport, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    mark_run_folder(run_dir)
     write_text_atomic(run_dir / "report.json", report.model_dump_json(indent=2))
     write_text_atomic(run_dir / "report.md", render_markdown(report))
     from optpipe.reporting.html import render_html  # matplotlib loads only when a report is written
