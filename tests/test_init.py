@@ -227,3 +227,48 @@ def test_init_reads_the_input_of_a_video_or_an_embedding_bag_model_from_its_firs
         result = cli_run("init", f"first_layers:{factory}", "-o", f"{factory}.yaml")
         assert result.exit_code == 0, result.output
         assert yaml.safe_load(Path(f"{factory}.yaml").read_text())["inputs"] == [expected]
+
+
+SCRIPTED = '''import torch
+
+
+class Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def traced():
+    return torch.jit.trace(Small().eval(), torch.rand(2, 16))
+
+
+def scripted():
+    return torch.jit.script(Small().eval())
+
+
+def exported():
+    return torch.export.export(Small().eval(), (torch.rand(2, 16),))
+'''
+
+
+def test_init_reads_a_traced_module_and_refuses_a_scripted_one_or_an_exported_program(tmp_path, cli_run, monkeypatch):
+    """A torch.jit.trace module: init failed as an internal error ("no signature found for ScriptMethod"). A scripted
+    one: init guessed images and compile failed with both exporters' unrelated lines; now one line each, exit 2."""
+    (tmp_path / "script_forms.py").write_text(SCRIPTED)
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "script_forms:traced", "-o", "traced.yaml")
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(Path("traced.yaml").read_text())["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}]
+    for factory, words in (("scripted", "returned a TorchScript module"), ("exported", "return its .module()")):
+        result = cli_run("init", f"script_forms:{factory}", "-o", f"{factory}.yaml")
+        assert result.exit_code == 2 and words in result.output, result.output
+    recipe = yaml.safe_load(Path("traced.yaml").read_text())
+    recipe["model"]["factory"] = "script_forms:scripted"
+    recipe["data"] = {"eval": {"source": "synthetic", "samples": 4}}
+    recipe["stages"] = {"export": {"pass": "export"}}
+    Path("scripted.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli_run("compile", "scripted.yaml")
+    assert result.exit_code == 2 and "returned a TorchScript module" in result.output, result.output

@@ -25,6 +25,7 @@ from optpipe.core.errors import ModelSourceError, first_line
 from optpipe.safety.file_kinds import other_model_format
 from optpipe.source.position_limit import onnx_position_limit
 from optpipe.source.checkpoint_precision import as_float32, refuse_prequantized, stored_dtype
+from optpipe.source.module_forms import layer_kind, refuse_unexportable
 from optpipe.source.model_source import TOKENIZER_FILES, hub_id_hint
 
 FILL_IN = "FILL-IN"
@@ -229,6 +230,7 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     except Exception as exc:  # the user's code: report it as theirs
         raise ModelSourceError(f"init: cannot build '{spec}': {type(exc).__name__}: {first_line(exc)}; check the module and function names") from None
     net = net[0] if isinstance(net, tuple) else net
+    refuse_unexportable(net, f"init: '{spec}'")
     if not isinstance(net, torch.nn.Module):
         raise ModelSourceError(f"init: '{spec}' returned {type(net).__name__}, not a torch.nn.Module")
     converted = as_float32(net)  # measured in float32, as the compile loads it
@@ -255,26 +257,29 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
 
 
 def _first_layer_input(net) -> tuple[list[dict], dict, list[str]]:
-    """A plain module's one input, from its first weighted layer (the only thing that tells it)."""
-    import torch
-
-    nn = torch.nn
-    first = next((m for m in net.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.EmbeddingBag,
-                                                              nn.Linear))), None)
+    """A plain module's one input, from its first weighted layer (the only thing that tells it). Read by class name and
+    weight shape: a torch.jit.trace module's layers are TracedModules that keep only their `original_name`."""
+    first = next((m for m in net.modules() if layer_kind(m) in FIRST_LAYERS and hasattr(m, "weight")), None)
+    kind = layer_kind(first) if first is not None else None
+    width = int(first.weight.shape[1] * getattr(first, "groups", 1)) if kind and kind.startswith("Conv") else None
     dims = {"batch": {"min": 1, "opt": 1, "max": 16}}
-    if isinstance(first, torch.nn.Conv2d):
-        return [input_entry("images", "float32", ["batch", first.in_channels, 224, 224])], dims, []
-    if isinstance(first, torch.nn.Conv3d):  # a video clip: 16 frames of 112 x 112, as R3D / X3D take them
-        return [input_entry("video", "float32", ["batch", first.in_channels, 16, 112, 112])], dims, []
-    if isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+    if kind == "Conv2d":
+        return [input_entry("images", "float32", ["batch", width, 224, 224])], dims, []
+    if kind == "Conv3d":  # a video clip: 16 frames of 112 x 112, as R3D / X3D take them
+        return [input_entry("video", "float32", ["batch", width, 16, 112, 112])], dims, []
+    if kind in ("Embedding", "EmbeddingBag"):
         dims["sequence"] = {"min": 1, "opt": 128, "max": 512}
-        return [input_entry("input_ids", "int64", ["batch", "sequence"], range=[0, first.num_embeddings])], dims, []
-    if isinstance(first, torch.nn.Conv1d):
-        return [input_entry("signal", "float32", ["batch", first.in_channels, 16000])], dims, []
-    if isinstance(first, torch.nn.Linear):
-        return [input_entry("x", "float32", ["batch", first.in_features])], dims, []
+        return [input_entry("input_ids", "int64", ["batch", "sequence"], range=[0, int(first.weight.shape[0])])], dims, []
+    if kind == "Conv1d":
+        return [input_entry("signal", "float32", ["batch", width, 16000])], dims, []
+    if kind == "Linear":
+        return [input_entry("x", "float32", ["batch", int(first.weight.shape[1])])], dims, []
     return ([input_entry("x", "float32", ["batch", 3, 224, 224])], dims,
             ["no Conv/Linear/Embedding layer found: the input below is a guess, check it"])
+
+
+#: The layers whose weight tells a plain module's input, by class name.
+FIRST_LAYERS = ("Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag", "Linear")
 
 
 def _probe(net, inputs: list[dict], dims: dict, owner: str) -> list[list]:

@@ -22,6 +22,7 @@ from optpipe.core.artifact import sha256_file
 from optpipe.core.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe.example_inputs import example_inputs
 from optpipe.source.checkpoint_keys import loading_warnings
+from optpipe.source.module_forms import refuse_unexportable
 from optpipe.source.checkpoint_precision import (folder_config, refuse_prequantized, refuse_quantized_modules, stored_dtype,
                                                  as_float32, widening_note)
 from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
@@ -327,6 +328,7 @@ def _load_factory(source: ModelSource, spec: FactoryModel) -> TorchModel:
     except Exception as exc:  # the user's code: report it as theirs
         raise ModelSourceError(f"model.factory: '{spec.factory}' raised {type(exc).__name__}: {first_line(exc)}; check the factory and `model.kwargs`") from None
     net = built[0] if isinstance(built, tuple) else built
+    refuse_unexportable(net, f"model.factory: '{spec.factory}'")
     if not callable(getattr(net, "eval", None)):
         raise ModelSourceError(f"model.factory: '{spec.factory}' returned {type(net).__name__}, not a torch.nn.Module; return the module")
     if spec.checkpoint:
