@@ -251,6 +251,10 @@ def scripted():
 
 def exported():
     return torch.export.export(Small().eval(), (torch.rand(2, 16),))
+
+
+def unlifted():
+    return torch.export.export(Small().eval(), (torch.rand(2, 16),)).module()
 '''
 
 
@@ -262,7 +266,8 @@ def test_init_reads_a_traced_module_and_refuses_a_scripted_one_or_an_exported_pr
     result = cli_run("init", "script_forms:traced", "-o", "traced.yaml")
     assert result.exit_code == 0, result.output
     assert yaml.safe_load(Path("traced.yaml").read_text())["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}]
-    for factory, words in (("scripted", "returned a TorchScript module"), ("exported", "return its .module()")):
+    for factory, words in (("scripted", "returned a TorchScript module"), ("exported", "returned a torch.export ExportedProgram"),
+                           ("unlifted", "cannot be put in eval mode")):
         result = cli_run("init", f"script_forms:{factory}", "-o", f"{factory}.yaml")
         assert result.exit_code == 2 and words in result.output, result.output
     recipe = yaml.safe_load(Path("traced.yaml").read_text())

@@ -11,8 +11,13 @@ def refuse_unexportable(net, where: str) -> None:
     import torch
 
     if isinstance(net, torch.export.ExportedProgram):
-        raise ModelSourceError(f"{where} returned a torch.export ExportedProgram, not a module: return its .module(), or the "
-                               "nn.Module it was exported from")
+        raise ModelSourceError(f"{where} returned a torch.export ExportedProgram, not a module: return the nn.Module it was "
+                               "exported from")
+    try:
+        getattr(net, "eval", lambda: None)()
+    except NotImplementedError as exc:  # torch.export's .module(): "Calling eval() is not supported yet."
+        raise ModelSourceError(f"{where} returned a {type(net).__name__} that cannot be put in eval mode ({exc}), as "
+                               "torch.export's .module() is: return the nn.Module it was exported from") from None
     if isinstance(net, torch.jit.ScriptModule) and not isinstance(net, torch.jit.TopLevelTracedModule):
         raise ModelSourceError(
             f"{where} returned a TorchScript module (torch.jit.script, or torch.jit.load of a saved one), which the "
