@@ -117,6 +117,7 @@ def batch_led_outputs(torch_model: TorchModel, feeds, batch: DimRange) -> list[s
     with torch.no_grad():
         for feed in (feeds, resized):
             outs = torch_model.module(*(torch.from_numpy(feed[name]) for name in torch_model.input_names))
+            outs = outs if isinstance(outs, (tuple, list)) else (outs,)  # a TorchScript module returning one tensor
             leads.append([o.dim() > 0 and o.shape[0] == len(next(iter(feed.values()))) for o in outs])
     return [name for name, *led in zip(torch_model.output_names, *leads) if all(led)]
 

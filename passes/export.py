@@ -23,6 +23,7 @@ from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import eager_runner
 from optpipe.passes import _torch_export as exporters
 from optpipe.passes._eager_reference import eager_outputs
+from optpipe.source.module_forms import is_scripted
 from optpipe.passes._torch_export import DYNAMO_MIN_OPSET
 
 
@@ -112,6 +113,11 @@ class ExportPass(Pass[ExportParams]):
             return export_with_cache(torch_model, ctx, steps, (feeds, expected), self.params.opset, attention)
         params = self.params
         exporters = EXPORTERS if params.exporter == "auto" else (params.exporter,)
+        if is_scripted(torch_model.module):  # a TorchScript module: only the TorchScript exporter takes one
+            if params.exporter == "dynamo":
+                raise UserInputError("stages.export.params.exporter: dynamo cannot export a TorchScript module "
+                                     "(torch.jit.script or torch.jit.load); use `torchscript` or `auto`")
+            exporters = ("torchscript",)
         failures: dict[str, str] = {}
         for exporter in exporters:
             raw = ctx.workdir / f"raw-{exporter}"

@@ -241,12 +241,22 @@ class Small(torch.nn.Module):
         return torch.relu(self.fc(x))
 
 
+class Named(Small):
+    def forward(self, x):
+        return {"scores": torch.relu(self.fc(x))}
+
+
 def traced():
     return torch.jit.trace(Small().eval(), torch.rand(2, 16))
 
 
-def scripted():
-    return torch.jit.script(Small().eval())
+def loaded():  # a TorchScript file, as they ship: saved by torch.jit.save, read by torch.jit.load
+    torch.jit.save(torch.jit.script(Small().eval()), "small.pt")
+    return torch.jit.load("small.pt")
+
+
+def scripted_dict():
+    return torch.jit.script(Named().eval())
 
 
 def exported():
@@ -258,22 +268,26 @@ def unlifted():
 '''
 
 
-def test_init_reads_a_traced_module_and_refuses_a_scripted_one_or_an_exported_program(tmp_path, cli_run, monkeypatch):
-    """A torch.jit.trace module: init failed as an internal error ("no signature found for ScriptMethod"). A scripted
-    one: init guessed images and compile failed with both exporters' unrelated lines; now one line each, exit 2."""
+def test_torchscript_modules_compile_and_an_exported_program_is_refused(tmp_path, cli_run, monkeypatch):
+    """A torch.jit.trace module: init failed as an internal error ("no signature found for ScriptMethod"). A scripted or
+    torch.jit.load-ed one: init guessed images, and compile failed with both exporters' unrelated lines. Now both are
+    read by init and compile (the scripted one exported whole by the TorchScript exporter); the forms no exporter
+    takes are one line each, exit 2."""
     (tmp_path / "script_forms.py").write_text(SCRIPTED)
     monkeypatch.chdir(tmp_path)
-    result = cli_run("init", "script_forms:traced", "-o", "traced.yaml")
-    assert result.exit_code == 0, result.output
-    assert yaml.safe_load(Path("traced.yaml").read_text())["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}]
-    for factory, words in (("scripted", "returned a TorchScript module"), ("exported", "returned a torch.export ExportedProgram"),
+    for factory in ("traced", "loaded"):
+        result = cli_run("init", f"script_forms:{factory}", "-o", f"{factory}.yaml")
+        assert result.exit_code == 0, result.output
+        recipe = yaml.safe_load(Path(f"{factory}.yaml").read_text())
+        assert recipe["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}]
+        recipe["data"] = {"eval": {"source": "synthetic", "samples": 4}}
+        recipe["stages"] = {"export": {"pass": "export"}, "simplify": {"pass": "simplify", "after": "export"}}
+        recipe["output"] = f"runs/{factory}"
+        Path(f"{factory}.yaml").write_text(yaml.safe_dump(recipe))
+        result = cli_run("compile", f"{factory}.yaml")
+        assert result.exit_code == 0, result.output
+        assert "| export | export |  | ok" in result.output and "| simplify | simplify | export | ok" in result.output
+    for factory, words in (("scripted_dict", "returns another structure"), ("exported", "returned a torch.export ExportedProgram"),
                            ("unlifted", "cannot be put in eval mode")):
         result = cli_run("init", f"script_forms:{factory}", "-o", f"{factory}.yaml")
         assert result.exit_code == 2 and words in result.output, result.output
-    recipe = yaml.safe_load(Path("traced.yaml").read_text())
-    recipe["model"]["factory"] = "script_forms:scripted"
-    recipe["data"] = {"eval": {"source": "synthetic", "samples": 4}}
-    recipe["stages"] = {"export": {"pass": "export"}}
-    Path("scripted.yaml").write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", "scripted.yaml")
-    assert result.exit_code == 2 and "returned a TorchScript module" in result.output, result.output

@@ -25,8 +25,8 @@ def forward_parameters(forward: Callable) -> list[tuple[str, bool]]:
     """(name, required) for each named parameter of forward(), in order (no *args/**kwargs)."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     schema = getattr(forward, "schema", None)
-    if schema is not None:  # a torch.jit.trace module's forward: a ScriptMethod, whose schema names the arguments
-        return [(a.name, not a.has_default_value()) for a in schema.arguments if a.name != "self"]
+    if schema is not None:  # a TorchScript module's forward: a ScriptMethod, whose schema names the module first
+        return [(a.name, not a.has_default_value()) for a in schema.arguments[1:]]
     params = inspect.signature(forward).parameters.values()
     return [(p.name, p.default is inspect.Parameter.empty) for p in params if p.kind in kinds and p.name != "self"]
 

@@ -25,7 +25,7 @@ from optpipe.core.errors import ModelSourceError, first_line
 from optpipe.safety.file_kinds import other_model_format
 from optpipe.source.position_limit import onnx_position_limit
 from optpipe.source.checkpoint_precision import as_float32, refuse_prequantized, stored_dtype
-from optpipe.source.module_forms import layer_kind, refuse_unexportable
+from optpipe.source.module_forms import layer_kind, refuse_unexportable, scripted_as_is
 from optpipe.source.model_source import TOKENIZER_FILES, hub_id_hint
 
 FILL_IN = "FILL-IN"
@@ -298,6 +298,7 @@ def _probe(net, inputs: list[dict], dims: dict, owner: str) -> list[list]:
         shown = ", ".join(f"{s['name']} {s['shape']}" for s in inputs)
         raise ModelSourceError(f"init: {owner}.forward() does not take the inferred input(s) {shown} "
                                f"({first_line(exc)[:120]}); write `inputs` by hand") from None
+    scripted_as_is(net, out, list(range(len(leaves))))  # a TorchScript module the compile could not export: said now
     return [list(t.shape) for _, t in leaves]
 
 

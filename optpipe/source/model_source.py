@@ -22,7 +22,7 @@ from optpipe.core.artifact import sha256_file
 from optpipe.core.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe.example_inputs import example_inputs
 from optpipe.source.checkpoint_keys import loading_warnings
-from optpipe.source.module_forms import refuse_unexportable
+from optpipe.source.module_forms import refuse_unexportable, scripted_as_is
 from optpipe.source.checkpoint_precision import (folder_config, refuse_prequantized, refuse_quantized_modules, stored_dtype,
                                                  as_float32, widening_note)
 from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
@@ -282,14 +282,15 @@ def _flattened(net, source: ModelSource, call, description: str) -> TorchModel:
     args = [torch.from_numpy(sample[s.name]) for s in source.inputs]
     try:
         with torch.no_grad():
-            leaves = named_leaves(call(net, *args))
+            returned = call(net, *args)
+            leaves = named_leaves(returned)
     except (MemoryError, ModelSourceError):  # the machine's limit; named_leaves' own sentence
         raise
     except Exception as exc:  # whatever forward() raises on inputs it does not accept
         raise ModelSourceError(forward_failure(sample, first_line(exc))) from None
     declared = getattr(net, "output_names", None)
     indices, output_names = pick_outputs([name for name, _ in leaves], source.model.outputs, declared)
-    module = flat_module(net, call, indices)
+    module = net if scripted_as_is(net, returned, indices) else flat_module(net, call, indices)
     return TorchModel(module.eval(), [s.name for s in source.inputs], output_names, description)
 
 

@@ -1,7 +1,10 @@
-"""What a factory may return that looks like a model but is no module the exporters can trace: one line each, with
-the way out. A TorchScript module made by torch.jit.trace exports (the tracer runs through it); one made by
-torch.jit.script, or read back by torch.jit.load, does not: both exporters failed on it with two unrelated lines
-("takes 2 positional arguments but 3 were given"; "Tried to trace ... but it is not part of the active trace")."""
+"""What a factory may return beside a plain nn.Module: how each is exported, or one line saying why it cannot be.
+
+A TorchScript module made by torch.jit.trace exports like any module (the tracer runs through it). One made by
+torch.jit.script, or read back by torch.jit.load (how TorchScript models ship), cannot be traced inside optpipe's
+output wrapper: both exporters failed on it with unrelated lines ("takes 2 positional arguments but 3 were given";
+"Tried to trace ... but it is not part of the active trace"). torch.onnx's TorchScript exporter takes it whole, so
+it is exported as it is where its outputs need no wrapper (a tensor or a tuple of tensors, all kept)."""
 from __future__ import annotations
 
 from optpipe.core.errors import ModelSourceError
@@ -18,13 +21,34 @@ def refuse_unexportable(net, where: str) -> None:
     except NotImplementedError as exc:  # torch.export's .module(): "Calling eval() is not supported yet."
         raise ModelSourceError(f"{where} returned a {type(net).__name__} that cannot be put in eval mode ({exc}), as "
                                "torch.export's .module() is: return the nn.Module it was exported from") from None
-    if isinstance(net, torch.jit.ScriptModule) and not isinstance(net, torch.jit.TopLevelTracedModule):
-        raise ModelSourceError(
-            f"{where} returned a TorchScript module (torch.jit.script, or torch.jit.load of a saved one), which the "
-            "exporters cannot trace through: return the nn.Module it was made from (or torch.jit.trace of it), or export "
-            "it to ONNX yourself and give `model: {onnx: FILE}`")
 
 
 def layer_kind(module) -> str:
     """A layer's class name, a traced module's included (torch.jit.trace keeps it as `original_name`)."""
     return getattr(module, "original_name", None) or type(module).__name__
+
+
+def is_scripted(net) -> bool:
+    """A torch.jit.script module, or one torch.jit.load read: the TorchScript exporter takes it whole, dynamo not at all."""
+    import torch
+
+    return isinstance(net, torch.jit.ScriptModule) and not isinstance(net, torch.jit.TopLevelTracedModule)
+
+
+def scripted_as_is(net, returned, indices: list[int]) -> bool:
+    """A scripted module is exported as it is: true where it returns a tensor or a tuple of tensors, every one kept.
+    Else (a dict, nested outputs, `model.outputs` picking some) it is refused: the wrapper that would pick them is
+    what the exporters cannot trace through."""
+    import torch
+
+    if not is_scripted(net):
+        return False
+    flat = isinstance(returned, torch.Tensor) or (isinstance(returned, (tuple, list)) and
+                                                   all(isinstance(t, torch.Tensor) for t in returned))
+    count = 1 if isinstance(returned, torch.Tensor) else len(returned) if flat else -1
+    if flat and indices == list(range(count)):
+        return True
+    raise ModelSourceError(
+        "model: a TorchScript module (torch.jit.script, or torch.jit.load of a saved one) is exported as it is, which "
+        "takes a tensor or a tuple of tensors returned, all kept: it returns another structure or `model.outputs` picks "
+        "some; return a tuple of the tensors to export from its forward, or the nn.Module it was made from")
