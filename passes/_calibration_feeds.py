@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from optpipe.core.errors import DataError
+from optpipe.calibration.readers import sample_batches
 from optpipe.core.runtime import prefill_feeds
 
 if TYPE_CHECKING:
@@ -18,9 +18,5 @@ def calibration_feeds(ctx: "PassContext", shapes: list[tuple[str, list]]) -> lis
     forward also takes a mask and a past per layer: each batch is completed to its prefill."""
     from optpipe.evaluation.guard import accuracy_batch
 
-    samples = ctx.calibration_set()
     size = 1 if ctx.inputs.batch_dim() else accuracy_batch(ctx.inputs, ctx.evaluate)
-    if len(samples) < size:
-        raise DataError(f"data.calibration: {len(samples)} samples, fewer than the model's fixed batch of {size}; "
-                        f"give at least {size} samples")
-    return [prefill_feeds(b, shapes) for b in samples.batches(size) if len(next(iter(b.values()))) == size]
+    return [prefill_feeds(b, shapes) for b in sample_batches(ctx.calibration_set(), size, whole=True)]
