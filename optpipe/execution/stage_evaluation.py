@@ -9,7 +9,7 @@ one might pick; `all` sweeps every stage. The frontier is the report's own (same
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 from optpipe.cache.store import StageCache
@@ -39,15 +39,14 @@ class EvaluationParts:
     source: ModelSource  # the model (its eager baseline's digest) with its inputs and dims
     parents: Mapping[str, Optional[str]]  # each stage's `after`: the default reference is a root
     tolerances: Mapping[str, Tolerance]  # each stage's own tolerance, else evaluate's
-    export_check: Optional[SelfCheckParams] = None  # the reference export's self-check: eager's row holds it to it too
+    # Each export stage's self-check: where one is the reference, eager's row holds it to that rule on the data too.
+    export_checks: Mapping[str, SelfCheckParams] = field(default_factory=dict)
 
     @classmethod
     def of(cls, plan: CompilePlan) -> "EvaluationParts":
-        reference = plan.evaluate.reference or next((n for n, s in plan.stages.items() if s.parent is None), None)
-        stage = plan.stages.get(reference) if reference else None
-        params = plan.configured_pass(reference).params if stage is not None and stage.pass_name == "export" else None
-        check = params if isinstance(params, SelfCheckParams) and params.check_enforced else None
-        return cls(plan.evaluate, plan.model_source(), plan.parents(), plan.tolerances(), check)
+        params = {name: plan.configured_pass(name).params for name, stage in plan.stages.items() if stage.pass_name == "export"}
+        checks = {name: p for name, p in params.items() if isinstance(p, SelfCheckParams) and p.check_enforced}
+        return cls(plan.evaluate, plan.model_source(), plan.parents(), plan.tolerances(), checks)
 
     def tolerance_for(self, stage: str) -> Tolerance:
         return self.tolerances.get(stage, self.evaluate.tolerance)
@@ -83,8 +82,8 @@ def evaluate_stages(
         generation = GenerationEvaluator(parts.evaluate, parts.source, cache, instruments.step, force, eager_timing=timing)
         if ref_stage is not None and ref_stage.model is not None:  # the yardstick where eager is not measured
             generation.set_reference_stage(reference, ref_stage.model)
-    if parts.export_check is not None and generation is None:
-        evaluator.set_export_check(parts.export_check)
+    if reference in parts.export_checks and generation is None:
+        evaluator.set_export_check(parts.export_checks[reference])
     results = []
     if parts.evaluate.eager_baseline and not isinstance(parts.source.model, OnnxModel):
         results.append(_evaluate_eager(parts, generation or evaluator, services, instruments, source_check))
