@@ -388,4 +388,3 @@ class RunReport(Result):
             what = (f"{'.'.join(str(part) for part in errors[0]['loc'])}: {errors[0]['msg']}" if errors
                     else str(exc).splitlines()[0])
             raise OptpipeError(f"'{path}' is not a readable optpipe report ({what}); rerun `optpipe compile`") from None
-

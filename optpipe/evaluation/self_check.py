@@ -221,7 +221,7 @@ def _checked(candidate: Outputs, reference: Outputs, feeds: Feeds, params: SelfC
     )
     try:
         return compare(candidate, reference, feeds, tolerance, against, top1=False), half
-    except ValueError as exc:  # an output changed shape or count
+    except ValueError as exc:  # an output count changed (unlike shapes are a verdict, OutputAccuracy.shapes)
         raise PassError(f"self-check against {against}: {first_line(exc)}") from None
 
 

@@ -19,6 +19,7 @@ from optpipe.core.artifact import MANIFEST_FILE
 from optpipe.core.library_files import keep_library_files_in
 from optpipe.core.results import EAGER, StageResult
 from optpipe.core.runtime import cuda_device_names  # the one reader of GPU names, as targets/gpu_type.py uses
+from optpipe.recipe.run_paths import mark_run_folder
 from optpipe.plan.compile_plan import CompilePlan
 
 
@@ -64,8 +65,6 @@ def _run_one(plan: CompilePlan, name: str, parent: StageResult | None, settings:
     from optpipe.plan.source_preflight import node_refusals
 
     pass_ = plan.configured_pass(name)  # the driver validated the recipe: a task configures only its own pass
-    from optpipe.recipe.run_paths import mark_run_folder
-
     mark_run_folder(settings.run_dir)  # a search or fan-out cut short leaves a folder the next run knows as a run's
     (settings.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     # The memory of the machine the stage runs on (a Ray node's, not the driver's), for this plan's own params (a

@@ -68,8 +68,9 @@ def check_not_foreign(run_dir: Path) -> None:
 def _is_run_folder(run_dir: Path) -> bool:
     if (run_dir / RUN_MARKER).exists() or (run_dir / ".optpipe.lock").exists():
         return True
-    try:  # a run of a version before the marker: its report names optpipe
-        return '"optpipe_version"' in (run_dir / "report.json").read_text(encoding="utf-8", errors="replace")[:4096]
+    try:  # a run of a version before the marker: its report names optpipe in its first lines (a report can be MBs)
+        with open(run_dir / "report.json", "rb") as report:
+            return b'"optpipe_version"' in report.read(4096)
     except OSError:
         return False
 
