@@ -24,7 +24,7 @@ from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
 from optpipe.safety.file_kinds import other_model_format
 from optpipe.source.position_limit import onnx_position_limit
-from optpipe.source.checkpoint_precision import as_float32, refuse_prequantized, stored_dtype
+from optpipe.source.checkpoint_precision import as_float32, narrows, refuse_prequantized, stored_dtype
 from optpipe.source.module_forms import layer_kind, refuse_unexportable, scripted_as_is
 from optpipe.source.model_source import TOKENIZER_FILES, hub_id_hint
 
@@ -205,7 +205,7 @@ def _tokenizer_inputs(folder: Path) -> list[str]:
 
 
 def _widening_notes(stored: str | None) -> list[str]:
-    how = "narrows them to float32 (rounded)" if stored and "float64" in stored else "widens them to float32 (exact)"
+    how = "narrows them to float32 (rounded)" if stored and narrows(stored) else "widens them to float32 (exact)"
     return [f"its weights are {stored}: the compile {how}, and each stage takes its own precision from there"] if stored else []
 
 

@@ -77,9 +77,14 @@ def stored_dtype(config: dict) -> str | None:
     return HALF_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
 
 
+def narrows(stored: str) -> bool:
+    """Whether as_float32 rounded these dtypes (float64), rather than widening them exactly (half precision)."""
+    return "float64" in stored
+
+
 def widening_note(stored: str | None) -> str:
     if not stored:
         return ""
-    if "float64" in stored:
+    if narrows(stored):
         return f" (weights in {stored}, narrowed to float32: rounded; every stage is measured against the float32 model)"
     return f" (weights stored in {stored}, widened to float32: exact)"
