@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from optpipe.core.runtime import torch_inputs
 from optpipe.pass_infra.progress import Progress, native_stdout_to, no_progress, printed_progress
 from optpipe.recipe.schema import DimRange, ModelInputs
 from optpipe.source.model_source import TorchModel
@@ -27,7 +28,7 @@ def export_dynamo(torch_model: TorchModel, feeds, shapes: ModelInputs, opset: in
 
     dims = {name: export_dim(name, d) for name, d in shapes.dims.items()}
     dynamic = tuple({axis: dims[dim] for axis, dim in axes.items()} or None for axes in dynamic_dims(shapes).values())
-    args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
+    args = torch_inputs(feeds, torch_model.input_names)
     if takes_varargs(torch_model.module):
         dynamic = (dynamic,)  # forward(*args): the spec of the one `args` parameter is the whole tuple
     quiet_exporter()
@@ -81,7 +82,7 @@ def export_torchscript(torch_model: TorchModel, feeds, shapes: ModelInputs, opse
 
     import torch
 
-    args = tuple(torch.from_numpy(feeds[name]) for name in torch_model.input_names)
+    args = torch_inputs(feeds, torch_model.input_names)
     dynamic_axes = {name: axes for name, axes in dynamic_dims(shapes).items() if axes}
     batch = shapes.batch_dim()
     if batch:  # the tracer names no output dim itself; the outputs that are one row per sample share the batch dim
@@ -116,7 +117,7 @@ def batch_led_outputs(torch_model: TorchModel, feeds, batch: DimRange) -> list[s
     leads = []
     with torch.no_grad():
         for feed in (feeds, resized):
-            outs = torch_model.module(*(torch.from_numpy(feed[name]) for name in torch_model.input_names))
+            outs = torch_model.module(*torch_inputs(feed, torch_model.input_names))
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)  # a TorchScript module returning one tensor
             leads.append([o.dim() > 0 and o.shape[0] == len(next(iter(feed.values()))) for o in outs])
     return [name for name, *led in zip(torch_model.output_names, *leads) if all(led)]

@@ -4,6 +4,8 @@ Every stage is measured against eager, which such a model cannot match even agai
 check used to fail with 'raise check_atol/check_rtol only if this is rounding', which cannot help."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers_recipes import compile_recipe, small_recipe
@@ -46,6 +48,21 @@ class Counter(torch.nn.Module):  # streaming state kept between calls: a call co
 
 def counter():
     return Counter().eval()
+
+
+class Doubling(torch.nn.Module):  # writes into its input in place: deterministic all the same
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        x.mul_(2.0)
+        return self.fc(x)
+
+
+def doubling():
+    torch.manual_seed(0)
+    return Doubling().eval()
 '''
 
 
@@ -84,3 +101,38 @@ def test_an_onnx_source_that_samples_is_refused_by_compile_and_init(tmp_path, cl
     result = cli_run("init", "noisy.onnx", "-o", "init.yaml")
     assert result.exit_code == 2 and "draws random numbers" in result.output, result.output
     assert not (tmp_path / "init.yaml").exists()
+
+
+def test_a_forward_writing_into_its_input_is_measured_on_the_data_as_given(tmp_path, cli_run):
+    """torch.from_numpy shares memory: `x.mul_(2)` wrote into the evaluation data, its second run read 2x, and the export
+    refused the model as one that "draws random numbers"."""
+    (tmp_path / "inplace_doubling.py").write_text(MODELS)
+    stages = {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "dynamic"}}}
+    result = compile_recipe(tmp_path, cli_run, small_recipe({"factory": "inplace_doubling:doubling", "path": "."}, stages=stages))
+    assert result.exit_code == 0, result.output
+    rows = {row["name"]: row for row in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
+    eager = rows["pytorch-eager"]["accuracy"]  # eager against the export, on the same (unwritten) data
+    assert eager["outputs"][0]["cosine_min"] > 0.99999 and eager["export_mismatch"] is None
+    assert rows["int8"]["status"] == "ok"
+
+
+def test_the_eager_runner_leaves_the_callers_arrays_as_they_were(tmp_path, monkeypatch):
+    import numpy as np
+    import torch
+
+    from optpipe.core.runtime import eager_runner
+    from optpipe.source.model_source import TorchModel
+
+    (tmp_path / "inplace_runner.py").write_text(MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import inplace_runner
+
+    model = inplace_runner.doubling()
+    run = eager_runner(TorchModel(model, ["x"], ["y"], "doubling"), threads=1)
+    x = np.random.default_rng(0).normal(size=(3, 16)).astype(np.float32)
+    given = x.copy()
+    with torch.no_grad():
+        expected = model.fc(torch.from_numpy(2 * given)).numpy()
+    for _ in range(3):  # the first call finds out, the later ones run on copies
+        np.testing.assert_allclose(run({"x": x})["y"], expected, rtol=1e-6)
+        assert np.array_equal(x, given)

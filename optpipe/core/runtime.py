@@ -188,20 +188,45 @@ def ort_runner(session) -> Callable[[Feeds], Outputs]:
 
 
 def eager_runner(torch_model, threads: int) -> Callable[[Feeds], Outputs]:
+    """PyTorch eager as a runner. torch.from_numpy shares the array's memory: a forward() that writes into its input in
+    place (`x.mul_(2)`) wrote into the evaluation data every later stage and timing reads (its second call then read
+    2x, and the random-forward check blamed noise). The first call finds out, on a copy kept aside, and puts the data
+    back; from then on such a model runs on copies, and every other model still without one (no copy timed)."""
     import torch
 
     torch.set_num_threads(threads)
     module = torch_model.module
+    writes_inputs: list[bool] = []  # empty until the first call has looked
 
-    def run(feeds: Feeds) -> Outputs:
+    def forward(arrays: list[np.ndarray]) -> Outputs:
         # no_grad, not inference_mode: a model that caches tensors in forward (a detector's grid)
         # would keep inference tensors, and exporting it afterwards fails ("cannot be saved for backward").
         with torch.no_grad():
-            outs = module(*[torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in torch_model.input_names])
+            outs = module(*[torch.from_numpy(a) for a in arrays])
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         return {name: tensor_to_numpy(out) for name, out in zip(torch_model.output_names, outs)}
 
+    def run(feeds: Feeds) -> Outputs:
+        arrays = [np.ascontiguousarray(feeds[n]) for n in torch_model.input_names]
+        if writes_inputs:
+            return forward([a.copy() for a in arrays] if writes_inputs[0] else arrays)
+        kept = [a.copy() for a in arrays]
+        try:
+            return forward(arrays)
+        finally:
+            written = [i for i, (a, b) in enumerate(zip(arrays, kept)) if not np.array_equal(a, b, equal_nan=True)]
+            for i in written:
+                arrays[i][...] = kept[i]
+            writes_inputs.append(bool(written))
+
     return run
+
+
+def torch_inputs(feeds: Feeds, names: Sequence[str]) -> tuple:
+    """The feeds as torch tensors of their own: a forward() writing into its input in place leaves the arrays be."""
+    import torch
+
+    return tuple(torch.from_numpy(np.array(feeds[name])) for name in names)
 
 
 def tensor_to_numpy(tensor) -> np.ndarray:
