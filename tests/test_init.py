@@ -209,8 +209,22 @@ class Bag(torch.nn.Module):  # a recommender's ids through a bag of embeddings
         return self.head(self.bag(ids))
 
 
+class LoRALinear(torch.nn.Linear):  # a layer subclassed, as LoRA and quantization toolkits do
+    pass
+
+
 def clip():
     return Clip()
+
+
+def normed():  # weight_norm makes the first Linear a ParametrizedLinear
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    net[0] = torch.nn.utils.parametrizations.weight_norm(net[0])
+    return net
+
+
+def subclassed():
+    return torch.nn.Sequential(LoRALinear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
 def bag():
@@ -227,6 +241,16 @@ def test_init_reads_the_input_of_a_video_or_an_embedding_bag_model_from_its_firs
         result = cli_run("init", f"first_layers:{factory}", "-o", f"{factory}.yaml")
         assert result.exit_code == 0, result.output
         assert yaml.safe_load(Path(f"{factory}.yaml").read_text())["inputs"] == [expected]
+
+
+def test_init_reads_a_subclassed_or_weight_normed_first_layer_as_the_layer_it_extends(tmp_path, cli_run, monkeypatch):
+    """`ParametrizedLinear` and a LoRA `Linear` subclass were passed over for the next Linear: x [batch, 32], refused."""
+    (tmp_path / "wrapped_layers.py").write_text(FIRST_LAYERS)
+    monkeypatch.chdir(tmp_path)
+    for factory in ("normed", "subclassed"):
+        result = cli_run("init", f"wrapped_layers:{factory}", "-o", f"{factory}.yaml")
+        assert result.exit_code == 0, result.output
+        assert yaml.safe_load(Path(f"{factory}.yaml").read_text())["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}]
 
 
 SCRIPTED = '''import torch

@@ -24,8 +24,13 @@ def refuse_unexportable(net, where: str) -> None:
 
 
 def layer_kind(module) -> str:
-    """A layer's class name, a traced module's included (torch.jit.trace keeps it as `original_name`)."""
-    return getattr(module, "original_name", None) or type(module).__name__
+    """A layer's torch.nn class name: a traced module's (torch.jit.trace keeps it as `original_name`), and a subclass's
+    (a LoRA `Linear`, or the `ParametrizedLinear` that weight_norm makes) by the torch.nn layer it extends."""
+    traced = getattr(module, "original_name", None)
+    if traced:
+        return traced
+    return next((c.__name__ for c in type(module).__mro__ if c.__module__.startswith("torch.nn.modules.")),
+                type(module).__name__)
 
 
 def is_scripted(net) -> bool:
