@@ -6,10 +6,14 @@ objects) unless the recipe says `allow_pickle: true` for a file it trusts.
 """
 from __future__ import annotations
 
+import logging
+
 from pathlib import Path
 from typing import Any
 
 from optpipe.core.errors import ModelSourceError, first_line
+
+log = logging.getLogger("optpipe.source")
 
 STATE_KEYS = ("state_dict", "model_state_dict", "model")
 
@@ -22,6 +26,7 @@ def load_checkpoint(module: Any, path: Path, allow_pickle: bool) -> None:
     state = _unwrap(state)
     if not isinstance(state, dict):
         raise ModelSourceError(f"model.checkpoint: '{path.name}' holds a {type(state).__name__}, not a state dict of tensors; save module.state_dict()")
+    state = _without_wrapper_prefix(state, set(module.state_dict()), path.name)
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as exc:
@@ -70,9 +75,35 @@ def _unpickler_reason(exc: Exception) -> str:
 
 
 def _unwrap(state: Any) -> Any:
-    """Training scripts often save {'state_dict': ..., 'epoch': ...}: take the weights."""
+    """Training scripts often save {'state_dict': ..., 'epoch': ...}: take the weights. A whole module saved with
+    torch.save(model) (read only under allow_pickle) gives its state dict."""
+    if hasattr(state, "state_dict") and callable(state.state_dict) and not isinstance(state, dict):
+        return state.state_dict()
     if isinstance(state, dict):
         for key in STATE_KEYS:
             if isinstance(state.get(key), dict):
                 return state[key]
     return state
+
+
+#: the prefixes a training wrapper puts before every key: DataParallel / DistributedDataParallel ("module."),
+#: torch.compile ("_orig_mod."), a Lightning module holding the net as `self.model` ("model."), nested as they come
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
+
+
+def _without_wrapper_prefix(state: dict, expected: set[str], name: str) -> dict:
+    """The state dict with the training wrappers' key prefixes dropped, where that makes its keys exactly the module's;
+    else as it is (the strict load then names the keys that differ). Written here because torch's
+    consume_prefix_in_state_dict_if_present takes one known prefix and changes the dict in place."""
+    keys = set(state)
+    stripped = state
+    while keys != expected:
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in keys)), None)
+        if prefix is None:
+            return state
+        stripped = {k[len(prefix):]: v for k, v in stripped.items()}
+        keys = set(stripped)
+    if stripped is not state:
+        log.info("model.checkpoint: '%s' keys carry a training wrapper's prefix (DataParallel's module., torch.compile's "
+                 "_orig_mod., Lightning's model.): dropped, every key then fits the module", name)
+    return stripped
