@@ -310,7 +310,7 @@ def apply_generic_fusions(artifact: ModelArtifact, workdir: Path) -> dict:
         options.optimized_model_filepath = str(optimized)
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.onnx.data")
         options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", str(INLINE_BYTES))
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # FATAL only: a failure raises, and optpipe reports its message
         try:
             ort.InferenceSession(str(artifact.path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ORT refusing the graph: say so rather than crash

@@ -340,3 +340,22 @@ def test_bench_silence_tells_progress_silence_from_console_silence():
     clock.before_phase("preflight: the model")
     stream.write("  ... preflight\n  partial")
     assert [(scope, text) for _, scope, text in stream.lines] == [("preflight", "... preflight")]
+
+
+def test_a_failing_onnx_runtime_run_prints_nothing_of_its_own(tmp_path, capfd):
+    """ORT's C++ logger printed "[E:onnxruntime:...] Non-zero status code ... Reshape" on the terminal, between optpipe's
+    lines, for a run the export's checks try at another shape and report through the exception."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from optpipe.core.runtime import ort_session
+
+    shape = numpy_helper.from_array(np.array([4, 4], np.int64), "shape")
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])], [shape])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "r.onnx")
+    session = ort_session(tmp_path / "r.onnx", threads=1)
+    with pytest.raises(Exception, match="reshape"):
+        session.run(None, {"x": np.zeros(5, np.float32)})
+    assert "onnxruntime" not in capfd.readouterr().err

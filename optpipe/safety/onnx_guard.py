@@ -217,7 +217,7 @@ def check_runnable(path: Path, where: str) -> None:
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # FATAL only: a failure raises, and optpipe reports its message
     try:
         ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT's own exception types
@@ -243,7 +243,7 @@ def check_runs_on(path: Path, feeds: dict, where: str = "model.onnx") -> None:
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the cheapest session: one run
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # FATAL only: a failure raises, and optpipe reports its message
     options.intra_op_num_threads = 1
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
