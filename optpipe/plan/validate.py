@@ -45,6 +45,7 @@ def check_input_layout(inputs) -> None:
     """Every input leads with the batch dim where one does. Samples are stacked and fed in batches along each input's
     first dim: an input shared by the whole batch (a 0-d temperature, a [4, 16] codebook) was sliced like the others,
     and every stage failed as an internal error ("Received incompatible shape: (1, 16)", "array is 0-dimensional")."""
+    _refuse_batch_behind(inputs)
     batched = [(i, spec) for i, spec in enumerate(inputs) if spec.shape and isinstance(spec.shape[0], str)]
     if not batched:
         return
@@ -57,6 +58,23 @@ def check_input_layout(inputs) -> None:
             f"inputs.{i} ('{spec.name}') {what}, while inputs.{first} ('{lead.name}') leads with the batch dim "
             f"'{lead.shape[0]}': optpipe feeds every input in batches of samples along its first dim; give it that dim "
             "(one row per sample), or make it part of the model (a constant the factory's module holds)")
+
+
+#: dim names that say "batch": one of them past an input's first dim is a layout optpipe cannot feed
+BATCH_NAMES = ("batch", "batch_size")
+
+
+def _refuse_batch_behind(inputs) -> None:
+    """An input laid out [sequence, batch] (nn.LSTM, nn.MultiheadAttention without batch_first): optpipe took the
+    sequence for the batch, and measured, timed ("@ batch 1": one time step) and served batches along it, silently."""
+    for i, spec in enumerate(inputs):
+        behind = next((k for k, dim in enumerate(spec.shape) if k and dim in BATCH_NAMES), None)
+        if behind is not None:
+            raise RecipeError(
+                f"inputs.{i} ('{spec.name}') has the dim '{spec.shape[behind]}' at position {behind}: optpipe takes every "
+                "input's first dim as the batch (it feeds, times and serves samples along it); put the batch first, in the "
+                "model (batch_first=True on nn.LSTM / nn.GRU / nn.MultiheadAttention / nn.Transformer, or a transpose in "
+                "forward()) and in `inputs`")
 
 
 def configure(stage: str, spec, known: dict[str, type[Pass]]) -> Pass:
