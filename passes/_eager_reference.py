@@ -66,3 +66,30 @@ def _refuse_complex(outputs: dict[str, np.ndarray]) -> None:
             raise ModelSourceError(
                 f"model: output '{name}' of forward() is complex ({value.dtype}), which ONNX and its runtimes do not hold: "
                 "return torch.view_as_real() of it (real and imaginary parts as a last dim of 2) or the values you use (.abs())")
+
+
+def samples_mixed(torch_model: TorchModel, feeds: dict[str, np.ndarray], together: dict[str, np.ndarray], threads: int,
+                  atol: float, rtol: float) -> dict | None:
+    """Whether the first dim is a batch of independent samples: eager on the first trace sample alone against its row
+    in the trace batch (`together`, at least 2 samples). None where every row-per-sample output matches. Else what
+    differs: an output that mixes samples (attention or recurrence over the first dim, as nn.MultiheadAttention and
+    nn.LSTM without batch_first do; a norm over the batch; CLIP's image-by-text logits), or no output that is one row
+    per sample at all. Such a model was timed "at batch N" on N samples computed together, and served by Triton with
+    dynamic batching, which joins different users' requests into one batch."""
+    size = len(next(iter(feeds.values())))
+    if size < 2:
+        return None
+    alone = eager_runner(torch_model, threads)({name: array[:1] for name, array in feeds.items()})
+    per_sample = [name for name, value in together.items() if np.ndim(value) and np.shape(value)[0] == size]
+    for name in per_sample:
+        own, row = np.asarray(alone[name]), np.asarray(together[name])[:1]
+        if own.shape != row.shape:
+            return {"output": name, "why": f"its shape per sample is {list(own.shape[1:])} alone and {list(row.shape[1:])} "
+                                          f"in a batch of {size}"}
+        if own.dtype.kind == "f" and not np.allclose(own, row, atol=atol, rtol=rtol, equal_nan=True):
+            apart = float(np.nanmax(np.abs(own.astype(np.float64) - row)))
+            return {"output": name, "why": f"sample 0's row differs by {apart:.3g} when another sample shares its batch"}
+    if not per_sample:
+        shapes = ", ".join(f"'{name}' {list(np.shape(value))}" for name, value in list(together.items())[:2])
+        return {"output": None, "why": f"no output has one row per sample ({shapes} at batch {size})"}
+    return None

@@ -22,7 +22,7 @@ from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import eager_runner
 from optpipe.passes import _torch_export as exporters
-from optpipe.passes._eager_reference import eager_outputs
+from optpipe.passes._eager_reference import eager_outputs, samples_mixed
 from optpipe.source.module_forms import is_scripted
 from optpipe.passes._torch_export import DYNAMO_MIN_OPSET
 
@@ -63,7 +63,7 @@ class ExportPass(Pass[ExportParams]):
     """Export the recipe's PyTorch model to ONNX with the recipe's dynamic dims, checked against eager."""
 
     name = "export"
-    version = "3"  # 3: source_warnings (checkpoint weights left out or made up) in the info
+    version = "4"  # 3: source_warnings (checkpoint weights left out or made up) in the info; 4: samples_mixed
     Params = ExportParams
     needs_input = False
     libraries = ("torch", "onnx", "onnxscript", "transformers")
@@ -107,6 +107,8 @@ class ExportPass(Pass[ExportParams]):
         feeds = trace_inputs(ctx.inputs)
         steps("PyTorch eager on the trace inputs")
         expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
+        mixed = samples_mixed(torch_model, feeds, expected, ctx.evaluate.threads, *_mixing_tolerance(self.params)) \
+            if ctx.inputs.batch_dim() and not decoder else None
         if decoder:
             from optpipe.passes._decoder_export import export_with_cache
 
@@ -148,12 +150,20 @@ class ExportPass(Pass[ExportParams]):
         # `opset`: the one the model has (TorchScript writes at most 20), beside the one asked for.
         info = {"exporter": exporter, "exporter_requested": params.exporter, "opset": opset, "opset_requested": params.opset,
                 "source": torch_model.description, "outputs": torch_model.output_names, "attention": attention, **checked,
-                **({"source_warnings": torch_model.warnings} if torch_model.warnings else {})}
+                **({"source_warnings": torch_model.warnings} if torch_model.warnings else {}),
+                **({"samples_mixed": mixed} if mixed else {})}
         if failures:
             info["fallback"] = {"from": list(failures), "reasons": failures}
             ctx.log.warning("exported with %s after %s", exporter, "; ".join(f"{k} failed: {v}" for k, v in failures.items()))
         info["graph"] = graph_stats(artifact.load(with_weights=False))
         return write_info(ctx.workdir, info)
+
+
+def _mixing_tolerance(params: ExportParams) -> tuple[float, float]:
+    """One sample alone against its row in a batch: the export's own check rule, its defaults where left unset (batch 1
+    and batch 2 take other kernels, which round apart by ~1e-6)."""
+    return (params.check_atol if params.check_atol is not None else 1e-3,
+            params.check_rtol if params.check_rtol is not None else 1e-3)
 
 
 def _kv_settings(ctx: PassContext) -> dict:

@@ -47,6 +47,20 @@ class BatchMean(torch.nn.Module):
         return self.fc(x).mean(0), self.fc(x)
 
 
+class AcrossBatch(torch.nn.Module):  # nn.MultiheadAttention on a 2-d input: the first dim is its sequence
+    def __init__(self):
+        super().__init__()
+        self.att, self.fc = torch.nn.MultiheadAttention(16, 2), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(self.att(x, x, x)[0])
+
+
+def across_batch():
+    torch.manual_seed(0)
+    return AcrossBatch().eval()
+
+
 def batch_mean():
     torch.manual_seed(0)
     return BatchMean().eval()
@@ -205,3 +219,32 @@ def test_a_batch_size_asked_for_an_output_that_is_not_per_sample_is_refused_in_o
     assert result.exit_code == 1, result.output
     assert ("targets (triton): max_batch_size 4 cannot be served: output 'output' leads with 'u0', not the batch dim "
             "'batch'; set max_batch_size: 0") in result.output
+
+
+def test_a_model_that_mixes_the_samples_of_a_batch_is_said_and_served_unbatched(tmp_path, cli_run):
+    """Rows of [batch, 4] that attend to each other read "ok" with no word: figures "at batch 8" were 8 samples computed
+    together, and Triton's dynamic batching would have joined users' requests into one attention."""
+    stages = {"export": {"pass": "export"}}
+    result, rows = _compile(tmp_path, cli_run, "across_batch", stages, targets=[{"kind": "triton", "stages": ["export"]}])
+    assert result.exit_code == 0, result.output
+    mixed = rows["export"]["info"]["samples_mixed"]
+    assert mixed["output"] == "output" and "sample 0's row differs by" in mixed["why"]
+    assert any("not a batch of independent samples" in w for w in rows["export"]["warnings"])
+    (triton,) = json.loads((tmp_path / "run" / "report.json").read_text())["targets"]
+    assert triton["details"]["max_batch_size"] == 0 and "mixes the samples of a batch" in triton["details"]["unbatched"]
+
+
+def test_per_sample_models_read_no_mixing(tmp_path, cli_run):
+    result, rows = _compile(tmp_path, cli_run, "batch_mean", {"export": {"pass": "export"}}, module="per_sample")
+    assert result.exit_code == 0, result.output
+    assert "samples_mixed" not in rows["export"]["info"]  # its per-sample output matches; the mean over the batch is [8]
+
+
+def test_a_batch_dim_behind_the_first_is_refused_with_the_recipe(tmp_path, cli_run):
+    """[sequence, batch] (nn.LSTM without batch_first): the sequence was taken for the batch, silently."""
+    (tmp_path / "seq_first.py").write_text(MODELS)
+    recipe = small_recipe({"factory": "seq_first:loss", "path": "."}, inputs=[{"name": "x", "dtype": "float32", "shape": ["sequence", "batch"]}],
+                          dims={"sequence": {"min": 1, "opt": 4, "max": 8}, "batch": {"min": 1, "opt": 1, "max": 4}})
+    result = compile_recipe(tmp_path, cli_run, recipe)
+    assert result.exit_code == 2, result.output
+    assert "inputs.0 ('x') has the dim 'batch' at position 1: optpipe takes every input's first dim as the batch" in result.output

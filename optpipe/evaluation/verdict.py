@@ -105,6 +105,8 @@ def pass_warnings(info: dict) -> list[str]:
     """What a pass's info says that its figures do not: ranges calibrated on made-up data, a guard
     that kept every converted node in float (the stage is its input model)."""
     warnings = list(info.get("source_warnings") or [])  # the export's: checkpoint weights left out or made up
+    if info.get("samples_mixed"):  # the export's: eager on one sample alone against its row in a batch
+        warnings.append(mixed_samples_warning(info["samples_mixed"]))
     calibration = info.get("calibration") or (info.get("int8") or {}).get("calibration") or {}
     if isinstance(calibration, dict) and calibration.get("source") == "synthetic":
         warnings.append("int8 ranges were calibrated on synthetic data (uniform in each input's `range`, "
@@ -118,6 +120,14 @@ def pass_warnings(info: dict) -> list[str]:
                         "every weight is at 8 bits, round-to-nearest: raise `ratio`, or use a `block_size` that divides "
                         "the MatMuls' input width")
     return warnings
+
+
+def mixed_samples_warning(mixed: dict) -> str:
+    """The export's finding that the first dim is not a batch of independent samples (passes/_eager_reference.py)."""
+    return (f"the first dim is not a batch of independent samples: {mixed['why']}. The model computes across it (attention "
+            "or recurrence over it, as nn.MultiheadAttention / nn.LSTM do without batch_first=True; a statistic over the "
+            "batch): figures at batch N are for N samples computed together, and the Triton target serves it unbatched. "
+            "If the first dim is not the batch, put the batch first in the model and in `inputs`")
 
 
 def guard_gave_up_warning(info: dict) -> str | None:

@@ -255,7 +255,8 @@ def unbatched_output(job: TargetJob, batch: str) -> Optional[str]:
     """Why Triton must not batch requests together (None: it may): an output that does not lead with the batch dim.
     Its first dim may still be dynamic (a length that depends on the data: the scores past a threshold) and Triton
     would split it between the requests it joined as if it were one row per sample, silently. The dims' names come
-    from the nearest ONNX graph: an IR's dynamic dims have none."""
+    from the nearest ONNX graph: an IR's dynamic dims have none. Or a model whose rows lead with the batch but mix its
+    samples (unbatched attention over the first dim), found by the export: each request would change the others'."""
     view = job.stage
     while view is not None and not view.model_path.is_file():
         parent = job.settings.parents.get(view.name)
@@ -266,7 +267,19 @@ def unbatched_output(job: TargetJob, batch: str) -> Optional[str]:
         if not spec.dims or spec.dims[0] != batch:
             lead = f"leads with {spec.dims[0]!r}" if spec.dims else "is 0-d"
             return f"output '{spec.name}' {lead}, not the batch dim '{batch}'"
+    mixed = _root_info(job).get("samples_mixed")
+    if mixed:  # the export found that eager computes across the batch: joined requests would change each other's answers
+        return (f"output '{mixed['output']}' mixes the samples of a batch" if mixed.get("output") else
+                "no output is one row per sample") + " (the export's check of one sample alone against its row in a batch)"
     return None
+
+
+def _root_info(job: TargetJob) -> dict:
+    """The info of the stage the served one descends from first (the export)."""
+    view = job.stage
+    while view is not None and (parent := job.settings.parents.get(view.name)):
+        view = job.stage_folder(parent)
+    return view.info if view is not None else {}
 
 
 def instance_kind(job: TargetJob, params: TritonParams) -> str:
