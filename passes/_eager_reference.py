@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from optpipe.core.errors import ModelSourceError, root_first_line
-from optpipe.core.runtime import eager_runner
+from optpipe.core.runtime import as_exported, eager_runner
 from optpipe.source.model_source import TorchModel, forward_failure
 
 
@@ -15,7 +15,8 @@ def eager_outputs(torch_model: TorchModel, feeds: dict[str, np.ndarray], threads
     run = eager_runner(torch_model, threads)
     state = _buffer_sums(torch_model.module)
     try:
-        first, second = run(feeds), run(feeds)
+        with as_exported():
+            first, second = run(feeds), run(feeds)
     except MemoryError:  # the machine's limit, not the inputs' fault
         raise
     except Exception as exc:  # whatever forward() raises on inputs it does not accept (at the trace batch)
@@ -79,7 +80,8 @@ def samples_mixed(torch_model: TorchModel, feeds: dict[str, np.ndarray], togethe
     size = len(next(iter(feeds.values())))
     if size < 2:
         return None
-    alone = eager_runner(torch_model, threads)({name: array[:1] for name, array in feeds.items()})
+    with as_exported():
+        alone = eager_runner(torch_model, threads)({name: array[:1] for name, array in feeds.items()})
     per_sample = [name for name, value in together.items() if np.ndim(value) and np.shape(value)[0] == size]
     for name in per_sample:
         own, row = np.asarray(alone[name]), np.asarray(together[name])[:1]

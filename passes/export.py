@@ -20,7 +20,7 @@ from optpipe.source.model_source import TorchModel, onnx_source_path, source_fin
 from optpipe.pass_infra.pass_base import Pass, PassContext
 from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel
-from optpipe.core.runtime import eager_runner
+from optpipe.core.runtime import as_exported, eager_runner
 from optpipe.passes import _torch_export as exporters
 from optpipe.passes._eager_reference import eager_outputs, samples_mixed
 from optpipe.source.module_forms import is_scripted
@@ -304,7 +304,8 @@ def _check_shapes(exporter: str, torch_model: TorchModel, shapes: ModelInputs, t
         report(seed, len(corners))
         feeds = synthetic_inputs(shapes, seed=seed, **sizes)
         try:
-            expected = eager_runner(torch_model, threads=threads)(feeds)
+            with as_exported():
+                expected = eager_runner(torch_model, threads=threads)(feeds)
         except MemoryError:
             raise
         except Exception:  # eager itself refuses that size: nothing to compare against

@@ -224,6 +224,23 @@ def eager_runner(torch_model, threads: int) -> Callable[[Feeds], Outputs]:
     return run
 
 
+@contextmanager
+def as_exported() -> Iterator[None]:
+    """PyTorch eager as every exporter traces it: without the fast path of nn.MultiheadAttention / nn.TransformerEncoder
+    in eval mode, which under a padding mask runs on nested tensors and writes other values at the padded positions (an
+    nn.TransformerEncoder's export read 47% of its elements out of tolerance, every stage with it, on positions no
+    user reads). The outputs stages are compared against run so; eager's timing keeps the fast path, the speed its
+    users get."""
+    import torch
+
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
 def torch_inputs(feeds: Feeds, names: Sequence[str]) -> tuple:
     """The feeds as torch tensors of their own: a forward() writing into its input in place leaves the arrays be."""
     import torch

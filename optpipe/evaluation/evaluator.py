@@ -28,11 +28,12 @@ from optpipe.core.process_memory import release_freed_memory
 from optpipe.core.results import Accuracy, Latency, Memory
 from optpipe.evaluation.cached_figures import decode_figures, encode_figures
 from optpipe.recipe.schema import EvaluateSpec, ModelInputs, Tolerance
-from optpipe.core.runtime import Feeds, Outputs, eager_runner, resize_dim, ort_runner, ort_session, pick_providers, requested_providers
+from optpipe.core.runtime import Feeds, Outputs, as_exported, eager_runner, resize_dim, ort_runner, ort_session, pick_providers, requested_providers
 
-EVAL_FORMAT = 9  # 3: adaptive iteration counts, eager beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
+EVAL_FORMAT = 10  # 3: adaptive iteration counts, eager beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
 # 5: sweeps cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU; 7: a time budget
-# per figure, its interval and why timing stopped; 8: a reference ~0 (< fp16's range) warned; 9: no cosine verdict on integers
+# per figure, its interval and why timing stopped; 8: a reference ~0 (< fp16's range) warned; 9: no cosine verdict on integers;
+# 10: eager's outputs as exported (runtime.as_exported), cosine over the real tokens of any padding mask (cosine.real_tokens)
 #: Settings that shape only the sweep curves: not part of the headline's cache key.
 SWEEP_SETTINGS = {"sweep", "sweep_iterations", "sweep_stages"}
 #: Settings that shape no figure (a search's strategy or budget, the Ray resources, the eager baseline
@@ -211,7 +212,8 @@ class Evaluator:
                 return decode_figures(hit) + (True,)
             # Built again when the shared one failed, so that its real error reaches the eager row.
             run = self._eager_baseline() or eager_runner(torch_model(), self.settings.threads)
-            outputs = run_callable(run, self.accuracy_batches, self._accuracy_progress) if self._reference else {}
+            with as_exported():  # the exporters' semantics; timed below with PyTorch's fast paths, as its users run it
+                outputs = run_callable(run, self.accuracy_batches, self._accuracy_progress) if self._reference else {}
             accuracy = self._accuracy(lambda: outputs, tolerance)
             if accuracy is not None and check is not None:
                 accuracy.export_mismatch = export_mismatch(self._reference[2](), outputs, self.all_inputs, check)

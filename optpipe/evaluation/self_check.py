@@ -51,7 +51,7 @@ from optpipe.pass_infra.pass_base import PassParams
 from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel, OutputTolerance, Tolerance
 from optpipe.core.results import EAGER
-from optpipe.core.runtime import Feeds, Outputs, eager_runner, first_non_finite, ort_runner, ort_session
+from optpipe.core.runtime import Feeds, Outputs, as_exported, eager_runner, first_non_finite, ort_runner, ort_session
 
 if TYPE_CHECKING:
     from optpipe.core.artifact import ModelArtifact
@@ -280,7 +280,8 @@ def input_outputs(path: Path, feeds: Feeds, threads: int) -> Outputs:
 
 def eager_outputs(torch_model, feeds: Feeds, threads: int) -> Outputs:
     try:
-        return eager_runner(torch_model, threads)(feeds)
+        with as_exported():
+            return eager_runner(torch_model, threads)(feeds)
     except Exception as exc:  # whatever forward() raises on inputs it does not accept
         raise PassError(f"PyTorch eager fails on the recipe's inputs: {first_line(exc)}") from None
 
