@@ -40,6 +40,8 @@ def example_inputs(shapes: ModelInputs, batch: int | None = None) -> dict[str, n
 def synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     if spec.fill is not None:
         return np.full(shape, spec.fill, dtype=spec.dtype)
+    if padding_mask_kind(spec) and len(shape) == 2:
+        return _padding_mask(spec, shape, rng)
     if spec.dtype in ("int64", "int32", "int8", "uint8"):
         low, high = spec.range or (0, 100)
         return rng.integers(int(low), int(high), size=shape).astype(spec.dtype)
@@ -47,3 +49,24 @@ def synthetic_array(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Gene
         return rng.integers(0, 2, size=shape).astype(bool)
     low, high = spec.range or (-1.0, 1.0)
     return rng.uniform(low, high, size=shape).astype(spec.dtype)
+
+
+def padding_mask_kind(spec: InputSpec) -> str | None:
+    """"real" for a [batch, sequence] mask of real tokens (attention_mask, mask: 1 = a token), "pad" for one of padding
+    (key_padding_mask, pad_mask: 1 / True = padding), None for any other input. By its name and type, and only where its
+    values are left to the default bits (no `range` past [0, 2))."""
+    name = spec.name.lower()
+    if not name.endswith("mask") or len(spec.shape) != 2 or spec.dtype not in ("bool", "int64", "int32", "int8", "uint8"):
+        return None
+    if spec.range is not None and tuple(spec.range) != (0, 2):
+        return None
+    return "pad" if "pad" in name else "real"
+
+
+def _padding_mask(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Right padding, at least one real token per row, as a tokenizer writes it. Drawn as random bits, a row of padding
+    only made attention's softmax 0/0: a faithful export computed NaN there (an nn.TransformerEncoder's check failed at
+    sequence 1), and no data has such a row."""
+    lengths = rng.integers(1, shape[1] + 1, size=shape[0])
+    real = np.arange(shape[1])[None, :] < lengths[:, None]
+    return (real if padding_mask_kind(spec) == "real" else ~real).astype(spec.dtype)
