@@ -17,7 +17,7 @@ import numpy as np
 
 from optpipe.core.errors import RecipeError
 from optpipe.core.results import Accuracy, OutputAccuracy
-from optpipe.evaluation.cosine import MASK_INPUT, cosine_of_rows, row_cosines, rows_of  # noqa: F401  (re-exported: layerwise, callers of compare)
+from optpipe.evaluation.cosine import cosine_of_rows, real_tokens
 from optpipe.evaluation.task_metrics import task_accuracy
 from optpipe.recipe.schema import TaskSpec, Tolerance
 from optpipe.recipe.task_bounds import own_bounds
@@ -83,7 +83,7 @@ def compare(
     """
     check_tolerance_outputs(tolerance, list(reference))
     pairs = _pair_outputs(candidate, reference)
-    mask = inputs.get(MASK_INPUT)
+    mask = real_tokens(inputs)
     outputs = [_output_accuracy(name, c, r, mask, top1, tolerance.for_output(name)) for name, c, r in pairs]
     task_result = None
     unlike = [o for o in outputs if o.shapes]  # no metric or elementwise rule reads outputs of unlike shapes

@@ -7,6 +7,25 @@ import numpy as np
 MASK_INPUT = "attention_mask"
 
 
+def real_tokens(inputs) -> np.ndarray | None:
+    """The [batch, seq] mask of real tokens among a batch's inputs (None: no mask, every row counts). `attention_mask`
+    (1 = a token) as given; else a 2-d integer or boolean input named *mask (an nn.TransformerEncoder's key padding
+    mask, 1 / True = padding, or a mask of tokens), read by its data: every sample has a real token and the longest
+    has no padding, so the value every row holds is the real one. Where every row holds both, it cannot be told:
+    None."""
+    if MASK_INPUT in inputs:
+        return inputs[MASK_INPUT]
+    for name, value in inputs.items():
+        value = np.asarray(value)
+        if not name.lower().endswith("mask") or value.ndim != 2 or value.dtype.kind not in "biu":
+            continue
+        ones = value != 0
+        every_row_one, every_row_zero = bool(ones.any(axis=1).all()), bool((~ones).any(axis=1).all())
+        if every_row_one != every_row_zero:
+            return ones if every_row_one else ~ones
+    return None
+
+
 def row_cosines(candidate: np.ndarray, reference: np.ndarray, mask=None) -> np.ndarray:
     """Cosine per row of the last axis (real tokens only where the mask fits), as the tolerance measures it."""
     cand = np.asarray(candidate, dtype=np.float64)

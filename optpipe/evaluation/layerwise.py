@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from optpipe.evaluation.cosine import MASK_INPUT, row_cosines
+from optpipe.evaluation.cosine import real_tokens, row_cosines
 from optpipe.core.errors import RunFolderError, first_line
 from optpipe.recipe.schema import Tolerance
 from optpipe.core.runtime import Feeds, Outputs
@@ -122,7 +122,7 @@ def compare_layers(
             skipped["shape differs"] += 1
             continue
         op, position = order[name]
-        tensors.append(_tensor_error(name, op, ref_tensors[name][0], position, c, r, feeds.get(MASK_INPUT), tolerance))
+        tensors.append(_tensor_error(name, op, ref_tensors[name][0], position, c, r, real_tokens(feeds), tolerance))
     return LayerComparison(
         reference=reference_path.parent.name,
         candidate=candidate_path.parent.name,

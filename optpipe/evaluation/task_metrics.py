@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from optpipe.core.errors import DataError, RecipeError
-from optpipe.evaluation.cosine import MASK_INPUT, row_cosines
+from optpipe.evaluation.cosine import real_tokens, row_cosines
 from optpipe.recipe.schema import TaskSpec
 from optpipe.core.results import TaskAccuracy
 
@@ -253,7 +253,7 @@ def _perplexity(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> fl
 
 
 def embeddings(spec: TaskSpec, cand, ref, inputs, labels) -> TaskAccuracy:
-    cosine = float(row_cosines(cand, ref, inputs.get(MASK_INPUT)).mean())
+    cosine = float(row_cosines(cand, ref, real_tokens(inputs)).mean())
     result = TaskAccuracy(kind="embeddings", output="", metrics={"token_cosine": cosine})
     if cosine < spec.cosine_min:
         result.violations.append(f"mean token cosine {cosine:.4f} < {spec.cosine_min}")
