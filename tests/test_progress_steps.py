@@ -359,3 +359,38 @@ def test_a_failing_onnx_runtime_run_prints_nothing_of_its_own(tmp_path, capfd):
     with pytest.raises(Exception, match="reshape"):
         session.run(None, {"x": np.zeros(5, np.float32)})
     assert "onnxruntime" not in capfd.readouterr().err
+
+
+WARNS = '''import itertools
+import warnings
+
+import torch
+
+CALLS = itertools.count()
+
+
+class Chatty(torch.nn.Module):  # warns on every call, as torch's nested-tensor prototype did in eager's fast path
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
+            warnings.warn(f"chatty library call {next(CALLS)}")
+        return self.fc(x)
+
+
+def chatty():
+    torch.manual_seed(0)
+    return Chatty().eval()
+'''
+
+
+def test_python_warnings_while_stages_are_measured_go_to_the_evaluation_log(tmp_path, cli_run):
+    from helpers_recipes import compile_recipe, small_recipe
+
+    (tmp_path / "chatty_model.py").write_text(WARNS)
+    result = compile_recipe(tmp_path, cli_run, small_recipe({"factory": "chatty_model:chatty", "path": "."}))
+    assert result.exit_code == 0, result.output
+    assert "chatty library call" not in result.output
+    assert "chatty library call" in (tmp_path / "run" / "logs" / "evaluation.log").read_text()

@@ -22,7 +22,7 @@ from optpipe.cache.store import StageCache
 from optpipe.plan.dag import only_order
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
-from optpipe.execution.services import RunServices
+from optpipe.execution.services import RunServices, stage_logger
 from optpipe.source.model_source import onnx_path
 from optpipe.execution.stage_evaluation import EvaluationParts, evaluate_stages
 from optpipe.execution.stage_runner import StageRunner
@@ -86,7 +86,11 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         manager = PassManager(plan, cache, services, run_dir, options, too_big)
         instruments = manager.instruments
         stages = manager.run(order, graph, passes)
-        results = evaluate_stages(EvaluationParts.of(plan), order, stages, services, cache, options.providers, instruments, options.force)
+        # A library's Python warnings while stages are measured (torch's "nested tensors ... prototype" from eager's fast
+        # path) go to a log beside the stages', not between the console's lines.
+        with stage_logger("evaluation", run_dir / "logs" / _evaluation_log(recipe.stages)):
+            results = evaluate_stages(EvaluationParts.of(plan), order, stages, services, cache, options.providers, instruments,
+                                      options.force)
         report = build_report(plan.name, plan.evaluate, results)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
         # A full disk there names the output folder (the copies' sources are in the cache).
@@ -104,6 +108,11 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         cache.release_leases()  # `cache gc` may prune what this run used from now on
         Instruments(options.instruments).run_end()
     return report
+
+
+def _evaluation_log(stages) -> str:
+    """The evaluation's log file, apart from every stage's (logs/<stage>.log)."""
+    return "evaluation.log" if "evaluation" not in stages else "evaluation.measured.log"
 
 
 def _stages_to_run(graph: nx.DiGraph, only: str | None) -> list[str]:
