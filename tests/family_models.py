@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -36,19 +36,27 @@ class Detections:
     extras: Optional[torch.Tensor] = None  # None leaves are left out
 
 
-class StructuredOutputs(nn.Module):
-    """forward returns a dataclass; `nested` returns a tuple holding a dict (any structure is named)."""
+class Heads(NamedTuple):
+    logits: torch.Tensor
+    features: torch.Tensor
 
-    def __init__(self, nested: bool = False):
+
+class StructuredOutputs(nn.Module):
+    """forward returns a dataclass; `nested` returns a tuple holding a dict (any structure is named); `named_tuple` a
+    NamedTuple."""
+
+    def __init__(self, nested: bool = False, named_tuple: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.nested = nested
+        self.nested, self.named_tuple = nested, named_tuple
         self.linear = nn.Linear(8, 6)
 
     def forward(self, x):
         y = self.linear(x)
         if self.nested:
             return y, {"aux": y.relu(), "count": 3}
+        if self.named_tuple:
+            return Heads(logits=y[:, :4], features=y)
         return Detections(boxes=y[:, :4], scores=y[:, 4:].softmax(-1))
 
 
@@ -56,8 +64,8 @@ def grid_head():
     return GridHead().eval()
 
 
-def structured(nested: bool = False):
-    return StructuredOutputs(nested).eval()
+def structured(nested: bool = False, named_tuple: bool = False):
+    return StructuredOutputs(nested, named_tuple).eval()
 
 
 class GrayCNN(nn.Module):

@@ -70,6 +70,14 @@ def test_dataclass_outputs_are_named_by_field_and_none_is_left_out():
     assert out["boxes"].shape == (2, 4) and np.allclose(out["scores"].sum(-1), 1, atol=1e-6)
 
 
+def test_namedtuple_outputs_are_named_by_field(tmp_path):
+    """They were output_0, output_1: `model.outputs: [logits]` failed, and the logits' top-1 was not counted."""
+    recipe = _recipe(_factory("structured", named_tuple=True), VECTOR)
+    assert load_torch_model(recipe.model_source()).output_names == ["logits", "features"]
+    artifact = _export(recipe, tmp_path)
+    assert [o.name for o in artifact.load(with_weights=False).graph.output] == ["logits", "features"]
+
+
 def test_nested_outputs_are_named_by_path_and_chosen_by_name(tmp_path):
     model = load_torch_model(_recipe(_factory("structured", nested=True), VECTOR).model_source())
     assert model.output_names == ["output_0", "output_1.aux"]  # the int leaf is not a tensor

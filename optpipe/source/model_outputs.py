@@ -25,6 +25,8 @@ def named_leaves(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
         items = list(value.items())
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         items = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: its fields name it, as a dataclass's do
+        items = [(name, getattr(value, name)) for name in value._fields]
     elif isinstance(value, (tuple, list)):
         items = [(str(i), item) for i, item in enumerate(value)]
         if not prefix:
