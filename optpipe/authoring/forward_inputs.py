@@ -31,12 +31,20 @@ def forward_parameters(forward: Callable) -> list[tuple[str, bool]]:
     return [(p.name, p.default is inspect.Parameter.empty) for p in params if p.kind in kinds and p.name != "self"]
 
 
-def unknown_required(params: list[tuple[str, bool]], known: set[str], owner: str) -> None:
-    """Refuse, naming it, the first required input init cannot infer."""
+def unknown_required(params: list[tuple[str, bool]], known: set[str], owner: str, inferred: list[dict] | None = None) -> None:
+    """Refuse, naming it, the first required input init cannot infer. `inferred`: a plain module's one input, read from
+    its first layer (no config sizes the others): said, to copy into the `inputs` written by hand."""
     missing = next((name for name, required in params if required and name not in known), None)
-    if missing is not None:
-        raise ModelSourceError(f"init: cannot infer input '{missing}' of {owner}.forward() (its shape and dtype are not in "
-                               f"the config); write `inputs` for it by hand, known names: {', '.join(KNOWN)}")
+    if missing is None:
+        return
+    if inferred is not None:
+        import yaml
+
+        shown = ", ".join(yaml.safe_dump(spec, default_flow_style=True, sort_keys=False).strip() for spec in inferred)
+        raise ModelSourceError(f"init: cannot infer input '{missing}' of {owner}.forward(): a plain module's first layer "
+                               f"tells its first input only ({shown}); write `inputs` by hand with both")
+    raise ModelSourceError(f"init: cannot infer input '{missing}' of {owner}.forward() (its shape and dtype are not in "
+                           f"the config); write `inputs` for it by hand, known names: {', '.join(KNOWN)}")
 
 
 def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Optional[list[str]], owner: str

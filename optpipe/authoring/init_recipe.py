@@ -243,7 +243,7 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     else:
         inputs, dims, notes = _first_layer_input(net)
         required = [name for name, needed in params if needed]
-        unknown_required(params, set(required[:1]), owner)  # the first layer tells one input, no more
+        unknown_required(params, set(required[:1]), owner, inputs)  # the first layer tells one input, no more
     notes += _widening_notes(converted)
     output_shapes = _probe(net, inputs, dims, owner)
     kind, kind_notes = (model_kind if hasattr(hf_config, "to_dict") else factory_kind)(net, inputs, dims, owner)
