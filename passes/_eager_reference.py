@@ -86,11 +86,12 @@ def samples_mixed(torch_model: TorchModel, feeds: dict[str, np.ndarray], togethe
     for name in per_sample:
         own, row = np.asarray(alone[name]), np.asarray(together[name])[:1]
         if own.shape != row.shape:
-            return {"output": name, "why": f"its shape per sample is {list(own.shape[1:])} alone and {list(row.shape[1:])} "
-                                          f"in a batch of {size}"}
+            return {"output": name, "why": f"output '{name}' per sample is {list(own.shape[1:])} alone and "
+                                          f"{list(row.shape[1:])} in a batch of {size}"}
         if own.dtype.kind == "f" and not np.allclose(own, row, atol=atol, rtol=rtol, equal_nan=True):
             apart = float(np.nanmax(np.abs(own.astype(np.float64) - row)))
-            return {"output": name, "why": f"sample 0's row differs by {apart:.3g} when another sample shares its batch"}
+            return {"output": name, "why": f"output '{name}' of sample 0 differs by {apart:.3g} when another sample "
+                                          "shares its batch"}
     if not per_sample:
         shapes = ", ".join(f"'{name}' {list(np.shape(value))}" for name, value in list(together.items())[:2])
         return {"output": None, "why": f"no output has one row per sample ({shapes} at batch {size})"}

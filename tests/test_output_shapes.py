@@ -228,7 +228,7 @@ def test_a_model_that_mixes_the_samples_of_a_batch_is_said_and_served_unbatched(
     result, rows = _compile(tmp_path, cli_run, "across_batch", stages, targets=[{"kind": "triton", "stages": ["export"]}])
     assert result.exit_code == 0, result.output
     mixed = rows["export"]["info"]["samples_mixed"]
-    assert mixed["output"] == "output" and "sample 0's row differs by" in mixed["why"]
+    assert mixed["output"] == "output" and "output 'output' of sample 0 differs by" in mixed["why"]
     assert any("not a batch of independent samples" in w for w in rows["export"]["warnings"])
     (triton,) = json.loads((tmp_path / "run" / "report.json").read_text())["targets"]
     assert triton["details"]["max_batch_size"] == 0 and "mixes the samples of a batch" in triton["details"]["unbatched"]
