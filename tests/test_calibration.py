@@ -317,6 +317,24 @@ def test_data_with_fewer_samples_than_asked_is_said_once_per_set(tmp_path, tiny_
         assert err.count(f"data.{which}: the data holds 3 samples, fewer than the 8 `samples` asks for") == 1, err
 
 
+def test_a_calibration_input_alike_in_every_sample_is_said_once(tmp_path, tiny_recipe, capsys, monkeypatch):
+    """An npz of zeros (blank images): every int8 stage kept its layers in float and said only that."""
+    from reliability_fixtures import run_main
+
+    monkeypatch.setenv("OPTPIPE_CACHE", str(tmp_path / "cache"))
+    np.savez(tmp_path / "varied.npz", x=np.random.default_rng(0).standard_normal((8, 32)).astype(np.float32))
+    for name, array in (("zeros", np.zeros((8, 32), np.float32)), ("same", np.tile(np.arange(32, dtype=np.float32), (8, 1)))):
+        np.savez(tmp_path / f"{name}.npz", x=array)
+        data = {"eval": {"source": "npz", "path": str(tmp_path / "varied.npz"), "samples": 8},
+                "calibration": {"source": "npz", "path": str(tmp_path / f"{name}.npz"), "samples": 8}}
+        code, _, err = run_main(["compile", str(tiny_recipe({"data": data}))], capsys)
+        assert code == 0, err
+        said = "the value 0 everywhere" if name == "zeros" else "the same array"
+        assert err.count(f"data.calibration: input 'x' is {said} in all 8 samples") == 1, err
+    code, _, err = run_main(["compile", str(tiny_recipe({"data": {"eval": data["eval"], "calibration": data["eval"]}}))], capsys)
+    assert code == 0 and "data.calibration: input" not in err, err
+
+
 def test_a_model_with_a_fixed_batch_is_calibrated_in_batches_it_takes(tmp_path, cli_run):
     """An ONNX file exported at [1, 16] (no batch dim): ORT's static calibration fed it batches of 8 and failed
     ("Got invalid dimensions for input ... Got: 8 Expected: 1")."""

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 from optpipe.core.errors import DataError, RecipeError
 from optpipe.recipe.schema import LABELLED_TASKS, Recipe
 
@@ -35,6 +37,7 @@ def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], obj
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
         _warn_short(recipe.data.calibration.samples, calibration_set(), "calibration")
+        _warn_alike(calibration_set())
 
 
 def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = None) -> None:
@@ -113,6 +116,20 @@ def _warn_short(asked: int, samples, which: str) -> None:
     if held < asked:
         log.warning("data.%s: the data holds %d samples, fewer than the %d `samples` asks for: what is measured or calibrated "
                     "on it rests on %d; give more data or lower `samples`", which, held, asked, held)
+
+
+def _warn_alike(samples) -> None:
+    """A float input that is the same in every calibration sample (a folder of blank images, an npz of zeros) gives
+    int8 one point to calibrate on: every int8 stage kept its layers in float or clipped on real data, and said only
+    that. Said once, naming the input (an integer input alike in every sample, a mask of ones, is normal)."""
+    if len(samples) < 2:
+        return
+    for name, array in samples.arrays.items():
+        if np.issubdtype(array.dtype, np.floating) and array.size and bool((array == array[:1]).all()):
+            what = f"the value {array.flat[0]:.4g} everywhere" if bool((array == array.flat[0]).all()) else "the same array"
+            log.warning("data.calibration: input '%s' is %s in all %d samples: int8 ranges calibrated on it fit that one "
+                        "input, so int8 stages keep in float or clip what real inputs feed; calibrate on varied, real samples",
+                        name, what, len(samples))
 
 
 def _check_data(build, which: str) -> None:
