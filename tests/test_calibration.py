@@ -317,8 +317,10 @@ def test_data_with_fewer_samples_than_asked_is_said_once_per_set(tmp_path, tiny_
         assert err.count(f"data.{which}: the data holds 3 samples, fewer than the 8 `samples` asks for") == 1, err
 
 
-def test_a_calibration_input_alike_in_every_sample_is_said_once(tmp_path, tiny_recipe, capsys, monkeypatch):
-    """An npz of zeros (blank images): every int8 stage kept its layers in float and said only that."""
+def test_calibration_data_alike_in_every_sample_or_shared_with_the_evaluation_is_said_once(tmp_path, tiny_recipe, capsys,
+                                                                                           monkeypatch):
+    """An npz of zeros (blank images): every int8 stage kept its layers in float and said only that. One npz for both
+    sets: int8 read its best figures on the data it was calibrated on."""
     from reliability_fixtures import run_main
 
     monkeypatch.setenv("OPTPIPE_CACHE", str(tmp_path / "cache"))
@@ -331,8 +333,11 @@ def test_a_calibration_input_alike_in_every_sample_is_said_once(tmp_path, tiny_r
         assert code == 0, err
         said = "the value 0 everywhere" if name == "zeros" else "the same array"
         assert err.count(f"data.calibration: input 'x' is {said} in all 8 samples") == 1, err
+    assert "also in data.calibration" not in err  # other samples than the evaluation's
     code, _, err = run_main(["compile", str(tiny_recipe({"data": {"eval": data["eval"], "calibration": data["eval"]}}))], capsys)
     assert code == 0 and "data.calibration: input" not in err, err
+    # one file for both: int8 is measured on the samples it was calibrated on
+    assert err.count("data.eval: 8 of its 8 samples are also in data.calibration") == 1, err
 
 
 def test_a_model_with_a_fixed_batch_is_calibrated_in_batches_it_takes(tmp_path, cli_run):

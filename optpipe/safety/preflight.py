@@ -38,6 +38,7 @@ def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], obj
         _check_data(calibration_set, "calibration")
         _warn_short(recipe.data.calibration.samples, calibration_set(), "calibration")
         _warn_alike(calibration_set())
+        _warn_shared(eval_set(), calibration_set())
 
 
 def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = None) -> None:
@@ -130,6 +131,29 @@ def _warn_alike(samples) -> None:
             log.warning("data.calibration: input '%s' is %s in all %d samples: int8 ranges calibrated on it fit that one "
                         "input, so int8 stages keep in float or clip what real inputs feed; calibrate on varied, real samples",
                         name, what, len(samples))
+
+
+def _warn_shared(eval_samples, calibration_samples) -> None:
+    """Evaluation samples that are also calibration samples (both sets read from one file): int8 stages are then
+    measured on the data their ranges were fitted to, which reads better than data they have not seen. Said once,
+    with the share; samples compared whole (every input's bytes). Synthetic sets are left to their own warning (made-up
+    data: the figures mean little either way)."""
+    if set(eval_samples.arrays) != set(calibration_samples.arrays) or "synthetic" in (eval_samples.origin, calibration_samples.origin):
+        return
+    seen = _sample_digests(calibration_samples)
+    shared = sum(digest in seen for digest in _sample_digests(eval_samples))
+    if shared:
+        log.warning("data.eval: %d of its %d samples are also in data.calibration: int8 stages are measured on the samples "
+                    "their ranges were calibrated on, which reads better than unseen data; evaluate on other samples",
+                    shared, len(eval_samples))
+
+
+def _sample_digests(samples) -> list[bytes]:
+    import hashlib
+
+    names = sorted(samples.arrays)
+    return [hashlib.blake2b(b"".join(np.ascontiguousarray(samples.arrays[n][i]).tobytes() for n in names), digest_size=16).digest()
+            for i in range(len(samples))]
 
 
 def _check_data(build, which: str) -> None:
