@@ -21,8 +21,22 @@ def _safetensors(path):
     path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
 
 
+def _torchscript(path):
+    torch = pytest.importorskip("torch")
+    torch.jit.save(torch.jit.script(torch.nn.Linear(4, 2)), path)
+
+
+def _npz(path):
+    import numpy as np
+
+    with path.open("wb") as handle:
+        np.savez(handle, x=np.zeros(2))
+
+
 FILES = {
-    "ckpt.pt": (_torch_save, "a PyTorch checkpoint"),
+    "ckpt.pt": (_torch_save, "a PyTorch checkpoint \\(torch.save\\); use `model: {factory"),
+    "scripted.pt": (_torchscript, "a TorchScript archive; use `model: {torchscript: FILE}`"),
+    "arrays.npz": (_npz, "a NumPy .npz of arrays: data, not a model"),
     "weights.safetensors": (_safetensors, "safetensors weights"),
     "model.gguf": (lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\0" * 32), "a GGUF checkpoint; scripts/gguf_to_hf.py"),
     "model.tflite": (lambda p: p.write_bytes(b"\x1c\x00\x00\x00TFL3" + b"\0" * 32), "a TensorFlow Lite model"),
@@ -76,3 +90,30 @@ def test_a_hub_id_is_answered_with_how_to_get_the_folder(tmp_path, cli_run, monk
     assert result.exit_code == 2 and "is a Hugging Face Hub id" in result.output, result.output
     (tmp_path / "models" / "mine").mkdir(parents=True)  # an existing relative folder is never taken for an id
     assert "Hub id" not in cli_run("init", "models/mine", "-o", "recipe.yaml").output
+
+
+def test_a_torchscript_archive_is_a_model_source_of_its_own(tmp_path, cli_run, monkeypatch):
+    """A TorchScript file was "a PyTorch checkpoint ...; use a factory + checkpoint": it holds no weights for a
+    factory's module, it is the module. `model: {torchscript: FILE}` compiles it, and init writes that recipe."""
+    import yaml
+
+    _torchscript(tmp_path / "scripted.pt")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "scripted.pt", "-o", "recipe.yaml")
+    assert result.exit_code == 0, result.output
+    recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    assert recipe["model"] == {"torchscript": "scripted.pt"}
+    assert recipe["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}]  # from its first layer
+    recipe["data"] = {"eval": {"source": "synthetic", "samples": 4}, "calibration": {"source": "synthetic", "samples": 4}}
+    recipe["stages"] = {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "dynamic"}}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli_run("compile", "recipe.yaml")
+    assert result.exit_code == 0, result.output
+    report = yaml.safe_load((tmp_path / recipe["output"] / "report.json").read_text())
+    rows = {row["name"]: row for row in report["stages"]}
+    assert rows["export"]["info"]["exporter"] == "torchscript" and rows["pytorch-eager"]["verdict"] == "ok"
+    _torch_save(tmp_path / "weights.pt")
+    recipe["model"] = {"torchscript": "weights.pt"}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli_run("compile", "recipe.yaml")
+    assert result.exit_code == 2 and "'weights.pt' is not a TorchScript archive: it is a PyTorch checkpoint" in result.output

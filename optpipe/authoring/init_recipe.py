@@ -22,10 +22,10 @@ from optpipe.authoring.forward_inputs import (DECODER_IDS, forward_parameters, h
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
-from optpipe.safety.file_kinds import other_model_format
+from optpipe.safety.file_kinds import is_torchscript_archive, other_model_format
 from optpipe.source.position_limit import onnx_position_limit
 from optpipe.source.checkpoint_precision import as_float32, narrows, refuse_prequantized, stored_dtype
-from optpipe.source.module_forms import layer_kind, refuse_unexportable, scripted_as_is
+from optpipe.source.module_forms import layer_kind, load_torchscript, refuse_unexportable, scripted_as_is
 from optpipe.source.model_source import TOKENIZER_FILES, hub_id_hint
 
 FILL_IN = "FILL-IN"
@@ -58,6 +58,9 @@ def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
         return _hf_facts(local, recipe_dir)
     if ":" in path and not local.exists():
         return _factory_facts(path, recipe_dir)
+    if local.is_file() and is_torchscript_archive(local):
+        net = load_torchscript(local, "init")
+        return _module_facts(net, local.stem, {"torchscript": _relative(local.resolve(), recipe_dir)})
     other = other_model_format(local) if local.is_file() else None
     if other:
         raise ModelSourceError(f"init: '{path}' is {other}")
@@ -233,6 +236,15 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     refuse_unexportable(net, f"init: '{spec}'")
     if not isinstance(net, torch.nn.Module):
         raise ModelSourceError(f"init: '{spec}' returned {type(net).__name__}, not a torch.nn.Module")
+    model: dict[str, Any] = {"factory": spec}
+    origin = getattr(module, "__file__", None)
+    if origin and Path(origin).resolve().is_relative_to(Path.cwd().resolve()):
+        model["path"] = _relative(Path.cwd(), recipe_dir)  # compile finds the module from the recipe's folder
+    return _module_facts(net, func_name, model)
+
+
+def _module_facts(net, name: str, model: dict[str, Any]) -> ModelFacts:
+    """A torch module's facts (a factory's, or a TorchScript archive's): its inputs, kind and outputs, probed."""
     converted = as_float32(net)  # measured in float32, as the compile loads it
     owner = type(net).__name__
     params = forward_parameters(net.forward)
@@ -248,11 +260,7 @@ def _factory_facts(spec: str, recipe_dir: Path) -> ModelFacts:
     output_shapes = _probe(net, inputs, dims, owner)
     kind, kind_notes = (model_kind if hasattr(hf_config, "to_dict") else factory_kind)(net, inputs, dims, owner)
     notes += kind_notes
-    model: dict[str, Any] = {"factory": spec}
-    origin = getattr(module, "__file__", None)
-    if origin and Path(origin).resolve().is_relative_to(Path.cwd().resolve()):
-        model["path"] = _relative(Path.cwd(), recipe_dir)  # compile finds the module from the recipe's folder
-    return ModelFacts(func_name, model, inputs, dims, kind, notes, task=_classifier_task(kind, output_shapes),
+    return ModelFacts(name, model, inputs, dims, kind, notes, task=_classifier_task(kind, output_shapes),
                       conv_widths=_torch_conv_widths(net))
 
 

@@ -51,11 +51,11 @@ def decoder_dims(spec: GenerationSpec, inputs, dims, tokens: str) -> tuple[int, 
 
 def generation_problem(spec: GenerationSpec, task, model, inputs, dims) -> Optional[str]:
     """Why these generation settings cannot be measured on this recipe (one line naming what to change), or None."""
-    from optpipe.recipe.model_specs import FactoryModel, HFConfigModel, HFModel, OnnxModel, TorchvisionModel
+    from optpipe.recipe.model_specs import FactoryModel, HFConfigModel, HFModel, OnnxModel, TorchScriptModel, TorchvisionModel
 
     if task is None or task.kind != "language-model":
         return "evaluate.generation: needs `evaluate.task: {kind: language-model}` (generation measures a decoder)"
-    if isinstance(model, (FactoryModel, TorchvisionModel)):
+    if isinstance(model, (FactoryModel, TorchScriptModel, TorchvisionModel)):
         return ("evaluate.generation: a decoder needs an export with its KV cache, which optpipe writes only for Hugging Face "
                 "causal LMs; use `model: {hf: FOLDER, task: causal-lm}` (or hf_config), or an ONNX decoder with past_key_values inputs")
     if isinstance(model, (HFModel, HFConfigModel)) and model.task in SEQ2SEQ_TASKS:

@@ -1,5 +1,5 @@
 """The model sources a recipe may name (Hugging Face folder or package, HF config, torchvision,
-factory, ONNX file), chosen by their distinguishing key."""
+factory, TorchScript archive, ONNX file), chosen by their distinguishing key."""
 from __future__ import annotations
 
 import sys
@@ -81,6 +81,12 @@ class FactoryModel(TorchSource):
         return value
 
 
+class TorchScriptModel(TorchSource):
+    """A TorchScript archive (torch.jit.save of a scripted or traced module): the module itself, no code to import."""
+
+    torchscript: str = Field(description="a .pt file torch.jit.save wrote; exported whole by the TorchScript exporter")
+
+
 class HFConfigModel(TorchSource):
     """A Hugging Face architecture built from its config: random (seeded) weights, for speed rather than accuracy."""
 
@@ -106,6 +112,7 @@ class OnnxModel(Strict):
 MODEL_KINDS: dict[str, type[BaseModel]] = {
     "onnx-model": OnnxModel,
     "factory-model": FactoryModel,
+    "torchscript-model": TorchScriptModel,
     "torchvision-model": TorchvisionModel,
     "hf-model": HFModel,
     "hf_config-model": HFConfigModel,
@@ -117,7 +124,7 @@ def _model_kind(value: Any) -> str | None:
     if isinstance(value, BaseModel):
         return next(tag for tag, cls in MODEL_KINDS.items() if isinstance(value, cls))
     if isinstance(value, dict):
-        for key in ("onnx", "factory", "torchvision", "hf_config"):
+        for key in ("onnx", "factory", "torchscript", "torchvision", "hf_config"):
             if key in value:
                 return f"{key}-model"
         if "hf" in value or "package" in value:
@@ -130,7 +137,8 @@ ModelSpec = Annotated[
     Discriminator(
         _model_kind,
         custom_error_type="model_kind",
-        custom_error_message="expected a mapping with one of the keys hf, package, hf_config, torchvision, factory or onnx",
+        custom_error_message="expected a mapping with one of the keys hf, package, hf_config, torchvision, factory, torchscript "
+        "or onnx",
     ),
 ]
 

@@ -26,7 +26,8 @@ GPU_PROVIDERS = ("cuda", "tensorrt")  # evaluate.providers that evaluate on a GP
 from optpipe.recipe.data_spec import MAX_SAMPLES, DataSets, DataSource  # noqa: F401  (re-exported)
 from optpipe.recipe.error_lines import _suggest, describe_validation_error, suggest  # noqa: F401  (the last two re-exported)
 from optpipe.recipe.model_specs import (  # noqa: F401  (re-exported: recipes name these)
-    MODEL_KINDS, FactoryModel, HFConfigModel, HFModel, ModelSpec, OnnxModel, Strict, TorchSource, TorchvisionModel,
+    MODEL_KINDS, FactoryModel, HFConfigModel, HFModel, ModelSpec, OnnxModel, Strict, TorchScriptModel, TorchSource,
+    TorchvisionModel,
 )
 
 

@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 FACTORY = "`model: {factory: module:function, checkpoint: FILE}` (the function builds the module, the file fills it)"
+TORCHSCRIPT = "`model: {torchscript: FILE}` (or `optpipe init FILE`)"
 
 
 def other_model_format(path: Path) -> str | None:
@@ -21,7 +22,7 @@ def other_model_format(path: Path) -> str | None:
     if path.name == "config.json":
         return "a Hugging Face model's config.json; give its folder"
     if head.startswith(b"PK\x03\x04") and zipfile.is_zipfile(path):
-        return f"a PyTorch checkpoint (a torch.save or TorchScript archive); use {FACTORY}"
+        return _zip_kind(path)
     if _is_safetensors(head):
         return (f"safetensors weights; give the Hugging Face folder that holds them with its config.json, or use {FACTORY}")
     if head.startswith(b"GGUF"):
@@ -35,6 +36,31 @@ def other_model_format(path: Path) -> str | None:
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return f"a pickled file (an old torch.save); use {FACTORY} with `allow_pickle: true` if you trust it"
     return None
+
+
+def _zip_kind(path: Path) -> str:
+    """torch.jit.save and torch.save both write zips: the archive holds the module's code, the checkpoint a data.pkl."""
+    names = _zip_names(path)
+    if any("/code/" in name or name.startswith("code/") for name in names):
+        return f"a TorchScript archive; use {TORCHSCRIPT}"
+    if any(name.endswith("data.pkl") for name in names):
+        return f"a PyTorch checkpoint (torch.save); use {FACTORY}"
+    if names and all(name.endswith(".npy") for name in names):
+        return "a NumPy .npz of arrays: data, not a model (`data: {source: npz, path: FILE}`)"
+    return "a zip archive of other files"
+
+
+def is_torchscript_archive(path: Path) -> bool:
+    """A zip torch.jit.save wrote: it holds the module's code (`<archive>/code/`)."""
+    return any("/code/" in name or name.startswith("code/") for name in _zip_names(path))
+
+
+def _zip_names(path: Path) -> list[str]:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return []
 
 
 def _is_safetensors(head: bytes) -> bool:

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 
 from optpipe.core.errors import RecipeError
 from optpipe.recipe.model_specs import standard_library_refusal
-from optpipe.recipe.schema import FactoryModel, HFModel, OnnxModel, Recipe
+from optpipe.recipe.schema import FactoryModel, HFModel, OnnxModel, Recipe, TorchScriptModel
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 MAX_RECIPE_BYTES = 1 << 20
@@ -74,6 +74,8 @@ def recipe_paths(recipe: Recipe) -> Iterable[tuple[str, str]]:
         yield "model.onnx", model.onnx
     if isinstance(model, HFModel) and model.hf:
         yield "model.hf", model.hf
+    if isinstance(model, TorchScriptModel):
+        yield "model.torchscript", model.torchscript
     if isinstance(model, FactoryModel):
         if model.path:
             yield "model.path", model.path

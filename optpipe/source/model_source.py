@@ -22,10 +22,10 @@ from optpipe.core.artifact import sha256_file
 from optpipe.core.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe.example_inputs import example_inputs
 from optpipe.source.checkpoint_keys import loading_warnings
-from optpipe.source.module_forms import refuse_unexportable, scripted_as_is
+from optpipe.source.module_forms import load_torchscript, refuse_unexportable, scripted_as_is
 from optpipe.source.checkpoint_precision import (folder_config, refuse_prequantized, refuse_quantized_modules, stored_dtype,
                                                  as_float32, widening_note)
-from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchvisionModel
+from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchScriptModel, TorchvisionModel
 
 
 @dataclass
@@ -110,6 +110,9 @@ def source_fingerprint(source: ModelSource) -> dict[str, Any]:
         return {"factory": spec.factory, "kwargs": spec.kwargs, "code": sha256_file(origin) if origin else None, "checkpoint": weights, "outputs": spec.outputs}
     if isinstance(spec, TorchvisionModel):
         return {"torchvision": spec.torchvision, "num_classes": spec.num_classes, "weights": "random", "outputs": spec.outputs}
+    if isinstance(spec, TorchScriptModel):
+        archive = source.resolve(spec.torchscript)
+        return {"torchscript": sha256_file(archive) if archive.is_file() else None, "outputs": spec.outputs}
     raise ModelSourceError("model: unsupported model kind")
 
 
@@ -152,6 +155,9 @@ def load_torch_model(source: ModelSource) -> TorchModel:
         return _load_torchvision(source, spec)
     if isinstance(spec, FactoryModel):
         return _load_factory(source, spec)
+    if isinstance(spec, TorchScriptModel):
+        net = load_torchscript(source.resolve(spec.torchscript))
+        return _flattened(net.eval(), source, _positional, f"TorchScript {Path(spec.torchscript).name}")
     raise ModelSourceError("model: an ONNX model has no PyTorch module; stages that need one (export checks, prune) cannot run")
 
 

@@ -57,3 +57,24 @@ def scripted_as_is(net, returned, indices: list[int]) -> bool:
         "model: a TorchScript module (torch.jit.script, or torch.jit.load of a saved one) is exported as it is, which "
         "takes a tensor or a tuple of tensors returned, all kept: it returns another structure or `model.outputs` picks "
         "some; return a tuple of the tensors to export from its forward, or the nn.Module it was made from")
+
+
+
+def load_torchscript(path, where: str = "model.torchscript"):
+    """A TorchScript archive (torch.jit.save) as its module, on the CPU; another file (a torch.save checkpoint, an npz)
+    is named by what it is (safety/file_kinds.py), with the recipe that takes it."""
+    import torch
+
+    from optpipe.safety.file_kinds import is_torchscript_archive, other_model_format
+
+    if not path.is_file():
+        raise ModelSourceError(f"{where}: file '{path}' does not exist; fix the path")
+    if not is_torchscript_archive(path):
+        raise ModelSourceError(f"{where}: '{path.name}' is not a TorchScript archive: it is "
+                               f"{other_model_format(path) or 'no model file optpipe knows'}")
+    try:
+        return torch.jit.load(str(path), map_location="cpu")
+    except Exception as exc:  # torch's own RuntimeError for a damaged archive
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ModelSourceError(f"{where}: '{path.name}' is not a readable TorchScript archive ({first[:160]}); "
+                               "save the module with torch.jit.save") from None
