@@ -248,3 +248,33 @@ def test_a_batch_dim_behind_the_first_is_refused_with_the_recipe(tmp_path, cli_r
     result = compile_recipe(tmp_path, cli_run, recipe)
     assert result.exit_code == 2, result.output
     assert "inputs.0 ('x') has the dim 'batch' at position 1: optpipe takes every input's first dim as the batch" in result.output
+
+
+@pytest.mark.parametrize("forward,said", [
+    (lambda fc, x: fc(x), None),
+    (lambda fc, x: fc(x).squeeze(), "output 'y' is [4] for one sample and [2, 4] for 2 (a squeeze() of the batch dim?)"),
+    (lambda fc, x: fc(x) - fc(x).mean(0), "output 'y' of sample 0 differs by"),
+    (lambda fc, x: fc(x) @ fc(x).T, "output 'y' per sample is [1] alone and [2] in a batch of 2"),
+])
+def test_samples_mixed_tells_each_way_a_batch_is_not_independent(forward, said):
+    import numpy as np
+    import torch
+
+    from optpipe.passes._eager_reference import samples_mixed
+    from optpipe.source.model_source import TorchModel
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return forward(self.fc, x)
+
+    torch.manual_seed(0)
+    model = TorchModel(Net().eval(), ["x"], ["y"], "net")
+    feeds = {"x": np.random.default_rng(0).normal(size=(2, 16)).astype(np.float32)}
+    with torch.no_grad():
+        together = {"y": model.module(torch.from_numpy(feeds["x"])).numpy()}
+    mixed = samples_mixed(model, feeds, together, threads=1, atol=1e-3, rtol=1e-3)
+    assert (mixed is None) if said is None else said in mixed["why"], mixed

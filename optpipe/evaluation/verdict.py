@@ -124,10 +124,9 @@ def pass_warnings(info: dict) -> list[str]:
 
 def mixed_samples_warning(mixed: dict) -> str:
     """The export's finding that the first dim is not a batch of independent samples (passes/_eager_reference.py)."""
-    return (f"the first dim is not a batch of independent samples: {mixed['why']}. The model computes across it (attention "
-            "or recurrence over it, as nn.MultiheadAttention / nn.LSTM do without batch_first=True; a statistic over the "
-            "batch): figures at batch N are for N samples computed together, and the Triton target serves it unbatched. "
-            "If the first dim is not the batch, put the batch first in the model and in `inputs`")
+    return (f"the first dim is not a batch of independent samples: {mixed['why']}. Its figures at batch N do not hold "
+            "for N separate requests, and the Triton target serves it unbatched; if the first dim is not the batch, put the "
+            "batch first in the model and in `inputs`")
 
 
 def guard_gave_up_warning(info: dict) -> str | None:
