@@ -28,7 +28,7 @@ from optpipe.core.artifact import ModelArtifact, adopt_model, save_model, write_
 from optpipe.core.process_memory import release_freed_memory
 from optpipe.calibration.ranges import CalibrationCache, ranges_key
 from optpipe.calibration.readers import ort_calibration_reader
-from optpipe.core.errors import PassError, first_line
+from optpipe.core.errors import PassError, UserInputError, first_line
 from optpipe.evaluation.guard import AccuracyGuard, GuardParams, accuracy_batch
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
@@ -102,6 +102,7 @@ class Int8Pass(Pass[Int8Params]):
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params
         ctx.progress("int8: prepare the input for ORT's quantizer", 0, 0)
+        _refuse_half(model, ctx.stage)
         model, prepared = prepared_input(model, ctx)
         quantizer = Quantizer(model, params, ctx)
         candidates = quantized_nodes(model, quantizer.op_types, params.exclude)
@@ -127,6 +128,19 @@ class Int8Pass(Pass[Int8Params]):
         info["coverage"] = coverage_of(artifact, ctx, result.excluded)
         info["guard"] = result.report.model_dump(mode="json")
         return write_info(ctx.workdir, info)
+
+
+def _refuse_half(model: ModelArtifact, stage: str) -> None:
+    """ORT's quantizer reads float32 graphs: on one in float16 (an ONNX file saved in half) it wrote a model ONNX Runtime
+    refused ("Type 'tensor(float16)' of input ..."), reported as an internal error of the pass."""
+    graph = model.load(with_weights=False).graph
+    half = onnx.TensorProto.FLOAT16
+    weights = {t.name for t in graph.initializer if t.data_type == half}
+    found = [i.name for i in graph.input if i.type.tensor_type.elem_type == half]
+    found += [n.input[1] for n in graph.node if n.op_type in ("MatMul", "Gemm", "Conv") and len(n.input) > 1 and n.input[1] in weights]
+    if found:
+        raise UserInputError(f"stages.{stage}: int8 quantizes a float32 model, and this one computes in float16 ('{found[0]}'); "
+                             "export it in float32 and hang int8 there (the fp16 stage gives the float16 candidate)")
 
 
 def prepared_input(model: ModelArtifact, ctx: PassContext) -> tuple[ModelArtifact, dict]:

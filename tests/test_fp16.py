@@ -174,3 +174,29 @@ def test_a_weight_kept_in_float_keeps_its_type_where_the_graph_declares_it():
     logits, emulated_emb = ort.InferenceSession(emulate_fp16(converted).SerializeToString()).run(["logits", "emb"], {"x": x})
     assert np.allclose(emulated_emb, emb, rtol=2e-3, atol=2e-3)  # n0 in FP16 storage
     assert np.allclose(logits, emulated_emb @ onnx.numpy_helper.to_array(model.graph.initializer[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_an_onnx_file_in_float16_is_refused_by_int8_in_one_line_and_init_leaves_int8_out(tmp_path, cli_run, monkeypatch):
+    """ORT's quantizer wrote a graph ONNX Runtime refused: "internal error in pass 'int8' (... Type 'tensor(float16)')"."""
+    import yaml
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.normal(size=shape).astype(np.float16), name) for name, shape in (("w1", (16, 32)), ("w2", (32, 4)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]), helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 4])], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "half.onnx")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "half.onnx", "-o", "half.yaml")
+    assert result.exit_code == 0, result.output
+    recipe = yaml.safe_load((tmp_path / "half.yaml").read_text())
+    assert not {"int8", "fp16"} & {spec["pass"] for spec in recipe["stages"].values()}
+    assert "no int8 or fp16 stage: the model computes in float16 already" in (tmp_path / "half.yaml").read_text()
+    recipe["data"] = {"eval": {"source": "synthetic", "samples": 4}, "calibration": {"source": "synthetic", "samples": 4}}
+    recipe["stages"] = {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "dynamic"}}}
+    (tmp_path / "half.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli_run("compile", "half.yaml")
+    assert result.exit_code == 2, result.output
+    assert "stages.int8: int8 quantizes a float32 model, and this one computes in float16 ('x')" in result.output
+    assert "internal error" not in result.output

@@ -43,6 +43,7 @@ class ModelFacts:
     notes: list[str] = field(default_factory=list)
     task: Optional[str] = None  # evaluate.task.kind, where the model says what it is for
     conv_widths: list[int] = field(default_factory=list)  # output channels of each convolution
+    half: bool = False  # an ONNX file computing in float16: no int8 (it quantizes float32) nor fp16 stage
 
 
 def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
@@ -104,8 +105,9 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
     model = {"onnx": _relative(path, recipe_dir)}
     if any((path.parent / name).is_file() for name in TOKENIZER_FILES):  # an Optimum export's folder: text data can be read
         model["tokenizer"] = {"hf": _relative(path.parent, recipe_dir)}
+    half = any(spec["dtype"] == "float16" for spec in inputs)
     return ModelFacts(path.stem, model, inputs, _rename_batch(inputs, dims), kind,
-                      task=_classifier_task(kind, outputs), conv_widths=widths)
+                      task=_classifier_task(kind, outputs), conv_widths=widths, half=half)
 
 
 def _onnx_conv_widths(graph) -> list[int]:
@@ -329,14 +331,14 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
     lines = [f"# Recipe written by `optpipe init {source}`: a {facts.kind} model.",
              "# Filled in from the model: inputs, dtypes, dynamic dims, the stages. Check the dims' ranges,",
              f"# then replace every {FILL_IN} in `data` with your own samples and run `optpipe compile` on this file."]
-    lines += [f"# NOTE: {note}" for note in facts.notes + stage_notes(facts.kind, facts.conv_widths)]
+    lines += [f"# NOTE: {note}" for note in facts.notes + stage_notes(facts.kind, facts.conv_widths, facts.half)]
     lines += [f"name: {flow(facts.name)}", f"model: {flow(facts.model)}", "inputs:"]
     lines += [f"  - {flow(spec)}" for spec in facts.inputs]
     lines.append("dims:  # dynamic dims: the range the exported model accepts; `opt` is what latency is measured at")
     lines += [f"  {name}: {flow(rng)}" for name, rng in facts.dims.items()] or ["  {}"]
     lines += _data_section(facts)
     lines.append("stages:")
-    for name, pass_name, after, params, why in stages_for(facts.kind, facts.conv_widths):
+    for name, pass_name, after, params, why in stages_for(facts.kind, facts.conv_widths, facts.half):
         entry = {"pass": pass_name, **({"after": after} if after else {}), **({"params": params} if params else {})}
         lines.append(f"  {name}: {flow(entry)}  # {why}")
     lines += ["evaluate:",

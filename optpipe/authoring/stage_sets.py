@@ -55,11 +55,14 @@ PRUNE_SIMD_WIDTH_MIN = 64
 PRUNE_NARROW_MIN = 16
 
 
-def stages_for(kind: str, conv_widths: list[int]) -> list[tuple]:
-    """(name, pass, after, params, why) of each stage init writes for a model of this kind."""
+def stages_for(kind: str, conv_widths: list[int], half: bool = False) -> list[tuple]:
+    """(name, pass, after, params, why) of each stage init writes for a model of this kind (`half`: one computing in
+    float16, which the int8 pass refuses and fp16 leaves as it is)."""
     widest = max(conv_widths, default=None)
     stages = []
     for stage in STAGES[kind]:
+        if half and stage[1] in HALF_SKIPS:
+            continue
         if stage[1] == "prune" and widest is not None and widest < PRUNE_SIMD_WIDTH_MIN:
             if widest < PRUNE_NARROW_MIN:
                 continue
@@ -70,8 +73,15 @@ def stages_for(kind: str, conv_widths: list[int]) -> list[tuple]:
     return stages
 
 
-def stage_notes(kind: str, conv_widths: list[int]) -> list[str]:
+#: the passes init leaves out for a model in float16
+HALF_SKIPS = ("int8", "fp16")
+
+
+def stage_notes(kind: str, conv_widths: list[int], half: bool = False) -> list[str]:
     """What the recipe's header says about a stage left out."""
+    if half:
+        return ["no int8 or fp16 stage: the model computes in float16 already, and int8 quantizes a float32 model "
+                "(export it in float32 for them)"]
     widest = max(conv_widths, default=None)
     if kind == "cnn" and widest is not None and widest < PRUNE_NARROW_MIN:
         return [f"no prune stage: the widest convolution has {widest} channels, too few to remove 25% of"]
