@@ -134,3 +134,23 @@ def test_audio_classifiers_get_their_task_and_inputs(tmp_path, cli_run, monkeypa
     result, recipe = _init(cli_run, "ast", "-o", "ast.yaml")
     assert result.exit_code == 0, result.output
     assert recipe["inputs"] == [{"name": "input_values", "dtype": "float32", "shape": ["batch", 64, 32]}]
+
+
+def test_init_leaves_openvino_out_of_an_onnx_file_with_onnx_runtimes_own_ops(tmp_path, cli_run, monkeypatch):
+    """An Optimum -O2 / ORT-optimized file (com.microsoft Attention, BiasGelu...): init wrote three OpenVINO stages, and
+    each failed ("OpenVINO's FP32 conversion does not compute what the input ONNX does", MiniLM's at cosine 0.69)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((16, 8), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Gelu", ["h"], ["y"], domain="com.microsoft")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)], ir_version=9)
+    onnx.save(model, tmp_path / "fused.onnx")
+    monkeypatch.chdir(tmp_path)
+    result, recipe = _init(cli_run, "fused.onnx", "-o", "fused.yaml")
+    assert result.exit_code == 0, result.output
+    assert "openvino" not in {spec["pass"] for spec in recipe["stages"].values()} and "int8" in recipe["stages"]
+    assert "no OpenVINO stage: the model holds ONNX Runtime's own ops (Gelu)" in (tmp_path / "fused.yaml").read_text()

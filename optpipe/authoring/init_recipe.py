@@ -20,7 +20,7 @@ from optpipe.authoring.hf_tasks import HF_VERDICT_TASKS, architecture_task
 from optpipe.authoring.forward_inputs import (DECODER_IDS, forward_parameters, hf_inputs, input_entry, real_tensors, task_layout,
                                              unknown_required)
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
-from optpipe.authoring.stage_sets import stage_notes, stages_for
+from optpipe.authoring.stage_sets import passes_left_out, stage_notes, stages_for
 from optpipe.core.errors import ModelSourceError, first_line
 from optpipe.safety.file_kinds import is_torchscript_archive, other_model_format
 from optpipe.source.position_limit import onnx_position_limit
@@ -43,7 +43,7 @@ class ModelFacts:
     notes: list[str] = field(default_factory=list)
     task: Optional[str] = None  # evaluate.task.kind, where the model says what it is for
     conv_widths: list[int] = field(default_factory=list)  # output channels of each convolution
-    half: bool = False  # an ONNX file computing in float16: no int8 (it quantizes float32) nor fp16 stage
+    left_out: tuple[str, ...] = ()  # passes this model cannot take (an ONNX file in float16, or with ORT-only ops)
 
 
 def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
@@ -105,9 +105,9 @@ def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
     model = {"onnx": _relative(path, recipe_dir)}
     if any((path.parent / name).is_file() for name in TOKENIZER_FILES):  # an Optimum export's folder: text data can be read
         model["tokenizer"] = {"hf": _relative(path.parent, recipe_dir)}
-    half = any(spec["dtype"] == "float16" for spec in inputs)
-    return ModelFacts(path.stem, model, inputs, _rename_batch(inputs, dims), kind,
-                      task=_classifier_task(kind, outputs), conv_widths=widths, half=half)
+    left_out, notes = passes_left_out(graph.graph, inputs)
+    return ModelFacts(path.stem, model, inputs, _rename_batch(inputs, dims), kind, notes,
+                      task=_classifier_task(kind, outputs), conv_widths=widths, left_out=left_out)
 
 
 def _onnx_conv_widths(graph) -> list[int]:
@@ -331,14 +331,14 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
     lines = [f"# Recipe written by `optpipe init {source}`: a {facts.kind} model.",
              "# Filled in from the model: inputs, dtypes, dynamic dims, the stages. Check the dims' ranges,",
              f"# then replace every {FILL_IN} in `data` with your own samples and run `optpipe compile` on this file."]
-    lines += [f"# NOTE: {note}" for note in facts.notes + stage_notes(facts.kind, facts.conv_widths, facts.half)]
+    lines += [f"# NOTE: {note}" for note in facts.notes + stage_notes(facts.kind, facts.conv_widths)]
     lines += [f"name: {flow(facts.name)}", f"model: {flow(facts.model)}", "inputs:"]
     lines += [f"  - {flow(spec)}" for spec in facts.inputs]
     lines.append("dims:  # dynamic dims: the range the exported model accepts; `opt` is what latency is measured at")
     lines += [f"  {name}: {flow(rng)}" for name, rng in facts.dims.items()] or ["  {}"]
     lines += _data_section(facts)
     lines.append("stages:")
-    for name, pass_name, after, params, why in stages_for(facts.kind, facts.conv_widths, facts.half):
+    for name, pass_name, after, params, why in stages_for(facts.kind, facts.conv_widths, facts.left_out):
         entry = {"pass": pass_name, **({"after": after} if after else {}), **({"params": params} if params else {})}
         lines.append(f"  {name}: {flow(entry)}  # {why}")
     lines += ["evaluate:",

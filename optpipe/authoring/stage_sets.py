@@ -55,13 +55,12 @@ PRUNE_SIMD_WIDTH_MIN = 64
 PRUNE_NARROW_MIN = 16
 
 
-def stages_for(kind: str, conv_widths: list[int], half: bool = False) -> list[tuple]:
-    """(name, pass, after, params, why) of each stage init writes for a model of this kind (`half`: one computing in
-    float16, which the int8 pass refuses and fp16 leaves as it is)."""
+def stages_for(kind: str, conv_widths: list[int], left_out: tuple[str, ...] = ()) -> list[tuple]:
+    """(name, pass, after, params, why) of each stage init writes for a model of this kind, but the passes `left_out`."""
     widest = max(conv_widths, default=None)
     stages = []
     for stage in STAGES[kind]:
-        if half and stage[1] in HALF_SKIPS:
+        if stage[1] in left_out:
             continue
         if stage[1] == "prune" and widest is not None and widest < PRUNE_SIMD_WIDTH_MIN:
             if widest < PRUNE_NARROW_MIN:
@@ -73,15 +72,25 @@ def stages_for(kind: str, conv_widths: list[int], half: bool = False) -> list[tu
     return stages
 
 
-#: the passes init leaves out for a model in float16
-HALF_SKIPS = ("int8", "fp16")
+def passes_left_out(graph, inputs: list[dict]) -> tuple[tuple[str, ...], list[str]]:
+    """The passes an ONNX file cannot take, and the recipe's note on each: int8 quantizes a float32 model (a float16 one
+    failed in ORT's quantizer) and fp16 has nothing to do there; OpenVINO converts ONNX Runtime's own fused ops
+    (com.microsoft: an Optimum -O2 or ORT-optimized file) wrongly or not at all (MiniLM's: cosine 0.69)."""
+    left_out, notes = [], []
+    if any(spec["dtype"] == "float16" for spec in inputs):
+        left_out += ["int8", "fp16"]
+        notes.append("no int8 or fp16 stage: the model computes in float16 already, and int8 quantizes a float32 model "
+                     "(export it in float32 for them)")
+    ort_ops = sorted({node.op_type for node in graph.node if node.domain == "com.microsoft"})
+    if ort_ops:
+        left_out.append("openvino")
+        notes.append(f"no OpenVINO stage: the model holds ONNX Runtime's own ops ({', '.join(ort_ops[:4])}), which "
+                     "OpenVINO converts wrongly or not at all; give the file from before ORT's optimizer for them")
+    return tuple(left_out), notes
 
 
-def stage_notes(kind: str, conv_widths: list[int], half: bool = False) -> list[str]:
+def stage_notes(kind: str, conv_widths: list[int]) -> list[str]:
     """What the recipe's header says about a stage left out."""
-    if half:
-        return ["no int8 or fp16 stage: the model computes in float16 already, and int8 quantizes a float32 model "
-                "(export it in float32 for them)"]
     widest = max(conv_widths, default=None)
     if kind == "cnn" and widest is not None and widest < PRUNE_NARROW_MIN:
         return [f"no prune stage: the widest convolution has {widest} channels, too few to remove 25% of"]
