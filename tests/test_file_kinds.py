@@ -37,6 +37,7 @@ FILES = {
     "ckpt.pt": (_torch_save, "a PyTorch checkpoint \\(torch.save\\); use `model: {factory"),
     "scripted.pt": (_torchscript, "a TorchScript archive; use `model: {torchscript: FILE}`"),
     "arrays.npz": (_npz, "a NumPy .npz of arrays: data, not a model"),
+    "cut.pt": (lambda p: (_torchscript(p), p.write_bytes(p.read_bytes()[:200])), "a zip archive cut short or damaged"),
     "weights.safetensors": (_safetensors, "safetensors weights"),
     "model.gguf": (lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\0" * 32), "a GGUF checkpoint; scripts/gguf_to_hf.py"),
     "model.tflite": (lambda p: p.write_bytes(b"\x1c\x00\x00\x00TFL3" + b"\0" * 32), "a TensorFlow Lite model"),

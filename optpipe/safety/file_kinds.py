@@ -21,7 +21,9 @@ def other_model_format(path: Path) -> str | None:
         return None
     if path.name == "config.json":
         return "a Hugging Face model's config.json; give its folder"
-    if head.startswith(b"PK\x03\x04") and zipfile.is_zipfile(path):
+    if head.startswith(b"PK\x03\x04"):
+        if not zipfile.is_zipfile(path):  # no central directory at the end: cut short
+            return "a zip archive cut short or damaged (a torch.save, TorchScript or npz file?); write it again"
         return _zip_kind(path)
     if _is_safetensors(head):
         return (f"safetensors weights; give the Hugging Face folder that holds them with its config.json, or use {FACTORY}")

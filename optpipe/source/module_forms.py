@@ -68,7 +68,8 @@ def load_torchscript(path, where: str = "model.torchscript"):
     from optpipe.safety.file_kinds import is_torchscript_archive, other_model_format
 
     if not path.is_file():
-        raise ModelSourceError(f"{where}: file '{path}' does not exist; fix the path")
+        what = "is a folder; give the file torch.jit.save wrote" if path.is_dir() else "does not exist; fix the path"
+        raise ModelSourceError(f"{where}: '{path}' {what}")
     if not is_torchscript_archive(path):
         raise ModelSourceError(f"{where}: '{path.name}' is not a TorchScript archive: it is "
                                f"{other_model_format(path) or 'no model file optpipe knows'}")
