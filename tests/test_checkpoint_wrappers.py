@@ -33,6 +33,8 @@ def test_a_prefix_that_leaves_keys_unmatched_is_still_refused_naming_them(tmp_pa
     state = {"module." + key: value for key, value in _net().state_dict().items() if key != "2.bias"}
     with pytest.raises(ModelSourceError, match="does not fit the factory's module .*2.bias"):
         _loaded(tmp_path, state)
+    with pytest.raises(ModelSourceError, match="does not fit the factory's module"):  # an empty one: no prefix to drop
+        _loaded(tmp_path, {})
 
 
 def test_a_whole_module_saved_is_read_for_its_weights_when_pickles_are_allowed(tmp_path):

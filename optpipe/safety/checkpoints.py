@@ -98,7 +98,7 @@ def _without_wrapper_prefix(state: dict, expected: set[str], name: str) -> dict:
     keys = set(state)
     stripped = state
     while keys != expected:
-        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in keys)), None)
+        prefix = next((p for p in WRAPPER_PREFIXES if keys and all(k.startswith(p) for k in keys)), None)
         if prefix is None:
             return state
         stripped = {k[len(prefix):]: v for k, v in stripped.items()}
