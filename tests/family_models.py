@@ -112,3 +112,20 @@ def wide_cnn():
         layers += [nn.Conv2d(channels, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU()]
         channels = 64
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).eval()
+
+
+class TokensAndMask(nn.Module):
+    """forward(ids, mask): two integer inputs of one shape, which a recipe can list in either order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 8)
+
+    def forward(self, ids, mask):
+        return self.emb(ids) * mask.unsqueeze(-1).float()
+
+
+def tokens_and_mask(scripted: bool = False):
+    net = TokensAndMask().eval()
+    return torch.jit.script(net) if scripted else net

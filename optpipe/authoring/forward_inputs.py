@@ -8,8 +8,7 @@ are not known (below) and have no default are exactly what init cannot fill in b
 """
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from optpipe.core.errors import ModelSourceError
 from optpipe.core.runtime import DECODER_IDS
@@ -19,16 +18,6 @@ IMAGE = "pixel_values"
 AUDIO = "input_values"
 MEL = "input_features"  # Whisper's log-mel spectrogram: num_mel_bins x 2 * max_source_positions frames, fixed
 KNOWN = (*TEXT, IMAGE, AUDIO, MEL, DECODER_IDS)
-
-
-def forward_parameters(forward: Callable) -> list[tuple[str, bool]]:
-    """(name, required) for each named parameter of forward(), in order (no *args/**kwargs)."""
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    schema = getattr(forward, "schema", None)
-    if schema is not None:  # a TorchScript module's forward: a ScriptMethod, whose schema names the module first
-        return [(a.name, not a.has_default_value()) for a in schema.arguments[1:]]
-    params = inspect.signature(forward).parameters.values()
-    return [(p.name, p.default is inspect.Parameter.empty) for p in params if p.kind in kinds and p.name != "self"]
 
 
 def unknown_required(params: list[tuple[str, bool]], known: set[str], owner: str, inferred: list[dict] | None = None) -> None:

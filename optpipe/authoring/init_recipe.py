@@ -17,7 +17,7 @@ from typing import Any, Optional
 import yaml
 
 from optpipe.authoring.hf_tasks import HF_VERDICT_TASKS, architecture_task
-from optpipe.authoring.forward_inputs import (DECODER_IDS, forward_parameters, hf_inputs, input_entry, real_tensors, task_layout,
+from optpipe.authoring.forward_inputs import (DECODER_IDS, hf_inputs, input_entry, real_tensors, task_layout,
                                              unknown_required)
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import passes_left_out, stage_notes, stages_for
@@ -25,7 +25,7 @@ from optpipe.core.errors import ModelSourceError, first_line
 from optpipe.safety.file_kinds import is_torchscript_archive, other_model_format
 from optpipe.source.position_limit import onnx_position_limit
 from optpipe.source.checkpoint_precision import as_float32, narrows, refuse_prequantized, stored_dtype
-from optpipe.source.module_forms import layer_kind, load_torchscript, refuse_unexportable, scripted_as_is
+from optpipe.source.module_forms import forward_parameters, layer_kind, load_torchscript, refuse_unexportable, scripted_as_is
 from optpipe.source.model_source import TOKENIZER_FILES, hub_id_hint
 
 FILL_IN = "FILL-IN"

@@ -22,7 +22,7 @@ from optpipe.core.artifact import sha256_file
 from optpipe.core.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe.example_inputs import example_inputs
 from optpipe.source.checkpoint_keys import loading_warnings
-from optpipe.source.module_forms import load_torchscript, refuse_unexportable, scripted_as_is
+from optpipe.source.module_forms import input_binding, load_torchscript, positional, refuse_unexportable, scripted_as_is
 from optpipe.source.checkpoint_precision import (folder_config, refuse_prequantized, refuse_quantized_modules, stored_dtype,
                                                  as_float32, widening_note)
 from optpipe.recipe.schema import FactoryModel, HFConfigModel, HFModel, ModelSource, OnnxModel, TorchScriptModel, TorchvisionModel
@@ -157,7 +157,8 @@ def load_torch_model(source: ModelSource) -> TorchModel:
         return _load_factory(source, spec)
     if isinstance(spec, TorchScriptModel):
         net = load_torchscript(source.resolve(spec.torchscript))
-        return _flattened(net.eval(), source, _positional, f"TorchScript {Path(spec.torchscript).name}")
+        name = Path(spec.torchscript).name
+        return _flattened(net.eval(), source, _bound(net, source, name), f"TorchScript {name}")
     raise ModelSourceError("model: an ONNX model has no PyTorch module; stages that need one (export checks, prune) cannot run")
 
 
@@ -312,7 +313,7 @@ def _load_torchvision(source: ModelSource, spec: TorchvisionModel) -> TorchModel
         raise ModelSourceError(f"model.torchvision: no architecture '{spec.torchvision}' in torchvision.models")
     module = builder(weights=None, num_classes=spec.num_classes).eval()
     module.output_names = ["logits"]
-    return _flattened(module, source, _positional, f"torchvision {spec.torchvision} (random weights)")
+    return _flattened(module, source, positional, f"torchvision {spec.torchvision} (random weights)")
 
 
 def _load_factory(source: ModelSource, spec: FactoryModel) -> TorchModel:
@@ -342,11 +343,12 @@ def _load_factory(source: ModelSource, spec: FactoryModel) -> TorchModel:
         from optpipe.safety.checkpoints import load_checkpoint
 
         load_checkpoint(net, source.resolve(spec.checkpoint), spec.allow_pickle)
-    return _flattened(net.eval(), source, _positional, f"factory {spec.factory}")
+    return _flattened(net.eval(), source, _bound(net, source, spec.factory), f"factory {spec.factory}")
 
 
-def _positional(model, *args):
-    return model(*args)
+def _bound(net, source: ModelSource, where: str):
+    """forward() called with the recipe's inputs by name where they name its parameters (module_forms.input_binding)."""
+    return input_binding(net, [spec_.name for spec_ in source.inputs], where)
 
 
 def _module_origin(module_name: str, source: ModelSource) -> Path | None:

@@ -79,3 +79,43 @@ def load_torchscript(path, where: str = "model.torchscript"):
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ModelSourceError(f"{where}: '{path.name}' is not a readable TorchScript archive ({first[:160]}); "
                                "save the module with torch.jit.save") from None
+
+
+def forward_parameters(forward) -> list[tuple[str, bool]]:
+    """(name, required) for each named parameter of forward(), in order (no *args/**kwargs)."""
+    import inspect
+
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    schema = getattr(forward, "schema", None)
+    if schema is not None:  # a TorchScript module's forward: a ScriptMethod, whose schema names the module first
+        return [(a.name, not a.has_default_value()) for a in schema.arguments[1:]]
+    params = inspect.signature(forward).parameters.values()
+    return [(p.name, p.default is inspect.Parameter.empty) for p in params if p.kind in kinds and p.name != "self"]
+
+
+def input_binding(net, names: list[str], where: str):
+    """How forward() takes the recipe's inputs: by keyword where every input is named after one of its parameters (the
+    recipe may list them in any order), else in the recipe's order. Fed in that order, a recipe listing [mask, ids] for
+    forward(ids, mask) gave the mask as the token ids; every stage matched that wrong model, "ok" at cosine 1.0. An
+    input named after a parameter at another position is refused where keywords cannot help: a TorchScript module is
+    exported as it is, its inputs in the recipe's order."""
+    try:
+        params = [name for name, _ in forward_parameters(net.forward)]
+    except (TypeError, ValueError):  # no signature to read: the recipe's order, as before
+        return positional
+    if names == params[:len(names)] or not set(names) <= set(params):
+        misplaced = [n for i, n in enumerate(names) if n in params and params.index(n) != i]
+        if misplaced:
+            raise ModelSourceError(f"inputs: '{misplaced[0]}' is parameter {params.index(misplaced[0]) + 1} of {where}'s "
+                                   f"forward({', '.join(params)}) but input {names.index(misplaced[0]) + 1} of the recipe, "
+                                   "which feeds inputs in its order; list `inputs` in forward()'s order")
+        return positional
+    if is_scripted(net):
+        raise ModelSourceError(f"inputs: the recipe lists {', '.join(names)}, {where}'s forward takes "
+                               f"({', '.join(params)}); a TorchScript module is exported with its inputs in the recipe's "
+                               "order: list `inputs` in forward()'s order")
+    return lambda model, *args: model(**dict(zip(names, args)))
+
+
+def positional(model, *args):
+    return model(*args)
