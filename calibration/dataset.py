@@ -16,7 +16,7 @@ from optpipe.core.artifact import sha256_file, sha256_json
 from optpipe.core.errors import DataError
 from optpipe.core.runtime import first_non_finite
 from optpipe.calibration.labels import labels_fingerprint, split_labels
-from optpipe.calibration.sources import load_samples, running_text, source_path
+from optpipe.calibration.sources import check_samples, load_samples, running_text, source_path
 from optpipe.recipe.schema import DataSource, ModelSource
 
 DATASETS = "datasets"
@@ -88,6 +88,8 @@ def build_sample_set(source: DataSource, model: ModelSource, cache: "StageCache 
             arrays = _read_arrays(folder / SAMPLES_FILE)
             if arrays is not None:
                 arrays, labels = split_labels(arrays)
+                # checked again: a set cached before a check existed (inputs of unlike sample counts) is refused as new
+                check_samples(arrays, model, what=f"data source '{source.source}'")
                 return SampleSet(arrays, key, cached=True, labels=labels, origin=source.source)
             cache.discard(folder)
         arrays = load_samples(source, model)

@@ -96,6 +96,16 @@ def check_samples(samples: dict[str, np.ndarray], model: ModelSource, what: str)
                     f"{what}: input '{spec.name}' has size {size} on axis {axis}, outside dims.{dim} "
                     f"[{bounds.min}, {bounds.max}]; fix the data or widen the dim"
                 )
+    _same_sample_counts(samples, model, what)
+
+
+def _same_sample_counts(samples: dict[str, np.ndarray], model: ModelSource, what: str) -> None:
+    """One row per sample in every input: an npz whose mask held 30 rows beside 32 of ids failed as an internal error
+    ("index 30 is out of bounds") once the batches were cut."""
+    counts = {spec.name: len(samples[spec.name]) for spec in model.inputs if samples[spec.name].ndim}
+    if len(set(counts.values())) > 1:
+        held = ", ".join(f"'{name}' {count}" for name, count in counts.items())
+        raise DataError(f"{what}: the inputs hold different numbers of samples ({held}); give every input one row per sample")
 
 
 def _synthetic(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:

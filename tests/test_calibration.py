@@ -358,3 +358,19 @@ def test_a_model_with_a_fixed_batch_is_calibrated_in_batches_it_takes(tmp_path, 
     assert len(sample_batches(sample_set(9), 4, ["x"], whole=True)) == 2  # the partial batch a fixed batch cannot take: dropped
     with pytest.raises(DataError, match="fewer than the model's fixed batch of 4"):
         sample_batches(sample_set(3), 4, ["x"], whole=True)
+
+
+def test_an_npz_whose_inputs_hold_unlike_sample_counts_is_one_line(tmp_path):
+    """ids of 32 rows beside a mask of 30: "internal error: IndexError: index 30 is out of bounds" once batched."""
+    from optpipe.calibration.dataset import build_sample_set
+    from optpipe.core.errors import DataError
+    from optpipe.recipe.schema import DataSource
+    from optpipe.safety.recipe_loading import parse_recipe
+
+    inputs = [{"name": name, "dtype": "int64", "shape": ["batch", 8]} for name in ("ids", "mask")]
+    recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": inputs, "dims": {"batch": {"min": 1, "opt": 1, "max": 4}},
+                           "stages": {"export": {"pass": "export"}}})
+    np.savez(tmp_path / "uneven.npz", ids=np.zeros((32, 8), np.int64), mask=np.ones((30, 8), np.int64))
+    source = DataSource(source="npz", path=str(tmp_path / "uneven.npz"), samples=64)
+    with pytest.raises(DataError, match=r"the inputs hold different numbers of samples \('ids' 32, 'mask' 30\)"):
+        build_sample_set(source, recipe.model_source(), tmp_path / "cache")
