@@ -43,7 +43,7 @@ def other_model_format(path: Path) -> str | None:
 def _zip_kind(path: Path) -> str:
     """torch.jit.save and torch.save both write zips: the archive holds the module's code, the checkpoint a data.pkl."""
     names = _zip_names(path)
-    if any("/code/" in name or name.startswith("code/") for name in names):
+    if _holds_code(names):
         return f"a TorchScript archive; use {TORCHSCRIPT}"
     if any(name.endswith("data.pkl") for name in names):
         return f"a PyTorch checkpoint (torch.save); use {FACTORY}"
@@ -54,7 +54,11 @@ def _zip_kind(path: Path) -> str:
 
 def is_torchscript_archive(path: Path) -> bool:
     """A zip torch.jit.save wrote: it holds the module's code (`<archive>/code/`)."""
-    return any("/code/" in name or name.startswith("code/") for name in _zip_names(path))
+    return _holds_code(_zip_names(path))
+
+
+def _holds_code(names: list[str]) -> bool:
+    return any("/code/" in name or name.startswith("code/") for name in names)
 
 
 def _zip_names(path: Path) -> list[str]:
