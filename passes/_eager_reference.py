@@ -69,41 +69,13 @@ def _refuse_complex(outputs: dict[str, np.ndarray]) -> None:
                 "return torch.view_as_real() of it (real and imaginary parts as a last dim of 2) or the values you use (.abs())")
 
 
-def samples_mixed(torch_model: TorchModel, feeds: dict[str, np.ndarray], together: dict[str, np.ndarray], threads: int,
-                  atol: float, rtol: float) -> dict | None:
-    """Whether the first dim is a batch of independent samples: eager on the first trace sample alone against its row
-    in the trace batch (`together`, at least 2 samples). None where every row-per-sample output matches. Else what
-    differs: an output that mixes samples (attention or recurrence over the first dim, as nn.MultiheadAttention and
-    nn.LSTM without batch_first do; a norm over the batch; CLIP's image-by-text logits), or no output that is one row
-    per sample at all. Such a model was timed "at batch N" on N samples computed together, and served by Triton with
-    dynamic batching, which joins different users' requests into one batch."""
-    size = len(next(iter(feeds.values())))
-    if size < 2:
-        return None
-    with as_exported():
-        alone = eager_runner(torch_model, threads)({name: array[:1] for name, array in feeds.items()})
-    per_sample = [name for name, value in together.items() if np.ndim(value) and np.shape(value)[0] == size]
-    for name in per_sample:
-        why = _row_apart(name, np.asarray(alone[name]), np.asarray(together[name]), atol, rtol)
-        if why:
-            return {"output": name, "why": why}
-    if not per_sample:
-        shapes = ", ".join(f"'{name}' {list(np.shape(value))}" for name, value in list(together.items())[:2])
-        return {"output": None, "why": f"no output has one row per sample ({shapes} at batch {size})"}
-    return None
+def eager_as_exported(torch_model: TorchModel, threads: int):
+    """Eager as a runner whose every call runs as exported (runtime.as_exported)."""
+    run = eager_runner(torch_model, threads)
 
+    def exported(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with as_exported():
+            return run(feeds)
 
-def _row_apart(name: str, own: np.ndarray, together: np.ndarray, atol: float, rtol: float) -> str | None:
-    """How one sample's output alone differs from its row in the batch `together`, or None."""
-    row, size = together[:1], len(together)
-    if own.ndim != row.ndim:  # a squeeze() that drops the batch dim of one sample
-        return f"output '{name}' is {list(own.shape)} for one sample and {list(together.shape)} for {size} (a squeeze() of the batch dim?)"
-    if own.shape != row.shape:
-        return (f"output '{name}' per sample is {list(own.shape[1:])} alone and {list(row.shape[1:])} in a batch of {size}: "
-                "its size follows the batch (one value per pair of samples, as CLIP's image-by-text logits)")
-    if own.dtype.kind == "f" and not np.allclose(own, row, atol=atol, rtol=rtol, equal_nan=True):
-        apart = float(np.nanmax(np.abs(own.astype(np.float64) - row)))
-        return (f"output '{name}' of sample 0 differs by {apart:.3g} when another sample shares its batch: the model "
-                "computes across the first dim (attention or recurrence over it, as nn.MultiheadAttention / nn.LSTM do "
-                "without batch_first=True; a statistic over the batch)")
-    return None
+    return exported
+

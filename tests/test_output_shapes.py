@@ -260,7 +260,8 @@ def test_samples_mixed_tells_each_way_a_batch_is_not_independent(forward, said):
     import numpy as np
     import torch
 
-    from optpipe.passes._eager_reference import samples_mixed
+    from optpipe.passes._batch_independence import samples_mixed
+    from optpipe.passes._eager_reference import eager_as_exported
     from optpipe.source.model_source import TorchModel
 
     class Net(torch.nn.Module):
@@ -276,5 +277,25 @@ def test_samples_mixed_tells_each_way_a_batch_is_not_independent(forward, said):
     feeds = {"x": np.random.default_rng(0).normal(size=(2, 16)).astype(np.float32)}
     with torch.no_grad():
         together = {"y": model.module(torch.from_numpy(feeds["x"])).numpy()}
-    mixed = samples_mixed(model, feeds, together, threads=1, atol=1e-3, rtol=1e-3)
+    mixed = samples_mixed(eager_as_exported(model, threads=1), feeds, together, atol=1e-3, rtol=1e-3)
     assert (mixed is None) if said is None else said in mixed["why"], mixed
+
+
+def test_an_onnx_source_that_mixes_the_samples_of_a_batch_is_said_and_served_unbatched(tmp_path, cli_run):
+    """The same check with ONNX Runtime as the model: a graph whose rows attend to each other (a softmax over the batch)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Softmax", ["h"], ["y"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "mixing.onnx")
+    recipe = small_recipe({"onnx": "mixing.onnx"}, samples=8)
+    result = compile_recipe(tmp_path, cli_run, {**recipe, "targets": [{"kind": "triton", "stages": ["export"]}]})
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    export = next(s for s in report["stages"] if s["name"] == "export")
+    assert "output 'y' of sample 0 differs by" in export["info"]["samples_mixed"]["why"]
+    assert report["targets"][0]["details"]["max_batch_size"] == 0
