@@ -227,6 +227,23 @@ def subclassed():
     return torch.nn.Sequential(LoRALinear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
+class SequenceFirst(torch.nn.Module):  # an nn.LSTM without batch_first: it reads [sequence, batch, features]
+    def __init__(self, batch_first):
+        super().__init__()
+        self.emb, self.rnn, self.head = torch.nn.Embedding(100, 8), torch.nn.LSTM(8, 8, batch_first=batch_first), torch.nn.Linear(8, 2)
+
+    def forward(self, ids):
+        return self.head(self.rnn(self.emb(ids))[0])
+
+
+def sequence_major():
+    return SequenceFirst(False)
+
+
+def batch_major():
+    return SequenceFirst(True)
+
+
 def bag():
     return Bag()
 '''
@@ -315,3 +332,14 @@ def test_torchscript_modules_compile_and_an_exported_program_is_refused(tmp_path
                            ("unlifted", "cannot be put in eval mode")):
         result = cli_run("init", f"script_forms:{factory}", "-o", f"{factory}.yaml")
         assert result.exit_code == 2 and words in result.output, result.output
+
+
+def test_init_says_when_a_recurrent_or_attention_layer_takes_the_sequence_first(tmp_path, cli_run, monkeypatch):
+    """init's inputs lead with the batch, as optpipe feeds them; an nn.LSTM without batch_first reads them the other way."""
+    (tmp_path / "sequence_layers.py").write_text(FIRST_LAYERS)
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "sequence_layers:sequence_major", "-o", "first.yaml")
+    assert result.exit_code == 0, result.output
+    assert "its LSTM 'rnn' takes [sequence, batch, ...] (batch_first=False)" in Path("first.yaml").read_text()
+    result = cli_run("init", "sequence_layers:batch_major", "-o", "batch.yaml")
+    assert result.exit_code == 0 and "batch_first" not in Path("batch.yaml").read_text()

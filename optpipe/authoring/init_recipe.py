@@ -256,6 +256,7 @@ def _module_facts(net, name: str, model: dict[str, Any]) -> ModelFacts:
         notes = []
     else:
         inputs, dims, notes = _first_layer_input(net)
+        notes += _sequence_first_notes(net)
         required = [name for name, needed in params if needed]
         unknown_required(params, set(required[:1]), owner, inputs)  # the first layer tells one input, no more
     notes += _widening_notes(converted)
@@ -286,6 +287,22 @@ def _first_layer_input(net) -> tuple[list[dict], dict, list[str]]:
         return [input_entry("x", "float32", ["batch", int(first.weight.shape[1])])], dims, []
     return ([input_entry("x", "float32", ["batch", 3, 224, 224])], dims,
             ["no Conv/Linear/Embedding layer found: the input below is a guess, check it"])
+
+
+#: torch.nn's sequence layers that take [sequence, batch, ...] unless built with batch_first=True
+SEQUENCE_FIRST = ("LSTM", "GRU", "RNN", "MultiheadAttention", "Transformer", "TransformerEncoderLayer",
+                  "TransformerDecoderLayer")
+
+
+def _sequence_first_notes(net) -> list[str]:
+    """A plain module whose recurrent or attention layer takes the sequence first: init's inputs lead with the batch,
+    as optpipe feeds them, so the compile's samples check would warn; said here first, with the way out."""
+    for name, module in net.named_modules():
+        if layer_kind(module) in SEQUENCE_FIRST and getattr(module, "batch_first", True) is False:
+            return [f"its {layer_kind(module)} '{name}' takes [sequence, batch, ...] (batch_first=False), while optpipe feeds "
+                    "samples along every input's first dim: build it with batch_first=True (or transpose in forward()), "
+                    "else the compile warns that the first dim is not a batch of independent samples"]
+    return []
 
 
 #: The layers whose weight tells a plain module's input, by class name.
