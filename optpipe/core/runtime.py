@@ -198,7 +198,7 @@ def eager_runner(torch_model, threads: int) -> Callable[[Feeds], Outputs]:
 
     torch.set_num_threads(threads)
     module = torch_model.module
-    writes_inputs: list[bool] = []  # empty until the first call has looked
+    writes_inputs: bool | None = None  # None until the first call has looked
 
     def forward(arrays: list[np.ndarray]) -> Outputs:
         # no_grad, not inference_mode: a model that caches tensors in forward (a detector's grid)
@@ -209,9 +209,10 @@ def eager_runner(torch_model, threads: int) -> Callable[[Feeds], Outputs]:
         return {name: tensor_to_numpy(out) for name, out in zip(torch_model.output_names, outs)}
 
     def run(feeds: Feeds) -> Outputs:
+        nonlocal writes_inputs
         arrays = [np.ascontiguousarray(feeds[n]) for n in torch_model.input_names]
-        if writes_inputs:
-            return forward([a.copy() for a in arrays] if writes_inputs[0] else arrays)
+        if writes_inputs is not None:
+            return forward([a.copy() for a in arrays] if writes_inputs else arrays)
         kept = [a.copy() for a in arrays]
         try:
             return forward(arrays)
@@ -219,7 +220,7 @@ def eager_runner(torch_model, threads: int) -> Callable[[Feeds], Outputs]:
             written = [i for i, (a, b) in enumerate(zip(arrays, kept)) if not np.array_equal(a, b, equal_nan=True)]
             for i in written:
                 arrays[i][...] = kept[i]
-            writes_inputs.append(bool(written))
+            writes_inputs = bool(written)
 
     return run
 

@@ -59,7 +59,6 @@ def scripted_as_is(net, returned, indices: list[int]) -> bool:
         "some; return a tuple of the tensors to export from its forward, or the nn.Module it was made from")
 
 
-
 def load_torchscript(path, where: str = "model.torchscript"):
     """A TorchScript archive (torch.jit.save) as its module, on the CPU; another file (a torch.save checkpoint, an npz)
     is named by what it is (safety/file_kinds.py), with the recipe that takes it."""
