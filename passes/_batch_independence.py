@@ -63,7 +63,7 @@ def onnx_samples_mixed(path: Path, ctx: PassContext) -> dict | None:
     from optpipe.safety import onnx_guard
 
     graph = onnx.load(str(path), load_external_data=False)
-    size = sum(f.stat().st_size for f in [path, *(path.parent / loc for loc in onnx_guard.external_locations(graph))])
+    size = sum(f.stat().st_size for f in onnx_guard.model_files(path, graph))
     if not ctx.inputs.batch_dim() or ctx.evaluate.generation is not None or size > MIXING_CHECK_BYTES:
         return None
     feeds = trace_inputs(ctx.inputs)

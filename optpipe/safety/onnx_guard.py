@@ -80,6 +80,11 @@ def external_locations(model: onnx.ModelProto) -> list[str]:
     return sorted({_location(t) for t in external_data_helper._get_all_tensors(model) if _uses_external(t)})
 
 
+def model_files(path: Path, model: onnx.ModelProto) -> list[Path]:
+    """The ONNX file at `path` and the external-data files beside it that `model` (its graph) names."""
+    return [path, *(path.parent / location for location in external_locations(model))]
+
+
 def external_files(model: onnx.ModelProto, folder: Path) -> dict[str, Path]:
     """Each external-data location of `model` -> its file, for those that stay inside `folder` (see _inside)."""
     return {location: target for location in external_locations(model) if (target := external_file(folder, location)) is not None}

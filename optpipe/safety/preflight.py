@@ -53,7 +53,7 @@ def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = N
 
     graph = onnx_guard.check_named_parts(path, recipe.model_inputs(), "model.onnx")
     check_output_names(recipe, [o.name for o in graph.graph.output])
-    files = [path, *(path.parent / location for location in onnx_guard.external_locations(graph))]
+    files = onnx_guard.model_files(path, graph)
     key = StageCache.key(
         preflight="onnx-source",
         files=[(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
