@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from optpipe.core.errors import TargetError
 from optpipe.targets import tensorrt
-from optpipe.targets.base import TargetJob, TargetResult, TritonParams, copy_model, hash_files, relative
+from optpipe.targets.base import StageView, TargetJob, TargetResult, TritonParams, copy_model, hash_files, relative
 from optpipe.targets.model_facts import TensorSpec, io_specs, precision_of
 from optpipe.targets.pbtxt import tensor_text as _tensor_text
 
@@ -257,29 +257,27 @@ def unbatched_output(job: TargetJob, batch: str) -> Optional[str]:
     would split it between the requests it joined as if it were one row per sample, silently. The dims' names come
     from the nearest ONNX graph: an IR's dynamic dims have none. Or a model whose rows lead with the batch but mix its
     samples (unbatched attention over the first dim), found by the export: each request would change the others'."""
-    view = job.stage
-    while view is not None and not view.model_path.is_file():
-        parent = job.settings.parents.get(view.name)
-        view = job.stage_folder(parent) if parent else None
+    lineage = _lineage(job)
+    view = next((v for v in lineage if v.model_path.is_file()), None)
     if view is None:
         return None
     for spec in io_specs(view.graph)[1]:
         if not spec.dims or spec.dims[0] != batch:
             lead = f"leads with {spec.dims[0]!r}" if spec.dims else "is 0-d"
             return f"output '{spec.name}' {lead}, not the batch dim '{batch}'"
-    mixed = _root_info(job).get("samples_mixed")
+    mixed = lineage[-1].info.get("samples_mixed")  # the export's (the served stage's first ancestor)
     if mixed:  # the export found that eager computes across the batch: joined requests would change each other's answers
         return (f"output '{mixed['output']}' mixes the samples of a batch" if mixed.get("output") else
                 "no output is one row per sample") + " (the export's check of one sample alone against its row in a batch)"
     return None
 
 
-def _root_info(job: TargetJob) -> dict:
-    """The info of the stage the served one descends from first (the export)."""
-    view = job.stage
-    while view is not None and (parent := job.settings.parents.get(view.name)):
-        view = job.stage_folder(parent)
-    return view.info if view is not None else {}
+def _lineage(job: TargetJob) -> list[StageView]:
+    """The served stage, then its parent, up to the stage it descends from first (the export)."""
+    views = [job.stage]
+    while (parent := job.settings.parents.get(views[-1].name)) and (view := job.stage_folder(parent)) is not None:
+        views.append(view)
+    return views
 
 
 def instance_kind(job: TargetJob, params: TritonParams) -> str:
