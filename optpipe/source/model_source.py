@@ -22,6 +22,7 @@ from optpipe.core.artifact import sha256_file
 from optpipe.core.errors import DataError, ModelSourceError, first_line
 from optpipe.recipe.example_inputs import example_inputs
 from optpipe.source.checkpoint_keys import loading_warnings
+from optpipe.source.code_digest import code_digests, kwargs_files
 from optpipe.source.module_forms import input_binding, load_torchscript, positional, refuse_unexportable, scripted_as_is
 from optpipe.source.checkpoint_precision import (folder_config, refuse_prequantized, refuse_quantized_modules, stored_dtype,
                                                  as_float32, widening_note)
@@ -107,7 +108,9 @@ def source_fingerprint(source: ModelSource) -> dict[str, Any]:
         origin = _module_origin(module_name, source)
         checkpoint = source.resolve(spec.checkpoint)
         weights = sha256_file(checkpoint) if checkpoint and checkpoint.is_file() else None
-        return {"factory": spec.factory, "kwargs": spec.kwargs, "code": sha256_file(origin) if origin else None, "checkpoint": weights, "outputs": spec.outputs}
+        code = code_digests(module_name, origin) if origin else None
+        return {"factory": spec.factory, "kwargs": spec.kwargs, "code": code, "kwargs_files": kwargs_files(spec.kwargs, source),
+                "checkpoint": weights, "outputs": spec.outputs}
     if isinstance(spec, TorchvisionModel):
         return {"torchvision": spec.torchvision, "num_classes": spec.num_classes, "weights": "random", "outputs": spec.outputs}
     if isinstance(spec, TorchScriptModel):
