@@ -48,7 +48,7 @@ def test_a_decoder_whose_logits_are_flat_is_said_to_measure_nothing(tmp_path, co
 
 def test_tied_logits_are_judged_by_the_share_of_positions_that_tie():
     """Most positions tied: the warning; a few ties among real logits (a random draw's) are not."""
-    from optpipe.evaluation.accuracy import tied_logits_warnings
+    from optpipe.evaluation.figure_warnings import tied_logits_warnings
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(8, 50)).astype(np.float32)

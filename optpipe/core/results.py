@@ -40,6 +40,9 @@ class OutputAccuracy(Result):
     equal_share: Optional[float] = Field(
         None, description="an integer or boolean output (class ids, token ids, masks): the share of its elements equal to the reference's"
     )
+    explained: Optional[float] = Field(None, description="where the cosine cannot tell (a constant output meets its bound): the "
+                                       "share of the reference's variation across samples it reproduces (R²), which holds it")
+    constant_cosine: Optional[float] = Field(None, description="with `explained`: the cosine the reference's mean scores")
     shapes: Optional[tuple[list[int], list[int]]] = Field(
         None, description="the candidate's and the reference's shapes where they differ (a length that depends on the data): "
                           "nothing compares elementwise, every figure reads as no agreement"
@@ -97,19 +100,29 @@ class Accuracy(Result):
 
     @property
     def worst_cosine(self) -> float:
-        """The worst mean cosine of the float outputs (of every output where all are integer or boolean: the
-        cosine of class ids says little, and such an output is held by its equal share, `error`)."""
-        floats = [o.cosine_mean for o in self.outputs if o.equal_share is None]
-        return min(floats or [o.cosine_mean for o in self.outputs])
+        """The worst mean cosine of the float outputs it judges (`explained` holds the others), of all where it judges
+        none; of every output where all are integer or boolean (held by their equal share, `error`)."""
+        floats = [o for o in self.outputs if o.equal_share is None]
+        return min(o.cosine_mean for o in [o for o in floats if o.explained is None] or floats or self.outputs)
+
+    def figure(self, label: str = "cosine ") -> str:
+        """In words (console, report): the cosine, and R² where it cannot tell (optpipe.evaluation.variation)."""
+        explained = min((o.explained for o in self.outputs if o.explained is not None), default=None)
+        if explained is None:
+            return f"{label}{self.worst_cosine:.5f}"
+        blind = all(o.explained is not None for o in self.outputs if o.equal_share is None)
+        return f"R² {explained:.5f} (cosine cannot tell)" if blind else f"{label}{self.worst_cosine:.5f}, R² {explained:.5f}"
 
     @property
     def error(self) -> float:
-        """One number for 'how far from the reference' (the Pareto axis): 1 - the task's headline
-        metric where the recipe names a task, else 1 - the worst of the float outputs' mean cosine and
-        the integer outputs' equal share."""
+        """One number for 'how far from the reference' (the Pareto axis): 1 - the task's headline metric where the
+        recipe names a task, else 1 - the worst of the float outputs' mean cosine, the integer outputs' equal share
+        and (1 + R²) / 2 where the cosine cannot tell (its error budget, variation.explained_bound)."""
         headline = self.task.headline if self.task else None
         if headline is None:
-            headline = min([self.worst_cosine] + [o.equal_share for o in self.outputs if o.equal_share is not None])
+            figures = [o.equal_share if o.equal_share is not None else (1 + o.explained) / 2 for o in self.outputs
+                       if o.equal_share is not None or o.explained is not None]
+            headline = min([self.worst_cosine, *figures])
         return max(0.0, 1.0 - headline)
 
 
@@ -232,14 +245,12 @@ class StageResult(MeasuredResult):
     parent: Optional[str] = None
     status: Literal["ok", "failed", "skipped"]
     cached: bool = Field(False, description="the stage's model came from the cache (its pass did not run)")
-    evaluation_cached: Optional[bool] = Field(
-        None, description="its accuracy and latency figures came from the cache; None where it was not evaluated")
+    evaluation_cached: Optional[bool] = Field(None, description="its accuracy and latency figures came from the cache; None: not evaluated")
     reason: Optional[str] = None
     not_run: bool = Field(False, description="skipped by its pass's rule for this machine (Pass.skip_reason, e.g. OpenVINO "
                           "int8 on a CPU without VNNI), or after such a stage: not a failure")
-    error_kind: Optional[ErrorKind] = Field(
-        None, description="why a failed stage failed: input (the user's model or data; exit 2), stage (the pass could "
-        "not do its work), internal (a bug in optpipe; the log has the traceback)")
+    error_kind: Optional[ErrorKind] = Field(None, description="why a failed stage failed: input (the user's model or data; exit 2), "
+                                            "stage (the pass could not do its work), internal (a bug in optpipe; the log has the traceback)")
     log: Optional[str] = None
     artifact: Optional[str] = None
     hash: Optional[str] = None
@@ -268,9 +279,8 @@ class StageResult(MeasuredResult):
 
     @property
     def reused(self) -> str | None:
-        """What of a finished stage came from the cache, in words: "cached" (its model and its figures),
-        "pass cached" (its model; the evaluation ran again), "eval cached" (its figures; the pass ran
-        again), None (nothing). A stage not evaluated (yet) is judged by its pass alone."""
+        """What of a finished stage came from the cache: "cached" (its model and figures), "pass cached" (its model), "eval
+        cached" (its figures), None (nothing). A stage not evaluated (yet) is judged by its pass alone."""
         if self.status != "ok":
             return None
         pass_cached, figures_cached = self.cached, self.evaluation_cached

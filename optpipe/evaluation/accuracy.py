@@ -18,6 +18,8 @@ import numpy as np
 from optpipe.core.errors import RecipeError
 from optpipe.core.results import Accuracy, OutputAccuracy
 from optpipe.evaluation.cosine import cosine_of_rows, real_tokens
+from optpipe.evaluation.figure_warnings import MEANINGLESS, magnitude_warnings
+from optpipe.evaluation.variation import Variation, cosine_cannot_tell, explained_bound, explained_violation, variation
 from optpipe.evaluation.task_metrics import task_accuracy
 from optpipe.recipe.schema import TaskSpec, Tolerance
 from optpipe.recipe.task_bounds import own_bounds
@@ -113,60 +115,6 @@ def compare(
     )
 
 
-def magnitude_warnings(pairs: list[tuple[str, np.ndarray, np.ndarray]]) -> list[str]:
-    """The warning when a float output of the reference is all zeros or all subnormal (below its dtype's smallest
-    normal): runtimes flush such values to zero or not as they please, so every figure on it is noise. A random-init
-    MobileViT's logits peaked at 2.9e-41: eager 'disagreed' with its own export (cosine 0.976) and every int8,
-    fp16 and bf16 stage scored cosine 0 on outputs that were exactly zero. Milder: an output that stays below
-    float16's smallest normal, which reduced-precision stages may flush (said, not judged meaningless)."""
-    floats, tiny, small = 0, [], []
-    for name, _, ref in pairs:
-        ref = np.asarray(ref)
-        if ref.dtype.kind != "f" or ref.size == 0:
-            continue
-        floats += 1
-        peak = max(float(ref.max()), -float(ref.min()))  # no |ref| copy of a big output
-        if np.isfinite(peak) and peak < np.finfo(ref.dtype).tiny:
-            tiny.append(f"'{name}' ({'all zeros' if peak == 0 else f'at most {peak:.1e}'})")
-        elif np.isfinite(peak) and peak < HALF_NORMAL:
-            small.append(f"'{name}' (at most {peak:.1e})")
-    warnings = []
-    if tiny:
-        many = len(tiny) > 1
-        verdict = MEANINGLESS if len(tiny) == floats else f"the figures on {'them' if many else 'it'} mean little"
-        warnings.append(f"the reference's output{'s' if many else ''} {', '.join(tiny)} {'are' if many else 'is'} {NEAR_ZERO}: "
-                        "the model computes ~0 (random weights?), and runtimes flush such values to zero or not as they "
-                        f"please, so {verdict}")
-    if small:
-        # A random-init MobileNetV2's logits peaked at 3.2e-25: its fp16 guard and ov-int8 scored cosine 0, ov-bf16 0.99998.
-        warnings.append(f"the reference's output{'s' if len(small) > 1 else ''} {', '.join(small)} {BELOW_HALF}: a stage "
-                        "computing in fp16 (or an int8 path with fp16 steps) may flush it and score ~0, which then says "
-                        "more about the model's scale (random weights?) than about the stage")
-    return warnings
-
-
-def tied_logits_warnings(rows: np.ndarray) -> list[str]:
-    """The warning when the reference's next-token logits ([positions, vocabulary]) tie at their maximum in most
-    positions: its greedy token is then the lowest tied id, which any candidate with the same ties "agrees" with,
-    and flat logits make the perplexity the vocabulary's size. A Qwen2 built with initializer_range 1e20 gave
-    logits of exactly 0 everywhere: agreement 1.000, perplexity 2048.000 for every stage, and no word of it."""
-    if rows.size == 0 or rows.shape[-1] < 2:
-        return []
-    top2 = np.partition(rows, -2, axis=-1)[:, -2:]
-    tied = int((top2[:, 0] == top2[:, 1]).sum())
-    if tied * 2 <= len(rows):
-        return []
-    return [f"the reference's next-token logits {TIED} in {tied} of {len(rows)} prompt positions (flat logits: the model's "
-            f"weights not loaded, or a degenerate model), so {MEANINGLESS}"]
-
-
-MEANINGLESS = "these accuracy figures mean nothing"  # the report's rows mark a figure under these warnings
-TIED = "tie at their maximum"
-NEAR_ZERO = "zero or subnormal everywhere"
-BELOW_HALF = "stays below float16's smallest normal (6.1e-05)"
-HALF_NORMAL = float(np.finfo(np.float16).tiny)
-
-
 def input_sensitivity(reference: np.ndarray) -> float | None:
     """How much an output moves between samples, relative to its size: the mean (over elements)
     of the spread across samples, over the mean magnitude. None with fewer than 2 samples.
@@ -198,7 +146,8 @@ def _sensitivity_warnings(outputs: list[OutputAccuracy], task, threshold: float)
     (or the task's) -> the figures mean nothing; some -> those outputs' figures mean little (a
     YOLOS's pred_boxes moved 6e-4 of their size while its logits moved: one model-wide figure hid it)."""
     measured = [o for o in outputs if o.input_sensitivity is not None]
-    low = [o for o in measured if o.input_sensitivity < threshold]
+    # An output R² holds is judged on its spread, not its size: prices ~1000 +- 0.2 are not "random weights".
+    low = [o for o in measured if o.input_sensitivity < threshold and o.explained is None]
     if not low:
         return []
     task_output_low = task is not None and any(o.name == task.output for o in low)
@@ -250,7 +199,8 @@ def _output_accuracy(name: str, cand: np.ndarray, ref: np.ndarray, mask, top1: b
     for start in range(0, len(rows_r), step):
         part = slice(start, start + step)
         sums.add(rows_c[part], rows_r[part], None if keep is None else keep[part])
-    return sums.result(name, input_sensitivity(ref))
+    found, sensitivity = None if discrete else variation(cand, ref, mask), input_sensitivity(ref)
+    return sums.result(name, sensitivity, found if cosine_cannot_tell(found, tol.cosine_min, sensitivity) else None)
 
 
 def _row_view(array: np.ndarray, mask) -> tuple[np.ndarray, np.ndarray | None]:
@@ -297,7 +247,7 @@ class _Sums:
             self.agree += int(np.count_nonzero(c.argmax(-1) == r.argmax(-1)))
             self.rows += len(r)
 
-    def result(self, name: str, sensitivity: float | None) -> OutputAccuracy:
+    def result(self, name: str, sensitivity: float | None, blind: Variation | None) -> OutputAccuracy:
         cosines = np.concatenate(self.cosines) if self.cosines else np.zeros(0)
         return OutputAccuracy(
             name=name,
@@ -310,6 +260,7 @@ class _Sums:
             beyond_tolerance=self.beyond / self.count if self.tol.rtol is not None and self.count else None,
             input_sensitivity=sensitivity,
             equal_share=self.equal / self.count if self.discrete and self.count else None,
+            explained=blind.explained if blind else None, constant_cosine=blind.constant_cosine if blind else None,
         )
 
 
@@ -339,6 +290,8 @@ def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explic
         equality = _held_by_equality(out, tol)
         if tol.cosine_min is not None and out.cosine_mean < tol.cosine_min and not equality:
             found.append(f"output '{out.name}' cosine {out.cosine_mean:.4f} < {tol.cosine_min}")
+        if out.explained is not None and tol.cosine_min is not None and out.explained < explained_bound(tol.cosine_min):
+            found.append(explained_violation(out.name, out.explained, out.constant_cosine, tol.cosine_min))
         found += _unequal_integers(out, tol) if equality else []
         if tol.rtol is not None:
             if out.beyond_tolerance:

@@ -30,10 +30,11 @@ from optpipe.evaluation.cached_figures import decode_figures, encode_figures
 from optpipe.recipe.schema import EvaluateSpec, ModelInputs, Tolerance
 from optpipe.core.runtime import Feeds, Outputs, as_exported, eager_runner, resize_dim, ort_runner, ort_session, pick_providers, requested_providers
 
-EVAL_FORMAT = 10  # 3: adaptive iteration counts, eager beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
+EVAL_FORMAT = 11  # 3: adaptive iteration counts, eager beside each stage, busy flags; 4: task metrics, input sensitivity, rtol;
 # 5: sweeps cached apart from the headline; 6: integer outputs held by equality, busy from other processes' CPU; 7: a time budget
 # per figure, its interval and why timing stopped; 8: a reference ~0 (< fp16's range) warned; 9: no cosine verdict on integers;
-# 10: eager's outputs as exported (runtime.as_exported), cosine over the real tokens of any padding mask (cosine.real_tokens)
+# 10: eager's outputs as exported (runtime.as_exported), cosine over the real tokens of any padding mask (cosine.real_tokens);
+# 11: R² holds an output where a constant one meets the cosine bound (evaluation.variation)
 #: Settings that shape only the sweep curves: not part of the headline's cache key.
 SWEEP_SETTINGS = {"sweep", "sweep_iterations", "sweep_stages"}
 #: Settings that shape no figure (a search's strategy or budget, the Ray resources, the eager baseline

@@ -29,7 +29,7 @@ from optpipe.core.results import EAGER, Accuracy, Generation, GenerationRow, Lat
 from optpipe.evaluation import generation as gen
 from optpipe.evaluation import generation_inputs as inputs
 from optpipe.evaluation import cpu_contention, openvino_runtime
-from optpipe.evaluation.accuracy import magnitude_warnings, tied_logits_warnings
+from optpipe.evaluation.figure_warnings import magnitude_warnings, tied_logits_warnings
 from optpipe.evaluation.cosine import row_cosines
 from optpipe.evaluation.held_eager import HeldEager
 from optpipe.evaluation.latency import busy_reason

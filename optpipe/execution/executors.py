@@ -135,7 +135,7 @@ def result_detail(result: StageResult) -> str:
     if result.latency:
         parts.append(f"p50 {result.latency[0].p50_ms:.2f} ms")
     if result.accuracy:
-        parts.append(f"cosine {result.accuracy.worst_cosine:.5f}" + ("" if result.accuracy.within_tolerance else " OUT OF TOLERANCE"))
+        parts.append(result.accuracy.figure() + ("" if result.accuracy.within_tolerance else " OUT OF TOLERANCE"))
     return ", ".join(parts)
 
 

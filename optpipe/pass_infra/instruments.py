@@ -172,7 +172,7 @@ def evaluation_summary(result: "StageResult") -> str:
         if result.memory and result.memory.host_rss_bytes is not None:
             parts.append(f"peak {result.memory.host_rss_bytes / 1e6:.0f} MB")
     elif result.accuracy:
-        parts.append(f"cosine {result.accuracy.worst_cosine:.5f}")
+        parts.append(result.accuracy.figure())
     if result.accuracy:
         if not result.accuracy.within_tolerance:
             parts.append("OUT OF TOLERANCE")

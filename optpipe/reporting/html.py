@@ -233,7 +233,7 @@ def _dag_svg(report: RunReport) -> str:
         lat = s.headline
         detail = f"{lat.p50_ms:.2f} ms" if lat else s.status
         if s.accuracy:
-            detail += f" · cos {s.accuracy.worst_cosine:.4f}"
+            detail += " · " + s.accuracy.figure("cos ")
         ax.text(x, y, f"{name}\n{s.pass_name}\n{detail}", ha="center", va="center", fontsize=8, color="white",
                 bbox=dict(boxstyle="round,pad=0.4", fc=colour, ec=FRONTIER if s.pareto else colour, lw=3 if s.pareto else 1))
     ax.set_xlim(min(x for x, _ in pos.values()) - 0.5, max(x for x, _ in pos.values()) + 0.5)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Literal, Optional
 
-from optpipe.evaluation.accuracy import BELOW_HALF, MEANINGLESS, NEAR_ZERO, TIED
+from optpipe.evaluation.figure_warnings import BELOW_HALF, MEANINGLESS, NEAR_ZERO, TIED
 from optpipe.evaluation.latency import BUSY_SPREAD
 from optpipe.evaluation.openvino_runtime import PRECISION_NAMES
 from optpipe.evaluation.speed_verdict import SLOWER_THAN_PARENT
@@ -179,7 +179,7 @@ def _cosine(c: RowContext) -> Cell:
     accuracy = c.stage.accuracy
     if not accuracy:
         return Cell()
-    text = f"{accuracy.worst_cosine:.5f}" + guard_figure(accuracy) + meaningless_mark(accuracy)
+    text = accuracy.figure(label="") + guard_figure(accuracy) + meaningless_mark(accuracy)
     return Cell(text, None if accuracy.within_tolerance and not accuracy.warnings else "out")
 
 
@@ -228,6 +228,8 @@ def grouped_warnings(stages: list[StageResult]) -> dict[str, list[str]]:
 
 def _cosine_delta(c: RowContext) -> Cell:
     if not (c.parent and c.parent.accuracy and c.stage.accuracy):
+        return Cell()
+    if c.stage.accuracy.figure().startswith("R²"):  # the cosine judges no output: its change says nothing
         return Cell()
     return Cell(f"{c.stage.accuracy.worst_cosine - c.parent.accuracy.worst_cosine:+.5f}")
 
