@@ -27,8 +27,8 @@ class Pair(nn.Module):
         super().__init__()
         self.proj = nn.Linear(8, 4)
 
-    def forward(self, x, boxes):
-        return self.proj(x) + boxes.sum()
+    def forward(self, obs, boxes):
+        return self.proj(obs) + boxes.sum()
 
 
 def pair():
@@ -86,8 +86,9 @@ def test_an_input_init_cannot_infer_is_named_in_one_line(tmp_path, cli_run, monk
     assert result.exit_code == 2, result.output
     [line] = result.output.strip().splitlines()
     assert "cannot infer input 'boxes' of Pair.forward()" in line and "write `inputs`" in line
-    # a plain module has no config: the line gives the input its first layer told, to copy (no Hugging Face names)
-    assert "first layer tells its first input only ({name: x, dtype: float32, shape: [batch, 8]})" in line
+    # a plain module has no config: the line gives the input its first layer told, to copy (no Hugging Face names),
+    # under forward()'s own name for it (it had said `x`, which names no parameter of forward(obs, boxes))
+    assert "first layer tells its first input only ({name: obs, dtype: float32, shape: [batch, 8]})" in line
     assert "config" not in line and "input_ids" not in line
     refused = cli_run("init", "user_nets:picky", "-o", "picky.yaml")
     assert refused.exit_code == 2, refused.output

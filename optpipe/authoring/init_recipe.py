@@ -258,7 +258,8 @@ def _module_facts(net, name: str, model: dict[str, Any]) -> ModelFacts:
         inputs, dims, notes = _first_layer_input(net)
         notes += _sequence_first_notes(net)
         required = [name for name, needed in params if needed]
-        unknown_required(params, set(required[:1]), owner, inputs)  # the first layer tells one input, no more
+        # The first layer tells one input, no more; shown under forward()'s own name for it, which binds by name.
+        unknown_required(params, set(required[:1]), owner, [{**inputs[0], "name": required[0]}] if required else inputs)
     notes += _widening_notes(converted)
     output_shapes = _probe(net, inputs, dims, owner)
     kind, kind_notes = (model_kind if hasattr(hf_config, "to_dict") else factory_kind)(net, inputs, dims, owner)
