@@ -168,12 +168,19 @@ def join_arrays(parts: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.atleast_1d(p) for p in parts])
 
 
-def first_non_finite(arrays: Mapping[str, np.ndarray]) -> tuple[str, int, int] | None:
-    """The first float array holding NaN or Inf: (its name, how many such values, its size); None where all are finite."""
+def first_non_finite(arrays: Mapping[str, np.ndarray], like: Mapping[str, np.ndarray] | None = None) -> tuple[str, int, int] | None:
+    """The first float array holding NaN or Inf: (its name, how many such values, its size); None where all are finite.
+    `like`: arrays whose ±inf at the same place are allowed (a model that means -inf, masked logits); NaN never is.
+    Given `arrays` itself, every infinity is allowed."""
     for name, value in arrays.items():
         value = np.asarray(value)
         if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
-            return name, int(value.size - np.isfinite(value).sum()), value.size
+            bad = ~np.isfinite(value)
+            other = None if like is None else like.get(name)
+            if other is not None and np.shape(other) == value.shape:
+                bad &= ~(np.isinf(value) & (value == np.asarray(other)))
+            if bad.any():
+                return name, int(bad.sum()), value.size
     return None
 
 

@@ -95,7 +95,7 @@ def compare(
         task = task.bounded(tolerance.task)
         task_result = task_accuracy(task, {n: c for n, c, _ in pairs}, {n: r for n, _, r in pairs}, inputs, labels)
         task_result.own_bounds = own_bounds(tolerance.task)
-        violations = [f"output '{o.name}' has NaN or Inf values" for o in outputs if not o.finite]
+        violations = [f"output '{o.name}' has NaN or Inf values unlike the reference's" for o in outputs if not o.finite]
         violations += task_result.violations + _violations(outputs, tolerance, only_explicit=True)
     else:
         violations = _violations(outputs, tolerance)
@@ -131,6 +131,7 @@ def input_sensitivity(reference: np.ndarray) -> float | None:
     total_abs = total_std = 0.0
     for start in range(0, flat.shape[1], step):
         block = flat[:, start:start + step].astype(np.float64)
+        block[np.isinf(block)] = 0.0  # -inf where a model masks: no magnitude, no spread
         if not np.isfinite(block).all():
             return None
         total_abs += float(np.abs(block).sum())
@@ -226,8 +227,8 @@ class _Sums:
         self.agree = self.rows = self.beyond = self.equal = 0
 
     def add(self, cand: np.ndarray, ref: np.ndarray, keep: np.ndarray | None) -> None:
-        c, r = cand.astype(np.float64), ref.astype(np.float64)
-        finite = bool(np.isfinite(c).all())
+        c, r = shared_infinities_zeroed(cand.astype(np.float64), ref.astype(np.float64))
+        finite = bool(np.isfinite(c).all() and np.isfinite(r).all())
         self.finite &= finite
         # nan_to_num copies (a NaN counts as an infinite error); on finite values it is the identity, so skipped.
         diff = np.abs((c if finite else np.nan_to_num(c, nan=np.inf)) - r)
@@ -264,6 +265,15 @@ class _Sums:
         )
 
 
+def shared_infinities_zeroed(c: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """±inf at the same place in both (masked logits: a model that means -inf) compare equal: zeroed in both, they
+    count as no error and leave the cosine to the finite values. An infinity in one only stays an infinite error."""
+    shared = np.isinf(r) & (c == r)
+    if not shared.any():
+        return c, r
+    return np.where(shared, 0.0, c), np.where(shared, 0.0, r)
+
+
 def _shape_violation(name: str, shape: list[int], reference: list[int]) -> str:
     """One length apart: it depends on the data (scores past a threshold); else the layout changed (OpenVINO: [32, 17, 1])."""
     one = len(shape) == len(reference) and sum(a != b for a, b in zip(shape, reference)) == 1
@@ -285,7 +295,7 @@ def _violations(outputs: list[OutputAccuracy], stage_tol: Tolerance, only_explic
             continue
         if not out.finite:
             if not only_explicit:
-                found.append(f"output '{out.name}' has NaN or Inf values")
+                found.append(f"output '{out.name}' has NaN or Inf values unlike the reference's")
             continue
         equality = _held_by_equality(out, tol)
         if tol.cosine_min is not None and out.cosine_mean < tol.cosine_min and not equality:
@@ -347,7 +357,8 @@ def _polygraphy_match(pairs, tol: Tolerance) -> bool | None:
         step = max(SLICE_ELEMENTS // max(rows_r.shape[1], 1), 1)
         parts = range(0, max(len(rows_r), 1), step)  # an empty output: one (empty) iteration, as whole
         results = RunResults()
-        results.append(("candidate", [IterationResult({name: rows_c[i:i + step]}, runner_name="candidate") for i in parts]))
-        results.append(("reference", [IterationResult({name: rows_r[i:i + step]}, runner_name="reference") for i in parts]))
+        sliced = [shared_infinities_zeroed(rows_c[i:i + step], rows_r[i:i + step]) for i in parts]  # inf - inf is NaN to it
+        results.append(("candidate", [IterationResult({name: c}, runner_name="candidate") for c, _ in sliced]))
+        results.append(("reference", [IterationResult({name: r}, runner_name="reference") for _, r in sliced]))
         verdicts.append(bool(Comparator.compare_accuracy(results, compare_func=compare_func)))
     return all(verdicts)

@@ -235,8 +235,9 @@ class Evaluator:
             candidate = reference(outputs)  # the same model: its outputs are the reference's
         else:
             candidate = outputs()
-        candidate = require_finite(candidate, "it outputs", NonFiniteOutputs, self.all_inputs)
-        expected = require_finite(reference(), f"the reference stage '{name}' outputs", NonFiniteOutputs, self.all_inputs)
+        expected = reference()  # its ±inf are what the model means (masked logits); a candidate's must match them
+        candidate = require_finite(candidate, "it outputs", NonFiniteOutputs, self.all_inputs, like=expected)
+        expected = require_finite(expected, f"the reference stage '{name}' outputs", NonFiniteOutputs, self.all_inputs, like=expected)
         return compare(candidate, expected, self.all_inputs, tolerance, name, self.settings.top1,
                        task=self.settings.task, labels=self.eval_set.labels,
                        min_input_sensitivity=self.settings.min_input_sensitivity)

@@ -182,7 +182,8 @@ def self_check_fingerprint(params: PassParams, shapes: ModelInputs) -> dict[str,
 def numeric_check(candidate: Outputs, reference: Outputs, feeds: Feeds, params: SelfCheckParams, against: str,
                   hint: str = "") -> dict[str, Any]:
     """The self-check's record (info.json's `self_check`); PassError when enforced and out of tolerance."""
-    require_finite(reference, f"the {against} outputs" if against != INPUT else "the model it starts from outputs", PassError, feeds)
+    require_finite(reference, f"the {against} outputs" if against != INPUT else "the model it starts from outputs", PassError, feeds,
+                   like=reference)
     enforced = params.check_enforced
     accuracy, half = _checked(candidate, reference, feeds, params, against)
     record = {
@@ -286,11 +287,13 @@ def eager_outputs(torch_model, feeds: Feeds, threads: int) -> Outputs:
         raise PassError(f"PyTorch eager fails on the recipe's inputs: {first_line(exc)}") from None
 
 
-def require_finite(outputs: Outputs, whose: str, error: type[Exception] = DataError, inputs: Feeds | None = None) -> Outputs:
-    """`outputs` unchanged when every value is finite; else one sentence naming the output, and the input where the
-    data itself holds NaN or Inf (a missing value in a table, an overflowed preprocessing step): the cause to fix is
-    then the data, not the model's range or precision."""
-    found = first_non_finite(outputs)
+def require_finite(outputs: Outputs, whose: str, error: type[Exception] = DataError, inputs: Feeds | None = None,
+                   like: Outputs | None = None) -> Outputs:
+    """`outputs` unchanged when every value is finite, or ±inf where `like` has the same (a reference's own: -inf is
+    what a masked-logits model means); else one sentence naming the output, and the input where the data itself holds
+    NaN or Inf (a missing value in a table, an overflowed preprocessing step): the cause to fix is then the data, not
+    the model's range or precision."""
+    found = first_non_finite(outputs, like)
     if found:
         name, bad, size = found
         raise error(f"{whose} NaN or Inf in '{name}' ({bad} of {size} values); {_non_finite_cause(inputs or {})}")
