@@ -9,7 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from optpipe.core.errors import RecipeError, first_line
 from optpipe.pass_infra.pass_base import PassContext
+from optpipe.recipe.schema import ModelInputs
 from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.evaluation.self_check import load_session
 
@@ -31,6 +33,36 @@ def samples_mixed(run, feeds: dict[str, np.ndarray], together: dict[str, np.ndar
         shapes = ", ".join(f"'{name}' {list(np.shape(value))}" for name, value in list(together.items())[:2])
         return {"output": None, "why": f"no output has one row per sample ({shapes} at batch {size})"}
     return None
+
+
+def checked_batch(inputs: ModelInputs) -> bool:
+    """Whether the first dim is to be checked as a batch: named for the batch, or a fixed length above 1 that every
+    input leads with and no dim names (a fixed batch; or no batch at all, as `refuse_no_batch` tells)."""
+    return inputs.batch_dim() is not None or _fixed_first(inputs) is not None
+
+
+def refuse_no_batch(run, feeds: dict[str, np.ndarray], inputs: ModelInputs) -> None:
+    """Refused in one line: inputs that lead with a fixed length and no batch dim, where the model refuses one row of
+    them. Given `shape: [16]` for a Linear(16), optpipe took 16 samples of one value: its figures read "@ batch 16" and
+    NNCF's calibration failed ("iteration over a 0-d tensor")."""
+    size = _fixed_first(inputs)
+    if size is None:
+        return
+    try:
+        run({name: array[:1] for name, array in feeds.items()})
+    except Exception as exc:  # whatever forward() raises on one row: the first dim is not a batch
+        shown = ", ".join(f"'{spec.name}' {list(spec.shape)}" for spec in inputs.inputs)
+        one = len(inputs.inputs) == 1
+        raise RecipeError(f"inputs: {shown} lead{'s' if one else ''} with a fixed {size} and no batch dim, and the model "
+                          f"refuses one row of {'it' if one else 'them'} alone ({first_line(exc)[:100]}): optpipe takes "
+                          "samples along every input's first dim; give each input a leading batch dim (shape: [batch, ...] "
+                          "with dims.batch), which forward() must take") from None
+
+
+def _fixed_first(inputs: ModelInputs) -> int | None:
+    firsts = {spec.shape[0] for spec in inputs.inputs if spec.shape}
+    first = firsts.pop() if len(firsts) == 1 else None
+    return first if isinstance(first, int) and first > 1 and inputs.batch_dim() is None else None
 
 
 def _row_apart(name: str, own: np.ndarray, together: np.ndarray, atol: float, rtol: float) -> str | None:

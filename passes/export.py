@@ -22,7 +22,7 @@ from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import as_exported, eager_runner
 from optpipe.passes import _torch_export as exporters
-from optpipe.passes._batch_independence import onnx_samples_mixed, samples_mixed
+from optpipe.passes._batch_independence import checked_batch, onnx_samples_mixed, refuse_no_batch, samples_mixed
 from optpipe.passes._eager_reference import eager_as_exported, eager_outputs
 from optpipe.source.module_forms import is_scripted
 from optpipe.passes._torch_export import DYNAMO_MIN_OPSET
@@ -64,7 +64,8 @@ class ExportPass(Pass[ExportParams]):
     """Export the recipe's PyTorch model to ONNX with the recipe's dynamic dims, checked against eager."""
 
     name = "export"
-    version = "4"  # 3: source_warnings (checkpoint weights left out or made up) in the info; 4: samples_mixed
+    version = "5"  # 3: source_warnings (checkpoint weights left out or made up) in the info; 4: samples_mixed;
+    # 5: a fixed first dim checked as a batch too, refused where the model refuses one row (refuse_no_batch)
     Params = ExportParams
     needs_input = False
     libraries = ("torch", "onnx", "onnxscript", "transformers")
@@ -108,8 +109,9 @@ class ExportPass(Pass[ExportParams]):
         feeds = trace_inputs(ctx.inputs)
         steps("PyTorch eager on the trace inputs")
         expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
-        mixed = samples_mixed(eager_as_exported(torch_model, ctx.evaluate.threads), feeds, expected,
-                              *_mixing_tolerance(self.params)) if ctx.inputs.batch_dim() and not decoder else None
+        eager = eager_as_exported(torch_model, ctx.evaluate.threads)
+        refuse_no_batch(eager, feeds, ctx.inputs)
+        mixed = samples_mixed(eager, feeds, expected, *_mixing_tolerance(self.params)) if checked_batch(ctx.inputs) and not decoder else None
         if decoder:
             from optpipe.passes._decoder_export import export_with_cache
 

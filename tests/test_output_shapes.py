@@ -299,3 +299,26 @@ def test_an_onnx_source_that_mixes_the_samples_of_a_batch_is_said_and_served_unb
     export = next(s for s in report["stages"] if s["name"] == "export")
     assert "output 'y' of sample 0 differs by" in export["info"]["samples_mixed"]["why"]
     assert report["targets"][0]["details"]["max_batch_size"] == 0
+
+
+def test_inputs_with_a_fixed_first_dim_the_model_refuses_one_row_of_are_refused_as_no_batch(tmp_path, cli_run):
+    """`shape: [16]` for a Linear(16) (the batch dim left out): optpipe took 16 samples of one value, its figures read
+    "@ batch 16" and NNCF's calibration failed ("iteration over a 0-d tensor")."""
+    (tmp_path / "no_batch.py").write_text(MODELS)
+    recipe = small_recipe({"factory": "no_batch:loss", "path": "."}, inputs=[{"name": "x", "dtype": "float32", "shape": [16]}], dims={})
+    result = compile_recipe(tmp_path, cli_run, recipe)
+    assert result.exit_code == 2, result.output
+    assert ("inputs: 'x' [16] leads with a fixed 16 and no batch dim, and the model refuses one row of it alone" in result.output
+            and "give each input a leading batch dim (shape: [batch, ...] with dims.batch)" in result.output)
+
+
+def test_a_fixed_batch_is_checked_as_a_batch(tmp_path, cli_run):
+    """[4, 16] with no dim named: a fixed batch. Taken as it is where samples are independent; said where they mix."""
+    (tmp_path / "fixed_batch.py").write_text(MODELS)
+    for factory, mixes in (("batch_mean", False), ("across_batch", True)):
+        recipe = small_recipe({"factory": f"fixed_batch:{factory}", "path": "."}, inputs=[{"name": "x", "dtype": "float32", "shape": [4, 16]}],
+                              dims={}, stages={"export": {"pass": "export"}})
+        result = compile_recipe(tmp_path, cli_run, recipe)
+        assert result.exit_code == 0, result.output
+        export = next(s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"] if s["name"] == "export")
+        assert ("samples_mixed" in export["info"]) is mixes
