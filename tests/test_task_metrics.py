@@ -361,7 +361,7 @@ def test_a_reference_of_subnormal_outputs_is_flagged_meaningless():
     assert "below float16's smallest normal" in warning and "mean nothing" not in warning
     stage = StageResult(name="fp16", pass_name="fp16", status="ok", accuracy=compare(small, small, {}, TOL, "export"))
     assert "(output below fp16's range)" in render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
-    normal = {"logits": logits * 1e41}
+    normal = {"logits": rng.normal(0, 1, (8, 10)).astype(np.float32)}  # (logits * 1e41 had overflowed float32 to ±inf)
     assert compare(normal, normal, {}, TOL, "export").warnings == []
 
 
@@ -448,3 +448,24 @@ def test_segmentation_judges_per_pixel_classes_that_cosine_lets_flip():
         compare({"logits": cand}, {"logits": ref}, {}, Tolerance(cosine_min=0.9), "export", task=spec, labels=labels[:, 0])
     with pytest.raises(RecipeError, match=r"\[N, classes, H, W\]"):
         compare({"logits": cand[:, :, 0]}, {"logits": ref[:, :, 0]}, {}, Tolerance(cosine_min=0.9), "export", task=spec)
+
+
+def test_labels_the_reference_itself_scores_at_chance_on_are_said_in_the_report():
+    """Labels in another class order (another label file, a background class at 0 shifting every index by one): the
+    reference scored ~0 on them, each stage "kept" that, and nothing said the label figures meant nothing."""
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 10, 64)
+    reference = rng.normal(size=(64, 10))
+    reference[np.arange(64), labels] += 3  # right on most samples...
+    task = TaskSpec(kind="classification")
+    shifted = compare({"logits": reference}, {"logits": reference}, {"x": np.zeros((64, 1))}, TOL, "ref", task=task,
+                      labels=(labels + 1) % 10)  # ...in its own class order
+    [note] = shifted.task.notes
+    assert "no better than chance for 10 classes (0.100) on 64 samples" in note and "class order" in note
+    right = compare({"logits": reference}, {"logits": reference}, {"x": np.zeros((64, 1))}, TOL, "ref", task=task, labels=labels)
+    assert right.task.notes == []
+
+    recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}], "stages": {"export": {"pass": "export"}}})
+    stage = StageResult(name="export", pass_name="export", status="ok", accuracy=shifted)
+    text = render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
+    assert "## Warnings" in text and "no better than chance" in text

@@ -85,12 +85,27 @@ def _label_accuracy(result: TaskAccuracy, spec: TaskSpec, cand, ref, labels, k: 
         "reference_top1": float(np.mean(ref.argmax(-1) == labels)),
         f"reference_top{k}": float(np.mean(_in_top_k(ref, labels, k))),
     }
+    chance = _at_chance(result.labels["reference_top1"], classes, len(labels))
+    if chance:
+        result.notes.append(chance)
     drop = result.labels["reference_top1"] - result.labels["top1"]
     if drop > spec.label_drop_max:
         result.violations.append(
             f"top-1 accuracy on the labels {result.labels['top1']:.3f}, {drop:.3f} below the reference's "
             f"{result.labels['reference_top1']:.3f} (allowed {spec.label_drop_max})"
         )
+
+
+def _at_chance(top1: float, classes: int, samples: int) -> str | None:
+    """Where the reference itself does no better on the labels than guessing (within two standard deviations of
+    1 / classes over these samples): the labels are not in the model's class order (another label file, a background
+    class at 0 that shifts every index by one) or the model is untrained. A stage then "keeps" an accuracy of ~0."""
+    p = 1.0 / classes
+    if classes < 2 or not samples or top1 > p + 2 * np.sqrt(p * (1 - p) / samples):
+        return None
+    return (f"the reference itself gets top-1 {top1:.3f} on the labels, no better than chance for {classes} classes "
+            f"({p:.3f}) on {samples} samples: the labels are not in the model's class order (another label file, a "
+            "background class at 0?) or the model is untrained, so the label figures mean nothing")
 
 
 # --- detection ---------------------------------------------------------------------------------

@@ -218,10 +218,11 @@ def _task(c: RowContext) -> Cell:
 
 
 def grouped_warnings(stages: list[StageResult]) -> dict[str, list[str]]:
-    """Each distinct warning with the stages it concerns (an input-insensitive eval set concerns them all)."""
+    """Each distinct warning (and task note) with the stages it concerns (an input-insensitive eval set concerns them all)."""
     grouped: dict[str, list[str]] = {}
     for s in stages:
-        for w in s.warnings:
+        task = s.accuracy.task if s.accuracy else None
+        for w in [*s.warnings, *(task.notes if task else [])]:  # a task figure not measured, or meaning nothing
             grouped.setdefault(w, []).append(s.name)
     return grouped
 
