@@ -466,6 +466,8 @@ def test_labels_the_reference_itself_scores_at_chance_on_are_said_in_the_report(
     assert right.task.notes == []
 
     recipe = parse_recipe({"model": {"onnx": "m.onnx"}, "inputs": [{"name": "x", "shape": [1, 4]}], "stages": {"export": {"pass": "export"}}})
-    stage = StageResult(name="export", pass_name="export", status="ok", accuracy=shifted)
+    assert note in shifted.warnings  # the stage's warnings: the console and the report's Warnings section
+    stage = StageResult(name="export", pass_name="export", status="ok", accuracy=shifted, warnings=shifted.warnings)
     text = render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
-    assert "## Warnings" in text and "no better than chance" in text
+    assert "## Warnings" in text and "no better than chance" in text and "labels top5 0.375 ⚠ |" in text
+    assert "barely depend" not in text  # the cosine is not what the note is about

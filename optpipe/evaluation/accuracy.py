@@ -111,7 +111,8 @@ def compare(
         within_tolerance=not violations, violations=violations,
         polygraphy_match=polygraphy_match,
         task=task_result,
-        warnings=magnitude_warnings(pairs) + _sensitivity_warnings(outputs, task_result, min_input_sensitivity),
+        warnings=magnitude_warnings(pairs) + _sensitivity_warnings(outputs, task_result, min_input_sensitivity)
+        + (task_result.notes if task_result else []),  # a task figure not measured, or meaning nothing (labels at chance)
     )
 
 

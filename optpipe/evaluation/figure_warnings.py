@@ -53,7 +53,8 @@ def tied_logits_warnings(rows: np.ndarray) -> list[str]:
             f"weights not loaded, or a degenerate model), so {MEANINGLESS}"]
 
 
-MEANINGLESS = "these accuracy figures mean nothing"  # the report's rows mark a figure under these warnings
+MEANINGLESS = "these accuracy figures mean nothing"
+BARELY = "across the evaluation samples"  # the input-sensitivity warnings (accuracy._sensitivity_warnings)  # the report's rows mark a figure under these warnings
 TIED = "tie at their maximum"
 NEAR_ZERO = "zero or subnormal everywhere"
 BELOW_HALF = "stays below float16's smallest normal (6.1e-05)"

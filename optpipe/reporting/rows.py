@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Literal, Optional
 
-from optpipe.evaluation.figure_warnings import BELOW_HALF, MEANINGLESS, NEAR_ZERO, TIED
+from optpipe.evaluation.figure_warnings import BARELY, BELOW_HALF, MEANINGLESS, NEAR_ZERO, TIED
 from optpipe.evaluation.latency import BUSY_SPREAD
 from optpipe.evaluation.openvino_runtime import PRECISION_NAMES
 from optpipe.evaluation.speed_verdict import SLOWER_THAN_PARENT
@@ -180,7 +180,9 @@ def _cosine(c: RowContext) -> Cell:
     if not accuracy:
         return Cell()
     text = accuracy.figure(label="") + guard_figure(accuracy) + meaningless_mark(accuracy)
-    return Cell(text, None if accuracy.within_tolerance and not accuracy.warnings else "out")
+    task_notes = accuracy.task.notes if accuracy.task else []  # marked in the task metric's cell
+    warned = any(w not in task_notes for w in accuracy.warnings)
+    return Cell(text, None if accuracy.within_tolerance and not warned else "out")
 
 
 def meaningless_mark(accuracy: Accuracy) -> str:
@@ -196,7 +198,7 @@ def meaningless_mark(accuracy: Accuracy) -> str:
         return " (meaningless: random weights)"
     if any(MEANINGLESS in w for w in accuracy.warnings):
         return " (meaningless: inputs barely matter)"
-    return " (some outputs barely depend on the inputs)" if accuracy.warnings else ""
+    return " (some outputs barely depend on the inputs)" if any(BARELY in w for w in accuracy.warnings) else ""
 
 
 TASK_HEADLINES = {"top1_agreement": "top-1 agree", "top5_agreement": "top-5 agree", "class_agreement": "class agree",
@@ -214,15 +216,15 @@ def _task(c: RowContext) -> Cell:
     text = " · ".join(f"{k} {v:.3f}" for k, v in shown.items()) or "not measured"
     if task.own_bounds:  # held to the stage's tolerance.task, not evaluate.task's: say so where the figure is
         text += " (its own bounds: " + ", ".join(f"{k} {v:g}" for k, v in task.own_bounds.items()) + ")"
-    return Cell(text, "out" if task.violations else None)
+    # Marked also where a figure is not measured, or means nothing: the Warnings section says which and why.
+    return Cell(text, "out" if task.violations or task.notes else None)
 
 
 def grouped_warnings(stages: list[StageResult]) -> dict[str, list[str]]:
-    """Each distinct warning (and task note) with the stages it concerns (an input-insensitive eval set concerns them all)."""
+    """Each distinct warning with the stages it concerns (an input-insensitive eval set concerns them all)."""
     grouped: dict[str, list[str]] = {}
     for s in stages:
-        task = s.accuracy.task if s.accuracy else None
-        for w in [*s.warnings, *(task.notes if task else [])]:  # a task figure not measured, or meaning nothing
+        for w in s.warnings:
             grouped.setdefault(w, []).append(s.name)
     return grouped
 
