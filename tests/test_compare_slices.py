@@ -87,7 +87,10 @@ def test_input_sensitivity_in_blocks_equals_the_whole(monkeypatch):
     whole = accuracy.input_sensitivity(ref)
     monkeypatch.setattr(accuracy, "SLICE_ELEMENTS", 4)
     assert accuracy.input_sensitivity(ref) == pytest.approx(whole, rel=1e-12)
+    masked = ref.copy()
+    masked[4, 8, 2] = -np.inf  # a model that means -inf (masked logits): no magnitude, no spread there
+    assert np.isfinite(accuracy.input_sensitivity(masked))
     bad = ref.copy()
-    bad[4, 8, 2] = np.inf
+    bad[4, 8, 2] = np.nan
     assert accuracy.input_sensitivity(bad) is None
     assert accuracy.input_sensitivity(ref[:1]) is None

@@ -121,5 +121,5 @@ def test_yaml_cannot_construct_objects(cli_run, tmp_path):
 def test_passes_command_lists_params(cli_run):
     result = cli_run("passes")
     assert result.exit_code == 0
-    assert "export (v4)" in result.output and "exporter = 'auto'" in result.output
+    assert "export (v5)" in result.output and "exporter = 'auto'" in result.output
     assert "simplify (v3)" in result.output and "backend = 'onnxslim'" in result.output
