@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import numpy as np
 import onnx
@@ -338,6 +339,10 @@ def test_calibration_data_alike_in_every_sample_or_shared_with_the_evaluation_is
     assert code == 0 and "data.calibration: input" not in err, err
     # one file for both: int8 is measured on the samples it was calibrated on
     assert err.count("data.eval: 8 of its 8 samples are also in data.calibration") == 1, err
+    # ...and the report says it too: it had been said on the console only, and report.md is what is read later
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [w for w in report["data_warnings"] if "8 of its 8 samples are also in data.calibration" in w]
+    assert "## Warnings\n\n- data.eval: 8 of its 8 samples are also in data.calibration" in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_a_model_with_a_fixed_batch_is_calibrated_in_batches_it_takes(tmp_path, cli_run):

@@ -234,9 +234,7 @@ class MeasuredResult(Result):
             return self.status
         return "out-of-tolerance" if self.accuracy is not None and not self.accuracy.within_tolerance else "ok"
 
-    @property
-    def headline(self) -> Latency | None:
-        return headline_latency(self.latency)
+    headline = property(lambda self: headline_latency(self.latency), doc="The first batch_sizes measurement (headline_latency).")
 
 
 class StageResult(MeasuredResult):
@@ -348,6 +346,7 @@ class RunReport(Result):
     reference: Optional[str]
     baseline: Optional[str] = None
     stages: list[StageResult]
+    data_warnings: list[str] = Field(default_factory=list, description="what the preflight said of the data sets every figure rests on")
     pareto: list[str] = Field(default_factory=list)
     frontier_axes: list[str] = Field(default_factory=lambda: list(FRONTIER_AXES),
                                      description="what `pareto` is over: stages within tolerance that no other beats on these")

@@ -79,7 +79,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         services = RunServices(plan.model_source(), plan.data, cache)
         # Seconds on a loaded machine (the model loaded and run once, the data sets built): a console phase.
         with Instruments(options.instruments).phase("preflight: the model, its inputs and the data sets"):
-            preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
+            said = preflight(recipe, onnx_path(recipe.model_source()), services.eval_set, services.calibration_set, cache)
             too_big = source_preflight(recipe, onnx_path(recipe.model_source()))
         order = _stages_to_run(graph, options.only)
 
@@ -91,7 +91,7 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         with stage_logger("evaluation", run_dir / "logs" / _evaluation_log(recipe.stages)):
             results = evaluate_stages(EvaluationParts.of(plan), order, stages, services, cache, options.providers, instruments,
                                       options.force)
-        report = build_report(plan.name, plan.evaluate, results)
+        report = build_report(plan.name, plan.evaluate, results, data_warnings=said)
         # Two compiles writing one run folder take turns: each leaves a consistent folder and report.
         # A full disk there names the output folder (the copies' sources are in the cache).
         with folder_errors("output folder", run_dir), FileLock(str(run_dir / ".optpipe.lock")):

@@ -156,8 +156,9 @@ def _html_cell(cell: Cell) -> str:
 
 
 def _problems(report: RunReport) -> str:
-    items = [f"<li>{', '.join(f'<code>{html.escape(n)}</code>' for n in names)} warning: {html.escape(w)}</li>"
-             for w, names in grouped_warnings(report.stages).items()]
+    items = [f"<li>warning: {html.escape(w)}</li>" for w in report.data_warnings]
+    items += [f"<li>{', '.join(f'<code>{html.escape(n)}</code>' for n in names)} warning: {html.escape(w)}</li>"
+              for w, names in grouped_warnings(report.stages).items()]
     for s in report.stages:
         if s.status != "ok":
             items.append(f"<li><code>{html.escape(s.name)}</code> {s.status}: {html.escape(s.reason or '')}</li>")

@@ -25,9 +25,9 @@ from optpipe.reporting.rows import Cell, grouped_warnings, headers, stage_rows, 
 from optpipe.core.results import EAGER, SCHEMA_VERSION, RunReport, StageResult, TargetResult
 from optpipe.hardware.cpu_features import cpu_record
 
-def build_report(name: str, evaluate: EvaluateSpec, stages: list[StageResult]) -> RunReport:
+def build_report(name: str, evaluate: EvaluateSpec, stages: list[StageResult], data_warnings: list[str] | None = None) -> RunReport:
     """The report of one compile (the recipe's `name`, its evaluation settings): its stages, their
-    Pareto frontier, the machine and settings."""
+    Pareto frontier, the machine and settings, and what the preflight said of the data."""
     reference = evaluate.reference or next((s.name for s in stages if s.parent is None and s.name != EAGER), None)
     report = RunReport(
         optpipe_version=_version(),
@@ -38,6 +38,7 @@ def build_report(name: str, evaluate: EvaluateSpec, stages: list[StageResult]) -
         reference=reference,
         baseline=EAGER if any(s.name == EAGER for s in stages) else None,
         stages=stages,
+        data_warnings=data_warnings or [],
     )
     flag_unfaithful_reference(stages, reference)
     slower_than_parent(stages)
@@ -128,8 +129,9 @@ def render_markdown(report: RunReport) -> str:
     if by_bits:
         lines += [f"## {DECODE_BY_BITS}", ""] + [f"- {line}" for line in by_bits] + [""]
     warned = grouped_warnings(report.stages)
-    if warned:
-        lines += ["## Warnings", ""] + [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
+    if warned or report.data_warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in report.data_warnings]
+        lines += [f"- {', '.join(f'`{n}`' for n in names)}: {w}" for w, names in warned.items()] + [""]
     exporters = export_fallbacks(report.stages)
     if exporters:
         lines += ["## Exporter fallback", ""] + [f"- {line}" for line in exporters] + [""]

@@ -25,20 +25,23 @@ _DATA_PREFIX = re.compile(r"^(data(\.\w+)?( source '\w+')?:\s*)")
 
 
 def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], object], calibration_set: Callable[[], object],
-              cache: "StageCache | None" = None) -> None:
+              cache: "StageCache | None" = None) -> list[str]:
     """`onnx_path`: the model file of an ONNX recipe (resolved by the caller, from model_source).
     The data sets are built (or loaded) through the run's builders, so the stages reuse them.
-    `cache`: where a model file that passed is remembered (see `check_onnx_source`)."""
+    `cache`: where a model file that passed is remembered (see `check_onnx_source`).
+    Returns what it warned of the data (each said on the console as well): the report keeps them, since every
+    figure of the run rests on that data (they had been said on the console only)."""
     if onnx_path is not None:
         check_onnx_source(recipe, onnx_path, cache)  # its memory: plan/source_preflight.py, which knows the passes
     _check_data(eval_set, "eval")
-    _warn_unread_labels(recipe, eval_set)
-    _warn_short(recipe.data.eval.samples, eval_set(), "eval")
+    said = [_unread_labels(recipe, eval_set), _short(recipe.data.eval.samples, eval_set(), "eval")]
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
-        _warn_short(recipe.data.calibration.samples, calibration_set(), "calibration")
-        _warn_alike(calibration_set())
-        _warn_shared(eval_set(), calibration_set())
+        said += [_short(recipe.data.calibration.samples, calibration_set(), "calibration"), *_alike(calibration_set()),
+                 _shared(eval_set(), calibration_set())]
+    for line in filter(None, said):
+        log.warning("%s", line)
+    return [line for line in said if line]
 
 
 def check_onnx_source(recipe: Recipe, path: Path, cache: "StageCache | None" = None) -> None:
@@ -100,52 +103,56 @@ def check_output_names(recipe: Recipe, outputs: list[str]) -> None:
         raise RecipeError(f"evaluate.task.output: the model has no output '{task.output}'; its outputs are {known}; fix the name")
 
 
-def _warn_unread_labels(recipe: Recipe, eval_set: Callable[[], object]) -> None:
+def _unread_labels(recipe: Recipe, eval_set: Callable[[], object]) -> str | None:
     """Labels the data carries by itself (an npz `labels` array, class subfolders) count only for a
     classification task; a file named in data.eval.labels without one is refused at validation."""
     task = recipe.evaluate.task
     if (task is None or task.kind not in LABELLED_TASKS) and getattr(eval_set(), "labels", None) is not None:
         now = f"evaluate.task is {task.kind}" if task else "evaluate.task is not set"
-        log.warning("data.eval: the evaluation data carries labels (an npz `labels` array or class subfolders), but %s: "
-                    "they are not checked; set `evaluate.task: {kind: classification}` to hold top-1 on them", now)
+        return (f"data.eval: the evaluation data carries labels (an npz `labels` array or class subfolders), but {now}: "
+                "they are not checked; set `evaluate.task: {kind: classification}` to hold top-1 on them")
+    return None
 
 
-def _warn_short(asked: int, samples, which: str) -> None:
+def _short(asked: int, samples, which: str) -> str | None:
     """A file with fewer samples than `samples` asks for is used as it is (a text is repeated to fill them instead):
     said once, since every figure of the run then rests on fewer samples than the recipe reads as."""
     held = len(samples)
-    if held < asked:
-        log.warning("data.%s: the data holds %d samples, fewer than the %d `samples` asks for: what is measured or calibrated "
-                    "on it rests on %d; give more data or lower `samples`", which, held, asked, held)
+    if held >= asked:
+        return None
+    return (f"data.{which}: the data holds {held} samples, fewer than the {asked} `samples` asks for: what is measured or "
+            f"calibrated on it rests on {held}; give more data or lower `samples`")
 
 
-def _warn_alike(samples) -> None:
+def _alike(samples) -> list[str]:
     """A float input that is the same in every calibration sample (a folder of blank images, an npz of zeros) gives
     int8 one point to calibrate on: every int8 stage kept its layers in float or clipped on real data, and said only
     that. Said once, naming the input (an integer input alike in every sample, a mask of ones, is normal)."""
+    said = []
     if len(samples) < 2:
-        return
+        return said
     for name, array in samples.arrays.items():
         if np.issubdtype(array.dtype, np.floating) and array.size and bool((array == array[:1]).all()):
             what = f"the value {array.flat[0]:.4g} everywhere" if bool((array == array.flat[0]).all()) else "the same array"
-            log.warning("data.calibration: input '%s' is %s in all %d samples: int8 ranges calibrated on it fit that one "
-                        "input, so int8 stages keep in float or clip what real inputs feed; calibrate on varied, real samples",
-                        name, what, len(samples))
+            said.append(f"data.calibration: input '{name}' is {what} in all {len(samples)} samples: int8 ranges calibrated on "
+                        "it fit that one input, so int8 stages keep in float or clip what real inputs feed; calibrate on "
+                        "varied, real samples")
+    return said
 
 
-def _warn_shared(eval_samples, calibration_samples) -> None:
+def _shared(eval_samples, calibration_samples) -> str | None:
     """Evaluation samples that are also calibration samples (both sets read from one file): int8 stages are then
     measured on the data their ranges were fitted to, which reads better than data they have not seen. Said once,
     with the share; samples compared whole (every input's bytes). Synthetic sets are left to their own warning (made-up
     data: the figures mean little either way)."""
     if set(eval_samples.arrays) != set(calibration_samples.arrays) or "synthetic" in (eval_samples.origin, calibration_samples.origin):
-        return
+        return None
     seen = _sample_digests(calibration_samples)
     shared = sum(digest in seen for digest in _sample_digests(eval_samples))
-    if shared:
-        log.warning("data.eval: %d of its %d samples are also in data.calibration: int8 stages are measured on the samples "
-                    "their ranges were calibrated on, which reads better than unseen data; evaluate on other samples",
-                    shared, len(eval_samples))
+    if not shared:
+        return None
+    return (f"data.eval: {shared} of its {len(eval_samples)} samples are also in data.calibration: int8 stages are measured "
+            "on the samples their ranges were calibrated on, which reads better than unseen data; evaluate on other samples")
 
 
 def _sample_digests(samples) -> list[bytes]:
