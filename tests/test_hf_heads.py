@@ -73,3 +73,19 @@ def test_a_base_checkpoint_compiled_with_a_classifier_says_the_classifier_is_ran
     assert result.exit_code == 0, result.output
     (warning,) = [w for w in rows["export"]["warnings"] if "initialized at random" in w]
     assert "classifier.weight" in warning and "AutoModelForSequenceClassification" in warning
+
+
+def test_a_one_label_classifier_is_a_regression_with_no_classification_task(tmp_path, cli_run, monkeypatch):
+    """num_labels 1 (an STS-B style regression head): init wrote `task: {kind: classification}`, whose top-1 agreement
+    over one class read 1.000 on every stage, ov-bf16 included, where R² read -60."""
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**TINY_BERT, num_labels=1, architectures=["BertForSequenceClassification"])
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "scorer")
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "scorer", "-o", "scorer.yaml")
+    assert result.exit_code == 0, result.output
+    recipe = yaml.safe_load((tmp_path / "scorer.yaml").read_text())
+    assert recipe["model"]["task"] == "sequence-classification" and "task" not in recipe["evaluate"]
+    assert "one label (a regression): no classification task" in result.output

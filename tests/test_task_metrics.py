@@ -471,3 +471,14 @@ def test_labels_the_reference_itself_scores_at_chance_on_are_said_in_the_report(
     text = render_markdown(build_report(recipe.name, recipe.evaluate, [stage]))
     assert "## Warnings" in text and "no better than chance" in text and "labels top5 0.375 ⚠ |" in text
     assert "barely depend" not in text  # the cosine is not what the note is about
+
+
+def test_a_single_logit_is_read_as_a_binary_classifier_not_one_class():
+    """Over one class, top-1 agreement read 1.000 whatever a stage did."""
+    logits = np.random.default_rng(6).normal(size=(40, 1))
+    flipped = logits.copy()
+    flipped[:8] *= -1  # 8 of 40 predictions change side
+    acc = compare({"logit": flipped}, {"logit": logits}, {"x": np.zeros((40, 1))}, TOL, "ref", task=TaskSpec(kind="classification"),
+                  labels=(logits[:, 0] > 0).astype(np.int64))
+    assert acc.task.metrics["top1_agreement"] == pytest.approx(32 / 40) and not acc.within_tolerance
+    assert acc.task.labels["reference_top1"] == 1.0 and acc.task.labels["top1"] == pytest.approx(32 / 40)

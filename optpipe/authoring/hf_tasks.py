@@ -65,3 +65,15 @@ HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classifi
                     "speech-seq2seq": "language-model",
                     "semantic-segmentation": "segmentation", "multiple-choice": "classification",
                     "next-sentence-prediction": "classification", "video-classification": "classification"}
+
+
+def verdict_task(task: str, config: dict) -> tuple[str | None, list[str]]:
+    """The task metric for a Hugging Face head (HF_VERDICT_TASKS), and init's notes. A classification head with one
+    label is a regression (transformers' problem_type for num_labels 1): its top-1 agreement over one class is 1 by
+    construction, so no classification task; the compile holds its one value per sample by R² (docs/accuracy.md)."""
+    kind = HF_VERDICT_TASKS.get(task)
+    labels = config.get("num_labels") or len(config.get("id2label") or {}) or None
+    if kind == "classification" and task != "multiple-choice" and (labels == 1 or config.get("problem_type") == "regression"):
+        return None, [f"a {task} head with one label (a regression): no classification task, whose top-1 agreement over "
+                      "one class would read 1.000 whatever a stage does; its one value per sample is held by R²"]
+    return kind, []

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
-from optpipe.authoring.hf_tasks import HF_VERDICT_TASKS, architecture_task
+from optpipe.authoring.hf_tasks import HF_VERDICT_TASKS, architecture_task, verdict_task
 from optpipe.authoring.forward_inputs import (DECODER_IDS, hf_inputs, input_entry, real_tensors, task_layout,
                                              unknown_required)
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
@@ -184,9 +184,9 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
     inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
     task_layout(task, inputs, dims, config)
     kind, notes = model_kind(net, inputs, dims, owner)
-    notes += _widening_notes(stored_dtype(config))
-    return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=HF_VERDICT_TASKS.get(task),
-                      conv_widths=_torch_conv_widths(net))
+    verdict, task_notes = verdict_task(task, config)
+    notes += _widening_notes(stored_dtype(config)) + task_notes
+    return ModelFacts(folder.name, model, inputs, dims, kind, notes, task=verdict, conv_widths=_torch_conv_widths(net))
 
 
 def _classifier_task(kind: str, output_shapes: list[list]) -> Optional[str]:

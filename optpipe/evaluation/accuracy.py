@@ -148,8 +148,8 @@ def _sensitivity_warnings(outputs: list[OutputAccuracy], task, threshold: float)
     (or the task's) -> the figures mean nothing; some -> those outputs' figures mean little (a
     YOLOS's pred_boxes moved 6e-4 of their size while its logits moved: one model-wide figure hid it)."""
     measured = [o for o in outputs if o.input_sensitivity is not None]
-    # An output R² holds is judged on its spread, not its size: prices ~1000 +- 0.2 are not "random weights".
-    low = [o for o in measured if o.input_sensitivity < threshold and o.explained is None]
+    # An output R² holds as well: a random-init BERT scorer's ~0.0073 +- 5e-6 let ov-bf16 read R² -60 on noise.
+    low = [o for o in measured if o.input_sensitivity < threshold]
     if not low:
         return []
     task_output_low = task is not None and any(o.name == task.output for o in low)

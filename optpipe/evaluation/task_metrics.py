@@ -45,7 +45,7 @@ def task_accuracy(spec: TaskSpec, candidate: dict[str, np.ndarray], reference: d
 
 
 def classification(spec: TaskSpec, cand, ref, inputs, labels) -> TaskAccuracy:
-    cand, ref = _class_rows(cand), _class_rows(ref)
+    cand, ref = _binary(_class_rows(cand)), _binary(_class_rows(ref))
     k = min(5, cand.shape[-1])
     ref_top1 = ref.argmax(-1)
     metrics = {
@@ -58,6 +58,12 @@ def classification(spec: TaskSpec, cand, ref, inputs, labels) -> TaskAccuracy:
     if labels is not None:
         _label_accuracy(result, spec, cand, ref, labels, k)
     return result
+
+
+def _binary(rows: np.ndarray) -> np.ndarray:
+    """One logit per sample (a sigmoid classifier) read as two classes, class 1 where it is above 0: over one class,
+    top-1 agreement was 1 whatever a stage did. (A regression head has no classification task: init writes none.)"""
+    return np.concatenate([np.zeros_like(rows), rows], axis=-1) if rows.shape[-1] == 1 else rows
 
 
 def _class_rows(logits: np.ndarray) -> np.ndarray:
