@@ -42,19 +42,25 @@ def variation(cand: np.ndarray, ref: np.ndarray, mask) -> Variation | None:
     if per_sample == 0 or per_sample > SAMPLE_ELEMENTS_MAX:
         return None
     mean = ref.mean(axis=0, dtype=np.float64)
-    if not np.isfinite(mean).all() or not np.isfinite(cand).all():
+    if not np.isfinite(mean).all():
         return None
     step = max(SAMPLE_ELEMENTS_MAX // per_sample, 1)
     fits = mask is not None and ref.ndim >= 3 and ref.shape[:2] == np.shape(mask)
     parts = [_sums(cand[s:s + step], ref[s:s + step], mean, mask[s:s + step] if fits else None) for s in range(0, len(ref), step)]
+    if None in parts:  # a non-finite candidate: a violation of its own (NaN or Inf values)
+        return None
     cosines, error, spread = (sum(p[i] for p in parts) for i in range(3))
     rows = sum(p[3] for p in parts)
     return Variation(constant_cosine=cosines / rows if rows else 1.0, explained=1.0 - error / spread if spread > 0 else None,
                      single_values=ref.shape[-1] == 1)
 
 
-def _sums(cand: np.ndarray, ref: np.ndarray, mean: np.ndarray, mask) -> tuple[float, float, float, int]:
+def _sums(cand: np.ndarray, ref: np.ndarray, mean: np.ndarray, mask) -> tuple[float, float, float, int] | None:
+    """One slice of samples: the constant's cosines summed, the candidate's squared error, the reference's squared
+    spread, and the rows (None where the candidate is not finite)."""
     r, c = ref.astype(np.float64), cand.astype(np.float64)
+    if not np.isfinite(c).all():
+        return None
     m = np.broadcast_to(mean, r.shape)
     rows_r, rows_c, rows_m = rows_of(r, mask), rows_of(c, mask), rows_of(m, mask)
     return (float(cosine_of_rows(rows_m, rows_r).sum()), float(((rows_c - rows_r) ** 2).sum()),
