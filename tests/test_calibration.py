@@ -379,3 +379,19 @@ def test_an_npz_whose_inputs_hold_unlike_sample_counts_is_one_line(tmp_path):
     source = DataSource(source="npz", path=str(tmp_path / "uneven.npz"), samples=64)
     with pytest.raises(DataError, match=r"the inputs hold different numbers of samples \('ids' 32, 'mask' 30\)"):
         build_sample_set(source, recipe.model_source(), tmp_path / "cache")
+
+
+def test_samples_that_repeat_others_are_said_with_the_count_of_distinct_ones(tmp_path, tiny_recipe, capsys, monkeypatch):
+    """A short file repeated to fill `samples` (as a text of 3 lines is): the report read "64 samples" for figures
+    resting on 3."""
+    from reliability_fixtures import run_main
+
+    monkeypatch.setenv("OPTPIPE_CACHE", str(tmp_path / "cache"))
+    rows = np.random.default_rng(0).standard_normal((3, 32)).astype(np.float32)
+    np.savez(tmp_path / "repeated.npz", x=np.concatenate([rows] * 3))  # 9 samples, 3 distinct
+    data = {"eval": {"source": "npz", "path": str(tmp_path / "repeated.npz"), "samples": 9}}
+    code, _, err = run_main(["compile", str(tiny_recipe({"data": data}))], capsys)
+    assert code == 0, err
+    said = "data.eval: 3 of its 9 samples are distinct, the rest repeat them"
+    assert err.count(said) == 1, err
+    assert said in (tmp_path / "run" / "report.md").read_text()

@@ -34,11 +34,11 @@ def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], obj
     if onnx_path is not None:
         check_onnx_source(recipe, onnx_path, cache)  # its memory: plan/source_preflight.py, which knows the passes
     _check_data(eval_set, "eval")
-    said = [_unread_labels(recipe, eval_set), _short(recipe.data.eval.samples, eval_set(), "eval")]
+    said = [_unread_labels(recipe, eval_set), _short(recipe.data.eval.samples, eval_set(), "eval"), _repeated(eval_set(), "eval")]
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
-        said += [_short(recipe.data.calibration.samples, calibration_set(), "calibration"), *_alike(calibration_set()),
-                 _shared(eval_set(), calibration_set())]
+        said += [_short(recipe.data.calibration.samples, calibration_set(), "calibration"),
+                 _repeated(calibration_set(), "calibration"), *_alike(calibration_set()), _shared(eval_set(), calibration_set())]
     for line in filter(None, said):
         log.warning("%s", line)
     return [line for line in said if line]
@@ -122,6 +122,18 @@ def _short(asked: int, samples, which: str) -> str | None:
         return None
     return (f"data.{which}: the data holds {held} samples, fewer than the {asked} `samples` asks for: what is measured or "
             f"calibrated on it rests on {held}; give more data or lower `samples`")
+
+
+def _repeated(samples, which: str) -> str | None:
+    """Samples that are copies of others: a text of 3 lines for `samples: 64` is repeated to fill them, and the report
+    read "64 samples" for figures that rest on 3 sentences. Said with the count of distinct ones (samples compared
+    whole, every input's bytes, after preprocessing: scikit-image's chessboard_GRAY and _RGB are one 96 x 96 image)."""
+    distinct = len(set(_sample_digests(samples)))
+    if distinct == len(samples):
+        return None
+    return (f"data.{which}: {distinct} of its {len(samples)} samples are distinct, the rest repeat them (a short file "
+            f"repeated to fill `samples`, or one sample twice in the data): what is measured or calibrated on it rests on "
+            f"{distinct}; give more data or lower `samples`")
 
 
 def _alike(samples) -> list[str]:
