@@ -104,3 +104,7 @@ def test_fp16_of_a_regression_far_from_zero_is_repaired_by_its_guard_and_refused
     guarded = stages["fp16"]
     assert guarded["accuracy"]["within_tolerance"] and guarded["accuracy"]["outputs"][0]["explained"] >= 0.98
     assert "R² " in (tmp_path / "run" / "report.md").read_text()
+    listing = cli_run("inspect", str(tmp_path / "run"))
+    assert listing.exit_code == 0 and "R² " in listing.output and "(cosine cannot tell)" in listing.output
+    stage = cli_run("inspect", str(tmp_path / "run"), "fp16-bare")
+    assert "(the cosine cannot tell)" in stage.output and "OUT OF TOLERANCE" in stage.output

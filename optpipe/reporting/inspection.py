@@ -75,6 +75,7 @@ def inspect_run(run_dir: str | Path) -> list[dict[str, Any]]:
             "precision": _mix_text(graph["precision_mix"]) if graph else "",
             "p50_ms": result.headline.p50_ms if result.headline else None,
             "cosine": result.accuracy.worst_cosine if result.accuracy else None,
+            "accuracy": result.accuracy.figure(label="") if result.accuracy else None,  # R² where the cosine cannot tell
             "size_bytes": result.size_bytes,
         })
     return rows

@@ -10,7 +10,7 @@ def render_run(rows: list[dict[str, Any]]) -> str:
     header = ["stage", "pass", "after", "status", "nodes", "fused", "weights", "p50 ms", "cosine", "size MB"]
     table = [[
         r["stage"], r["pass"], r["parent"] or "", r["status"], _n(r["nodes"]), _n(r["fused"]), r["precision"],
-        _f(r["p50_ms"], ".2f"), _f(r["cosine"], ".5f"), _f(r["size_bytes"] / 1e6 if r["size_bytes"] else None, ".1f"),
+        _f(r["p50_ms"], ".2f"), r.get("accuracy") or _f(r["cosine"], ".5f"), _f(r["size_bytes"] / 1e6 if r["size_bytes"] else None, ".1f"),
     ] for r in rows]
     return _table(header, table)
 
@@ -93,6 +93,7 @@ def _metric_lines(data: dict[str, Any]) -> list[str]:
         lines.append(f"  accuracy vs {acc['reference']} on {acc['samples']} samples: {verdict}")
         for out in acc["outputs"]:
             top1 = f", top-1 {out['top1']:.3f}" if out.get("top1") is not None else ""
+            top1 += f", R² {out['explained']:.5f} (the cosine cannot tell)" if out.get("explained") is not None else ""
             lines.append(f"    {out['name']}: cosine mean {out['cosine_mean']:.5f} (min {out['cosine_min']:.5f}), max abs {out['max_abs']:.3g}, mean abs {out['mean_abs']:.3g}{top1}")
     for lat in data["latency"]:
         sweep = f" [{lat['sweep']} sweep]" if lat.get("sweep") else ""
