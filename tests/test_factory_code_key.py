@@ -63,6 +63,16 @@ def test_a_file_a_factory_kwarg_names_is_in_the_key(tmp_path):
     assert _key(tmp_path, "keynet_c:build", cfg="/")["kwargs_files"] == {}  # a folder (or a name) is not read
 
 
+def test_a_big_file_a_kwarg_names_is_judged_by_size_and_time(tmp_path, monkeypatch):
+    from optpipe.source import code_digest
+
+    _project(tmp_path, "keynet_e", "keyblocks_e")
+    (tmp_path / "archive.bin").write_bytes(b"x" * 64)
+    monkeypatch.setattr(code_digest, "KWARGS_FILE_BYTES", 16)
+    stat = (tmp_path / "archive.bin").stat()
+    assert _key(tmp_path, "keynet_e:build", cfg="archive.bin")["kwargs_files"] == {"archive.bin": f"64:{stat.st_mtime_ns}"}
+
+
 def test_an_edited_helper_module_is_exported_again_not_served_from_the_cache(tmp_path):
     _project(tmp_path, "keynet_d", "keyblocks_d")
     recipe = {"name": "split", "model": {"factory": "keynet_d:build", "path": "."},

@@ -58,16 +58,23 @@ def _distributions(module_names) -> dict[str, str]:
     names = {dist for module in module_names for dist in owners.get(module.partition(".")[0], [])}
     return {f"distribution {name}": metadata.version(name) for name in sorted(names)}
 
+#: A file a factory kwarg names, read whole for its digest up to this size (a model config, a vocabulary).
+KWARGS_FILE_BYTES = 1 << 30
+
+
 def kwargs_files(kwargs: dict, source) -> dict[str, str]:
     """{kwarg value: sha256} for each string among the factory's kwargs that names a file: a model config the
     factory reads (`cfg: yolov5s.yaml`) is the model as much as its code. Relative to the recipe's folder or to
-    the working directory, where the factory opens it; folders are not read (a value '/' is not a model)."""
+    the working directory, where the factory opens it; folders are not read (a value '/' is not a model). A file above
+    KWARGS_FILE_BYTES is judged as make judges one, by size and modification time: a kwarg naming a data archive of
+    100 GB is not read through on every compile."""
     found = {}
     for value in _strings(kwargs):
         for path in (source.resolve(value), Path(value).expanduser()):
             try:
                 if path.is_file():
-                    found[value] = sha256_file(path)
+                    stat = path.stat()
+                    found[value] = sha256_file(path) if stat.st_size <= KWARGS_FILE_BYTES else f"{stat.st_size}:{stat.st_mtime_ns}"
                     break
             except OSError:  # a name too long, or a file that cannot be read: the factory says so itself
                 break
