@@ -5,10 +5,12 @@ by the share of the reference's variation across samples they reproduce (R² >= 
 of a model predicting ~1000 +- 0.2 read "ok, cosine 1.00000" while its outputs moved in steps of 0.5."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
-import yaml
 
+from helpers_recipes import compile_recipe, small_recipe
 from optpipe.evaluation.accuracy import compare
 from optpipe.evaluation.variation import variation
 from optpipe.recipe.schema import Tolerance
@@ -82,21 +84,12 @@ def test_fp16_of_a_regression_far_from_zero_is_repaired_by_its_guard_and_refused
         "        net[0].weight[0, 0] = 40.0\n"
         "        net[2].bias += 1000.0\n"
         "    return net\n")
-    recipe = {"name": "price", "model": {"factory": "price_model:build", "path": "."},
-              "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}],
-              "dims": {"batch": {"min": 1, "opt": 1, "max": 8}},
-              "data": {"eval": {"source": "synthetic", "samples": 64}},
-              "stages": {"export": {"pass": "export"},
-                         "fp16": {"pass": "fp16", "after": "export"},
-                         "fp16-bare": {"pass": "fp16", "after": "export", "params": {"guard": False}}},
-              "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 2, "threads": 1, "tolerance": {"cosine_min": 0.99}},
-              "output": str(tmp_path / "run")}
-    path = tmp_path / "price.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", str(path))
+    stages = {"export": {"pass": "export"}, "fp16": {"pass": "fp16", "after": "export"},
+              "fp16-bare": {"pass": "fp16", "after": "export", "params": {"guard": False}}}
+    recipe = small_recipe({"factory": "price_model:build", "path": "."}, stages=stages, samples=64)
+    recipe["evaluate"]["tolerance"] = {"cosine_min": 0.99}
+    result = compile_recipe(tmp_path, cli_run, recipe)
     assert result.exit_code == 0, result.output
-    import json
-
     stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
     bare = stages["fp16-bare"]["accuracy"]
     assert bare["outputs"][0]["cosine_mean"] > 0.9999  # the cosine: "ok"

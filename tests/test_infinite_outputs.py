@@ -8,8 +8,8 @@ import json
 
 import numpy as np
 import pytest
-import yaml
 
+from helpers_recipes import compile_recipe, small_recipe
 from optpipe.core.runtime import first_non_finite
 from optpipe.evaluation.accuracy import compare
 from optpipe.recipe.schema import Tolerance
@@ -71,18 +71,13 @@ def test_a_masked_logits_policy_compiles_through_export_int8_and_openvino(tmp_pa
         "def build():\n"
         "    torch.manual_seed(0)\n"
         "    return Policy()\n")
-    recipe = {"name": "policy", "model": {"factory": "policy_inf:build", "path": "."},
-              "inputs": [{"name": "obs", "dtype": "float32", "shape": ["batch", 16]},
-                         {"name": "legal", "dtype": "int64", "shape": ["batch", 8], "range": [0, 2]}],
-              "dims": {"batch": {"min": 1, "opt": 1, "max": 8}},
-              "data": {"eval": {"source": "synthetic", "samples": 32}, "calibration": {"source": "synthetic", "samples": 32}},
-              "stages": {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "dynamic"}},
-                         "ov-fp32": {"pass": "openvino", "after": "export", "params": {"precision": "fp32"}}},
-              "evaluate": {"batch_sizes": [1], "warmup": 1, "iterations": 2, "threads": 1, "tolerance": {"cosine_min": 0.99}},
-              "output": str(tmp_path / "run")}
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    result = cli_run("compile", str(path))
+    inputs = [{"name": "obs", "dtype": "float32", "shape": ["batch", 16]},
+              {"name": "legal", "dtype": "int64", "shape": ["batch", 8], "range": [0, 2]}]
+    stages = {"export": {"pass": "export"}, "int8": {"pass": "int8", "after": "export", "params": {"mode": "dynamic"}},
+              "ov-fp32": {"pass": "openvino", "after": "export", "params": {"precision": "fp32"}}}
+    recipe = small_recipe({"factory": "policy_inf:build", "path": "."}, inputs=inputs, stages=stages, samples=32)
+    recipe["evaluate"]["tolerance"] = {"cosine_min": 0.99}
+    result = compile_recipe(tmp_path, cli_run, recipe)
     assert result.exit_code == 0, result.output
     stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
     for name in ("export", "int8", "ov-fp32"):
