@@ -82,3 +82,12 @@ def test_a_masked_logits_policy_compiles_through_export_int8_and_openvino(tmp_pa
     stages = {s["name"]: s for s in json.loads((tmp_path / "run" / "report.json").read_text())["stages"]}
     for name in ("export", "int8", "ov-fp32"):
         assert stages[name]["status"] == "ok" and stages[name]["accuracy"]["within_tolerance"], (name, stages[name].get("reason"))
+
+
+def test_top1_of_masked_logits_is_read_on_the_logits_as_given():
+    """With the shared -inf zeroed for the error figures, a masked action (0) outranked legal logits that are all
+    negative, in both: top-1 read 1.0 where the legal choice flipped."""
+    ref = np.array([[-1.0, -2.0, -np.inf], [-3.0, -1.0, -np.inf]], np.float32)
+    flipped = np.array([[-2.0, -1.0, -np.inf], [-1.0, -3.0, -np.inf]], np.float32)
+    acc = compare({"logits": flipped}, {"logits": ref}, {}, Tolerance(cosine_min=0.0), "ref")
+    assert acc.outputs[0].top1 == 0.0

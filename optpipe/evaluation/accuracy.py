@@ -245,8 +245,9 @@ class _Sums:
         if keep is not None:
             c, r = c[keep], r[keep]
         self.cosines.append(cosine_of_rows(c if finite else np.nan_to_num(c), r))
-        if self.top1:
-            self.agree += int(np.count_nonzero(c.argmax(-1) == r.argmax(-1)))
+        if self.top1:  # on the values as given: a masked -inf zeroed above could outrank negative logits
+            same = cand.argmax(-1) == ref.argmax(-1)
+            self.agree += int(np.count_nonzero(same if keep is None else same[keep]))
             self.rows += len(r)
 
     def result(self, name: str, sensitivity: float | None, blind: Variation | None) -> OutputAccuracy:
