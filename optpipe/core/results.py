@@ -34,19 +34,16 @@ class OutputAccuracy(Result):
     top1: Optional[float] = None
     finite: bool = True
     beyond_tolerance: Optional[float] = Field(None, description="share of elements outside max_abs + rtol * |reference| (where rtol is set)")
-    input_sensitivity: Optional[float] = Field(
-        None, description="the reference's spread across samples relative to its magnitude; near 0: the output hardly depends on the input"
-    )
-    equal_share: Optional[float] = Field(
-        None, description="an integer or boolean output (class ids, token ids, masks): the share of its elements equal to the reference's"
-    )
+    input_sensitivity: Optional[float] = Field(None, description="the reference's spread across samples relative to its magnitude; "
+                                               "near 0: the output hardly depends on the input")
+    equal_share: Optional[float] = Field(None, description="an integer or boolean output (class ids, token ids, masks): the share "
+                                         "of its elements equal to the reference's")
     explained: Optional[float] = Field(None, description="where the cosine cannot tell (a constant output meets its bound): the "
                                        "share of the reference's variation across samples it reproduces (R²), which holds it")
     constant_cosine: Optional[float] = Field(None, description="with `explained`: the cosine the reference's mean scores")
-    shapes: Optional[tuple[list[int], list[int]]] = Field(
-        None, description="the candidate's and the reference's shapes where they differ (a length that depends on the data): "
-                          "nothing compares elementwise, every figure reads as no agreement"
-    )
+    shapes: Optional[tuple[list[int], list[int]]] = Field(None, description="the candidate's and the reference's shapes where they "
+                                                          "differ (a length that depends on the data): nothing compares elementwise, "
+                                                          "every figure reads as no agreement")
 
 
 class TaskAccuracy(Result):
@@ -88,9 +85,7 @@ class Accuracy(Result):
     outputs: list[OutputAccuracy]
     within_tolerance: bool
     violations: list[str] = Field(default_factory=list)
-    polygraphy_match: Optional[bool] = Field(
-        None, description="Polygraphy's elementwise comparison (atol/rtol per output); False is a violation"
-    )
+    polygraphy_match: Optional[bool] = Field(None, description="Polygraphy's elementwise comparison (atol/rtol per output); False is a violation")
     guard: Optional[GuardCheck] = Field(None, description="the pass's own guard figure; the stricter of the two is the verdict")
     task: Optional[TaskAccuracy] = Field(None, description="the task metric; when present it is the verdict")
     warnings: list[str] = Field(default_factory=list, description="why these figures may mean less than they seem (e.g. input-insensitive outputs)")
@@ -105,13 +100,18 @@ class Accuracy(Result):
         floats = [o for o in self.outputs if o.equal_share is None]
         return min(o.cosine_mean for o in [o for o in floats if o.explained is None] or floats or self.outputs)
 
+    @property
+    def cosine_blind(self) -> bool:
+        """Every float output is held by R² (optpipe.evaluation.variation): the cosine judges none of them."""
+        floats = [o for o in self.outputs if o.equal_share is None]
+        return bool(floats) and all(o.explained is not None for o in floats)
+
     def figure(self, label: str = "cosine ") -> str:
-        """In words (console, report): the cosine, and R² where it cannot tell (optpipe.evaluation.variation)."""
+        """In words (console, report): the cosine, and R² where it cannot tell."""
         explained = min((o.explained for o in self.outputs if o.explained is not None), default=None)
         if explained is None:
             return f"{label}{self.worst_cosine:.5f}"
-        blind = all(o.explained is not None for o in self.outputs if o.equal_share is None)
-        return f"R² {explained:.5f} (cosine cannot tell)" if blind else f"{label}{self.worst_cosine:.5f}, R² {explained:.5f}"
+        return f"R² {explained:.5f} (cosine cannot tell)" if self.cosine_blind else f"{label}{self.worst_cosine:.5f}, R² {explained:.5f}"
 
     @property
     def error(self) -> float:
@@ -139,8 +139,7 @@ class Latency(Result):
     sweep: Optional[str] = Field(None, description="the dim this point of a sweep varies; None for the batch_sizes measurements")
     sweep_value: Optional[int] = Field(None, description="the swept dim's value at this point")
     spread: Optional[float] = Field(None, description="run-to-run spread: (max - min) / p50 of the per-block medians")
-    interval: Optional[float] = Field(
-        None, description="half-width of the p50's 95% interval (order statistics), as a fraction of it; None with too few runs")
+    interval: Optional[float] = Field(None, description="half-width of the p50's 95% interval (order statistics), as a fraction of it; None with too few runs")
     stopped: Optional[Literal["interval", "budget", "iterations"]] = Field(
         None, description="why adaptive timing stopped: the interval within ±3%, evaluate.figure_budget_s spent, or the "
         "iterations cap; None when timing was not adaptive")
@@ -234,7 +233,9 @@ class MeasuredResult(Result):
             return self.status
         return "out-of-tolerance" if self.accuracy is not None and not self.accuracy.within_tolerance else "ok"
 
-    headline = property(lambda self: headline_latency(self.latency), doc="The first batch_sizes measurement (headline_latency).")
+    @property
+    def headline(self) -> Latency | None:
+        return headline_latency(self.latency)
 
 
 class StageResult(MeasuredResult):

@@ -232,7 +232,7 @@ def grouped_warnings(stages: list[StageResult]) -> dict[str, list[str]]:
 def _cosine_delta(c: RowContext) -> Cell:
     if not (c.parent and c.parent.accuracy and c.stage.accuracy):
         return Cell()
-    if c.stage.accuracy.figure().startswith("R²"):  # the cosine judges no output: its change says nothing
+    if c.stage.accuracy.cosine_blind:  # the cosine judges no output: its change says nothing
         return Cell()
     return Cell(f"{c.stage.accuracy.worst_cosine - c.parent.accuracy.worst_cosine:+.5f}")
 
