@@ -36,8 +36,7 @@ def variation(cand: np.ndarray, ref: np.ndarray, mask) -> Variation | None:
     [batch, seq] mask fits); None for fewer than 2 samples, a non-float or non-finite output, or a huge sample."""
     if ref.dtype.kind != "f" or ref.ndim == 0 or len(ref) < 2 or ref.shape != cand.shape:
         return None
-    if ref.ndim == 1:  # one row across the samples, as the cosine reads it
-        return _figures(cand.astype(np.float64).reshape(1, -1), ref.astype(np.float64).reshape(1, -1), float(ref.mean(dtype=np.float64)))
+    # A 1-d output is one row across the samples, as the cosine reads it: one slice (data sets hold <= MAX_SAMPLES).
     per_sample = int(np.prod(ref.shape[1:], dtype=np.int64))
     if per_sample == 0 or per_sample > SAMPLE_ELEMENTS_MAX:
         return None
@@ -65,14 +64,6 @@ def _sums(cand: np.ndarray, ref: np.ndarray, mean: np.ndarray, mask) -> tuple[fl
     rows_r, rows_c, rows_m = rows_of(r, mask), rows_of(c, mask), rows_of(m, mask)
     return (float(cosine_of_rows(rows_m, rows_r).sum()), float(((rows_c - rows_r) ** 2).sum()),
             float(((rows_r - rows_m) ** 2).sum()), len(rows_r))
-
-
-def _figures(cand: np.ndarray, ref: np.ndarray, mean: float) -> Variation | None:
-    if not np.isfinite(cand).all() or not np.isfinite(ref).all():
-        return None
-    spread = float(((ref - mean) ** 2).sum())
-    constant = float(cosine_of_rows(np.full_like(ref, mean), ref).mean())
-    return Variation(constant_cosine=constant, explained=1.0 - float(((cand - ref) ** 2).sum()) / spread if spread > 0 else None)
 
 
 def explained_bound(cosine_min: float) -> float:
