@@ -34,11 +34,13 @@ def preflight(recipe: Recipe, onnx_path: Path | None, eval_set: Callable[[], obj
     if onnx_path is not None:
         check_onnx_source(recipe, onnx_path, cache)  # its memory: plan/source_preflight.py, which knows the passes
     _check_data(eval_set, "eval")
-    said = [_unread_labels(recipe, eval_set), _short(recipe.data.eval.samples, eval_set(), "eval"), _repeated(eval_set(), "eval")]
+    evaluated = _sample_digests(eval_set())  # each sample's bytes hashed once, for the repeats and the overlap
+    said = [_unread_labels(recipe, eval_set), _short(recipe.data.eval.samples, eval_set(), "eval"), _repeated(evaluated, "eval")]
     if recipe.data.calibration is not None:
         _check_data(calibration_set, "calibration")
-        said += [_short(recipe.data.calibration.samples, calibration_set(), "calibration"),
-                 _repeated(calibration_set(), "calibration"), *_alike(calibration_set()), _shared(eval_set(), calibration_set())]
+        calibrated = _sample_digests(calibration_set())
+        said += [_short(recipe.data.calibration.samples, calibration_set(), "calibration"), _repeated(calibrated, "calibration"),
+                 *_alike(calibration_set()), _shared(eval_set(), calibration_set(), evaluated, calibrated)]
     for line in filter(None, said):
         log.warning("%s", line)
     return [line for line in said if line]
@@ -124,14 +126,14 @@ def _short(asked: int, samples, which: str) -> str | None:
             f"calibrated on it rests on {held}; give more data or lower `samples`")
 
 
-def _repeated(samples, which: str) -> str | None:
+def _repeated(digests: list[bytes], which: str) -> str | None:
     """Samples that are copies of others: a text of 3 lines for `samples: 64` is repeated to fill them, and the report
     read "64 samples" for figures that rest on 3 sentences. Said with the count of distinct ones (samples compared
     whole, every input's bytes, after preprocessing: scikit-image's chessboard_GRAY and _RGB are one 96 x 96 image)."""
-    distinct = len(set(_sample_digests(samples)))
-    if distinct == len(samples):
+    distinct = len(set(digests))
+    if distinct == len(digests):
         return None
-    return (f"data.{which}: {distinct} of its {len(samples)} samples are distinct, the rest repeat them (a short file "
+    return (f"data.{which}: {distinct} of its {len(digests)} samples are distinct, the rest repeat them (a short file "
             f"repeated to fill `samples`, or one sample twice in the data): what is measured or calibrated on it rests on "
             f"{distinct}; give more data or lower `samples`")
 
@@ -152,15 +154,15 @@ def _alike(samples) -> list[str]:
     return said
 
 
-def _shared(eval_samples, calibration_samples) -> str | None:
+def _shared(eval_samples, calibration_samples, evaluated: list[bytes], calibrated: list[bytes]) -> str | None:
     """Evaluation samples that are also calibration samples (both sets read from one file): int8 stages are then
     measured on the data their ranges were fitted to, which reads better than data they have not seen. Said once,
     with the share; samples compared whole (every input's bytes). Synthetic sets are left to their own warning (made-up
     data: the figures mean little either way)."""
     if set(eval_samples.arrays) != set(calibration_samples.arrays) or "synthetic" in (eval_samples.origin, calibration_samples.origin):
         return None
-    seen = _sample_digests(calibration_samples)
-    shared = sum(digest in seen for digest in _sample_digests(eval_samples))
+    seen = set(calibrated)
+    shared = sum(digest in seen for digest in evaluated)
     if not shared:
         return None
     return (f"data.eval: {shared} of its {len(eval_samples)} samples are also in data.calibration: int8 stages are measured "
@@ -168,6 +170,7 @@ def _shared(eval_samples, calibration_samples) -> str | None:
 
 
 def _sample_digests(samples) -> list[bytes]:
+    """Each sample's digest over every input's bytes (by input name)."""
     import hashlib
 
     names = sorted(samples.arrays)
