@@ -16,14 +16,23 @@ from optpipe.recipe.example_inputs import trace_inputs
 from optpipe.evaluation.self_check import load_session
 
 
-def samples_mixed(run, feeds: dict[str, np.ndarray], together: dict[str, np.ndarray], atol: float, rtol: float) -> dict | None:
+def samples_mixed(run, feeds: dict[str, np.ndarray], together: dict[str, np.ndarray], atol: float, rtol: float,
+                  inputs: ModelInputs | None = None) -> dict | None:
     """The model (`run`: eager, or ONNX Runtime on an ONNX source) on the first trace sample alone against its row in
     the trace batch (`together`, at least 2 samples): None where every row-per-sample output matches, else which output
-    differs and how (`why`), or that no output is one row per sample."""
+    differs and how (`why`), or that no output is one row per sample. With `inputs` that lead with a fixed length and
+    no batch dim, a model that refuses one row of them is refused in one line (`_no_batch`)."""
     size = len(next(iter(feeds.values())))
     if size < 2:
         return None
-    alone = run({name: array[:1] for name, array in feeds.items()})
+    try:
+        alone = run({name: array[:1] for name, array in feeds.items()})
+    except MemoryError:
+        raise
+    except Exception as exc:  # whatever forward() raises on one row
+        if inputs is None or _fixed_first(inputs) is None:
+            raise
+        raise RecipeError(_no_batch(inputs, exc)) from None
     per_sample = [name for name, value in together.items() if np.ndim(value) and np.shape(value)[0] == size]
     for name in per_sample:
         why = _row_apart(name, np.asarray(alone[name]), np.asarray(together[name]), atol, rtol)
@@ -37,26 +46,20 @@ def samples_mixed(run, feeds: dict[str, np.ndarray], together: dict[str, np.ndar
 
 def checked_batch(inputs: ModelInputs) -> bool:
     """Whether the first dim is to be checked as a batch: named for the batch, or a fixed length above 1 that every
-    input leads with and no dim names (a fixed batch; or no batch at all, as `refuse_no_batch` tells)."""
+    input leads with and no dim names (a fixed batch; or no batch at all, as `_no_batch` tells)."""
     return inputs.batch_dim() is not None or _fixed_first(inputs) is not None
 
 
-def refuse_no_batch(run, feeds: dict[str, np.ndarray], inputs: ModelInputs) -> None:
-    """Refused in one line: inputs that lead with a fixed length and no batch dim, where the model refuses one row of
-    them. Given `shape: [16]` for a Linear(16), optpipe took 16 samples of one value: its figures read "@ batch 16" and
-    NNCF's calibration failed ("iteration over a 0-d tensor")."""
-    size = _fixed_first(inputs)
-    if size is None:
-        return
-    try:
-        run({name: array[:1] for name, array in feeds.items()})
-    except Exception as exc:  # whatever forward() raises on one row: the first dim is not a batch
-        shown = ", ".join(f"'{spec.name}' {list(spec.shape)}" for spec in inputs.inputs)
-        one = len(inputs.inputs) == 1
-        raise RecipeError(f"inputs: {shown} lead{'s' if one else ''} with a fixed {size} and no batch dim, and the model "
-                          f"refuses one row of {'it' if one else 'them'} alone ({first_line(exc)[:100]}): optpipe takes "
-                          "samples along every input's first dim; give each input a leading batch dim (shape: [batch, ...] "
-                          "with dims.batch), which forward() must take") from None
+def _no_batch(inputs: ModelInputs, exc: Exception) -> str:
+    """Inputs that lead with a fixed length and no batch dim, where the model refuses one row of them: the first dim is
+    not a batch. Given `shape: [16]` for a Linear(16), optpipe took 16 samples of one value: its figures read "@ batch
+    16" and NNCF's calibration failed ("iteration over a 0-d tensor")."""
+    shown = ", ".join(f"'{spec.name}' {list(spec.shape)}" for spec in inputs.inputs)
+    one = len(inputs.inputs) == 1
+    return (f"inputs: {shown} lead{'s' if one else ''} with a fixed {_fixed_first(inputs)} and no batch dim, and the model "
+            f"refuses one row of {'it' if one else 'them'} alone ({first_line(exc)[:100]}): optpipe takes samples along every "
+            "input's first dim; give each input a leading batch dim (shape: [batch, ...] with dims.batch), which forward() "
+            "must take")
 
 
 def _fixed_first(inputs: ModelInputs) -> int | None:
@@ -85,16 +88,13 @@ def _row_apart(name: str, own: np.ndarray, together: np.ndarray, atol: float, rt
 MIXING_CHECK_BYTES = 1 << 30
 
 
-def onnx_samples_mixed(path: Path, ctx: PassContext) -> dict | None:
+def onnx_samples_mixed(path: Path, graph, ctx: PassContext) -> dict | None:
     """samples_mixed with ONNX Runtime as the model, on an ONNX source (eager is the model of a PyTorch export): a graph
     whose rows mix the batch's samples is served unbatched by Triton too. Decoders measured by generation, and files
-    past MIXING_CHECK_BYTES, are left unchecked."""
-    import onnx
-
+    past MIXING_CHECK_BYTES, are left unchecked. `graph`: the file's graph without its weights, as the import read it."""
     from optpipe.core.runtime import ort_runner
     from optpipe.safety import onnx_guard
 
-    graph = onnx.load(str(path), load_external_data=False)
     size = sum(f.stat().st_size for f in onnx_guard.model_files(path, graph))
     if not ctx.inputs.batch_dim() or ctx.evaluate.generation is not None or size > MIXING_CHECK_BYTES:
         return None

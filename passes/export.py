@@ -22,7 +22,7 @@ from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel
 from optpipe.core.runtime import as_exported, eager_runner
 from optpipe.passes import _torch_export as exporters
-from optpipe.passes._batch_independence import checked_batch, onnx_samples_mixed, refuse_no_batch, samples_mixed
+from optpipe.passes._batch_independence import checked_batch, onnx_samples_mixed, samples_mixed
 from optpipe.passes._eager_reference import eager_as_exported, eager_outputs
 from optpipe.source.module_forms import is_scripted
 from optpipe.passes._torch_export import DYNAMO_MIN_OPSET
@@ -109,9 +109,8 @@ class ExportPass(Pass[ExportParams]):
         feeds = trace_inputs(ctx.inputs)
         steps("PyTorch eager on the trace inputs")
         expected = eager_outputs(torch_model, feeds, ctx.evaluate.threads)
-        eager = eager_as_exported(torch_model, ctx.evaluate.threads)
-        refuse_no_batch(eager, feeds, ctx.inputs)
-        mixed = samples_mixed(eager, feeds, expected, *_mixing_tolerance(self.params)) if checked_batch(ctx.inputs) and not decoder else None
+        mixed = samples_mixed(eager_as_exported(torch_model, ctx.evaluate.threads), feeds, expected, *_mixing_tolerance(self.params),
+                              ctx.inputs) if checked_batch(ctx.inputs) and not decoder else None
         if decoder:
             from optpipe.passes._decoder_export import export_with_cache
 
@@ -381,6 +380,6 @@ def import_onnx(ctx: PassContext) -> ModelArtifact:
     hold_sequence_dims(onnx_position_limit(graph.graph), ctx.inputs)
     model = onnx.load(str(path))
     info = {"imported": str(path), "graph": graph_stats(model)}
-    mixed = onnx_samples_mixed(path, ctx)
+    mixed = onnx_samples_mixed(path, graph, ctx)
     return save_model(model, ctx.workdir, {**info, **({"samples_mixed": mixed} if mixed else {})})
 
