@@ -10,7 +10,7 @@ def render_run(rows: list[dict[str, Any]]) -> str:
     header = ["stage", "pass", "after", "status", "nodes", "fused", "weights", "p50 ms", "cosine", "size MB"]
     table = [[
         r["stage"], r["pass"], r["parent"] or "", r["status"], _n(r["nodes"]), _n(r["fused"]), r["precision"],
-        _f(r["p50_ms"], ".2f"), r.get("accuracy") or _f(r["cosine"], ".5f"), _f(r["size_bytes"] / 1e6 if r["size_bytes"] else None, ".1f"),
+        _f(r["p50_ms"], ".2f"), r["accuracy"] or "", _f(r["size_bytes"] / 1e6 if r["size_bytes"] else None, ".1f"),
     ] for r in rows]
     return _table(header, table)
 
