@@ -20,7 +20,6 @@ from optpipe.source.model_source import TorchModel, onnx_source_path, source_fin
 from optpipe.pass_infra.pass_base import Pass, PassContext
 from optpipe.pass_infra.progress import Steps
 from optpipe.recipe.schema import ModelInputs, OnnxModel
-from optpipe.core.runtime import as_exported, eager_runner
 from optpipe.passes import _torch_export as exporters
 from optpipe.passes._batch_independence import checked_batch, onnx_samples_mixed, samples_mixed
 from optpipe.passes._eager_reference import eager_as_exported, eager_outputs
@@ -306,8 +305,7 @@ def _check_shapes(exporter: str, torch_model: TorchModel, shapes: ModelInputs, t
         report(seed, len(corners))
         feeds = synthetic_inputs(shapes, seed=seed, **sizes)
         try:
-            with as_exported():
-                expected = eager_runner(torch_model, threads=threads)(feeds)
+            expected = eager_as_exported(torch_model, threads)(feeds)
         except MemoryError:
             raise
         except Exception:  # eager itself refuses that size: nothing to compare against
