@@ -395,3 +395,23 @@ def test_samples_that_repeat_others_are_said_with_the_count_of_distinct_ones(tmp
     said = "data.eval: 3 of its 9 samples are distinct, the rest repeat them"
     assert err.count(said) == 1, err
     assert said in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_data_warnings_reach_the_reports_of_recipes_compiled_together(tmp_path, tiny_recipe, capsys, monkeypatch):
+    """Several recipes in one `optpipe compile` (and searches, Ray) run through the fan-out driver: its reports had no
+    Warnings section for the data, where a single recipe's report has one."""
+    from reliability_fixtures import run_main
+
+    monkeypatch.setenv("OPTPIPE_CACHE", str(tmp_path / "cache"))
+    np.savez(tmp_path / "twice.npz", x=np.tile(np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32), (2, 1)))
+    data = {"eval": {"source": "npz", "path": str(tmp_path / "twice.npz"), "samples": 8}}
+    first = tiny_recipe({"data": data}, name="a.yaml", output=str(tmp_path / "run-a"))
+    second = tiny_recipe(name="b.yaml", output=str(tmp_path / "run-b"))
+    code, _, err = run_main(["compile", str(first), str(second)], capsys)
+    assert code == 0, err
+    said = "4 of its 8 samples are distinct"
+    assert said in err
+    warned = json.loads((tmp_path / "run-a" / "report.json").read_text())["data_warnings"]
+    assert [w for w in warned if said in w], warned
+    assert said in (tmp_path / "run-a" / "report.md").read_text()
+    assert not [w for w in json.loads((tmp_path / "run-b" / "report.json").read_text())["data_warnings"] if said in w]

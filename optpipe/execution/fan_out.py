@@ -23,9 +23,11 @@ from optpipe.plan.validate import validate_recipe
 class PlainDriver:
     """A recipe without a search: one plan with every stage."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings, only: str | None = None):
+    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings, only: str | None = None,
+                 data_warnings: list[str] | None = None):
         validate_recipe(recipe)
         self.recipe = recipe
+        self.data_warnings = data_warnings or []  # the preflight's word on the data: the report keeps it
         self.run_dir = run_dir
         self.settings = settings
         self.memo = RunMemo()
@@ -43,7 +45,7 @@ class PlainDriver:
 
     def finish(self, group_by_node: bool, providers: str, progress: Progress, executor=None) -> RunReport:
         return finish_run(self.recipe, self.order, self.memo, self.run_dir, self.settings, group_by_node,
-                          targets=targets_on(executor, self.recipe, self.settings, progress))
+                          targets=targets_on(executor, self.recipe, self.settings, progress), data_warnings=self.data_warnings)
 
     def close(self) -> None:
         pass
@@ -70,8 +72,9 @@ def targets_on(executor, recipe: Recipe, settings: TaskSettings, progress: Progr
 
 def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, settings: TaskSettings,
                group_by_node: bool, search: Callable[[RunReport], dict] | None = None,
-               targets: Callable | None = None) -> RunReport:
-    """The run folder and its report, as `optpipe compile` writes them, from the memo's results."""
+               targets: Callable | None = None, data_warnings: list[str] | None = None) -> RunReport:
+    """The run folder and its report, as `optpipe compile` writes them, from the memo's results (and the preflight's
+    `data_warnings`, which the report keeps as compile's does)."""
     from optpipe.execution.run_folder import publish_stage_folders
     from optpipe.safety.os_errors import folder_errors
     from optpipe.execution.services import RunServices
@@ -81,7 +84,7 @@ def finish_run(recipe: Recipe, order: list[str], memo: RunMemo, run_dir: Path, s
 
     plan = CompilePlan.of(recipe)  # the report and the targets take its typed parts; the snapshot is the recipe itself
     results = ([memo.eager] if memo.eager else []) + [memo.results[name] for name in order]
-    report = build_report(plan.name, plan.evaluate, results)
+    report = build_report(plan.name, plan.evaluate, results, data_warnings=data_warnings)
     report.hardware = frontier_by_hardware(report, group_by_node)
     report.search = search(report) if search else None
     cache = settings.open_cache()

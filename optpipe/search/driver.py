@@ -40,8 +40,9 @@ class TrialRecord:
 
 
 class SearchDriver:
-    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings, yes: bool):
+    def __init__(self, recipe: Recipe, run_dir: Path, settings: TaskSettings, yes: bool, data_warnings: list[str] | None = None):
         self.recipe = recipe
+        self.data_warnings = data_warnings or []  # the preflight's word on the data: the report keeps it
         self.run_dir = run_dir
         self.space = SearchSpace(recipe)
         self.settings = recipe.evaluate.search or SearchSettings()
@@ -141,7 +142,7 @@ class SearchDriver:
             return search_section(self, report, wall)
 
         report = finish_run(self.expanded, order, self.memo, self.run_dir, self.task_settings, group_by_node, section,
-                            targets_on(executor, self.expanded, self.task_settings, progress))
+                            targets_on(executor, self.expanded, self.task_settings, progress), self.data_warnings)
         s = report.search
         best = s["best"]["stage"] if s.get("best") else "none within tolerance"
         progress.line(f"search {self.recipe.name}: {len(s['trials'])} trials ({s['counts']}), stopped: {s['stopped']}, "

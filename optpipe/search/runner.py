@@ -40,11 +40,11 @@ def compile_recipes(recipes: list[Recipe], executor: Executor, *, cache_dir: Pat
         if remote_cache:
             check_apart(remote_cache, cache)
         settings = settings_for(cache, run_dir, force, providers, remote_cache, storage_options)
-        _preflight(recipe, settings, executor.runs_here)
+        said = _preflight(recipe, settings, executor.runs_here)
         if SearchSpace.declared(recipe):
-            drivers.append(SearchDriver(recipe, run_dir, settings, yes))
+            drivers.append(SearchDriver(recipe, run_dir, settings, yes, said))
         else:
-            drivers.append(PlainDriver(recipe, run_dir, settings, only))
+            drivers.append(PlainDriver(recipe, run_dir, settings, only, said))
     started = time.perf_counter()
     try:
         reports = _run(drivers, executor, progress, group_by_node, providers)
@@ -104,8 +104,9 @@ def _hold_outcomes(plan, held: dict) -> None:
             leases.hold(model.folder.name)
 
 
-def _preflight(recipe: Recipe, settings: TaskSettings, here: bool) -> None:
-    """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line.
+def _preflight(recipe: Recipe, settings: TaskSettings, here: bool) -> list[str]:
+    """The pipeline's checks before any stage runs (model file, data sets): a user error costs one line. Returns what
+    it warned of the data, for the report.
 
     Memory: where the stages run on this machine (`here`), the run is refused at once only where nothing could run,
     as `compile` does; each stage that will not fit fails before it runs, in its task (stage_tasks: a search
@@ -118,10 +119,11 @@ def _preflight(recipe: Recipe, settings: TaskSettings, here: bool) -> None:
     cache = settings.open_cache()  # also creates the folder layout once, before any task uses it
     try:
         services, onnx = RunServices(recipe.model_source(), recipe.data, cache), onnx_path(recipe.model_source())
-        preflight(recipe, onnx, services.eval_set, services.calibration_set, cache)
+        said = preflight(recipe, onnx, services.eval_set, services.calibration_set, cache)
         if here:
             source_preflight(recipe, onnx)
         else:
             check_generation(recipe, onnx)
+        return said
     finally:
         cache.release_leases()
