@@ -10,6 +10,7 @@ from optpipe.core.artifact import ModelArtifact, save_model, write_info
 from optpipe.core.errors import PassError, first_line
 from optpipe.evaluation.fp16_numerics import emulate_fp16
 from optpipe.evaluation.guard import MAX_EXCLUDED_ALIASES, AccuracyGuard, GuardParams
+from optpipe.evaluation.guard_types import guard_criteria
 from optpipe.graph.edit import name_unnamed_nodes, read_names, topologically_sorted
 from optpipe.graph.stats import graph_stats
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
@@ -41,7 +42,7 @@ class Fp16Pass(Pass[Fp16Params]):
     def fingerprint(self, ctx: PassContext) -> dict:
         # The guard always measures (and, when on, repairs) with the stage's tolerance. The evaluation
         # set it measures on joins the stage's key by itself (PassContext.data_used).
-        return {"tolerance": ctx.tolerance.model_dump(mode="json")}
+        return guard_criteria(ctx)
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params

@@ -30,6 +30,7 @@ from optpipe.calibration.ranges import CalibrationCache, ranges_key
 from optpipe.calibration.readers import ort_calibration_reader
 from optpipe.core.errors import PassError, UserInputError, first_line
 from optpipe.evaluation.guard import AccuracyGuard, GuardParams, accuracy_batch
+from optpipe.evaluation.guard_types import guard_criteria
 from optpipe.graph.coverage import precision_coverage, quantization_warning
 from optpipe.graph.stats import graph_stats, op_changes, op_histogram
 from optpipe.graph.quant_prep import needs_preparation, prepare_for_quantizer
@@ -97,7 +98,7 @@ class Int8Pass(Pass[Int8Params]):
     def fingerprint(self, ctx: PassContext) -> dict:
         # The guard always measures (and, when on, repairs) with the stage's tolerance. The data sets
         # the pass reads (calibration, evaluation) join the stage's key by themselves (PassContext.data_used).
-        return {"guard": {"tolerance": ctx.tolerance.model_dump(mode="json")}}
+        return {"guard": guard_criteria(ctx)}
 
     def run(self, model: ModelArtifact | None, ctx: PassContext) -> ModelArtifact:
         params = self.params

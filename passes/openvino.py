@@ -27,6 +27,7 @@ from pydantic import Field
 from optpipe.core.artifact import ModelArtifact, write_info
 from optpipe.core.errors import DataError, PassError
 from optpipe.evaluation import openvino_runtime as ovr
+from optpipe.evaluation.guard_types import guard_criteria
 from optpipe.core.results import Accuracy
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 from optpipe.passes._openvino_input import openvino_model
@@ -104,7 +105,7 @@ class OpenVinoPass(Pass):
         # The data sets the pass reads (calibration, evaluation) join the stage's key by themselves (PassContext.data_used).
         if params.precision != "int8" or not params.guard:
             return {}
-        return {"guard": {"tolerance": ctx.tolerance.model_dump(mode="json")}}
+        return {"guard": guard_criteria(ctx)}
 
     def skip_reason(self, ctx: PassContext) -> str | None:
         """int8 / bf16 where OpenVINO runs them slower than fp32 on this CPU class (passes/_openvino_isa.py)."""
@@ -213,7 +214,11 @@ class InputCheck:
         from optpipe.evaluation.accuracy import compare
 
         ctx = self.ctx
-        return compare(outputs, self.reference(), ctx.eval_set().arrays, ctx.tolerance, ctx.stage + " input", ctx.evaluate.top1)
+        samples = ctx.eval_set()
+        # The recipe's task metric is the guard's verdict too, as it is the stage's (and the ORT guard's): judged by the
+        # cosine alone, a tiny Swin's int8 read 0.9966 here, no repair was tried, and its top-1 agreement 0.938 failed it.
+        return compare(outputs, self.reference(), samples.arrays, ctx.tolerance, ctx.stage + " input", ctx.evaluate.top1,
+                       task=ctx.evaluate.task, labels=samples.labels)
 
     def __call__(self, ov_model, hint: str = "f32") -> Accuracy:
         compiled = ovr.compile_model(ov_model, self.ctx.evaluate.threads, hint)

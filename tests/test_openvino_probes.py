@@ -263,3 +263,42 @@ def test_a_bf16_stage_on_a_broken_conversion_is_refused_naming_the_conversion(tm
     monkeypatch.setattr(ov_pass.ovr, "read_onnx", lambda path, **_: wrong)
     with pytest.raises(PassError, match=r"^OpenVINO's FP32 conversion does not compute what the input ONNX does"):
         run_pass(source, recipe, arrays, tmp_path / "ov", precision="bf16")
+
+
+def near_tied_classifier(tmp_path):
+    """Ten logits that share a bias of 20 and differ by ~0.1: int8's error flips their argmax while the cosine stays
+    above 0.9999999 (a tiny Swin's ov-int8 read cosine 0.9966 and top-1 agreement 0.938 so)."""
+    model = parser.parse_model(GEMMS.replace("float[B, 10] y", "float[B, 10] logits").replace("y = Gemm", "logits = Gemm"))
+    for node, name in zip(model.graph.node, ("fc1", "act", "fc2")):
+        node.name = name
+    rng = np.random.default_rng(3)
+    weights = (("w1", rng.normal(size=(24, 96)) / 5), ("b1", np.zeros(96)), ("w2", rng.normal(size=(96, 10)) / 50),
+               ("b2", np.full(10, 20.0)))
+    for name, array in weights:
+        model.graph.initializer.append(numpy_helper.from_array(array.astype(np.float32), name))
+    recipe = graph_recipe([{"name": "x", "shape": ["B", 24]}], dims={"B": {"min": 1, "opt": 4, "max": 32}})
+    return artifact_of(model, tmp_path / "in"), recipe, {"x": rng.uniform(-1, 1, (64, 24)).astype(np.float32)}
+
+
+def test_the_int8_guard_repairs_by_the_recipes_task_not_the_cosine_alone(tmp_path):
+    # The guard had judged by the cosine alone: it kept plain int8, and the stage failed on its top-1 agreement after.
+    from optpipe.recipe.schema import TaskSpec
+
+    source, recipe, arrays = near_tied_classifier(tmp_path)
+    recipe.evaluate.task = TaskSpec(kind="classification")
+    guard = run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8").info["int8"]["guard"]
+    first = guard["steps"][0]
+    assert first["method"] == "nncf.quantize" and first["cosine"] > 0.9999 and not first["held"]
+    assert guard["held"] and len(guard["steps"]) > 1
+
+
+def test_the_task_a_guard_judges_by_joins_the_stages_key(tmp_path):
+    # A stage a guard decided under one task (or none) is not reused under another.
+    from optpipe.evaluation.guard_types import guard_criteria
+    from optpipe.recipe.schema import TaskSpec
+
+    _, recipe, arrays = near_tied_classifier(tmp_path)
+    plain = guard_criteria(context(recipe, tmp_path / "a", arrays))
+    assert plain == {"tolerance": recipe.evaluate.tolerance.model_dump(mode="json")}  # keys without a task kept as they were
+    recipe.evaluate.task = TaskSpec(kind="classification")
+    assert guard_criteria(context(recipe, tmp_path / "b", arrays))["task"]["kind"] == "classification"

@@ -31,6 +31,19 @@ class GuardParams(BaseModel):
     guard_seconds: float = Field(300.0, gt=0, description="guard: time budget; it gives up after the trial that crosses it")
 
 
+def guard_criteria(ctx) -> dict:
+    """What a guard's verdict reads besides the data (`ctx`: the stage's PassContext), for the stage's cache key: the
+    tolerance, and where the recipe sets them the task metric and top-1 (a guard that repaired by one task, or
+    none, decided another output than it would by another). Unset ones leave the key as it was."""
+    criteria = {"tolerance": ctx.tolerance.model_dump(mode="json")}
+    evaluate = ctx.evaluate
+    if evaluate.task is not None:
+        criteria["task"] = evaluate.task.model_dump(mode="json")
+    if evaluate.top1 is not None:
+        criteria["top1"] = evaluate.top1
+    return criteria
+
+
 class GuardStep(BaseModel):
     """One try: these nodes in float, the figure it gave, and whether the guard kept them."""
 
