@@ -2,8 +2,8 @@
 
 A plain NNCF INT8 result that breaks the stage's tolerance is repaired cheapest first, each try
 one `nncf.quantize` and one check:
-1. the MatMuls that add the most error kept in float (NNCF's ignored scope), named by a layer-wise
-   attribution of the quantized model against the FP32 one (optpipe.evaluation.error_attribution's
+1. the layers (MatMuls, convolutions) that add the most error kept in float (NNCF's ignored scope), named by a
+   layer-wise attribution of the quantized model against the FP32 one (optpipe.evaluation.error_attribution's
    rule: the relative error a layer adds over its inputs'): the worst 1, then 2, 4, ... up to `max_excluded`;
 2. NNCF's other preset (mixed <-> performance), where the recipe did not choose one;
 3. only then `nncf.quantize_with_accuracy_control`, which ranks every quantizer (20 minutes on
@@ -23,6 +23,7 @@ import numpy as np
 
 from optpipe.core.errors import PassError, first_line
 from optpipe.evaluation import openvino_runtime as ovr
+from optpipe.evaluation.guard_types import attempt_score
 
 if TYPE_CHECKING:
     from optpipe.core.results import Accuracy
@@ -66,7 +67,7 @@ class Budget:
 
 
 class Attempts:
-    """Every try's result; the best is the one held, else the highest worst cosine."""
+    """Every try's result; the best is the first one held, else the nearest to holding (guard_types.attempt_score)."""
 
     def __init__(self, quantized, accuracy: Accuracy, label: str):
         self.best = (quantized, accuracy, label)
@@ -77,7 +78,7 @@ class Attempts:
         self.steps.append({"method": label, "cosine": accuracy.worst_cosine, "held": accuracy.within_tolerance,
                            "quantizers": fake_quantize_count(quantized), **extra})
         _, best, _ = self.best
-        if accuracy.within_tolerance or (not best.within_tolerance and accuracy.worst_cosine > best.worst_cosine):
+        if not best.within_tolerance and attempt_score(accuracy) > attempt_score(best):
             self.best = (quantized, accuracy, label)
         return accuracy.within_tolerance
 
@@ -90,8 +91,9 @@ def repair(converted, plain, accuracy: Accuracy, calibration, options: dict, par
     gave_up = None
     try:
         budget.step("int8 guard: layer-wise error attribution")
-        for names in _exclusion_ladder(converted, plain, check, params.max_excluded, budget):
-            label = f"nncf.quantize, the {len(names)} MatMul{'s' if len(names) > 1 else ''} adding the most error in float"
+        for blamed in _exclusion_ladder(converted, plain, check, params.max_excluded, budget):
+            names = [name for name, _ in blamed]
+            label = f"nncf.quantize, the {_layers(blamed)} adding the most error in float"
             if _try(attempts, label, converted, calibration, _with_ignored(options, names), ctx, check, budget, excluded=names):
                 break
         else:
@@ -153,9 +155,16 @@ def _other_preset(options: dict, params: OpenVinoParams):
     return nncf.QuantizationPreset.MIXED if options["preset"] == performance else performance
 
 
+def _layers(blamed: list[tuple[str, str]]) -> str:
+    """`1 MatMul`, `4 Convolutions`, `2 layers (Convolution, MatMul)`."""
+    kinds = sorted({kind for _, kind in blamed})
+    plural = "s" if len(blamed) > 1 else ""
+    return f"{len(blamed)} {kinds[0]}{plural}" if len(kinds) == 1 else f"{len(blamed)} layers ({', '.join(kinds)})"
+
+
 def _exclusion_ladder(converted, quantized, check: InputCheck, max_excluded: int, budget: Budget):
-    """The worst 1, 2, 4 ... MatMuls (at most max_excluded), each list a try."""
-    ranked = blamed_matmuls(converted, quantized, check)
+    """The worst 1, 2, 4 ... layers (at most max_excluded), each list a try."""
+    ranked = blamed_layers(converted, quantized, check)
     budget.step()
     k = 1
     while max_excluded and ranked:
@@ -165,20 +174,27 @@ def _exclusion_ladder(converted, quantized, check: InputCheck, max_excluded: int
         k *= 2
 
 
-def blamed_matmuls(converted, quantized, check: InputCheck) -> list[str]:
-    """MatMul op names, the one adding the most relative error first (quantized vs FP32, same inputs).
+#: The layers NNCF quantizes whose weights the attribution may keep in float. Convolutions too: with MatMuls alone, a
+#: CNN (a tiny ResNet out of tolerance) had no cheap fix and went straight to accuracy control, which ranks every
+#: quantizer (the step issue 17 bounds).
+BLAMED_TYPES = ("MatMul", "Convolution", "GroupConvolution")
 
-    A MatMul's inputs are read before its FakeQuantize (the tensor the FP32 model has too), so the
+
+def blamed_layers(converted, quantized, check: InputCheck) -> list[tuple[str, str]]:
+    """(op name, op type) of the quantized layers, the one adding the most relative error first (quantized vs FP32,
+    same inputs).
+
+    A layer's inputs are read before its FakeQuantize (the tensor the FP32 model has too), so the
     error it adds is its quantization's and its own, not what reaches it from upstream."""
     from optpipe.evaluation.error_attribution import NodeBlame, relative_error
 
-    matmuls = [op for op in quantized.get_ops() if op.get_type_name() == "MatMul"]
-    if not matmuls:
+    layers = [op for op in quantized.get_ops() if op.get_type_name() in BLAMED_TYPES]
+    if not layers:
         return []
-    sources = {}
-    for op in matmuls:
+    sources, kinds = {}, {op.get_friendly_name(): op.get_type_name() for op in layers}
+    for op in layers:
         sources[op.get_friendly_name()] = [_before_fake_quantize(op.input_value(i)) for i in range(op.get_input_size())]
-    wanted = {(op.get_friendly_name(), 0) for op in matmuls} | {s for ins in sources.values() for s in ins}
+    wanted = {(op.get_friendly_name(), 0) for op in layers} | {s for ins in sources.values() for s in ins}
     feeds = check.batches[:max(1, ATTRIBUTION_SAMPLES // check.batch_size)]
     fp32, q = _tensors(converted, wanted, feeds, check), _tensors(quantized, wanted, feeds, check)
     blames = []
@@ -186,9 +202,9 @@ def blamed_matmuls(converted, quantized, check: InputCheck) -> list[str]:
         if (name, 0) not in fp32 or (name, 0) not in q:
             continue
         errors = [relative_error(q[s], fp32[s]) for s in inputs if s in fp32 and s in q]
-        blames.append(NodeBlame(name, "MatMul", max(errors, default=0.0), relative_error(q[(name, 0)], fp32[(name, 0)])))
+        blames.append(NodeBlame(name, kinds[name], max(errors, default=0.0), relative_error(q[(name, 0)], fp32[(name, 0)])))
     blames.sort(key=lambda b: b.added_error, reverse=True)
-    return [b.node for b in blames if b.added_error > 0]
+    return [(b.node, b.op) for b in blames if b.added_error > 0]
 
 
 def _before_fake_quantize(value) -> tuple[str, int]:
@@ -292,7 +308,10 @@ def subset_accuracy(check: InputCheck, picked: list[int], outs: list[dict]) -> A
         parts = check.reference_batches()
         expected = join_batches([parts[i] for i in picked])
     inputs = {name: array[rows] for name, array in arrays.items()}
-    return compare(join_batches(outs), expected, inputs, check.ctx.tolerance, "input", check.ctx.evaluate.top1)
+    labels = check.ctx.eval_set().labels
+    # The recipe's task metric too, as InputCheck.compare reads it: NNCF's accuracy control stops where the verdict holds.
+    return compare(join_batches(outs), expected, inputs, check.ctx.tolerance, "input", check.ctx.evaluate.top1,
+                   task=check.ctx.evaluate.task, labels=None if labels is None else labels[rows])
 
 
 def model_feeds(feeds: dict[str, np.ndarray], ov_model) -> dict[str, np.ndarray]:

@@ -84,7 +84,10 @@ class OpenVinoPass(Pass):
     # 9: the ONNX read by Core.read_model (memory-mapped weights) instead of convert_model
     # 10: a transformer's int8 on AMX takes NNCF's performance preset (symmetric activations), where the recipe
     #     names none (passes/_openvino_isa.int8_preset); the info records the preset and who chose it
-    version = "10"
+    # 11: the guard's cheap fix keeps convolutions in float as well as MatMuls (a CNN had none), and it and NNCF's
+    #     accuracy control judge by the recipe's task as the stage's verdict does; of tries that all miss, the one kept
+    #     is the nearest to the verdict (guard_types.attempt_score), not the one of highest cosine
+    version = "11"
     Params = OpenVinoParams
     # The int8 guard, NNCF's accuracy control and its statistics run on OpenVINO: their decisions hold for the
     # class OpenVINO ran at (ONEDNN_MAX_CPU_ISA included), and a shared cache must not hand them to another.

@@ -101,3 +101,19 @@ def test_fp16_of_a_regression_far_from_zero_is_repaired_by_its_guard_and_refused
     assert listing.exit_code == 0 and "R² " in listing.output and "(cosine cannot tell)" in listing.output
     stage = cli_run("inspect", str(tmp_path / "run"), "fp16-bare")
     assert "(the cosine cannot tell)" in stage.output and "OUT OF TOLERANCE" in stage.output
+
+
+def test_a_guard_ranks_tries_that_all_miss_by_the_error_the_verdict_reads_not_the_cosine():
+    # Tries of a regression head that all miss: one reproduces 0.6 of the variation, one 0.99 with a single sample
+    # further off. Cosine ties at 1 (one value per row), so the largest error had decided, and kept the worse.
+    from optpipe.evaluation.guard_types import attempt_score
+
+    ref = (1000 + 0.2 * RNG.normal(size=(64, 1))).astype(np.float32)
+    near = ref.copy()
+    near[0] += 0.3
+    far = _noisy(ref, 0.6)
+    tolerance, inputs = Tolerance(cosine_min=0.9999), {"x": np.zeros((64, 2), np.float32)}
+    near_result, far_result = (compare({"y": y}, {"y": ref}, inputs, tolerance, "ref") for y in (near, far))
+    assert not near_result.within_tolerance and not far_result.within_tolerance
+    assert near_result.outputs[0].max_abs > far_result.outputs[0].max_abs  # the old ranking's tie-break
+    assert attempt_score(near_result) > attempt_score(far_result)

@@ -124,7 +124,7 @@ def test_the_budget_stops_nncf_accuracy_control_midway_and_keeps_the_best_try(tm
     # No cheap fix left (attribution names nothing, the recipe chose the preset): accuracy control runs, and the
     # budget stops it inside NNCF (through the data it reads), without an exception reaching the stage.
     source, recipe, arrays = mlp(tmp_path, outlier=True)
-    monkeypatch.setattr(guard_module, "blamed_matmuls", lambda *a: [])
+    monkeypatch.setattr(guard_module, "blamed_layers", lambda *a: [])
     monkeypatch.setattr(guard_module, "CLOCK", Ticking(0.5))
     events = StepRecorder()
     ctx = context(recipe, tmp_path / "ov", arrays)

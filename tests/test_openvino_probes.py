@@ -302,3 +302,35 @@ def test_the_task_a_guard_judges_by_joins_the_stages_key(tmp_path):
     assert plain == {"tolerance": recipe.evaluate.tolerance.model_dump(mode="json")}  # keys without a task kept as they were
     recipe.evaluate.task = TaskSpec(kind="classification")
     assert guard_criteria(context(recipe, tmp_path / "b", arrays))["task"]["kind"] == "classification"
+
+
+def test_the_int8_guard_keeps_convolutions_in_float_before_ranking_every_quantizer(tmp_path, monkeypatch):
+    # Its cheap fix named MatMuls only: a CNN out of tolerance went straight to NNCF's accuracy control.
+    from optpipe.passes import _openvino_guard as guard_module
+
+    model = parser.parse_model("""
+<ir_version: 9, opset_import: ["" : 17]>
+cnn (float[B, 3, 16, 16] x) => (float[B, 4] y) {
+  c = Conv <pads = [1, 1, 1, 1]> (x, w1)
+  r = Relu (c)
+  p = GlobalAveragePool (r)
+  f = Flatten (p)
+  y = MatMul (f, w2)
+}
+""")
+    for node, name in zip(model.graph.node, ("conv", "act", "pool", "flat", "head")):
+        node.name = name
+    rng = np.random.default_rng(5)
+    w1 = rng.normal(size=(16, 3, 3, 3)).astype(np.float32)
+    w1[:, 0] = 0  # the model ignores input channel 0, whose range (below) crushes the others at the conv's int8 input
+    model.graph.initializer.extend([numpy_helper.from_array(w1, "w1"),
+                                    numpy_helper.from_array(rng.normal(size=(16, 4)).astype(np.float32), "w2")])
+    source = artifact_of(model, tmp_path / "in")
+    recipe = graph_recipe([{"name": "x", "shape": ["B", 3, 16, 16]}], dims={"B": {"min": 1, "opt": 4, "max": 32}},
+                          tolerance={"cosine_min": 0.999})
+    monkeypatch.setattr(guard_module, "_accuracy_control", lambda *a: pytest.fail("accuracy control before the cheap fix"))
+    arrays = {"x": rng.uniform(-1, 1, (32, 3, 16, 16)).astype(np.float32)}
+    arrays["x"][:, 0] *= 300
+    guard = run_pass(source, recipe, arrays, tmp_path / "ov", precision="int8", preset="mixed").info["int8"]["guard"]
+    assert not guard["steps"][0]["held"], guard["steps"]
+    assert guard["held"] and "Convolution" in guard["steps"][-1]["method"], guard["steps"]

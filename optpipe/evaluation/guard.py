@@ -46,7 +46,7 @@ import onnx
 from optpipe.core.artifact import save_model
 from optpipe.evaluation import outputs_memo
 from optpipe.evaluation.accuracy import compare, run_onnx
-from optpipe.evaluation.guard_types import MAX_EXCLUDED_ALIASES, GuardParams, GuardReport, GuardStep  # noqa: F401  (the passes' names)
+from optpipe.evaluation.guard_types import MAX_EXCLUDED_ALIASES, GuardParams, GuardReport, GuardStep, attempt_score  # noqa: F401  (the passes' names)
 from optpipe.core.results import Accuracy
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ class AccuracyGuard:
             step = _step(pick, result, accuracy, facts={n: self.node_facts(n) for n in nodes})
             # The blame is local; an exclusion that buys nothing end to end is undone. An overflowing
             # node stays in float regardless: its fix may only show once its consumers are kept too.
-            step.kept = bool(overflowing) or _score(result) > _score(accuracy)
+            step.kept = bool(overflowing) or attempt_score(result) > attempt_score(accuracy)
             steps.append(step)
             self.ctx.log.info("guard tried %s in float: cosine %.5f, max abs %s, %s (kept: %s)", nodes, result.worst_cosine,
                               step.max_abs, "; ".join(result.violations) or "within tolerance", step.kept)
@@ -324,11 +324,6 @@ def accuracy_batch(shapes: ModelInputs, evaluate: EvaluateSpec) -> int:
         return evaluate.accuracy_batch
     first = shapes.inputs[0].shape[0] if shapes.inputs[0].shape else 1
     return first if isinstance(first, int) else 1
-
-
-def _score(accuracy: Accuracy) -> tuple:
-    max_abs = max((o.max_abs for o in accuracy.outputs), default=0.0)
-    return (accuracy.within_tolerance, -len(accuracy.violations), accuracy.worst_cosine, -max_abs)
 
 
 def _max_abs(accuracy: Accuracy) -> float | str:

@@ -44,6 +44,15 @@ def guard_criteria(ctx) -> dict:
     return criteria
 
 
+def attempt_score(accuracy) -> tuple:
+    """How near a guard's try is to holding, to rank tries (higher is nearer; `accuracy`: an Accuracy): within
+    tolerance, fewer broken bounds, then the error as the verdict reads it (Accuracy.error: the task's metric where the
+    recipe names one, R² where the cosine cannot tell), then the cosine and the largest error. By the cosine alone, a
+    regression head's try that lost R² to 0.66 outranked one that held 0.99 at a cosine 1e-6 lower."""
+    max_abs = max((o.max_abs for o in accuracy.outputs), default=0.0)
+    return (accuracy.within_tolerance, -len(accuracy.violations), -accuracy.error, accuracy.worst_cosine, -max_abs)
+
+
 class GuardStep(BaseModel):
     """One try: these nodes in float, the figure it gave, and whether the guard kept them."""
 
