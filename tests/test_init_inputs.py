@@ -155,3 +155,67 @@ def test_init_leaves_openvino_out_of_an_onnx_file_with_onnx_runtimes_own_ops(tmp
     assert result.exit_code == 0, result.output
     assert "openvino" not in {spec["pass"] for spec in recipe["stages"].values()} and "int8" in recipe["stages"]
     assert "no OpenVINO stage: the model holds ONNX Runtime's own ops (Gelu)" in (tmp_path / "fused.yaml").read_text()
+
+
+ROUND_ELEVEN_MODELS = '''
+import torch
+from torch import nn
+
+
+class Counted(nn.Module):
+    """A forward torch's FLOP counter cannot run (as a Mamba's reference scan, which reads grad_fn under it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if isinstance(torch.overrides._get_current_function_mode(), torch.utils._python_dispatch.TorchDispatchMode) or \\
+                torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
+            raise AssertionError("Expected gradient function to be set")
+        return self.proj(x)
+
+
+def counted():
+    return Counted().eval()
+
+
+def quantized():
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    return torch.ao.quantization.quantize_dynamic(net, {nn.Linear}, dtype=torch.qint8)
+'''
+
+
+def test_a_roberta_style_position_table_bounds_the_sequence(tmp_path, cli_run, monkeypatch):
+    # XLM-R and MPNet number positions after the padding index: 64 positions take 62 tokens. init ran the model at 64
+    # and refused it ("does not run on the inputs inferred"); real checkpoints carry 514 for 512 tokens.
+    import transformers
+
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+                 max_position_embeddings=64)
+    transformers.XLMRobertaForQuestionAnswering(transformers.XLMRobertaConfig(**small)).save_pretrained(tmp_path / "xlmr")
+    transformers.MPNetModel(transformers.MPNetConfig(**small)).save_pretrained(tmp_path / "mpnet")
+    transformers.BertModel(transformers.BertConfig(**small)).save_pretrained(tmp_path / "bert")  # no such offset
+    monkeypatch.chdir(tmp_path)
+    for folder, longest in (("xlmr", 62), ("mpnet", 62), ("bert", 64)):
+        result, recipe = _init(cli_run, folder, "-o", f"{folder}.yaml")
+        assert result.exit_code == 0, result.output
+        assert recipe["dims"]["sequence"]["max"] == longest, (folder, recipe["dims"])
+
+
+def test_a_forward_the_flop_counter_cannot_run_gets_its_kind_by_its_inputs(tmp_path, cli_run, monkeypatch):
+    (tmp_path / "eleven_nets.py").write_text(ROUND_ELEVEN_MODELS)
+    monkeypatch.chdir(tmp_path)
+    result, recipe = _init(cli_run, "eleven_nets:counted", "-o", "counted.yaml")
+    assert result.exit_code == 0, result.output
+    assert "its compute was not measured" in result.output and recipe["inputs"][0]["shape"] == ["batch", 8]
+
+
+def test_a_module_quantized_by_torch_is_refused_by_init_as_by_the_compile(tmp_path, cli_run, monkeypatch):
+    # init had found no layer it knew, guessed an image input [batch, 3, 224, 224], and failed on it.
+    (tmp_path / "eleven_quantized_nets.py").write_text(ROUND_ELEVEN_MODELS)
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "eleven_quantized_nets:quantized", "-o", "quantized.yaml")
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert "'eleven_quantized_nets:quantized': the module is quantized in PyTorch already" in line and "224" not in line

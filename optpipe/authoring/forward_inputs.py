@@ -36,10 +36,11 @@ def unknown_required(params: list[tuple[str, bool]], known: set[str], owner: str
                            f"the config); write `inputs` for it by hand, known names: {', '.join(KNOWN)}")
 
 
-def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Optional[list[str]], owner: str
+def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Optional[list[str]], owner: str, net=None
               ) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
     """The inputs of a Hugging Face model's forward() that its config can size: token ids (and the
-    tokenizer's masks), images, raw audio; refuses a required one it cannot."""
+    tokenizer's masks), images, raw audio; refuses a required one it cannot. `net` (the model, on the meta device
+    or not): the sequence it takes, where its position table says less than its config (fit_positions)."""
     names = [name for name, _ in params]
     text_config = config.get("text_config") or config
     vision_config = config.get("vision_config") or config
@@ -79,11 +80,30 @@ def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Opt
         dims["target"] = {"min": 1, "opt": min(32, longest), "max": min(128, longest)}
         known.add(DECODER_IDS)
     unknown_required(params, known, owner)
+    if net is not None:
+        fit_positions(net, dims)
     inputs.sort(key=lambda spec: names.index(spec["name"]))  # a factory's module takes them by position
     if not inputs:
         raise ModelSourceError(f"init: cannot infer any input of {owner}.forward() ({', '.join(names[:6])}) from its config; "
                                "write `inputs` by hand")
     return inputs, dims
+
+
+def fit_positions(net, dims: dict) -> None:
+    """A model whose position ids start after the padding index (RoBERTa's scheme: XLM-R, MPNet, CamemBERT, Longformer
+    ...) takes num_embeddings - padding_idx - 1 tokens, not its config's max_position_embeddings (514 for 512 tokens):
+    at the config's length init's own run of it failed ("index out of range"). Read from the module, not a list of
+    architectures: a position table with a padding index is that scheme."""
+    import torch
+
+    sequence = dims.get("sequence")
+    if sequence is None:
+        return
+    for name, module in net.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+            usable = module.num_embeddings - module.padding_idx - 1
+            sequence["max"] = max(1, min(sequence["max"], usable))
+            sequence["opt"] = max(1, min(sequence["opt"], usable))
 
 
 def task_layout(task: str, inputs: list[dict[str, Any]], dims: dict, config: dict) -> None:

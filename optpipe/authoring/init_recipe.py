@@ -181,7 +181,7 @@ def _hf_facts(folder: Path, recipe_dir: Path) -> ModelFacts:
             "trust that code, write `model: {hf: FOLDER, trust_remote_code: true}` in a recipe yourself, or init a "
             "module:factory that builds the model") from None
     owner = type(net).__name__
-    inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner)
+    inputs, dims = hf_inputs(forward_parameters(net.forward), config, _tokenizer_inputs(folder), owner, net)
     task_layout(task, inputs, dims, config)
     kind, notes = model_kind(net, inputs, dims, owner)
     verdict, task_notes = verdict_task(task, config)
@@ -252,7 +252,7 @@ def _module_facts(net, name: str, model: dict[str, Any]) -> ModelFacts:
     params = forward_parameters(net.forward)
     hf_config = getattr(net, "config", None)
     if hasattr(hf_config, "to_dict"):  # a transformers model: its config sizes every input
-        inputs, dims = hf_inputs(params, hf_config.to_dict(), None, owner)
+        inputs, dims = hf_inputs(params, hf_config.to_dict(), None, owner, net)
         notes = []
     else:
         inputs, dims, notes = _first_layer_input(net)

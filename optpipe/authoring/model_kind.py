@@ -121,11 +121,29 @@ def model_kind(net, inputs: list[dict], dims: dict, owner: str) -> tuple[str, li
         with torch.device("cpu"):
             net = type(net)(net.config).eval()  # random weights: only the op counts are read
     if mix is None:
-        mix = torch_mix(net, real_tensors(inputs, dims))
-    if mix is None:
-        raise ModelSourceError(f"init: {owner}.forward() does not run on the inputs inferred for it "
-                               f"({', '.join(spec['name'] for spec in inputs)}); write `inputs` by hand")
+        real = real_tensors(inputs, dims)
+        mix = torch_mix(net, real)
+        if mix is None:
+            return _uncounted(net, real, (), inputs, f"{owner}.forward() does not run on the inputs inferred for it "
+                                                    f"({', '.join(spec['name'] for spec in inputs)})")
     return mix.kind(), [f"a {mix.kind()} recipe: {mix.describe()}"]
+
+
+def _uncounted(net, kwargs: dict, args: tuple, inputs: list[dict], refusal: str) -> tuple[str, list[str]]:
+    """Where forward() failed under torch's FLOP counter: run it without. A model that runs so (a Mamba's reference
+    scan met the counter's "Expected gradient function to be set", and init refused it) gets its kind by its inputs,
+    said; one that fails anyway is refused with the reason it gave."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            net(*args, **kwargs)
+    except Exception as exc:
+        raise ModelSourceError(f"init: {refusal}: {type(exc).__name__}: {first_line(exc)[:160]}; write `inputs` by "
+                               "hand") from None
+    kind = "transformer" if any(spec["dtype"].startswith("int") for spec in inputs) else "dense"
+    return kind, [f"a {kind} recipe by its inputs: torch's FLOP counter does not run its forward(), so its compute "
+                  "was not measured"]
 
 
 def _on_meta(net) -> bool:
@@ -136,7 +154,8 @@ def _on_meta(net) -> bool:
 
 def factory_kind(net, inputs: list[dict], dims: dict, owner: str) -> tuple[str, list[str]]:
     """A plain module's kind by its compute, called positionally as the factory loader calls it."""
-    mix = torch_mix(net, {}, tuple(real_tensors(inputs, dims).values()))
+    args = tuple(real_tensors(inputs, dims).values())
+    mix = torch_mix(net, {}, args)
     if mix is None:
-        raise ModelSourceError(f"init: {owner}.forward() does not run on the inputs inferred for it; write `inputs` by hand")
+        return _uncounted(net, {}, args, inputs, f"{owner}.forward() does not run on the inputs inferred for it")
     return mix.kind(), [f"a {mix.kind()} recipe: {mix.describe()}"]

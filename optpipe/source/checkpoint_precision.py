@@ -61,13 +61,13 @@ def refuse_prequantized(config: dict, folder: Path, owner: str) -> None:
             "(the weight_only and openvino_weights passes quantize it, measured against the float model)")
 
 
-def refuse_quantized_modules(net) -> None:
+def refuse_quantized_modules(net, owner: str = "model") -> None:
     """A module quantized in PyTorch already (torch.ao's quantized Linear, Conv...: packed int8 weights) neither exports
     to ONNX ('quantized::linear_dynamic is not supported') nor has float weights for the stages to start from."""
     quantized = sorted({type(m).__module__ + "." + type(m).__name__ for m in net.modules()
                         if ".quantized" in type(m).__module__ and type(m).__module__.startswith("torch.")})
     if quantized:
-        raise ModelSourceError(f"model: the module is quantized in PyTorch already ({', '.join(quantized[:3])}); give it "
+        raise ModelSourceError(f"{owner}: the module is quantized in PyTorch already ({', '.join(quantized[:3])}); give it "
                                "before torch.ao's quantization: the int8 and openvino passes quantize it, measured against "
                                "the float model")
 

@@ -11,7 +11,12 @@ from optpipe.core.errors import ModelSourceError
 
 
 def refuse_unexportable(net, where: str) -> None:
+    """A factory's result that no exporter takes, refused in one line naming `where` it came from: an ExportedProgram,
+    a module that cannot be put in eval mode, one quantized by torch.ao already (init had read no input from its packed
+    layers and guessed an image)."""
     import torch
+
+    from optpipe.source.checkpoint_precision import refuse_quantized_modules
 
     if isinstance(net, torch.export.ExportedProgram):
         raise ModelSourceError(f"{where} returned a torch.export ExportedProgram, not a module: return the nn.Module it was "
@@ -21,6 +26,8 @@ def refuse_unexportable(net, where: str) -> None:
     except NotImplementedError as exc:  # torch.export's .module(): "Calling eval() is not supported yet."
         raise ModelSourceError(f"{where} returned a {type(net).__name__} that cannot be put in eval mode ({exc}), as "
                                "torch.export's .module() is: return the nn.Module it was exported from") from None
+    if isinstance(net, torch.nn.Module):
+        refuse_quantized_modules(net, where)
 
 
 def layer_kind(module) -> str:
