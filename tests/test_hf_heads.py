@@ -89,3 +89,16 @@ def test_a_one_label_classifier_is_a_regression_with_no_classification_task(tmp_
     recipe = yaml.safe_load((tmp_path / "scorer.yaml").read_text())
     assert recipe["model"]["task"] == "sequence-classification" and "task" not in recipe["evaluate"]
     assert "one label (a regression): no classification task" in result.output
+
+
+def test_a_token_classifier_gets_a_classification_task_read_per_token(tmp_path, cli_run, monkeypatch):
+    """init wrote no task for a ...ForTokenClassification head (NER): its stages were held by the cosine alone, and a
+    classification task written by hand read one argmax over each sentence's tokens and classes together."""
+    _save(transformers.BertForTokenClassification, tmp_path / "ner")
+    monkeypatch.chdir(tmp_path)
+    assert cli_run("init", "ner", "-o", "ner.yaml").exit_code == 0
+    recipe = yaml.safe_load(Path("ner.yaml").read_text())
+    assert recipe["model"]["task"] == "token-classification" and recipe["evaluate"]["task"] == {"kind": "classification"}
+    result, rows = _compile(tmp_path, cli_run, recipe)
+    assert result.exit_code == 0, result.output
+    assert rows["export"]["accuracy"]["task"]["metrics"]["top1_agreement"] == 1.0

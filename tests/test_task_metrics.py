@@ -74,6 +74,29 @@ def test_classification_against_labels_and_reference():
     assert same.within_tolerance and same.task.labels["top1"] == same.task.labels["reference_top1"] > 0.8
 
 
+def test_a_token_classifier_is_judged_per_real_token():
+    # [batch, seq, classes] (NER): its top-1 had been one argmax over each sample's tokens and classes flattened together,
+    # blind to tokens whose class flipped. Padded positions count for nothing.
+    rng = np.random.default_rng(1)
+    reference = rng.normal(0, 1, (8, 12, 5))
+    mask = np.ones((8, 12), np.int64)
+    mask[:, 9:] = 0  # 3 padded positions per sentence
+    candidate = reference.copy()
+    top = reference.argmax(-1)
+    flip = [(0, 1), (3, 4), (5, 7)]  # three real tokens drop their class below the runner-up
+    for b, t in flip:
+        candidate[b, t, top[b, t]] = np.sort(reference[b, t])[-2] - 0.01
+    candidate[:, 10] = -reference[:, 10]  # padding: anything
+    inputs = {"input_ids": np.zeros((8, 12), np.int64), "attention_mask": mask}
+    task = TaskSpec(kind="classification")
+    acc = compare({"logits": candidate}, {"logits": reference}, inputs, TOL, "ref", task=task)
+    assert acc.task.metrics["top1_agreement"] == pytest.approx(1 - 3 / 72)
+    labels = top.copy()
+    labels[:, 0] = (labels[:, 0] + 1) % 5  # the reference wrong on 8 of 72 real tokens
+    acc = compare({"logits": reference}, {"logits": reference}, inputs, TOL, "ref", task=task, labels=labels)
+    assert acc.task.labels["reference_top1"] == pytest.approx(1 - 8 / 72)
+
+
 def _recipe(tmp_path, data: dict, inputs=None):
     return parse_recipe(
         {"model": {"onnx": "m.onnx"}, "inputs": inputs or [{"name": "x", "shape": ["batch", 4]}],

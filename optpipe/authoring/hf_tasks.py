@@ -60,7 +60,8 @@ def architecture_task(config: dict) -> str:
 
 # Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
 # checks the predictions (top-1, next token), which cosine alone lets flip.
-HF_VERDICT_TASKS = {"sequence-classification": "classification", "image-classification": "classification",
+HF_VERDICT_TASKS = {"sequence-classification": "classification", "token-classification": "classification",
+                    "image-classification": "classification",
                     "audio-classification": "classification", "causal-lm": "language-model", "seq2seq-lm": "language-model",
                     "speech-seq2seq": "language-model",
                     "semantic-segmentation": "segmentation", "multiple-choice": "classification",

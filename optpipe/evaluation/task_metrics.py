@@ -5,7 +5,8 @@ pixels dominate the row, so FP16 passed at cosine 0.99997 while 15% of the confi
 changed class. Each task here measures the candidate against the reference stage and, where
 the data has labels, both against the labels:
 
-- classification: top-1 / top-5 agreement with the reference; top-1 / top-5 accuracy on labels;
+- classification: top-1 / top-5 agreement with the reference; top-1 / top-5 accuracy on labels; per real token for
+  a [batch, seq, classes] output (a token classifier), with labels [batch, seq] where given;
 - detection (YOLO-style output): class agreement on the reference's confident predictions,
   then mAP@0.5 and mean IoU of the candidate's NMS'd boxes against the reference's;
 - segmentation ([N, classes, H, W] logits): per-pixel class agreement and mIoU against the
@@ -45,6 +46,10 @@ def task_accuracy(spec: TaskSpec, candidate: dict[str, np.ndarray], reference: d
 
 
 def classification(spec: TaskSpec, cand, ref, inputs, labels) -> TaskAccuracy:
+    tokens = _token_rows(ref, inputs)
+    if tokens is not None:  # a token classifier: one prediction per real token
+        cand, ref = cand[tokens], ref[tokens]
+        labels = labels[tokens] if labels is not None and np.shape(labels) == tokens.shape else labels
     cand, ref = _binary(_class_rows(cand)), _binary(_class_rows(ref))
     k = min(5, cand.shape[-1])
     ref_top1 = ref.argmax(-1)
@@ -64,6 +69,18 @@ def _binary(rows: np.ndarray) -> np.ndarray:
     """One logit per sample (a sigmoid classifier) read as two classes, class 1 where it is above 0: over one class,
     top-1 agreement was 1 whatever a stage did. (A regression head has no classification task: init writes none.)"""
     return np.concatenate([np.zeros_like(rows), rows], axis=-1) if rows.shape[-1] == 1 else rows
+
+
+def _token_rows(ref: np.ndarray, inputs) -> np.ndarray | None:
+    """The [batch, seq] positions whose classes a [batch, seq, classes] output holds (a token classifier: NER, POS),
+    real tokens only where the inputs carry a mask; None for one prediction per sample. Flattened per sample, a
+    token classifier's top-1 had been one argmax over all its tokens and classes together."""
+    if ref.ndim != 3 or ref.shape[1] < 2:
+        return None
+    mask = real_tokens(inputs)
+    if mask is not None and np.shape(mask) == ref.shape[:2]:
+        return np.asarray(mask).astype(bool)
+    return np.ones(ref.shape[:2], dtype=bool)
 
 
 def _class_rows(logits: np.ndarray) -> np.ndarray:
