@@ -234,9 +234,16 @@ def _export_checked(exporter: str, torch_model: TorchModel, feeds, expected, sha
         # same 90 MB MiniLM graph five times (~0.3 s each on 2 loaded cores); ORT's outputs do not depend on
         # the runs before (no state), so the figures are the same.
         session = load_session(path, threads)
+    except PassError as exc:  # the exporter wrote a graph ORT refuses to load: not a mismatch with eager
+        raise _ExportFailed(f"the {exporter} export: {exc}") from None
+    try:
         numeric_check(onnx_outputs(path, feeds, threads, session), expected, feeds, params, EAGER)
     except PassError as exc:
         raise _ExportFailed(f"the exported model does not match PyTorch eager ({exc})") from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # ORT refusing the exporter's graph at the very shape it was traced at (a Mamba's Tile)
+        raise _ExportFailed(f"ONNX Runtime cannot run the {exporter} export ({root_first_line(exc)})") from None
     # A trace records one branch of any control flow on a tensor's values or shape (the tracer's
     # "Python boolean" warnings): such a warning alone proves nothing (T5 and Swin warn and are
     # right at every shape), so the export is judged by the other shapes, with other values.
@@ -337,6 +344,9 @@ _HINTS = (
     ("computes in bfloat16", "take the autocast or the cast out of forward: the passes start from float32, and a stage "
      "takes the lower precision (fp16, openvino `precision: bf16`)"),
     ("does not match PyTorch eager", "raise check_atol/check_rtol if the error is rounding on large outputs, else make the dims fixed in `inputs`"),
+    *((marker, "the exporter wrote a graph ONNX Runtime refuses (the exporter's bug, not the model's); dynamic dims are "
+       "where exporters go wrong most: " + FIX_DIMS + ", or try another `opset`")
+      for marker in ("ONNX Runtime cannot run", "ONNX Runtime cannot load")),
     ("not supported", "the model uses an operator that ONNX export cannot convert"),
     ("Unsupported", "the model uses an operator that ONNX export cannot convert"),
     ("data-dependent", "forward() branches on tensor values or shapes, which dynamo cannot export with dynamic dims"),

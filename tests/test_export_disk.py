@@ -24,3 +24,28 @@ def test_a_disk_error_inside_the_exporter_names_the_disk_not_the_exporter(tiny_r
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and words in errors[0] and "exporter" not in errors[0], err
     assert "Traceback" not in err
+
+
+def test_an_export_onnx_runtime_cannot_run_is_the_exporters_failure_not_an_internal_error(tiny_recipe, cache_dir,
+                                                                                          monkeypatch, capsys):
+    # A tiny Mamba's TorchScript export held a Tile whose repeats were 2-d: ORT refused it at the very shape it was traced
+    # at, and the stage read "internal error in pass 'export' (InvalidArgument ...)".
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    import numpy as np
+
+    def refused(*args, **kwargs):
+        shape = numpy_helper.from_array(np.array([-1, 7], np.int64), "shape")  # 32 * batch values: never rows of 7
+        graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["output"])], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 32])],
+                                  [helper.make_tensor_value_info("output", TensorProto.FLOAT, None)], [shape])
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(args[4]))
+        return []
+
+    monkeypatch.setattr(_torch_export, "export_torchscript", refused)
+    monkeypatch.setattr(_torch_export, "export_dynamo", refused)
+    exit_code, _, err = run_main(["compile", str(tiny_recipe()), "--cache-dir", str(cache_dir)], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors and "internal error" not in err and "Traceback" not in err, err
+    assert "ONNX Runtime cannot run the torchscript export" in errors[0] and "make those dims fixed" in errors[0], err
+    assert exit_code == 1, err
