@@ -102,3 +102,18 @@ def test_a_token_classifier_gets_a_classification_task_read_per_token(tmp_path, 
     result, rows = _compile(tmp_path, cli_run, recipe)
     assert result.exit_code == 0, result.output
     assert rows["export"]["accuracy"]["task"]["metrics"]["top1_agreement"] == 1.0
+
+
+def test_a_question_answering_head_gets_both_its_logits_in_one_task(tmp_path, cli_run, monkeypatch):
+    """init wrote no task for a ...ForQuestionAnswering head: its start and end logits were held by the cosine alone,
+    which lets an answer's span move."""
+    _save(transformers.BertForQuestionAnswering, tmp_path / "qa")
+    monkeypatch.chdir(tmp_path)
+    assert cli_run("init", "qa", "-o", "qa.yaml").exit_code == 0
+    recipe = yaml.safe_load(Path("qa.yaml").read_text())
+    assert recipe["evaluate"]["task"] == {"kind": "classification", "output": ["start_logits", "end_logits"]}
+    result, rows = _compile(tmp_path, cli_run, recipe)
+    assert result.exit_code == 0, result.output
+    task = rows["export"]["accuracy"]["task"]
+    assert task["output"] == "start_logits, end_logits" and task["metrics"]["top1_agreement"] == 1.0
+

@@ -97,6 +97,34 @@ def test_a_token_classifier_is_judged_per_real_token():
     assert acc.task.labels["reference_top1"] == pytest.approx(1 - 8 / 72)
 
 
+def test_a_question_answering_head_agrees_where_its_start_and_its_end_both_do():
+    # Two outputs, one answer: a span moves when either end moves. Read alone, the start logits held 0.9 here.
+    rng = np.random.default_rng(2)
+    start, end = rng.normal(0, 1, (20, 16)), rng.normal(0, 1, (20, 16))
+    moved_start, moved_end = start.copy(), end.copy()
+    for i in (0, 1):
+        moved_start[i] = np.roll(start[i], 1)
+    for i in (5, 6, 7):
+        moved_end[i] = np.roll(end[i], 1)
+    task = TaskSpec(kind="classification", output=["start_logits", "end_logits"])
+    acc = compare({"start_logits": moved_start, "end_logits": moved_end}, {"start_logits": start, "end_logits": end},
+                  {"x": np.zeros((20, 1))}, TOL, "ref", task=task)
+    assert acc.task.metrics["top1_agreement"] == pytest.approx(15 / 20) and acc.task.output == "start_logits, end_logits"
+    assert not acc.within_tolerance and any("every output together" in v for v in acc.violations)
+
+
+@pytest.mark.parametrize("task, words", [
+    (TaskSpec(kind="detection", output=["a", "b"]), "a detection task reads one output"),
+    (TaskSpec(kind="classification", output=["a", "nope"]), "the model has no output 'nope'"),
+    (TaskSpec(kind="classification", output=["a", "a"]), "list each output once"),
+])
+def test_a_list_of_task_outputs_is_for_classification_and_the_models_own_names(task, words):
+    from optpipe.recipe.task_outputs import task_outputs
+
+    with pytest.raises(RecipeError, match=words):
+        task_outputs(task, {"a": None, "b": None})
+
+
 def _recipe(tmp_path, data: dict, inputs=None):
     return parse_recipe(
         {"model": {"onnx": "m.onnx"}, "inputs": inputs or [{"name": "x", "shape": ["batch", 4]}],

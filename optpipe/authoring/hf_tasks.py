@@ -61,6 +61,7 @@ def architecture_task(config: dict) -> str:
 # Optimum tasks whose head's output a task metric reads (evaluate.task.kind): the verdict then
 # checks the predictions (top-1, next token), which cosine alone lets flip.
 HF_VERDICT_TASKS = {"sequence-classification": "classification", "token-classification": "classification",
+                    "question-answering": "classification",
                     "image-classification": "classification",
                     "audio-classification": "classification", "causal-lm": "language-model", "seq2seq-lm": "language-model",
                     "speech-seq2seq": "language-model",
@@ -78,3 +79,14 @@ def verdict_task(task: str, config: dict) -> tuple[str | None, list[str]]:
         return None, [f"a {task} head with one label (a regression): no classification task, whose top-1 agreement over "
                       "one class would read 1.000 whatever a stage does; its one value per sample is held by R²"]
     return kind, []
+
+
+def task_keys(kind: str, hf_task: str | None, input_names: list[str]) -> str:
+    """A verdict task's keys beyond its kind, as init writes them: a question-answering head's answer is its start and
+    its end position together (both logits, one agreement); an encoder-decoder's logits are over its decoder_input_ids,
+    the tokens the language-model task then reads."""
+    from optpipe.core.runtime import DECODER_IDS
+
+    if kind == "classification" and hf_task == "question-answering":
+        return ", output: [start_logits, end_logits]"
+    return f", tokens: {DECODER_IDS}" if kind == "language-model" and DECODER_IDS in input_names else ""

@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 import yaml
 
-from optpipe.authoring.hf_tasks import HF_VERDICT_TASKS, architecture_task, verdict_task
-from optpipe.authoring.forward_inputs import (DECODER_IDS, hf_inputs, input_entry, real_tensors, task_layout,
+from optpipe.authoring.hf_tasks import HF_VERDICT_TASKS, architecture_task, task_keys, verdict_task
+from optpipe.authoring.forward_inputs import (hf_inputs, input_entry, real_tensors, task_layout,
                                              unknown_required)
 from optpipe.authoring.model_kind import factory_kind, meta_model, model_kind, onnx_mix
 from optpipe.authoring.stage_sets import passes_left_out, stage_notes, stages_for
@@ -337,12 +337,6 @@ TASK_WHY = {"classification": "the verdict also holds top-1 agreement (cosine al
             "segmentation": "the verdict also holds per-pixel class agreement (cosine alone let 13% of a SegFormer's pixels flip)"}
 
 
-def _task_tokens(facts: ModelFacts) -> str:
-    """An encoder-decoder's logits are over its decoder_input_ids: the language-model task reads those tokens."""
-    names = [spec["name"] for spec in facts.inputs]
-    return f", tokens: {DECODER_IDS}" if facts.task == "language-model" and DECODER_IDS in names else ""
-
-
 def render_recipe(facts: ModelFacts, source: str) -> str:
     """The recipe as commented YAML."""
     flow = _flow
@@ -361,7 +355,7 @@ def render_recipe(facts: ModelFacts, source: str) -> str:
         lines.append(f"  {name}: {flow(entry)}  # {why}")
     lines += ["evaluate:",
               "  tolerance: {cosine_min: 0.99}  # per-output agreement with the export",
-              *([f"  task: {{kind: {facts.task}{_task_tokens(facts)}}}  # {TASK_WHY[facts.task]}"] if facts.task else []),
+              *([f"  task: {{kind: {facts.task}{task_keys(facts.task, facts.model.get('task'), [i['name'] for i in facts.inputs])}}}  # {TASK_WHY[facts.task]}"] if facts.task else []),
               "  batch_sizes: [1]",
               "  threads: 2",
               f"output: runs/{facts.name}", ""]

@@ -152,7 +152,7 @@ def _sensitivity_warnings(outputs: list[OutputAccuracy], task, threshold: float)
     low = [o for o in measured if o.input_sensitivity < threshold]
     if not low:
         return []
-    task_output_low = task is not None and any(o.name == task.output for o in low)
+    task_output_low = task is not None and any(o.name in task.output.split(", ") for o in low)
     if len(low) == len(measured) or task_output_low:
         worst = max(o.input_sensitivity for o in low)
         return [f"the reference's outputs barely change across the evaluation samples (spread {worst:.1e} of their magnitude, "

@@ -22,6 +22,7 @@ import numpy as np
 from optpipe.core.errors import DataError, RecipeError
 from optpipe.evaluation.cosine import real_tokens, row_cosines
 from optpipe.recipe.schema import TaskSpec
+from optpipe.recipe.task_outputs import task_outputs
 from optpipe.core.results import TaskAccuracy
 
 
@@ -32,13 +33,14 @@ def task_accuracy(spec: TaskSpec, candidate: dict[str, np.ndarray], reference: d
     A task the model's outputs cannot carry (no such output, a shape the task cannot read) and
     labels outside the output's classes are the recipe's or the data's to fix: RecipeError and
     DataError, so the stage fails as the user's input (exit 2), not as a broken stage."""
-    name = spec.output or next(iter(reference))
-    if name not in reference:
-        raise RecipeError(f"evaluate.task.output: the model has no output '{name}'; its outputs are {sorted(reference)}")
-    cand = np.asarray(candidate[name], dtype=np.float64)
-    ref = np.asarray(reference[name], dtype=np.float64)
-    result = TASKS[spec.kind](spec, cand, ref, inputs, labels)
-    result.output = name
+    names = task_outputs(spec, reference)
+    if len(names) > 1:
+        result = joint_classification(spec, [candidate[n] for n in names], [reference[n] for n in names], inputs, labels)
+    else:
+        cand = np.asarray(candidate[names[0]], dtype=np.float64)
+        ref = np.asarray(reference[names[0]], dtype=np.float64)
+        result = TASKS[spec.kind](spec, cand, ref, inputs, labels)
+    result.output = ", ".join(names)
     return result
 
 
@@ -62,6 +64,31 @@ def classification(spec: TaskSpec, cand, ref, inputs, labels) -> TaskAccuracy:
         result.violations.append(f"top-1 agreement {metrics['top1_agreement']:.3f} < {spec.agreement_min}")
     if labels is not None:
         _label_accuracy(result, spec, cand, ref, labels, k)
+    return result
+
+
+def joint_classification(spec: TaskSpec, cands: list, refs: list, inputs, labels) -> TaskAccuracy:
+    """Several outputs, each a classification, that one prediction needs together: a question-answering head's answer is
+    its start and its end position, so a sample agrees where every output's top-1 does (either moved moves the span)."""
+    rows = []
+    for cand, ref in zip(cands, refs):
+        cand, ref = np.asarray(cand, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+        tokens = _token_rows(ref, inputs)
+        if tokens is not None:
+            cand, ref = cand[tokens], ref[tokens]
+        rows.append((_binary(_class_rows(cand)), _binary(_class_rows(ref))))
+    if len({len(ref) for _, ref in rows}) != 1:
+        raise RecipeError("evaluate.task.output: the outputs listed hold unlike numbers of predictions; list outputs with "
+                          "one prediction per sample each (start and end logits)")
+    k = min([5, *(cand.shape[-1] for cand, _ in rows)])
+    agree = np.all([cand.argmax(-1) == ref.argmax(-1) for cand, ref in rows], axis=0)
+    within = np.all([_in_top_k(cand, ref.argmax(-1), k) for cand, ref in rows], axis=0)
+    metrics = {"top1_agreement": float(np.mean(agree)), f"top{k}_agreement": float(np.mean(within))}
+    result = TaskAccuracy(kind="classification", output="", metrics=metrics)
+    if metrics["top1_agreement"] < spec.agreement_min:
+        result.violations.append(f"top-1 agreement of every output together {metrics['top1_agreement']:.3f} < {spec.agreement_min}")
+    if labels is not None:
+        result.notes.append("labels are one class per sample: not measured against several outputs")
     return result
 
 

@@ -120,7 +120,7 @@ class TaskSpec(Strict):
     """What the model is for: the stage verdict then uses this task's metric instead of cosine alone."""
 
     kind: Literal["classification", "detection", "segmentation", "language-model", "embeddings"]
-    output: Optional[str] = Field(None, description="the output the task reads (default: the first)")
+    output: Optional[Union[str, list[str]]] = Field(None, description="the output the task reads (default: the first); classification: a list (a question-answering head's start and end logits) agrees where every one does")
     agreement_min: float = Field(
         0.99, ge=0, le=1, description="classification: top-1 agreement; detection: class agreement on confident "
         "predictions; segmentation: per-pixel class agreement; language-model: next-token top-1 agreement (all against the reference stage)",

@@ -16,6 +16,7 @@ import numpy as np
 
 from optpipe.core.errors import DataError, RecipeError
 from optpipe.recipe.schema import LABELLED_TASKS, Recipe
+from optpipe.recipe.task_outputs import task_outputs
 
 if TYPE_CHECKING:
     from optpipe.cache.store import StageCache
@@ -101,8 +102,8 @@ def check_output_names(recipe: Recipe, outputs: list[str]) -> None:
             if name not in outputs:
                 raise RecipeError(f"{where}: the model has no output '{name}'; its outputs are {known}; fix the name")
     task = recipe.evaluate.task
-    if task is not None and task.output is not None and task.output not in outputs:
-        raise RecipeError(f"evaluate.task.output: the model has no output '{task.output}'; its outputs are {known}; fix the name")
+    if task is not None and task.output is not None:
+        task_outputs(task, outputs)  # each name the model's, a list for classification only
 
 
 def _unread_labels(recipe: Recipe, eval_set: Callable[[], object]) -> str | None:
