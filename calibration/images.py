@@ -160,6 +160,10 @@ def _decode(path: Path, mode: str):
     try:
         with Image.open(path) as image:
             return _eight_bit(image).convert(mode)
+    except Image.DecompressionBombError as exc:  # not an OSError: it had ended the run as an internal error
+        # Pillow's limit stays as it is: a few KB of PNG that decode to gigabytes is how a decompression bomb looks.
+        raise DataError(f"data: image '{path}' is too large to decode safely ({exc}); remove it, or shrink it "
+                        "first") from None
     except (UnidentifiedImageError, OSError) as exc:
         raise DataError(f"data: cannot decode image '{path}' ({exc}); remove it or list others in preprocess.files") from None
 

@@ -123,3 +123,20 @@ def test_sixteen_bit_and_float_images_keep_their_contrast(tmp_path, kind):
                       "stages": {"export": {"pass": "export"}}})
     image = load_samples(r.data.eval, r.model_source())["images"][0, 0].astype(np.float64)
     np.testing.assert_allclose(image.mean(axis=0), ramp[0] * 255, atol=3)  # left dark, right bright: not clipped
+
+
+def test_a_decompression_bomb_in_the_data_folder_is_the_datas_fault_in_one_line(tmp_path, monkeypatch):
+    """Pillow refuses an image of more pixels than its limit (DecompressionBombError, no OSError): it had ended the run as
+    an internal error. Its limit stays: here lowered so that a 64 x 64 image stands for a few KB decoding to gigabytes."""
+    from PIL import Image
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(folder / "bomb.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    r = parse_recipe({"model": {"onnx": "unused.onnx"}, "inputs": [{"name": "images", "shape": ["batch", 3, 32, 32]}],
+                      "dims": {"batch": {"min": 1, "opt": 1, "max": 2}},
+                      "data": {"eval": {"source": "images", "path": str(folder), "samples": 1}},
+                      "stages": {"export": {"pass": "export"}}})
+    with pytest.raises(DataError, match="bomb.png' is too large to decode safely"):
+        load_samples(r.data.eval, r.model_source())
