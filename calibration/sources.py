@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from optpipe.calibration.array_rows import npy_rows, npz_rows
 from optpipe.calibration.labels import attach_labels, class_folders, load_class_folders
 from optpipe.core.errors import DataError, first_line
 from optpipe.core.runtime import DECODER_IDS
@@ -216,13 +217,11 @@ def _sequence_length(model: ModelSource) -> int:
 def _npy(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
     if len(model.inputs) != 1:
         raise DataError("data: an .npy file holds one array; the model has several inputs, use an .npz keyed by input name")
-    array = np.load(source_path(source, model), allow_pickle=False)
-    return {model.inputs[0].name: array[: source.samples]}
+    return {model.inputs[0].name: npy_rows(source_path(source, model), source.samples)}
 
 
 def _npz(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:
-    with np.load(source_path(source, model), allow_pickle=False) as data:
-        return {k: data[k][: source.samples] for k in data.files}
+    return npz_rows(source_path(source, model), source.samples)
 
 
 def _images(source: DataSource, model: ModelSource) -> dict[str, np.ndarray]:

@@ -415,3 +415,25 @@ def test_data_warnings_reach_the_reports_of_recipes_compiled_together(tmp_path, 
     assert [w for w in warned if said in w], warned
     assert said in (tmp_path / "run-a" / "report.md").read_text()
     assert not [w for w in json.loads((tmp_path / "run-b" / "report.json").read_text())["data_warnings"] if said in w]
+
+
+def test_an_npz_or_npy_gives_only_the_rows_a_set_uses(tmp_path, monkeypatch):
+    """numpy reads whole arrays: the first 8 samples of a large file took all of it, and a few MB of zipped zeros that
+    unpack to more than the machine holds took its memory before the slice. Only the rows used are read; rows that
+    would not fit are refused before they are read."""
+    from optpipe.calibration import array_rows
+    from optpipe.core.errors import DataError
+
+    rows = np.arange(40 * 6, dtype=np.float32).reshape(40, 6)
+    np.savez_compressed(tmp_path / "big.npz", x=rows, ids=np.arange(40, dtype=np.int64))
+    np.save(tmp_path / "big.npy", rows)
+    np.save(tmp_path / "fortran.npy", np.asfortranarray(rows))
+    got = array_rows.npz_rows(tmp_path / "big.npz", 8)
+    np.testing.assert_array_equal(got["x"], rows[:8])
+    np.testing.assert_array_equal(got["ids"], np.arange(8))
+    np.testing.assert_array_equal(array_rows.npy_rows(tmp_path / "big.npy", 8), rows[:8])
+    np.testing.assert_array_equal(array_rows.npy_rows(tmp_path / "fortran.npy", 50), rows)
+    # a file of more rows than memory: refused by its header, nothing read
+    monkeypatch.setattr("optpipe.safety.memory_estimate.available_bytes", lambda: 100)
+    with pytest.raises(DataError, match="would take .* MB for 8 samples of shape \\[6\\] \\(float32\\)"):
+        array_rows.npz_rows(tmp_path / "big.npz", 8)

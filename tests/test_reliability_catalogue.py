@@ -479,7 +479,7 @@ ROUND_TWO = {
     "onnx opset 99": (lambda d: _with_model(d, _opset_99), USER, "declares opset 99, newer than any ONNX release"),
     "onnx initializer larger than its data": (lambda d: _with_model(d, _lying_initializer), USER, "is not a valid ONNX model"),
     "onnx external data at an absolute path": (lambda d: _with_model(d, _absolute_external_data), USER, "outside the model's folder"),
-    "npz header declares 64 TiB": (_npz_lying_header, USER, "Unable to allocate"),
+    "npz header declares 64 TiB": (_npz_lying_header, USER, "ends before the 4 rows its header declares"),
     "text data with an onnx model": (lambda d: (d.mkdir(exist_ok=True), (d / "t.txt").write_text("hello\n"),
                                                 _mutated(d, lambda r: r["data"].update(eval={"source": "text", "path": "t.txt"})))[2], USER, "an ONNX file has none; add `tokenizer: {hf: FOLDER}`"),
     "synthetic integer range holding no integer": (lambda d: _int_input_recipe(d, range=[0.2, 0.7]), USER, "fix inputs.0.range"),
