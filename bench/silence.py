@@ -107,6 +107,9 @@ def main() -> int:
     from optpipe.hardware.cpu_features import cpu_record
     from optpipe.safety.recipe_loading import load_recipe
 
+    if len(sys.argv) != 2:
+        print("usage: OPTPIPE_CACHE=$(mktemp -d) python bench/silence.py RECIPE.yaml", file=sys.stderr)
+        return 2
     recipe = load_recipe(Path(sys.argv[1]))
     clock = Clocked()
     stream = ClockedLines(clock)
