@@ -22,6 +22,8 @@ MEMORY_SHARE = 0.5
 
 def npy_rows(path: Path, samples: int) -> np.ndarray:
     array = np.load(path, mmap_mode="r", allow_pickle=False)
+    if not array.ndim:  # one value, no rows: the caller's check of the shapes says so (slicing it had been an IndexError)
+        return np.array(array)
     _fits(path.name, array.shape, array.dtype, samples)
     return np.array(array[:samples])  # a copy of those rows only, off the mapped file
 

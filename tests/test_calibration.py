@@ -433,6 +433,8 @@ def test_an_npz_or_npy_gives_only_the_rows_a_set_uses(tmp_path, monkeypatch):
     np.testing.assert_array_equal(got["ids"], np.arange(8))
     np.testing.assert_array_equal(array_rows.npy_rows(tmp_path / "big.npy", 8), rows[:8])
     np.testing.assert_array_equal(array_rows.npy_rows(tmp_path / "fortran.npy", 50), rows)
+    np.save(tmp_path / "one.npy", np.float32(3))  # no rows: left to the shape check's line (it had been an IndexError)
+    assert array_rows.npy_rows(tmp_path / "one.npy", 8).ndim == 0
     # a file of more rows than memory: refused by its header, nothing read
     monkeypatch.setattr("optpipe.safety.memory_estimate.available_bytes", lambda: 100)
     with pytest.raises(DataError, match="would take .* MB for 8 samples of shape \\[6\\] \\(float32\\)"):

@@ -99,7 +99,8 @@ def test_the_preflight_refuses_in_the_containers_memory_and_says_whose(monkeypat
     monkeypatch.setattr(container_limits, "read_limits", lambda proc=None: ContainerLimits(3 * GB, GB // 2, None))
     own = memory_estimate._held_by_this_process()
     assert own > 0  # this process's libraries: counted in each estimate's baseline, so not as used by someone else
-    assert memory_estimate.available_bytes() == 3 * GB - GB // 2 + own
+    # Within a few pages: the process's resident set moves between two reads (4 KB apart in one run under load).
+    assert abs(memory_estimate.available_bytes() - (3 * GB - GB // 2 + own)) <= 1 << 20
     monkeypatch.setattr(memory_estimate, "_held_by_this_process", lambda: 0)
     with pytest.raises(UserInputError) as refused:
         memory_estimate.check_fits(2 * GB, {"int8": "int8"})
