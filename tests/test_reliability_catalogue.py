@@ -287,6 +287,16 @@ def _opset_99(folder: Path) -> None:
     onnx.save_model(model, str(path))
 
 
+def _sequence_output(folder: Path) -> None:
+    """The graph ends in a sequence of tensors (SplitToSequence): every evaluation had failed as "fix the data"."""
+    path = write_linear_onnx(folder)
+    model = onnx.load(str(path))
+    model.graph.node.append(onnx.helper.make_node("SplitToSequence", ["y"], ["pieces"], axis=1))
+    del model.graph.output[:]
+    model.graph.output.append(onnx.helper.make_tensor_sequence_value_info("pieces", onnx.TensorProto.FLOAT, None))
+    onnx.save_model(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+
+
 def _lying_initializer(folder: Path) -> None:
     """An initializer that declares 100x the rows its data holds."""
     path = write_linear_onnx(folder)
@@ -478,6 +488,7 @@ ROUND_TWO = {
     # models and data that lie
     "onnx opset 99": (lambda d: _with_model(d, _opset_99), USER, "declares opset 99, newer than any ONNX release"),
     "onnx initializer larger than its data": (lambda d: _with_model(d, _lying_initializer), USER, "is not a valid ONNX model"),
+    "onnx output a sequence of tensors": (lambda d: _with_model(d, _sequence_output), USER, "output 'pieces' of 'model.onnx' is a sequence of tensors, not a tensor"),
     "onnx external data at an absolute path": (lambda d: _with_model(d, _absolute_external_data), USER, "outside the model's folder"),
     "npz header declares 64 TiB": (_npz_lying_header, USER, "ends before the 4 rows its header declares"),
     "text data with an onnx model": (lambda d: (d.mkdir(exist_ok=True), (d / "t.txt").write_text("hello\n"),

@@ -75,10 +75,11 @@ def inspect_path(path: str, recipe_dir: Path) -> ModelFacts:
 def _onnx_facts(path: Path, recipe_dir: Path) -> ModelFacts:
     import onnx
 
-    from optpipe.safety.onnx_guard import check_deterministic, load_graph
+    from optpipe.safety.onnx_guard import check_deterministic, check_tensor_outputs, load_graph
 
     graph = load_graph(path, "model.onnx")
     check_deterministic(graph, path.name, "init")  # compile would refuse it: no recipe written
+    check_tensor_outputs(graph, path.name, "init")
     initializers = {t.name for t in graph.graph.initializer}
     vocab = _index_ranges(graph.graph)
     limit = onnx_position_limit(graph.graph)  # a position table bounds the token sequence

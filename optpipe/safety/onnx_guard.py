@@ -152,7 +152,21 @@ def check_named_parts(path: Path, shapes: ModelInputs, where: str) -> onnx.Model
             "replace them or export with an opset that has them"
         )
     check_deterministic(graph, path.name, where)
+    check_tensor_outputs(graph, path.name, where)
     return graph
+
+
+def check_tensor_outputs(model: onnx.ModelProto, name: str, where: str) -> None:
+    """Every output a tensor: a sequence of tensors (SplitToSequence, a scripted module's list) or a map has no
+    elements to compare, and every evaluation had failed as "fix the data" (Polygraphy: "dtype is unsupported for
+    objects of type: list")."""
+    for output in model.graph.output:
+        kind = output.type.WhichOneof("value")
+        if kind not in (None, "tensor_type"):
+            shown = {"sequence_type": "a sequence of tensors", "map_type": "a map", "optional_type": "an optional"}.get(kind, kind)
+            raise ModelSourceError(f"{where}: output '{output.name}' of '{name}' is {shown}, not a tensor: optpipe measures "
+                                   "tensors; end the graph in a tensor (ConcatFromSequence, SequenceAt), or export the "
+                                   "model so that it returns tensors")
 
 
 #: Ops that draw random numbers at every run (Dropout is not one: ONNX Runtime and OpenVINO run it as inference)
