@@ -197,3 +197,28 @@ def test_float_weights_type_is_float(tmp_path):
     # Guard against an accidental float64 in hand-built weights (ORT would reject the graph).
     source, _, _ = case(tmp_path)
     assert {init.data_type for init in source.load().graph.initializer} == {TensorProto.FLOAT}
+
+
+def test_a_graph_whose_compute_is_in_a_loop_body_says_int8_quantized_nothing(tmp_path):
+    # A scripted loop exported to ONNX: ORT's quantizer leaves Loop bodies alone, and the stage read "ok, fp32 100%"
+    # with nothing to say it was its input model.
+    from onnx import helper
+
+    from optpipe.evaluation.verdict import pass_warnings
+
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h_in", "w"], ["h_out"], name="body_mm")], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_in", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), helper.make_tensor_value_info("h_out", TensorProto.FLOAT, None)])
+    body.node.insert(0, helper.make_node("Identity", ["c"], ["c_out"]))
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "", "x"], ["y"], body=body, name="loop")], "looped",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16])],
+        [numpy_helper.from_array(np.array(3, np.int64), "trips"), numpy_helper.from_array(RNG.normal(size=(16, 16)).astype(np.float32) / 4, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    recipe = graph_recipe([{"name": "x", "shape": ["N", 16]}], dims={"N": {"min": 1, "opt": 2, "max": 8}})
+    out = run_int8(artifact_of(model, tmp_path / "in"), recipe, {"x": RNG.normal(size=(8, 16)).astype(np.float32)},
+                   tmp_path / "out", mode="dynamic")
+    assert out.info["op_changes"] == {}
+    assert any("int8 quantized no node: its compute is inside Loop bodies" in w for w in pass_warnings(out.info))

@@ -115,6 +115,8 @@ def pass_warnings(info: dict) -> list[str]:
     guard = info.get("guard") or {}
     if isinstance(guard, dict) and guard.get("unconverted"):
         warnings.append(f"guard: {guard['unconverted']}")
+    elif info.get("op_changes") == {} and info.get("mode") in ("dynamic", "static"):
+        warnings.append(_nothing_quantized(info))
     if info.get("algorithm") == "awq" and info.get("int4_matmuls") == 0:
         warnings.append(f"awq: NNCF put no MatMul in INT4 (ratio {info.get('ratio')}, block_size {info.get('block_size')}); "
                         "every weight is at 8 bits, round-to-nearest: raise `ratio`, or use a `block_size` that divides "
@@ -144,6 +146,15 @@ def ignored_params_warning(info: dict) -> str | None:
     verb, them = ("applies", "it") if len(ignored) == 1 else ("apply", "them")
     why = info.get("ignored_why", "only to precision int8")
     return f"{', '.join(ignored)} {verb} {why}; this {info.get('precision')} stage ignored {them}"
+
+
+def _nothing_quantized(info: dict) -> str:
+    """The int8 pass changed no op: its precision column reads fp32 100% with nothing in it to say why. A graph whose
+    compute sits in Loop / If / Scan bodies (a scripted loop) is the case met: ORT's quantizer leaves subgraphs alone."""
+    nested = sorted(set((info.get("graph") or {}).get("ops") or {}) & {"Loop", "If", "Scan"})
+    why = (f": its compute is inside {'/'.join(nested)} bodies, which ONNX Runtime's quantizer leaves in float" if nested
+           else f": the graph holds none of the ops it quantizes ({', '.join(info.get('op_types') or [])})")
+    return f"int8 quantized no node{why}; this stage is its input model"
 
 
 def flag_unchanged_stages(results: list, stages: dict, cache: "StageCache | None" = None) -> None:
