@@ -219,3 +219,16 @@ def test_a_module_quantized_by_torch_is_refused_by_init_as_by_the_compile(tmp_pa
     assert result.exit_code == 2, result.output
     [line] = result.output.strip().splitlines()
     assert "'eleven_quantized_nets:quantized': the module is quantized in PyTorch already" in line and "224" not in line
+
+
+def test_a_vision_config_of_height_and_width_gets_both(tmp_path, cli_run, monkeypatch):
+    # image_size [32, 48]: init took the first number for both sides and the model refused 32 x 32.
+    import transformers
+
+    config = transformers.ViTConfig(image_size=[32, 48], patch_size=8, hidden_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=64, num_labels=3)
+    transformers.ViTForImageClassification(config).save_pretrained(tmp_path / "wide")
+    monkeypatch.chdir(tmp_path)
+    result, recipe = _init(cli_run, "wide", "-o", "wide.yaml")
+    assert result.exit_code == 0, result.output
+    assert recipe["inputs"][0]["shape"] == ["batch", 3, 32, 48]

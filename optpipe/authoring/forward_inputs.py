@@ -49,8 +49,8 @@ def hf_inputs(params: list[tuple[str, bool]], config: dict, tokenizer_names: Opt
     known: set[str] = set()
     if IMAGE in names and ("image_size" in vision_config or "num_channels" in vision_config):
         size = vision_config.get("image_size", 224)
-        size = size if isinstance(size, int) else size[0]
-        inputs.append(input_entry(IMAGE, "float32", ["batch", vision_config.get("num_channels", 3), size, size]))
+        height, width = (size, size) if isinstance(size, int) else (size[0], size[-1])  # [height, width]: not square
+        inputs.append(input_entry(IMAGE, "float32", ["batch", vision_config.get("num_channels", 3), height, width]))
         known.add(IMAGE)
     if "input_ids" in names and "vocab_size" in text_config:
         vocab = int(text_config["vocab_size"])
