@@ -11,6 +11,7 @@ Phases, each with one job and its own module:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from optpipe.cache.store import StageCache
 from optpipe.plan.dag import only_order
 from optpipe.execution.interrupt import KeptTracker, explain_interruption
 from optpipe.execution.run_folder import publish_stage_folders
-from optpipe.execution.services import RunServices, stage_logger
+from optpipe.execution.services import LogWriter, RunServices, stage_logger
 from optpipe.source.model_source import onnx_path
 from optpipe.execution.stage_evaluation import EvaluationParts, evaluate_stages
 from optpipe.execution.stage_runner import StageRunner
@@ -87,8 +88,10 @@ def _compile(recipe: Recipe, options: RunOptions) -> RunReport:
         instruments = manager.instruments
         stages = manager.run(order, graph, passes)
         # A library's Python warnings while stages are measured (torch's "nested tensors ... prototype" from eager's fast
-        # path) go to a log beside the stages', not between the console's lines.
-        with stage_logger("evaluation", run_dir / "logs" / _evaluation_log(recipe.stages)):
+        # path), and what the model's own forward() prints (a print per call: 94,000 lines between the console's), go to a
+        # log beside the stages', not between the console's lines.
+        with stage_logger("evaluation", run_dir / "logs" / _evaluation_log(recipe.stages)) as log, \
+                contextlib.redirect_stdout(LogWriter(log)):
             results = evaluate_stages(EvaluationParts.of(plan), order, stages, services, cache, options.providers, instruments,
                                       options.force)
         report = build_report(plan.name, plan.evaluate, results, data_warnings=said)
