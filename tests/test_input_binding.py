@@ -43,3 +43,36 @@ def test_an_input_named_after_a_parameter_at_another_position_is_refused_when_na
     with pytest.raises(ModelSourceError, match="a TorchScript module is exported with its inputs in the recipe's order"):
         _model(["mask", "ids"], scripted=True)
     assert _model(["ids", "mask"], scripted=True).input_names == ["ids", "mask"]  # in forward's order: as it is
+
+
+KEYWORD_ONLY = '''import torch
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, *, x):  # keyword-only: it takes no position
+        return self.fc(x)
+
+
+def scaled():
+    torch.manual_seed(0)
+    return Scaled().eval()
+'''
+
+
+def test_a_keyword_only_forward_is_fed_by_name_by_init_and_the_compile(tmp_path, cli_run, monkeypatch):
+    # forward(self, *, x): init inferred x [batch, 16] and refused it ("takes 1 positional argument but 2 were given"),
+    # and a recipe written by hand failed the same way: in forward()'s order, the input was fed by position.
+    (tmp_path / "kwonly_model.py").write_text(KEYWORD_ONLY)
+    monkeypatch.chdir(tmp_path)
+    result = cli_run("init", "kwonly_model:scaled", "-o", "scaled.yaml")
+    assert result.exit_code == 0, result.output
+    recipe = parse_recipe({"model": {"factory": "kwonly_model:scaled", "path": str(tmp_path)},
+                           "inputs": [{"name": "x", "shape": ["batch", 16]}], "dims": {"batch": {"min": 1, "opt": 2, "max": 4}},
+                           "stages": {"export": {"pass": "export"}}})
+    x = np.random.default_rng(0).normal(size=(2, 16)).astype(np.float32)
+    out = eager_runner(load_torch_model(recipe.model_source()), threads=1)({"x": x})["output"]
+    assert out.shape == (2, 4)

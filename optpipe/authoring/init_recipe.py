@@ -25,7 +25,8 @@ from optpipe.core.errors import ModelSourceError, first_line
 from optpipe.safety.file_kinds import is_torchscript_archive, other_model_format
 from optpipe.source.position_limit import onnx_position_limit
 from optpipe.source.checkpoint_precision import as_float32, narrows, refuse_prequantized, stored_dtype
-from optpipe.source.module_forms import forward_parameters, layer_kind, load_torchscript, refuse_unexportable, scripted_as_is
+from optpipe.source.module_forms import (forward_parameters, input_binding, layer_kind, load_torchscript, refuse_unexportable,
+                                         scripted_as_is)
 from optpipe.source.model_source import TOKENIZER_FILES, hub_id_hint
 
 FILL_IN = "FILL-IN"
@@ -312,7 +313,7 @@ FIRST_LAYERS = ("Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag", "Line
 
 
 def _probe(net, inputs: list[dict], dims: dict, owner: str) -> list[list]:
-    """Run forward once on the inferred inputs, positionally as the factory loader does: the shapes
+    """Run forward once on the inferred inputs, bound as the factory loader binds them: the shapes
     of the tensors it returned, or a one-line refusal naming the inputs it did not take (a recipe
     with inputs the model refuses is not valid, whatever the schema says)."""
     import torch
@@ -320,8 +321,9 @@ def _probe(net, inputs: list[dict], dims: dict, owner: str) -> list[list]:
     from optpipe.source.model_outputs import named_leaves
 
     try:
+        tensors = real_tensors(inputs, dims)
         with torch.no_grad():
-            out = net.eval()(*real_tensors(inputs, dims).values())
+            out = input_binding(net, list(tensors), owner)(net.eval(), *tensors.values())
         leaves = named_leaves(out)
     except Exception as exc:  # a guessed shape the model does not take: the user writes `inputs`
         shown = ", ".join(f"{s['name']} {s['shape']}" for s in inputs)

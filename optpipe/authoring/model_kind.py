@@ -153,9 +153,14 @@ def _on_meta(net) -> bool:
 
 
 def factory_kind(net, inputs: list[dict], dims: dict, owner: str) -> tuple[str, list[str]]:
-    """A plain module's kind by its compute, called positionally as the factory loader calls it."""
-    args = tuple(real_tensors(inputs, dims).values())
-    mix = torch_mix(net, {}, args)
+    """A plain module's kind by its compute, its inputs given as the factory loader gives them (module_forms.input_binding:
+    by name where they name forward()'s parameters and are not in its order, or are keyword-only)."""
+    from optpipe.source.module_forms import input_binding, positional
+
+    tensors = real_tensors(inputs, dims)
+    by_name = input_binding(net, list(tensors), owner) is not positional
+    kwargs, args = (tensors, ()) if by_name else ({}, tuple(tensors.values()))
+    mix = torch_mix(net, kwargs, args)
     if mix is None:
-        return _uncounted(net, {}, args, inputs, f"{owner}.forward() does not run on the inputs inferred for it")
+        return _uncounted(net, kwargs, args, inputs, f"{owner}.forward() does not run on the inputs inferred for it")
     return mix.kind(), [f"a {mix.kind()} recipe: {mix.describe()}"]

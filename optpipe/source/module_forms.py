@@ -109,7 +109,9 @@ def input_binding(net, names: list[str], where: str):
         params = [name for name, _ in forward_parameters(net.forward)]
     except (TypeError, ValueError):  # no signature to read: the recipe's order, as before
         return positional
-    if names == params[:len(names)] or not set(names) <= set(params):
+    # A keyword-only parameter (forward(self, *, x)) takes no position: in forward()'s order, it still goes by name.
+    in_order = names == params[:len(names)] and not _keyword_only(net.forward) & set(names)
+    if in_order or not set(names) <= set(params):
         misplaced = [n for i, n in enumerate(names) if n in params and params.index(n) != i]
         if misplaced:
             raise ModelSourceError(f"inputs: '{misplaced[0]}' is parameter {params.index(misplaced[0]) + 1} of {where}'s "
@@ -121,6 +123,14 @@ def input_binding(net, names: list[str], where: str):
                                f"({', '.join(params)}); a TorchScript module is exported with its inputs in the recipe's "
                                "order: list `inputs` in forward()'s order")
     return lambda model, *args: model(**dict(zip(names, args)))
+
+
+def _keyword_only(forward) -> set[str]:
+    import inspect
+
+    if getattr(forward, "schema", None) is not None:  # a TorchScript method: positional as exported
+        return set()
+    return {p.name for p in inspect.signature(forward).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def positional(model, *args):
