@@ -191,18 +191,17 @@ def blamed_layers(converted, quantized, check: InputCheck) -> list[tuple[str, st
     layers = [op for op in quantized.get_ops() if op.get_type_name() in BLAMED_TYPES]
     if not layers:
         return []
-    sources, kinds = {}, {op.get_friendly_name(): op.get_type_name() for op in layers}
-    for op in layers:
-        sources[op.get_friendly_name()] = [_before_fake_quantize(op.input_value(i)) for i in range(op.get_input_size())]
-    wanted = {(op.get_friendly_name(), 0) for op in layers} | {s for ins in sources.values() for s in ins}
+    sources = {op.get_friendly_name(): (op.get_type_name(), [_before_fake_quantize(op.input_value(i))
+                                                             for i in range(op.get_input_size())]) for op in layers}
+    wanted = {(name, 0) for name in sources} | {s for _, ins in sources.values() for s in ins}
     feeds = check.batches[:max(1, ATTRIBUTION_SAMPLES // check.batch_size)]
     fp32, q = _tensors(converted, wanted, feeds, check), _tensors(quantized, wanted, feeds, check)
     blames = []
-    for name, inputs in sources.items():
+    for name, (kind, inputs) in sources.items():
         if (name, 0) not in fp32 or (name, 0) not in q:
             continue
         errors = [relative_error(q[s], fp32[s]) for s in inputs if s in fp32 and s in q]
-        blames.append(NodeBlame(name, kinds[name], max(errors, default=0.0), relative_error(q[(name, 0)], fp32[(name, 0)])))
+        blames.append(NodeBlame(name, kind, max(errors, default=0.0), relative_error(q[(name, 0)], fp32[(name, 0)])))
     blames.sort(key=lambda b: b.added_error, reverse=True)
     return [(b.node, b.op) for b in blames if b.added_error > 0]
 
@@ -297,9 +296,8 @@ def subset_accuracy(check: InputCheck, picked: list[int], outs: list[dict]) -> A
     output is one row per sample; else the input's outputs batch by batch (a 0-d loss, a mean over the batch, a
     length that depends on the data have no rows to pick)."""
     from optpipe.core.runtime import join_batches
-    from optpipe.evaluation.accuracy import compare
 
-    size, arrays, batches = check.batch_size, check.ctx.eval_set().arrays, check.batches
+    size, batches = check.batch_size, check.batches
     rows = np.concatenate([np.arange(i * size, i * size + len(next(iter(batches[i].values())))) for i in picked])
     reference, samples = check.reference(), len(check.ctx.eval_set())
     if all(len(array) == samples for array in reference.values()):
@@ -307,11 +305,23 @@ def subset_accuracy(check: InputCheck, picked: list[int], outs: list[dict]) -> A
     else:
         parts = check.reference_batches()
         expected = join_batches([parts[i] for i in picked])
-    inputs = {name: array[rows] for name, array in arrays.items()}
-    labels = check.ctx.eval_set().labels
-    # The recipe's task metric too, as InputCheck.compare reads it: NNCF's accuracy control stops where the verdict holds.
-    return compare(join_batches(outs), expected, inputs, check.ctx.tolerance, "input", check.ctx.evaluate.top1,
-                   task=check.ctx.evaluate.task, labels=None if labels is None else labels[rows])
+    return against_input(check.ctx, join_batches(outs), expected, rows)
+
+
+def against_input(ctx: PassContext, outputs: dict, reference: dict, rows: np.ndarray | None = None) -> Accuracy:
+    """`outputs` against the pass input's (`reference`) as the stage's verdict reads them: the tolerance, top-1, and the
+    recipe's task with the labels (judged by the cosine alone, a tiny Swin's int8 read 0.9966, no repair was tried, and
+    its top-1 agreement 0.938 failed the stage). `rows`: the evaluation samples they are of (default: all). The check
+    of every try (InputCheck) and NNCF's accuracy control both read it."""
+    from optpipe.evaluation.accuracy import compare
+
+    samples = ctx.eval_set()
+    inputs, labels = samples.arrays, samples.labels
+    if rows is not None:
+        inputs = {name: array[rows] for name, array in inputs.items()}
+        labels = None if labels is None else labels[rows]
+    return compare(outputs, reference, inputs, ctx.tolerance, ctx.stage + " input", ctx.evaluate.top1,
+                   task=ctx.evaluate.task, labels=labels)
 
 
 def model_feeds(feeds: dict[str, np.ndarray], ov_model) -> dict[str, np.ndarray]:

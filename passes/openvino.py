@@ -32,6 +32,7 @@ from optpipe.core.results import Accuracy
 from optpipe.pass_infra.pass_base import Pass, PassContext, PassParams
 from optpipe.passes._openvino_input import openvino_model
 from optpipe.passes._openvino_isa import bf16_skip_reason, int8_skip_reason
+from optpipe.passes._openvino_guard import against_input
 from optpipe.passes._openvino_nncf import quantize
 
 class OpenVinoParams(PassParams):
@@ -214,14 +215,7 @@ class InputCheck:
         return run_callable(ovr.runner(compiled, self.names), self.batches)
 
     def compare(self, outputs) -> Accuracy:
-        from optpipe.evaluation.accuracy import compare
-
-        ctx = self.ctx
-        samples = ctx.eval_set()
-        # The recipe's task metric is the guard's verdict too, as it is the stage's (and the ORT guard's): judged by the
-        # cosine alone, a tiny Swin's int8 read 0.9966 here, no repair was tried, and its top-1 agreement 0.938 failed it.
-        return compare(outputs, self.reference(), samples.arrays, ctx.tolerance, ctx.stage + " input", ctx.evaluate.top1,
-                       task=ctx.evaluate.task, labels=samples.labels)
+        return against_input(self.ctx, outputs, self.reference())
 
     def __call__(self, ov_model, hint: str = "f32") -> Accuracy:
         compiled = ovr.compile_model(ov_model, self.ctx.evaluate.threads, hint)

@@ -183,7 +183,7 @@ def test_the_openvino_guards_subset_of_batches_reads_the_reference_batch_by_batc
     batches = [{"x": np.full((2, 1), float(i), np.float32)} for i in range(3)]
     per_batch = [{"loss": np.float32(i + 1.0), "y": b["x"] * 2} for i, b in enumerate(batches)]
     eval_set = SampleSet({"x": np.concatenate([b["x"] for b in batches])}, key="three batches")
-    ctx = SimpleNamespace(eval_set=lambda: eval_set,
+    ctx = SimpleNamespace(eval_set=lambda: eval_set, stage="ov-int8",
                           tolerance=Tolerance(cosine_min=0.99), evaluate=SimpleNamespace(top1=None, task=None))
     check = SimpleNamespace(batch_size=2, batches=batches, ctx=ctx, reference=lambda: join_batches(per_batch),
                             reference_batches=lambda: per_batch)
