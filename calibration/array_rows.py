@@ -41,13 +41,14 @@ def _member_rows(archive: zipfile.ZipFile, member: zipfile.ZipInfo, samples: int
     with archive.open(member) as stream:
         version = npy_format.read_magic(stream)
         if version not in ((1, 0), (2, 0)):  # 3.0 (non-Latin-1 field names): numpy's reader, whole
-            return _whole(archive, member, samples, where)
+            return _whole(archive, member, samples)
         read = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
         shape, fortran_order, dtype = read(stream)
         if dtype.hasobject:
             raise ValueError(f"'{member.filename}' holds Python objects (pickled), which are not read")
         if fortran_order or not shape:  # column-major rows are not contiguous; a 0-d array has none
-            return _whole(archive, member, samples, where)
+            _fits(where, shape, dtype, shape[0] if shape else 1)
+            return _whole(archive, member, samples)
         rows = min(samples, shape[0])
         _fits(where, shape, dtype, rows)
         count = rows * int(np.prod(shape[1:], dtype=np.int64))
@@ -57,12 +58,8 @@ def _member_rows(archive: zipfile.ZipFile, member: zipfile.ZipInfo, samples: int
     return np.frombuffer(data, dtype=dtype, count=count).reshape((rows, *shape[1:])).copy()
 
 
-def _whole(archive: zipfile.ZipFile, member: zipfile.ZipInfo, samples: int, where: str) -> np.ndarray:
-    with archive.open(member) as stream:
-        version = npy_format.read_magic(stream)
-        read = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
-        shape, _, dtype = read(stream) if version in ((1, 0), (2, 0)) else ((), False, np.dtype(np.uint8))
-        _fits(where, shape, dtype, shape[0] if shape else 1)
+def _whole(archive: zipfile.ZipFile, member: zipfile.ZipInfo, samples: int) -> np.ndarray:
+    """numpy's own reader, for what has no contiguous rows (the caller checked the size from the header it read)."""
     with archive.open(member) as stream:
         array = npy_format.read_array(stream, allow_pickle=False)
     return array[:samples] if array.ndim else array

@@ -16,6 +16,6 @@ def task_outputs(spec: TaskSpec, outputs) -> list[str]:
     if len(names) > 1 and spec.kind != "classification":
         raise RecipeError(f"evaluate.task.output: a {spec.kind} task reads one output; a list is for classification "
                           "(a question-answering head's start and end logits)")
-    if len(set(names)) != len(names) or not names:
+    if len(set(names)) != len(names):
         raise RecipeError("evaluate.task.output: list each output once")
     return names
